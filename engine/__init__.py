@@ -1,0 +1,1 @@
+"""Inference engines: SGLang protocol client, pool, fleet control, reference engine (see the engine issue)."""

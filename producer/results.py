@@ -1,0 +1,157 @@
+"""The consumer side of a results stream: consumer-group reads, duplicates dropped by (job id, sample index),
+acks only when the caller commits."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import msgspec
+import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
+
+from protocol import scripts
+from protocol.codec import Codec, CodecError
+from protocol.connection import ensure_group, is_nogroup
+from protocol.keys import DEFAULT_RESULTS_GROUP, PAYLOAD_FIELD, consumed_key, inflight_key
+from protocol.messages import Trajectory
+
+DEFAULT_DEDUP_TTL_S = 7 * 24 * 3600
+
+
+class Delivered(msgspec.Struct, frozen=True, gc=False):
+    """A trajectory read from the stream; pass it back to commit() once it has been used."""
+
+    entry_id: str
+    trajectory: Trajectory
+
+
+class ResultConsumer:
+    """Reads trajectories from a results stream through a consumer group.
+
+    Uncommitted entries stay pending: a consumer restarted under the same name reads them again first, and
+    entries of a consumer that has been idle longer than ``claim_idle_ms`` are claimed by the others.
+    """
+
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        stream: str,
+        *,
+        group: str = DEFAULT_RESULTS_GROUP,
+        name: str = "consumer",
+        release_inflight: bool = True,
+        claim_idle_ms: int = 300_000,
+        dedup_ttl_s: int = DEFAULT_DEDUP_TTL_S,
+        trim_interval_s: float = 1.0,
+    ) -> None:
+        self.redis = redis
+        self.stream = stream
+        self.group = group
+        self.name = name
+        self.release_inflight = release_inflight
+        self.claim_idle_ms = claim_idle_ms
+        self.dedup_ttl_s = dedup_ttl_s
+        self.trim_interval_s = trim_interval_s
+        self.codec = Codec()
+        self.duplicates_dropped = 0
+        self.undecodable = 0
+        self._commit = redis.register_script(scripts.COMMIT)
+        self._trim = redis.register_script(scripts.TRIM_ACKED)
+        self._group_ready = False
+        self._own_pending_done = False  # entries left pending by an earlier life of this consumer name
+        self._next_claim = 0.0
+        self._next_trim = 0.0
+
+    async def setup(self) -> None:
+        """Create the consumer group (and stream) if missing; results published from now on are kept for it."""
+        await ensure_group(self.redis, self.stream, self.group)
+        self._group_ready = True
+
+    async def read(self, count: int = 256, block_ms: int = 1000) -> list[Delivered]:
+        """Up to `count` new trajectories, waiting at most `block_ms` for the first. Duplicates and undecodable
+        entries are acked and left out (counted in `duplicates_dropped` / `undecodable`)."""
+        if not self._group_ready:
+            await self.setup()
+        try:
+            raw = await self._read_raw(count, block_ms)
+        except ResponseError as exc:
+            if not is_nogroup(exc):
+                raise
+            self._group_ready = False
+            return []
+        return await self._filter(raw)
+
+    async def _read_raw(self, count: int, block_ms: int) -> list[tuple[bytes, dict | None]]:
+        if not self._own_pending_done:
+            reply = await self.redis.xreadgroup(self.group, self.name, {self.stream: "0"}, count=count)
+            entries = reply[0][1] if reply else []
+            if entries:
+                return entries
+            self._own_pending_done = True
+        now = time.monotonic()
+        if now >= self._next_claim:
+            self._next_claim = now + self.claim_idle_ms / 4000
+            _, claimed, *_ = await self.redis.xautoclaim(
+                self.stream, self.group, self.name, self.claim_idle_ms, "0-0", count=count
+            )
+            if claimed:
+                return claimed
+        reply = await self.redis.xreadgroup(self.group, self.name, {self.stream: ">"}, count=count, block=block_ms)
+        return reply[0][1] if reply else []
+
+    async def _filter(self, raw: list[tuple[bytes, dict | None]]) -> list[Delivered]:
+        decoded: list[Delivered] = []
+        drop: list[tuple[str, str, str]] = []  # (entry id, job id, sample index) to ack without delivering
+        for entry_id, fields in raw:
+            eid = entry_id.decode()
+            payload = (fields or {}).get(PAYLOAD_FIELD)
+            try:
+                if payload is None:
+                    raise CodecError("entry has no payload (deleted or foreign)")
+                traj = self.codec.decode_trajectory(payload)
+            except CodecError:
+                self.undecodable += 1
+                drop.append((eid, "", "-1"))
+                continue
+            decoded.append(Delivered(eid, traj))
+        if decoded:
+            pipe = self.redis.pipeline(transaction=False)
+            for d in decoded:
+                pipe.hexists(consumed_key(self.stream, self.group, d.trajectory.job_id), str(d.trajectory.sample_index))
+            seen_before = await pipe.execute()
+            out: list[Delivered] = []
+            seen_now: set[tuple[str, int]] = set()
+            for d, seen in zip(decoded, seen_before):
+                key = (d.trajectory.job_id, d.trajectory.sample_index)
+                if seen or key in seen_now:
+                    self.duplicates_dropped += 1
+                    drop.append((d.entry_id, "", "-1"))
+                else:
+                    seen_now.add(key)
+                    out.append(d)
+        else:
+            out = []
+        if drop:
+            await self.redis.xack(self.stream, self.group, *[eid for eid, _, _ in drop])
+        return out
+
+    async def commit(self, items: list[Delivered]) -> int:
+        """Ack the entries and mark their samples consumed. Returns how many were consumed for the first time."""
+        if not items:
+            await self._maybe_trim()
+            return 0
+        keys: list[Any] = [self.stream, inflight_key(self.stream)]
+        args: list[Any] = [self.group, self.dedup_ttl_s, 1 if self.release_inflight else 0]
+        for d in items:
+            keys.append(consumed_key(self.stream, self.group, d.trajectory.job_id))
+            args.extend((d.entry_id, d.trajectory.sample_index))
+        fresh = int(await self._commit(keys=keys, args=args))
+        await self._maybe_trim()
+        return fresh
+
+    async def _maybe_trim(self) -> None:
+        now = time.monotonic()
+        if now >= self._next_trim:
+            self._next_trim = now + self.trim_interval_s
+            await self._trim(keys=[self.stream])

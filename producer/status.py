@@ -1,0 +1,143 @@
+"""`rollq status`: what is queued, running, pending, dead-lettered, and which workers are alive."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import msgspec
+import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
+
+from protocol.codec import Codec, CodecError
+from protocol.keys import PAYLOAD_FIELD, RunKeys, inflight_key
+
+WORKER_TTL_S = 15.0  # a worker that has not sent a heartbeat for this long is reported dead
+
+
+class ConsumerStatus(msgspec.Struct):
+    name: str
+    pending: int
+    idle_ms: int
+
+
+class GroupStatus(msgspec.Struct):
+    name: str
+    pending: int
+    lag: int | None
+    consumers: list[ConsumerStatus]
+
+
+class StreamStatus(msgspec.Struct):
+    key: str
+    length: int
+    groups: list[GroupStatus]
+    inflight: int | None = None  # results streams: samples submitted for it and not yet consumed
+
+
+class WorkerStatus(msgspec.Struct):
+    name: str
+    alive: bool
+    last_seen_s: float
+    info: dict[str, Any]
+
+
+class DeadLetterSummary(msgspec.Struct):
+    entry_id: str
+    job_id: str | None
+    error_type: str
+    message: str
+
+
+class RunStatus(msgspec.Struct):
+    run: str
+    jobs: StreamStatus
+    results: list[StreamStatus]
+    dead_letters: int
+    recent_dead_letters: list[DeadLetterSummary]
+    workers: list[WorkerStatus]
+
+
+async def _stream_status(redis: aioredis.Redis, key: str) -> StreamStatus:
+    length = await redis.xlen(key)
+    groups: list[GroupStatus] = []
+    try:
+        infos = await redis.xinfo_groups(key)
+    except ResponseError:  # no such stream
+        infos = []
+    for g in infos:
+        name = g["name"].decode() if isinstance(g["name"], bytes) else g["name"]
+        consumers = [
+            ConsumerStatus(
+                name=c["name"].decode() if isinstance(c["name"], bytes) else c["name"],
+                pending=int(c["pending"]),
+                idle_ms=int(c["idle"]),
+            )
+            for c in await redis.xinfo_consumers(key, name)
+        ]
+        lag = g.get("lag")
+        groups.append(GroupStatus(name, int(g["pending"]), None if lag is None else int(lag), consumers))
+    return StreamStatus(key, length, groups)
+
+
+async def gather_status(redis: aioredis.Redis, run: str, *, recent: int = 5) -> RunStatus:
+    keys = RunKeys(run)
+    codec = Codec()
+    jobs = await _stream_status(redis, keys.jobs)
+    result_keys = [keys.results]
+    async for key in redis.scan_iter(match=f"{keys.prefix}:results:*", _type="stream"):
+        result_keys.append(key.decode())
+    results = []
+    for key in result_keys:
+        st = await _stream_status(redis, key)
+        st.inflight = int(await redis.get(inflight_key(key)) or 0)
+        results.append(st)
+    dead_count = await redis.xlen(keys.dead)
+    recent_dead: list[DeadLetterSummary] = []
+    for eid, fields in await redis.xrevrange(keys.dead, count=recent):
+        try:
+            letter = codec.decode_dead_letter(fields.get(PAYLOAD_FIELD, b""))
+            recent_dead.append(DeadLetterSummary(
+                eid.decode(), letter.job.job_id if letter.job else None, letter.error.type, letter.error.message
+            ))
+        except CodecError as exc:
+            recent_dead.append(DeadLetterSummary(eid.decode(), None, "Undecodable", str(exc)))
+    now = time.time()
+    workers = []
+    seen = await redis.zrange(keys.workers, 0, -1, withscores=True)
+    infos = await redis.hgetall(keys.worker_info)
+    for name, last in seen:
+        info = json.loads(infos.get(name, b"{}"))
+        workers.append(WorkerStatus(name.decode(), now - last < WORKER_TTL_S, round(now - last, 1), info))
+    return RunStatus(run, jobs, results, dead_count, recent_dead, workers)
+
+
+def _stream_lines(st: StreamStatus) -> list[str]:
+    extra = f", {st.inflight} in flight" if st.inflight is not None else ""
+    lines = [f"  {st.key}: {st.length} entries{extra}"]
+    for g in st.groups:
+        lag = "?" if g.lag is None else g.lag
+        lines.append(f"    group {g.name}: {g.pending} pending, {lag} unread")
+        for c in g.consumers:
+            lines.append(f"      {c.name}: {c.pending} pending, idle {c.idle_ms / 1000:.1f}s")
+    return lines
+
+
+def format_status(st: RunStatus) -> str:
+    lines = [f"run {st.run}", "jobs:"]
+    lines += _stream_lines(st.jobs)
+    lines.append("results:")
+    for r in st.results:
+        lines += _stream_lines(r)
+    lines.append(f"dead letters: {st.dead_letters}")
+    for d in st.recent_dead_letters:
+        lines.append(f"  {d.entry_id} job {d.job_id or '?'}: {d.error_type}: {d.message}")
+    alive = sum(w.alive for w in st.workers)
+    lines.append(f"workers: {alive} alive, {len(st.workers) - alive} gone")
+    for w in st.workers:
+        state = "alive" if w.alive else "gone "
+        running = w.info.get("running", "?")
+        done = w.info.get("completed", "?")
+        lines.append(f"  {state} {w.name}: running {running}, completed {done}, last seen {w.last_seen_s:.1f}s ago")
+    return "\n".join(lines)

@@ -1,0 +1,23 @@
+"""rollq's wire contract: messages, key names, codec and atomic scripts. No I/O."""
+
+from protocol.arrays import Float32Array, Int32Array, UInt8Array
+from protocol.codec import Codec, CodecError
+from protocol.keys import DEFAULT_RESULTS_GROUP, WORKER_GROUP, RunKeys
+from protocol.messages import SCHEMA_VERSION, DeadLetter, ErrorRecord, Job, Sequence, Trajectory
+
+__all__ = [
+    "Codec",
+    "CodecError",
+    "DEFAULT_RESULTS_GROUP",
+    "DeadLetter",
+    "ErrorRecord",
+    "Float32Array",
+    "Int32Array",
+    "Job",
+    "RunKeys",
+    "SCHEMA_VERSION",
+    "Sequence",
+    "Trajectory",
+    "UInt8Array",
+    "WORKER_GROUP",
+]

@@ -1,0 +1,101 @@
+"""msgpack on the wire; JSON for people and other languages. Never pickle."""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import msgspec
+
+from protocol.arrays import ARRAY_BY_EXT_CODE, ARRAY_TYPES
+from protocol.messages import DeadLetter, Job, Trajectory
+
+T = TypeVar("T")
+
+
+class CodecError(ValueError):
+    """A payload that does not decode into the expected message."""
+
+
+def _msgpack_enc_hook(obj: Any) -> Any:
+    if isinstance(obj, ARRAY_TYPES):
+        return msgspec.msgpack.Ext(obj.ext_code, obj.to_bytes())
+    raise NotImplementedError(f"cannot encode {type(obj).__name__}")
+
+
+def _ext_hook(code: int, data: memoryview) -> Any:
+    cls = ARRAY_BY_EXT_CODE.get(code)
+    if cls is None:
+        raise ValueError(f"unknown msgpack extension code {code}")
+    return cls.from_bytes(data)
+
+
+def _json_enc_hook(obj: Any) -> Any:
+    if isinstance(obj, ARRAY_TYPES):
+        return obj.tolist()
+    raise NotImplementedError(f"cannot encode {type(obj).__name__}")
+
+
+def _dec_hook(typ: type, obj: Any) -> Any:
+    # Token arrays may also arrive as plain lists (JSON, or msgpack from another language).
+    if typ in ARRAY_TYPES:
+        if isinstance(obj, typ):  # already built by _ext_hook
+            return obj
+        if isinstance(obj, list):
+            return typ(obj)
+    raise NotImplementedError(f"cannot decode {typ.__name__} from {type(obj).__name__}")
+
+
+class Codec:
+    """Encoders/decoders for the wire messages. Create once per process and reuse (msgspec caches per instance)."""
+
+    def __init__(self) -> None:
+        self._mp_enc = msgspec.msgpack.Encoder(enc_hook=_msgpack_enc_hook)
+        self._json_enc = msgspec.json.Encoder(enc_hook=_json_enc_hook)
+        self._mp_dec: dict[type, msgspec.msgpack.Decoder] = {}
+        self._json_dec: dict[type, msgspec.json.Decoder] = {}
+
+    def encode(self, msg: Any) -> bytes:
+        return self._mp_enc.encode(msg)
+
+    def encode_json(self, msg: Any) -> bytes:
+        return self._json_enc.encode(msg)
+
+    def decode(self, payload: bytes, typ: type[T]) -> T:
+        """Decode msgpack, or JSON when the payload is a JSON object (producers in other languages may send JSON)."""
+        try:
+            if payload[:1] == b"{":
+                return self._json_decoder(typ).decode(payload)
+            return self._msgpack_decoder(typ).decode(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError, NotImplementedError) as exc:
+            raise CodecError(f"cannot decode {typ.__name__}: {exc}") from None
+
+    def decode_json(self, payload: bytes | str, typ: type[T]) -> T:
+        try:
+            return self._json_decoder(typ).decode(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError, NotImplementedError) as exc:
+            raise CodecError(f"cannot decode {typ.__name__}: {exc}") from None
+
+    def to_builtins(self, msg: Any) -> Any:
+        """Plain dicts/lists (token arrays as lists), e.g. for writing JSON lines."""
+        return msgspec.to_builtins(msg, enc_hook=_json_enc_hook)
+
+    def _msgpack_decoder(self, typ: type) -> msgspec.msgpack.Decoder:
+        dec = self._mp_dec.get(typ)
+        if dec is None:
+            dec = self._mp_dec[typ] = msgspec.msgpack.Decoder(typ, ext_hook=_ext_hook, dec_hook=_dec_hook)
+        return dec
+
+    def _json_decoder(self, typ: type) -> msgspec.json.Decoder:
+        dec = self._json_dec.get(typ)
+        if dec is None:
+            dec = self._json_dec[typ] = msgspec.json.Decoder(typ, dec_hook=_dec_hook)
+        return dec
+
+    def decode_job(self, payload: bytes) -> Job:
+        return self.decode(payload, Job)
+
+    def decode_trajectory(self, payload: bytes) -> Trajectory:
+        return self.decode(payload, Trajectory)
+
+    def decode_dead_letter(self, payload: bytes) -> DeadLetter:
+        return self.decode(payload, DeadLetter)

@@ -1,0 +1,82 @@
+"""The messages every rollq process exchanges. Adding a field with a default is compatible; anything else bumps
+SCHEMA_VERSION."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+from protocol.arrays import Float32Array, Int32Array, UInt8Array
+
+SCHEMA_VERSION = 1
+
+TrajectoryStatus = Literal["ok", "rejected", "error"]
+
+
+class Job(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
+    """One sample of one prompt. A prompt with n samples is n jobs sharing job_id (sample_index 0..n-1)."""
+
+    job_id: str
+    workflow: str
+    data: Any = None
+    sample_index: int = 0
+    n: int = 1
+    workflow_kwargs: dict[str, Any] | None = None
+    reply_to: str = ""  # results stream key; "" = the run's shared results stream
+    attempt: int = 0  # failed runs before this one (the workflow raised)
+    submitted_at: float = 0.0
+    schema: int = SCHEMA_VERSION
+
+
+class ErrorRecord(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
+    type: str
+    message: str
+    traceback: str = ""
+    worker_id: str = ""
+    attempt: int = 0
+    at: float = 0.0
+
+
+class Sequence(msgspec.Struct, kw_only=True, gc=False):
+    """One token sequence. All four arrays have the same length."""
+
+    input_ids: Int32Array
+    loss_mask: UInt8Array
+    logprobs: Float32Array
+    versions: Int32Array  # policy version that produced each token; -1 for tokens the model did not generate
+    reward: float = 0.0
+
+    def __post_init__(self) -> None:
+        n = len(self.input_ids)
+        for name in ("loss_mask", "logprobs", "versions"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"{name} has {len(getattr(self, name))} entries but input_ids has {n}")
+
+
+class Trajectory(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
+    """What a worker publishes for one job: the sequences of one sample, or why there are none."""
+
+    job_id: str
+    sample_index: int
+    n: int
+    status: TrajectoryStatus
+    sequences: list[Sequence] = []
+    error: ErrorRecord | None = None
+    worker_id: str = ""
+    workflow: str = ""
+    attempt: int = 0
+    submitted_at: float = 0.0
+    started_at: float = 0.0
+    finished_at: float = 0.0
+    schema: int = SCHEMA_VERSION
+
+
+class DeadLetter(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
+    """A job that will not be retried, with the reason. `raw` holds the payload when it could not be decoded."""
+
+    entry_id: str
+    error: ErrorRecord
+    job: Job | None = None
+    raw: bytes | None = None
+    deliveries: int = 0

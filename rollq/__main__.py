@@ -1,0 +1,5 @@
+import sys
+
+from rollq.cli import main
+
+sys.exit(main())

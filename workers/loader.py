@@ -1,0 +1,76 @@
+"""Resolves a job's workflow import path to a workflow object, once per (path, kwargs) per process."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+from typing import Any
+
+
+class WorkflowLoadError(Exception):
+    """The import path does not name a usable workflow. Deterministic: the job is dead-lettered at once."""
+
+
+def split_import_path(path: str) -> tuple[str, str]:
+    if ":" in path:
+        module, _, attr = path.partition(":")
+    else:
+        module, _, attr = path.rpartition(".")
+    if not module or not attr:
+        raise WorkflowLoadError(f"workflow {path!r} is not an import path like 'package.module:Class' or 'package.module.Class'")
+    return module, attr
+
+
+def resolve(path: str) -> Any:
+    module_name, attr_path = split_import_path(path)
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except Exception as exc:  # an import can raise anything
+        raise WorkflowLoadError(f"cannot import module {module_name!r} for workflow {path!r}: {type(exc).__name__}: {exc}") from None
+    for part in attr_path.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise WorkflowLoadError(f"module {module_name!r} has no attribute {attr_path!r} (workflow {path!r})") from None
+    return obj
+
+
+class FunctionWorkflow:
+    """Adapts `async def fn(engine, data)` to the RolloutWorkflow shape."""
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+
+    async def arun_episode(self, engine: Any, data: Any) -> Any:
+        return await self.fn(engine, data)
+
+
+class WorkflowCache:
+    def __init__(self) -> None:
+        self._instances: dict[tuple[str, str], Any] = {}
+
+    def get(self, path: str, kwargs: dict[str, Any] | None) -> Any:
+        key = (path, json.dumps(kwargs, sort_keys=True, default=str) if kwargs else "")
+        wf = self._instances.get(key)
+        if wf is None:
+            wf = self._instances[key] = self._build(path, kwargs or {})
+        return wf
+
+    @staticmethod
+    def _build(path: str, kwargs: dict[str, Any]) -> Any:
+        obj = resolve(path)
+        if inspect.isclass(obj):
+            try:
+                obj = obj(**kwargs)
+            except Exception as exc:
+                raise WorkflowLoadError(f"cannot construct workflow {path!r}: {type(exc).__name__}: {exc}") from None
+        elif kwargs:
+            raise WorkflowLoadError(f"workflow {path!r} is not a class, so it takes no workflow_kwargs")
+        if inspect.iscoroutinefunction(obj):
+            return FunctionWorkflow(obj)
+        if not inspect.iscoroutinefunction(getattr(obj, "arun_episode", None)):
+            raise WorkflowLoadError(
+                f"workflow {path!r} has no 'async def arun_episode(self, engine, data)' (got {type(obj).__name__})"
+            )
+        return obj
