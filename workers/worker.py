@@ -88,23 +88,19 @@ class Worker:
         self._finish = self.redis.register_script(scripts.FINISH)
         self._requeue = self.redis.register_script(scripts.REQUEUE)
         self._running: dict[str, _Running] = {}
-        self._stop: asyncio.Event | None = None
-        self._slot_free: asyncio.Event | None = None
+        self._stop = asyncio.Event()
+        self._slot_free = asyncio.Event()
         self._batcher: ScriptBatcher | None = None
-        self.ready: asyncio.Event | None = None  # set once the consumer group exists and reading began
+        self.ready = asyncio.Event()  # set once the consumer group exists and reading began
 
     # -- lifecycle -----------------------------------------------------------------------------------------------
 
     def request_stop(self) -> None:
         """Stop reading new jobs; in-flight jobs get `drain_grace_s` to finish (SIGTERM does this)."""
-        if self._stop is not None:
-            self._stop.set()
-            self._slot_free.set()
+        self._stop.set()
+        self._slot_free.set()
 
     async def run(self) -> WorkerStats:
-        self._stop = self._stop or asyncio.Event()
-        self._slot_free = asyncio.Event()
-        self.ready = self.ready or asyncio.Event()
         self._batcher = ScriptBatcher(self.redis, self.cfg.publish_batch)
         background = [
             asyncio.create_task(self._batcher.run(), name="publisher"),

@@ -1,0 +1,122 @@
+import asyncio
+
+from producer import JobRequest, Producer
+from protocol import Codec
+from protocol.keys import PAYLOAD_FIELD, WORKER_GROUP, RunKeys
+from tests.conftest import running_worker
+
+
+async def collect(producer: Producer, expected: dict[str, int], timeout_s: float = 20):
+    return [t async for t in producer.wait_for(expected, timeout_s=timeout_s)]
+
+
+async def test_jobs_are_delivered_once_and_acked(redis, redis_url, run_name):
+    producer = Producer(redis, run_name)
+    consumer = producer.consumer()
+    await consumer.setup()
+    reqs = [JobRequest(workflow="tests.workflows:Echo", data={"i": i, "len": 4 + i}, n=2, job_id=f"p{i}") for i in range(30)]
+    async with running_worker(redis_url, run_name, concurrency=16) as worker:
+        await producer.submit_many(reqs)
+        trajs = [t async for t in producer.wait_for({f"p{i}": 2 for i in range(30)}, timeout_s=20, consumer=consumer)]
+    assert sorted((t.job_id, t.sample_index) for t in trajs) == sorted((f"p{i}", s) for i in range(30) for s in range(2))
+    by_id = {t.job_id: t for t in trajs}
+    seq = by_id["p7"].sequences[0]
+    assert len(seq.input_ids) == 11 and seq.reward == 7.0 and seq.loss_mask.tolist() == [0] * 5 + [1] * 6
+    assert all(t.status == "ok" and t.worker_id == worker.name and t.attempt == 1 for t in trajs)
+    keys = RunKeys(run_name)
+    assert await redis.xlen(keys.jobs) == 0  # finished jobs leave the stream
+    assert (await redis.xpending(keys.jobs, WORKER_GROUP))["pending"] == 0
+    assert worker.stats.completed == 60
+
+
+async def test_bad_input_is_dead_lettered_while_good_jobs_complete(redis, redis_url, run_name):
+    keys = RunKeys(run_name)
+    producer = Producer(redis, run_name)
+    codec = Codec()
+    async with running_worker(redis_url, run_name, concurrency=4, max_attempts=2) as worker:
+        await redis.xadd(keys.jobs, {PAYLOAD_FIELD: b"\xc1 definitely not msgpack"})
+        await redis.xadd(keys.jobs, {b"something": b"else"})
+        await redis.xadd(keys.jobs, {PAYLOAD_FIELD: b'{"job_id": "typed-wrong", "workflow": 7}'})
+        await producer.submit("tests.workflows:Boom", {"i": 1}, job_id="boom")
+        await producer.submit("no_such_module:Workflow", job_id="missing")
+        await producer.submit("tests.workflows:BadOutput", job_id="bad-output")
+        await producer.submit("tests.workflows:Echo", {"i": 3}, job_id="good-before", n=2)
+        trajs = await collect(producer, {"boom": 1, "missing": 1, "bad-output": 1, "good-before": 2, "typed-wrong": 1})
+        # The worker keeps serving after all that.
+        await producer.submit("tests.workflows:Echo", {"i": 4}, job_id="good-after")
+        trajs += await collect(producer, {"good-after": 1})
+    status = {t.job_id: t.status for t in trajs}
+    assert status == {"boom": "error", "missing": "error", "bad-output": "error", "good-before": "ok",
+                      "typed-wrong": "error", "good-after": "ok"}
+    errors = {t.job_id: t.error for t in trajs if t.error}
+    assert errors["boom"].type == "RuntimeError" and "boom on 1" in errors["boom"].message
+    assert errors["boom"].attempt == 2 and "Traceback" in errors["boom"].traceback
+    assert "No module named 'no_such_module'" in errors["missing"].message
+    assert "loss_mask: " not in errors["bad-output"].message and "loss_mask has 2" in errors["bad-output"].message
+    assert "workflow" in errors["typed-wrong"].message
+    letters = [codec.decode_dead_letter(f[PAYLOAD_FIELD]) for _, f in await redis.xrange(keys.dead)]
+    assert len(letters) == 6
+    assert {lt.job.job_id for lt in letters if lt.job} == {"boom", "missing", "bad-output"}
+    raw = [lt for lt in letters if lt.job is None]
+    assert sorted(lt.error.type for lt in raw) == ["MalformedJob"] * 3
+    assert any(lt.raw == b"\xc1 definitely not msgpack" for lt in raw)
+    assert any("no 'd' payload field" in lt.error.message for lt in raw)
+    assert worker.stats.dead_lettered == 6 and worker.stats.requeued == 2  # boom and bad-output retried once
+    assert await redis.xlen(keys.jobs) == 0
+
+
+async def test_a_failing_workflow_is_retried(redis, redis_url, run_name, tmp_path):
+    producer = Producer(redis, run_name)
+    async with running_worker(redis_url, run_name, max_attempts=3) as worker:
+        await producer.submit("tests.workflows:FailOnce", {"i": 0, "marker_dir": str(tmp_path)}, job_id="flaky")
+        [traj] = await collect(producer, {"flaky": 1})
+    assert traj.status == "ok" and traj.attempt == 2
+    assert worker.stats.requeued == 1
+
+
+async def test_rejected_samples_multi_sequence_kwargs_and_functions(redis, redis_url, run_name):
+    producer = Producer(redis, run_name)
+    async with running_worker(redis_url, run_name):
+        await producer.submit("tests.workflows:Reject", job_id="rej")
+        await producer.submit("tests.workflows:MultiSequence", job_id="multi")
+        await producer.submit("tests.workflows.WithKwargs", job_id="kw", workflow_kwargs={"length": 9})
+        await producer.submit("tests.workflows:function_workflow", job_id="fn")
+        await producer.submit("tests.workflows:Echo", job_id="kw-bad", workflow_kwargs={"nope": 1})
+        trajs = {t.job_id: t for t in await collect(producer, {"rej": 1, "multi": 1, "kw": 1, "fn": 1, "kw-bad": 1})}
+    assert trajs["rej"].status == "rejected" and trajs["rej"].sequences == []
+    assert [len(s.input_ids) for s in trajs["multi"].sequences] == [3, 5]
+    assert [s.reward for s in trajs["multi"].sequences] == [0.5, 1.5]
+    assert len(trajs["kw"].sequences[0].input_ids) == 9
+    assert len(trajs["fn"].sequences[0].input_ids) == 2
+    assert trajs["kw-bad"].status == "error" and "cannot construct workflow" in trajs["kw-bad"].error.message
+
+
+async def test_a_long_job_is_not_stolen_while_its_worker_lives(redis, redis_url, run_name):
+    """The job runs 6x the lease; a second worker scanning for dead workers' jobs must not take it."""
+    producer = Producer(redis, run_name)
+    lease = dict(lease_idle_ms=300, lease_refresh_ms=50, reclaim_interval_ms=50)
+    async with running_worker(redis_url, run_name, name="owner", **lease) as owner:
+        await producer.submit("tests.workflows:Echo", {"sleep": 1.8}, job_id="long")
+        await asyncio.wait_for(_until_running(owner), 10)
+        async with running_worker(redis_url, run_name, name="thief", **lease) as thief:
+            [traj] = await collect(producer, {"long": 1})
+    assert traj.worker_id == "owner" and traj.attempt == 1
+    assert thief.stats.reclaimed == 0 and thief.stats.completed == 0
+
+
+async def _until_running(worker):
+    while not worker._running:
+        await asyncio.sleep(0.01)
+
+
+async def test_unfinished_jobs_are_handed_back_when_the_drain_grace_expires(redis, redis_url, run_name):
+    producer = Producer(redis, run_name)
+    keys = RunKeys(run_name)
+    async with running_worker(redis_url, run_name, name="leaver", drain_grace_s=0.2) as leaver:
+        await producer.submit("tests.workflows:Echo", {"sleep": 30}, job_id="slow")
+        await asyncio.wait_for(_until_running(leaver), 10)
+    # The drain requeued it: back in the stream, pending for nobody, and not counted as a failed attempt.
+    assert (await redis.xpending(keys.jobs, WORKER_GROUP))["pending"] == 0
+    [(_, fields)] = await redis.xrange(keys.jobs)
+    job = Codec().decode_job(fields[PAYLOAD_FIELD])
+    assert job.job_id == "slow" and job.attempt == 0

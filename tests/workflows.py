@@ -1,0 +1,79 @@
+"""Workflows used by the tests (imported by workers by path, e.g. `tests.workflows:Echo`)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+
+def trajectory(length: int, reward: float = 1.0, version: int = 0) -> dict:
+    half = length // 2
+    return {
+        "input_ids": list(range(100, 100 + length)),
+        "loss_mask": [0] * half + [1] * (length - half),
+        "logprobs": [0.0] * half + [-0.25] * (length - half),
+        "versions": [-1] * half + [version] * (length - half),
+        "reward": reward,
+    }
+
+
+def _mark(data: dict, kind: str) -> None:
+    """Leave a file so a test can see that a job started/finished in a given process."""
+    directory = data.get("marker_dir")
+    if directory:
+        Path(directory, f"{kind}-{data.get('i', 0)}-{os.getpid()}").touch()
+
+
+class Echo:
+    """Returns a trajectory shaped by `data`; sleeps `data['sleep']` seconds unless ROLLQ_TEST_FAST is set."""
+
+    async def arun_episode(self, engine, data):
+        _mark(data, "start")
+        if data.get("sleep") and not os.environ.get("ROLLQ_TEST_FAST"):
+            await asyncio.sleep(data["sleep"])
+        _mark(data, "end")
+        return trajectory(data.get("len", 8), float(data.get("reward", data.get("i", 1))))
+
+
+class Boom:
+    async def arun_episode(self, engine, data):
+        raise RuntimeError(f"boom on {data.get('i')}")
+
+
+class FailOnce:
+    """Fails the first run of each job (remembered in a marker file), then succeeds."""
+
+    async def arun_episode(self, engine, data):
+        marker = Path(data["marker_dir"], f"failed-{data['i']}")
+        if not marker.exists():
+            marker.touch()
+            raise ConnectionError("engine went away")
+        return trajectory(4)
+
+
+class Reject:
+    async def arun_episode(self, engine, data):
+        return None
+
+
+class BadOutput:
+    async def arun_episode(self, engine, data):
+        return {"input_ids": [1, 2, 3], "loss_mask": [1, 1], "logprobs": [0.0, 0.0, 0.0], "reward": 1.0}
+
+
+class MultiSequence:
+    async def arun_episode(self, engine, data):
+        return [trajectory(3, 0.5), trajectory(5, 1.5)]
+
+
+class WithKwargs:
+    def __init__(self, length: int) -> None:
+        self.length = length
+
+    async def arun_episode(self, engine, data):
+        return trajectory(self.length)
+
+
+async def function_workflow(engine, data):
+    return trajectory(2)
