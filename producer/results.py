@@ -3,6 +3,7 @@ acks only when the caller commits."""
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -17,6 +18,8 @@ from protocol.keys import DEFAULT_RESULTS_GROUP, PAYLOAD_FIELD, consumed_key, in
 from protocol.messages import Trajectory
 
 DEFAULT_DEDUP_TTL_S = 7 * 24 * 3600
+
+log = logging.getLogger("rollq.results")
 
 
 class Delivered(msgspec.Struct, frozen=True, gc=False):
@@ -110,7 +113,8 @@ class ResultConsumer:
                 if payload is None:
                     raise CodecError("entry has no payload (deleted or foreign)")
                 traj = self.codec.decode_trajectory(payload)
-            except CodecError:
+            except CodecError as exc:
+                log.warning("dropping undecodable entry %s of %s: %s", eid, self.stream, exc)
                 self.undecodable += 1
                 drop.append((eid, "", "-1"))
                 continue

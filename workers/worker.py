@@ -33,6 +33,8 @@ from workers.outputs import to_sequences
 
 log = logging.getLogger("rollq.worker")
 
+FORGET_GONE_WORKERS_S = 3600.0  # `rollq status` lists a crashed worker as gone for this long
+
 
 class WorkerStats(msgspec.Struct):
     completed: int = 0
@@ -268,6 +270,7 @@ class Worker:
                 info.update(msgspec.structs.asdict(self.stats))
                 pipe = self.redis.pipeline(transaction=False)
                 pipe.zadd(self.keys.workers, {self.name: time.time()})
+                pipe.zremrangebyscore(self.keys.workers, "-inf", time.time() - FORGET_GONE_WORKERS_S)
                 pipe.hset(self.keys.worker_info, self.name, json.dumps(info))
                 await pipe.execute()
             except TRANSIENT_ERRORS:
