@@ -56,7 +56,7 @@ class Producer:
         reply_to: str | None = None,
         max_inflight: int = 0,
         seen_ttl_s: int = DEFAULT_SEEN_TTL_S,
-        pipeline_size: int = 256,
+        chunk_size: int = 256,
         poll_interval_s: float = 0.02,
     ) -> None:
         self.redis = redis
@@ -66,7 +66,7 @@ class Producer:
             raise ValueError(f"reply stream {self.reply_to!r} is not in run {run!r} (must start with {self.keys.prefix}:)")
         self.max_inflight = max_inflight
         self.seen_ttl_s = seen_ttl_s
-        self.pipeline_size = pipeline_size
+        self.chunk_size = chunk_size
         self.poll_interval_s = poll_interval_s
         self.codec = Codec()
         self._submit = redis.register_script(scripts.SUBMIT)
@@ -88,7 +88,7 @@ class Producer:
         return (await self.submit_many([req]))[0]
 
     async def submit_many(self, requests: Iterable[JobRequest]) -> list[SubmitResult]:
-        """Submit in pipelined chunks, in order; waits (backpressure) where the in-flight bound is reached."""
+        """Submit in chunks (one atomic SUBMIT call each), in order; waits (backpressure) where the in-flight bound is reached."""
         reqs = list(requests)
         for req in reqs:
             self._check(req)
@@ -98,15 +98,12 @@ class Producer:
         out: list[SubmitResult] = []
         pending = [(req, req.job_id or uuid.uuid4().hex) for req in reqs]
         while pending:
-            chunk = pending[: self.pipeline_size]
-            pipe = self.redis.pipeline(transaction=False)
-            for req, job_id in chunk:
-                await self._queue_submit(pipe, req, job_id)
-            replies = await pipe.execute()
+            chunk = pending[: self.chunk_size]
+            replies = await self._submit_chunk(chunk)
             done = 0
-            for (req, job_id), (status, info) in zip(chunk, replies):
+            for (req, job_id), status, info in zip(chunk, replies[0::2], replies[1::2]):
                 status = int(status)
-                if status == -1:  # full: everything from here on waits, so order is kept
+                if status == -1:  # full: this job and the later ones wait, so order is kept
                     break
                 out.append(SubmitResult(job_id, status == 1, info.decode() if status == 0 else self.reply_to))
                 done += 1
@@ -125,28 +122,30 @@ class Producer:
         if req.job_id is not None and (not req.job_id or len(req.job_id) > 512):
             raise ValueError("job_id must be a non-empty string of at most 512 characters")
 
-    async def _queue_submit(self, pipe: Any, req: JobRequest, job_id: str) -> None:
+    async def _submit_chunk(self, chunk: list[tuple[JobRequest, str]]) -> list[Any]:
+        """One SUBMIT call for a chunk of jobs: idempotency marker, in-flight bound and n XADDs each, atomically."""
         now = time.time()
-        payloads = [
-            self.codec.encode(
-                Job(
-                    job_id=job_id,
-                    workflow=req.workflow,
-                    data=req.data,
-                    sample_index=i,
-                    n=req.n,
-                    workflow_kwargs=req.workflow_kwargs,
-                    reply_to=self.reply_to,
-                    submitted_at=now,
+        keys: list[str] = [self.keys.jobs, inflight_key(self.reply_to)]
+        args: list[Any] = [self.seen_ttl_s, self.max_inflight, self.reply_to]
+        for req, job_id in chunk:
+            keys.append(self.keys.job_seen(job_id))
+            args.append(req.n)
+            args.extend(
+                self.codec.encode(
+                    Job(
+                        job_id=job_id,
+                        workflow=req.workflow,
+                        data=req.data,
+                        sample_index=i,
+                        n=req.n,
+                        workflow_kwargs=req.workflow_kwargs,
+                        reply_to=self.reply_to,
+                        submitted_at=now,
+                    )
                 )
+                for i in range(req.n)
             )
-            for i in range(req.n)
-        ]
-        await self._submit(
-            keys=[self.keys.jobs, self.keys.job_seen(job_id), inflight_key(self.reply_to)],
-            args=[self.seen_ttl_s, self.max_inflight, req.n, self.reply_to, *payloads],
-            client=pipe,
-        )
+        return await self._submit(keys=keys, args=args)
 
     async def _wait_for_room(self, n: int) -> None:
         delay = self.poll_interval_s

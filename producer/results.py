@@ -61,6 +61,7 @@ class ResultConsumer:
         self.undecodable = 0
         self._commit = redis.register_script(scripts.COMMIT)
         self._trim = redis.register_script(scripts.TRIM_ACKED)
+        self._seen = redis.register_script(scripts.SEEN)
         self._group_ready = False
         self._own_pending_done = False  # entries left pending by an earlier life of this consumer name
         self._next_claim = 0.0
@@ -120,10 +121,10 @@ class ResultConsumer:
                 continue
             decoded.append(Delivered(eid, traj))
         if decoded:
-            pipe = self.redis.pipeline(transaction=False)
-            for d in decoded:
-                pipe.hexists(consumed_key(self.stream, self.group, d.trajectory.job_id), str(d.trajectory.sample_index))
-            seen_before = await pipe.execute()
+            seen_before = await self._seen(
+                keys=[consumed_key(self.stream, self.group, d.trajectory.job_id) for d in decoded],
+                args=[d.trajectory.sample_index for d in decoded],
+            )
             out: list[Delivered] = []
             seen_now: set[tuple[str, int]] = set()
             for d, seen in zip(decoded, seen_before):

@@ -8,10 +8,17 @@ little-endian bytes inside a msgpack extension (see ``bench/queue.py`` for why: 
 from __future__ import annotations
 
 import array
+import functools
+import struct
 import sys
 from typing import Any, ClassVar
 
 _LITTLE_ENDIAN = sys.byteorder == "little"
+
+
+@functools.lru_cache(maxsize=1024)
+def _packer(typecode: str, n: int) -> struct.Struct:
+    return struct.Struct(f"<{n}{typecode}")
 
 
 class _TypedArray(array.array):
@@ -41,6 +48,12 @@ class _TypedArray(array.array):
         """Build from a list/tuple, another array, a numpy array or a 1-D (or [1, L]) torch tensor."""
         if isinstance(value, cls):
             return value
+        if type(value) is list:  # the common case: one C call packs it, ~2.5x faster than array(list)
+            try:
+                raw = bytes(value) if cls.typecode_ == "B" else _packer(cls.typecode_, len(value)).pack(*value)
+            except (struct.error, TypeError, ValueError, OverflowError) as exc:
+                raise ValueError(f"{field}: {exc}") from None
+            return cls.from_bytes(raw)
         if isinstance(value, (list, tuple, range, array.array)):
             try:
                 return cls(value)

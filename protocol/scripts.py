@@ -1,27 +1,43 @@
 """Lua scripts: the atomic steps of the queue protocol. Every key a script touches is passed in KEYS and shares
 the run's hash tag, so the scripts also run on Redis Cluster."""
 
-# KEYS: jobs stream, job_seen key, inflight counter. ARGV: seen_ttl_s, max_inflight (0 = no bound), n, reply_to,
-# then n job payloads. Returns {1, ""} admitted, {0, reply_to of the first submission} duplicate,
-# {-1, current inflight} full (nothing written).
+# KEYS: jobs stream, inflight counter, then one job_seen key per job. ARGV: seen_ttl_s, max_inflight (0 = no
+# bound), reply_to, then per job: n followed by its n payloads. Jobs are taken in order; returns per job a pair
+# (1, "") admitted, (0, reply_to of the first submission) duplicate, or (-1, inflight) full: that job and every later
+# one in the call are left out, so the caller can wait and resubmit them in order.
 SUBMIT = """
-local seen = redis.call('GET', KEYS[2])
-if seen then return {0, seen} end
-local n = tonumber(ARGV[3])
+local out = {}
 local max_inflight = tonumber(ARGV[2])
-if max_inflight > 0 then
-  local cur = tonumber(redis.call('GET', KEYS[3]) or '0')
-  if cur + n > max_inflight then return {-1, tostring(cur)} end
+local cur = tonumber(redis.call('GET', KEYS[2]) or '0')
+local added = 0
+local a = 4
+local full = false
+for k = 3, #KEYS do
+  local n = tonumber(ARGV[a])
+  local seen = (not full) and redis.call('GET', KEYS[k])
+  if full then
+    out[#out + 1] = -1; out[#out + 1] = ''
+  elseif seen then
+    out[#out + 1] = 0; out[#out + 1] = seen
+  elseif max_inflight > 0 and cur + added + n > max_inflight then
+    full = true
+    out[#out + 1] = -1; out[#out + 1] = tostring(cur + added)
+  else
+    redis.call('SET', KEYS[k], ARGV[3], 'EX', ARGV[1])
+    for i = 1, n do redis.call('XADD', KEYS[1], '*', 'd', ARGV[a + i]) end
+    added = added + n
+    out[#out + 1] = 1; out[#out + 1] = ''
+  end
+  a = a + n + 1
 end
-redis.call('SET', KEYS[2], ARGV[4], 'EX', ARGV[1])
-for i = 1, n do redis.call('XADD', KEYS[1], '*', 'd', ARGV[4 + i]) end
-redis.call('INCRBY', KEYS[3], n)
-return {1, ''}
+if added > 0 then redis.call('INCRBY', KEYS[2], added) end
+return out
 """
 
 # KEYS: jobs stream, reply stream, dead-letter stream. ARGV: group, entry id, trajectory payload or "",
 # dead-letter payload or "". Publishes and acks in one step; returns 0 (and writes nothing) when the entry was
-# already acked, e.g. by another worker that reclaimed it.
+# already acked, e.g. by another worker that reclaimed it. (Successful trajectories, the hot path, are published
+# with XACK+XDEL+XADD in MULTI/EXEC instead: no Lua copy of the payload; consumers drop the rare duplicate.)
 FINISH = """
 if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
 redis.call('XDEL', KEYS[1], ARGV[2])
@@ -85,4 +101,11 @@ for _, g in ipairs(groups) do
 end
 if bound == '0-0' then return 0 end
 return redis.call('XTRIM', KEYS[1], 'MINID', bound)
+"""
+
+# KEYS: one consumed-set key per entry. ARGV: the sample index per entry. Returns 1 per entry already consumed, else 0.
+SEEN = """
+local out = {}
+for i = 1, #KEYS do out[i] = redis.call('HEXISTS', KEYS[i], ARGV[i]) end
+return out
 """

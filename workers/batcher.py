@@ -1,35 +1,62 @@
-"""Batches Lua script calls from many concurrent jobs into pipelines, retrying through Redis outages."""
+"""Batches the Redis writes of many concurrent jobs into one MULTI/EXEC, retrying through Redis outages."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import Any, NamedTuple
 
 import redis.asyncio as aioredis
 from redis.commands.core import AsyncScript
 
 from protocol.connection import TRANSIENT_ERRORS
+from protocol.keys import PAYLOAD_FIELD
 
 log = logging.getLogger("rollq.worker")
 
 
-class ScriptBatcher:
-    """`await batcher.call(script, keys, args)` returns the script's reply. Calls queued while a pipeline is in flight
-    go out together in the next one. A call is repeated until Redis answers, which the scripts make safe: each
-    one is a no-op when its entry was already acked."""
+class _ScriptOp:
+    def __init__(self, script: AsyncScript, keys: list[Any], args: list[Any]) -> None:
+        self.script, self.keys, self.args = script, keys, args
+
+    async def queue(self, pipe: Any) -> None:
+        await self.script(keys=self.keys, args=self.args, client=pipe)
+
+
+class _PublishOp(NamedTuple):
+    """Ack + delete a job entry and publish its trajectory (the hot path: no Lua, so the payload is copied once)."""
+
+    jobs: str
+    group: str
+    entry_id: str
+    stream: str
+    payload: bytes
+
+
+class WriteBatcher:
+    """Writes queued while a transaction is in flight go out together in the next one; each write is atomic on its
+    own (and so is the batch). A batch is repeated until Redis answers, which is safe: the scripts are no-ops for
+    entries already acked, and a repeated publish is a duplicate that consumers drop by (job id, sample index)."""
 
     def __init__(self, redis: aioredis.Redis, max_batch: int = 256) -> None:
         self.redis = redis
         self.max_batch = max_batch
-        self._queue: list[tuple[AsyncScript, list[Any], list[Any], asyncio.Future]] = []
+        self._queue: list[tuple[Any, asyncio.Future]] = []
         self._wake = asyncio.Event()
 
-    def call(self, script: AsyncScript, keys: list[Any], args: list[Any]) -> asyncio.Future:
+    def _submit(self, op: Any) -> asyncio.Future:
         fut = asyncio.get_running_loop().create_future()
-        self._queue.append((script, keys, args, fut))
+        self._queue.append((op, fut))
         self._wake.set()
         return fut
+
+    def script(self, script: AsyncScript, keys: list[Any], args: list[Any]) -> asyncio.Future:
+        """Run a Lua script; resolves to its reply."""
+        return self._submit(_ScriptOp(script, keys, args))
+
+    def publish(self, jobs: str, group: str, entry_id: str, stream: str, payload: bytes) -> asyncio.Future:
+        """Ack and delete the job entry and publish its trajectory, atomically; resolves to 1."""
+        return self._submit(_PublishOp(jobs, group, entry_id, stream, payload))
 
     async def run(self) -> None:
         while True:
@@ -40,22 +67,38 @@ class ScriptBatcher:
                 del self._queue[: self.max_batch]
                 await self._execute(batch)
 
-    async def _execute(self, batch: list[tuple[AsyncScript, list[Any], list[Any], asyncio.Future]]) -> None:
+    async def _execute(self, batch: list[tuple[Any, asyncio.Future]]) -> None:
+        scripts = [(op, fut) for op, fut in batch if isinstance(op, _ScriptOp)]
+        publishes = [(op, fut) for op, fut in batch if isinstance(op, _PublishOp)]
+        acks: dict[tuple[str, str], list[str]] = {}
+        for op, _ in publishes:
+            acks.setdefault((op.jobs, op.group), []).append(op.entry_id)
         delay = 0.05
         while True:
             try:
-                pipe = self.redis.pipeline(transaction=False)
-                for script, keys, args, _ in batch:
-                    await script(keys=keys, args=args, client=pipe)
+                pipe = self.redis.pipeline(transaction=True)
+                for op, _ in scripts:
+                    await op.queue(pipe)
+                for op, _ in publishes:
+                    pipe.xadd(op.stream, {PAYLOAD_FIELD: op.payload})
+                for (jobs, group), ids in acks.items():  # one XACK and one XDEL for the whole batch
+                    pipe.xack(jobs, group, *ids)
+                    pipe.xdel(jobs, *ids)
                 replies = await pipe.execute(raise_on_error=False)
                 break
             except TRANSIENT_ERRORS as exc:
                 log.warning("redis unavailable while publishing %d results (%s); retrying in %.2fs", len(batch), exc, delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
-        for (_, _, _, fut), reply in zip(batch, replies):
+        ack_errors = {
+            key: next((r for r in replies[len(batch) + 2 * i : len(batch) + 2 * i + 2] if isinstance(r, Exception)), None)
+            for i, key in enumerate(acks)
+        }
+        for (op, fut), reply in zip(scripts + publishes, replies):
             if fut.done():
                 continue
+            if isinstance(op, _PublishOp) and not isinstance(reply, Exception):
+                reply = ack_errors[(op.jobs, op.group)] or 1
             if isinstance(reply, Exception):
                 fut.set_exception(reply)
             else:

@@ -1,7 +1,7 @@
 """The worker process: pulls jobs through the consumer group, runs workflows, publishes trajectories.
 
-Crash safety comes from the stream protocol: a job stays in the group's pending list until FINISH/REQUEUE acks it
-in the same atomic step that publishes its outcome. While a job runs, its lease is refreshed (XCLAIM JUSTID resets
+Crash safety comes from the stream protocol: a job stays in the group's pending list until it is acked in the same
+atomic step (MULTI/EXEC, or the FINISH/REQUEUE scripts) that publishes its outcome. While a job runs, its lease is refreshed (XCLAIM JUSTID resets
 the idle time without counting a delivery), so only jobs of dead workers go idle long enough to be reclaimed.
 """
 
@@ -26,7 +26,7 @@ from protocol.codec import Codec, CodecError
 from protocol.connection import TRANSIENT_ERRORS, ensure_group, is_nogroup, redis_client
 from protocol.keys import PAYLOAD_FIELD, WORKER_GROUP, RunKeys
 from protocol.messages import SCHEMA_VERSION, DeadLetter, ErrorRecord, Job, Trajectory
-from workers.batcher import ScriptBatcher
+from workers.batcher import WriteBatcher
 from workers.config import WorkerConfig
 from workers.loader import WorkflowCache, WorkflowLoadError
 from workers.outputs import to_sequences
@@ -92,7 +92,7 @@ class Worker:
         self._running: dict[str, _Running] = {}
         self._stop = asyncio.Event()
         self._slot_free = asyncio.Event()
-        self._batcher: ScriptBatcher | None = None
+        self._batcher: WriteBatcher | None = None
         self.ready = asyncio.Event()  # set once the consumer group exists and reading began
 
     # -- lifecycle -----------------------------------------------------------------------------------------------
@@ -103,7 +103,7 @@ class Worker:
         self._slot_free.set()
 
     async def run(self) -> WorkerStats:
-        self._batcher = ScriptBatcher(self.redis, self.cfg.publish_batch)
+        self._batcher = WriteBatcher(self.redis, self.cfg.publish_batch)
         background = [
             asyncio.create_task(self._batcher.run(), name="publisher"),
             asyncio.create_task(self._lease_loop(), name="lease"),
@@ -135,7 +135,7 @@ class Worker:
         await asyncio.gather(*unfinished, return_exceptions=True)
         # Hand the unfinished jobs back to the queue (same attempt: a drain is not a failure).
         waits = [
-            self._batcher.call(self._requeue, [self.keys.jobs], [WORKER_GROUP, eid, payload])
+            self._batcher.script(self._requeue, [self.keys.jobs], [WORKER_GROUP, eid, payload])
             for eid, payload in left.items()
             if payload is not None
         ]
@@ -310,7 +310,7 @@ class Worker:
                     log.warning("job %s#%d failed (attempt %d/%d): %s: %s", job.job_id, job.sample_index, runs,
                                 self.cfg.max_attempts, error.type, error.message)
                     retry = msgspec.structs.replace(job, attempt=runs)
-                    await self._batcher.call(self._requeue, [self.keys.jobs], [WORKER_GROUP, eid, self.codec.encode(retry)])
+                    await self._batcher.script(self._requeue, [self.keys.jobs], [WORKER_GROUP, eid, self.codec.encode(retry)])
                     self.stats.requeued += 1
                     return
                 raise _Fatal(error) from None
@@ -327,8 +327,8 @@ class Worker:
                 started_at=started,
                 finished_at=time.time(),
             )
-            published = await self._batcher.call(
-                self._finish, [self.keys.jobs, reply_to, self.keys.dead], [WORKER_GROUP, eid, self.codec.encode(traj), ""]
+            published = await self._batcher.publish(
+                self.keys.jobs, WORKER_GROUP, eid, reply_to, self.codec.encode(traj)
             )
             if published:
                 if sequences is None:
@@ -373,7 +373,7 @@ class Worker:
                 worker_id=self.name, workflow=job.workflow, attempt=error.attempt, submitted_at=job.submitted_at,
                 started_at=started, finished_at=time.time(),
             ))
-        done = await self._batcher.call(
+        done = await self._batcher.script(
             self._finish, [self.keys.jobs, reply_to, self.keys.dead],
             [WORKER_GROUP, eid, traj_payload, self.codec.encode(letter)],
         )

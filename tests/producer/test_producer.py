@@ -22,7 +22,7 @@ async def test_submit_is_idempotent_by_job_id(redis, run_name):
 
 
 async def test_submit_many_is_pipelined_in_order_with_n_samples(redis, run_name):
-    producer = Producer(redis, run_name, pipeline_size=7)
+    producer = Producer(redis, run_name, chunk_size=7)
     reqs = [JobRequest(workflow="tests.workflows:Echo", data={"i": i}, n=2, job_id=f"j{i}") for i in range(20)]
     results = await producer.submit_many(reqs)
     assert [r.job_id for r in results] == [f"j{i}" for i in range(20)]

@@ -1,7 +1,12 @@
 from producer import Producer, ResultConsumer
 from protocol import Codec, Trajectory
 from protocol.keys import PAYLOAD_FIELD, RunKeys
-from tests.conftest import running_worker
+from tests.conftest import running_worker, wait_until
+
+
+async def _idle_at_least(redis, stream, ms):
+    [entry] = await redis.xpending_range(stream, "trainer", min="-", max="+", count=1)
+    return entry["time_since_delivered"] >= ms
 
 
 async def _publish(redis, stream, traj: Trajectory) -> None:
@@ -48,7 +53,8 @@ async def test_a_dead_consumers_pending_entries_are_claimed_by_another(redis, ru
     await dead.setup()
     await _publish(redis, stream, Trajectory(job_id="j", sample_index=0, n=1, status="ok"))
     assert len(await dead.read(block_ms=100)) == 1
-    alive = ResultConsumer(redis, stream, name="alive", claim_idle_ms=1)
+    await wait_until(lambda: _idle_at_least(redis, stream, 5), what="the entry to go idle")
+    alive = ResultConsumer(redis, stream, name="alive", claim_idle_ms=5)
     claimed = await alive.read(block_ms=100)
     assert [d.trajectory.job_id for d in claimed] == ["j"]
 
