@@ -56,7 +56,7 @@ from producer.producer import JobRequest, Producer
 from protocol.codec import Codec
 from protocol.connection import redis_client
 from protocol.keys import RunKeys
-from protocol.messages import ErrorRecord, Job, Trajectory
+from protocol.messages import Job, Trajectory
 from workers.outputs import to_sequences
 
 REPO = Path(__file__).resolve().parent.parent
@@ -435,22 +435,22 @@ class ListSequence(msgspec.Struct, kw_only=True, gc=False):
     reward: float = 0.0
 
 
-class ListTrajectory(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
-    """`protocol.messages.Trajectory` with list-based sequences."""
+def _list_variant(struct: type, name: str, overrides: dict[str, Any]) -> type:
+    """A copy of a protocol Struct with some field types replaced (kept in sync with the original's fields)."""
+    fields = []
+    for f in msgspec.structs.fields(struct):
+        typ = overrides.get(f.name, f.type)
+        if f.default is not msgspec.NODEFAULT:
+            fields.append((f.name, typ, f.default))
+        elif f.default_factory is not msgspec.NODEFAULT:
+            fields.append((f.name, typ, msgspec.field(default_factory=f.default_factory)))
+        else:
+            fields.append((f.name, typ))
+    return msgspec.defstruct(name, fields, kw_only=True, omit_defaults=True, gc=False)
 
-    job_id: str
-    sample_index: int
-    n: int
-    status: str
-    sequences: list[ListSequence] = []
-    error: ErrorRecord | None = None
-    worker_id: str = ""
-    workflow: str = ""
-    attempt: int = 0
-    submitted_at: float = 0.0
-    started_at: float = 0.0
-    finished_at: float = 0.0
-    schema: int = 1
+
+# `protocol.messages.Trajectory` with list-based sequences.
+ListTrajectory = _list_variant(Trajectory, "ListTrajectory", {"sequences": list[ListSequence]})
 
 
 def _best_us(fn: Any, min_time_s: float, repeats: int) -> float:

@@ -235,11 +235,14 @@ class Worker:
             payload = (fields or {}).get(PAYLOAD_FIELD)
             task = asyncio.create_task(self._handle(eid, payload, fields, count), name=f"job-{eid}")
             self._running[eid] = _Running(task, payload)
-            task.add_done_callback(lambda _t, eid=eid: self._job_done(eid))
+            task.add_done_callback(lambda t, eid=eid: self._job_done(eid, t))
 
-    def _job_done(self, eid: str) -> None:
+    def _job_done(self, eid: str, task: asyncio.Task) -> None:
         self._running.pop(eid, None)
         self._slot_free.set()
+        if not task.cancelled() and task.exception() is not None:
+            # Not the workflow's failure (that is handled in _handle): the job stays pending and is reclaimed.
+            log.error("job entry %s could not be finished: %r", eid, task.exception())
 
     # -- leases and liveness ---------------------------------------------------------------------------------------
 

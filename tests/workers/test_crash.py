@@ -1,7 +1,6 @@
 """Crash safety with real worker subprocesses: SIGKILL, SIGTERM drain, and Redis restarted under a running worker."""
 
 import asyncio
-import signal
 from pathlib import Path
 
 import pytest
