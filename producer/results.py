@@ -63,7 +63,7 @@ class ResultConsumer:
         self._trim = redis.register_script(scripts.TRIM_ACKED)
         self._seen = redis.register_script(scripts.SEEN)
         self._group_ready = False
-        self._own_pending_done = False  # entries left pending by an earlier life of this consumer name
+        self._own_cursor: str | None = "0"  # walks the entries an earlier life of this consumer name left pending
         self._next_claim = 0.0
         self._next_trim = 0.0
 
@@ -87,12 +87,13 @@ class ResultConsumer:
         return await self._filter(raw)
 
     async def _read_raw(self, count: int, block_ms: int) -> list[tuple[bytes, dict | None]]:
-        if not self._own_pending_done:
-            reply = await self.redis.xreadgroup(self.group, self.name, {self.stream: "0"}, count=count)
+        if self._own_cursor is not None:
+            reply = await self.redis.xreadgroup(self.group, self.name, {self.stream: self._own_cursor}, count=count)
             entries = reply[0][1] if reply else []
             if entries:
+                self._own_cursor = entries[-1][0].decode()
                 return entries
-            self._own_pending_done = True
+            self._own_cursor = None
         now = time.monotonic()
         if now >= self._next_claim:
             self._next_claim = now + self.claim_idle_ms / 4000

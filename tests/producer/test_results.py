@@ -37,12 +37,14 @@ async def test_entries_stay_pending_until_commit_and_come_back_after_a_restart(r
     await first.setup()
     for i in range(5):
         await _publish(redis, stream, Trajectory(job_id=f"j{i}", sample_index=0, n=1, status="ok"))
-    got = await first.read(count=10, block_ms=100)
+    got = await first.read(count=3, block_ms=100) + await first.read(count=10, block_ms=100)
     assert len(got) == 5
     # "Crash" before commit: a new consumer with the same name gets the same entries again.
     restarted = ResultConsumer(redis, stream, name="trainer-0")
-    again = await restarted.read(count=10, block_ms=100)
+    again = await restarted.read(count=2, block_ms=100) + await restarted.read(count=10, block_ms=100)
     assert [d.entry_id for d in again] == [d.entry_id for d in got]
+    # Reading on before committing does not hand out the same pending entries twice.
+    assert await restarted.read(count=10, block_ms=50) == []
     assert await restarted.commit(again) == 5
     assert await restarted.read(count=10, block_ms=50) == []
 
