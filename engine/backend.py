@@ -1,0 +1,100 @@
+"""What an engine server needs from a model backend. The server (engine/server.py) owns HTTP, validation, rids,
+the pause gate and aborts; a backend only turns GenStates into tokens.
+
+Contract:
+- `run(state)` generates until the state finishes: it appends to `state.output_ids` / `state.output_logprobs`
+  (the model's log-probability of each sampled token, log_softmax of the raw logits, as SGLang reports it) and sets
+  `state.finish` before returning. Between decode steps it checks `state.abort_message`; when set it stops
+  and sets `FinishReason(type="abort", message=state.abort_message)`, keeping the tokens made so far.
+- `pause("in_place")` freezes decoding (KV caches kept) until `resume()`; `pause("retract")` frees the KV caches of
+  running states and, after `resume()`, recomputes prompt + partial output and goes on (no token lost or repeated).
+  `pause("abort")` is handled by the server (it sets abort_message on every state); backends treat it like in_place.
+- `load_weights(path)` replaces the weights (called by the server only while no decode step runs).
+- `stop_check(state, token_id)` below decides stop/length finishes the same way for every backend.
+"""
+
+from __future__ import annotations
+
+import abc
+import time
+from typing import Any
+
+from engine.types import FinishReason, PauseMode, SamplingParams
+
+
+class GenState:
+    """One sample being generated. Mutable; shared by the server and the backend (same event loop)."""
+
+    __slots__ = ("rid", "input_ids", "params", "return_logprob", "output_ids", "output_logprobs", "finish",
+                 "abort_message", "created", "first_token_at", "weight_version_start")
+
+    def __init__(self, rid: str, input_ids: list[int], params: SamplingParams, return_logprob: bool = False) -> None:
+        self.rid = rid
+        self.input_ids = input_ids
+        self.params = params
+        self.return_logprob = return_logprob
+        self.output_ids: list[int] = []
+        self.output_logprobs: list[float] = []
+        self.finish: FinishReason | None = None
+        self.abort_message: str | None = None
+        self.created = time.monotonic()
+        self.first_token_at: float | None = None
+        self.weight_version_start: str | None = None
+
+
+def stop_check(state: GenState, token_id: int, eos_token_ids: frozenset[int], decode: Any = None) -> FinishReason | None:
+    """Call after appending `token_id` to `state.output_ids`. Returns the finish reason, or None to go on.
+    `decode(ids) -> str` is needed only for stop strings."""
+    p = state.params
+    produced = len(state.output_ids)
+    if produced >= p.min_new_tokens:
+        if not p.ignore_eos and token_id in eos_token_ids:
+            return FinishReason(type="stop", matched=token_id)
+        if p.stop_token_ids and token_id in p.stop_token_ids:
+            return FinishReason(type="stop", matched=token_id)
+        if p.stop and decode is not None:
+            tail = decode(state.output_ids[-32:])
+            for s in p.stop:
+                if s and tail.endswith(s):
+                    return FinishReason(type="stop", matched=s)
+    if produced >= p.max_new_tokens:
+        return FinishReason(type="length", length=produced)
+    return None
+
+
+class Backend(abc.ABC):
+    """A model behind an engine server."""
+
+    model_path: str = ""
+    vocab_size: int = 0
+    context_length: int = 0
+    eos_token_ids: frozenset[int] = frozenset()
+
+    async def start(self) -> None:  # noqa: B027 - optional hook
+        """Load what must be loaded before serving."""
+
+    async def close(self) -> None:  # noqa: B027 - optional hook
+        """Release resources."""
+
+    def encode(self, text: str) -> list[int]:
+        raise NotImplementedError(f"{type(self).__name__} has no tokenizer")
+
+    def decode(self, ids: list[int]) -> str:
+        raise NotImplementedError(f"{type(self).__name__} has no tokenizer")
+
+    @abc.abstractmethod
+    async def run(self, state: GenState) -> None:
+        """Generate for one state until it finishes (see the module docstring)."""
+
+    @abc.abstractmethod
+    async def pause(self, mode: PauseMode) -> None: ...
+
+    @abc.abstractmethod
+    async def resume(self) -> None: ...
+
+    @abc.abstractmethod
+    async def load_weights(self, path: str) -> None: ...
+
+    def stats(self) -> dict[str, float]:
+        """Gauges for /metrics: at least num_running_reqs, num_queue_reqs, token_usage, gen_throughput."""
+        return {}

@@ -1,0 +1,86 @@
+"""Typed messages of the engine layer: SGLang's sampling params and finish reasons, and AReaL's
+ModelRequest/ModelResponse handed to workflows."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+PauseMode = Literal["abort", "retract", "in_place"]
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """SGLang's sampling params (the subset rollq relies on; defaults as in SGLang)."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0  # below 1e-6: greedy
+    top_p: float = 1.0
+    top_k: int = -1  # -1 = whole vocabulary
+    min_p: float = 0.0
+    stop: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    n: int = 1
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+    min_new_tokens: int = 0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+
+
+class FinishReason(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """`{"type": "stop", "matched": id|str}` | `{"type": "length", "length": N}` | `{"type": "abort", "message": ...}`."""
+
+    type: Literal["stop", "length", "abort"]
+    matched: int | str | None = None
+    length: int | None = None
+    message: str | None = None
+    status_code: int | None = None
+    err_type: str | None = None
+
+
+class GenerateResult(msgspec.Struct, kw_only=True):
+    """One parsed /generate answer (one sample)."""
+
+    rid: str
+    output_ids: list[int]
+    output_logprobs: list[float]  # logprob of each output token; empty when not requested
+    finish_reason: FinishReason | None
+    weight_version: str = "default"
+    prompt_tokens: int = 0
+    text: str | None = None
+    meta_info: dict[str, Any] = {}
+
+    @property
+    def aborted(self) -> bool:
+        return self.finish_reason is not None and self.finish_reason.type == "abort"
+
+
+class ModelRequest(msgspec.Struct, kw_only=True):
+    """What a workflow asks the engine pool for (AReaL's name). `affinity` keeps every turn of an episode and every
+    sample of a group on one engine while it is healthy (prefix-cache reuse); default: the rid."""
+
+    input_ids: list[int]
+    sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    rid: str = ""
+    affinity: str = ""
+    metadata: dict[str, Any] = {}
+
+
+class ModelResponse(msgspec.Struct, kw_only=True):
+    """Tokens generated for a ModelRequest, across any pauses, weight updates and failovers (AReaL's name).
+
+    `output_versions[i]` is the policy version that produced `output_tokens[i]` (-1 where the engine reports a
+    version that is not an integer)."""
+
+    input_tokens: list[int]
+    output_tokens: list[int]
+    output_logprobs: list[float]
+    output_versions: list[int]
+    stop_reason: Literal["stop", "length", "abort"]
+    rid: str = ""
+    engine: str = ""  # URL of the engine that finished it
+    resubmissions: int = 0  # times it was resubmitted after an abort (pause) or a dead engine
+    latency_s: float = 0.0
