@@ -11,6 +11,7 @@ import sys
 
 import uvloop
 
+from engine.pool import EnginePool, PoolConfig
 from protocol.keys import RunKeys
 from protocol.connection import TRANSIENT_ERRORS, redis_client
 from workers.config import WorkerConfig
@@ -49,7 +50,10 @@ async def _wait_for_redis(url: str, wait_s: float) -> None:
 
 async def _serve(cfg: WorkerConfig, wait_s: float) -> int:
     await _wait_for_redis(cfg.redis_url, wait_s)
-    worker = Worker(cfg)
+    pool = EnginePool(PoolConfig(urls=cfg.engine_urls)) if cfg.engine_urls else None
+    if pool is not None:
+        await pool.start()
+    worker = Worker(cfg, engine=pool)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, worker.request_stop)
@@ -57,6 +61,8 @@ async def _serve(cfg: WorkerConfig, wait_s: float) -> int:
         await worker.run()
     finally:
         await worker.redis.aclose()
+        if pool is not None:
+            await pool.close()
     return 0
 
 

@@ -1,0 +1,173 @@
+"""HTTP client for one SGLang-protocol engine (SGLang 0.5.5 and 0.5.23, or rollq's reference/synthetic engine).
+
+Token-in/token-out: requests carry `input_ids`, answers are parsed into GenerateResult. Connections come from one
+shared keep-alive `httpx.AsyncClient` per process (see `engine.http.shared_http_client`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import msgspec
+
+from engine.types import FinishReason, GenerateResult, PauseMode, SamplingParams
+
+
+class EngineError(Exception):
+    """The engine answered, with an error (4xx): the request itself is wrong; retrying elsewhere won't help."""
+
+    def __init__(self, url: str, status: int, message: str) -> None:
+        super().__init__(f"{url}: HTTP {status}: {message}")
+        self.url = url
+        self.status = status
+        self.message = message
+
+
+class EngineUnavailable(Exception):
+    """The engine did not answer, or answered 5xx: it may be dead; the request can go to another engine."""
+
+    def __init__(self, url: str, reason: str) -> None:
+        super().__init__(f"{url}: {reason}")
+        self.url = url
+        self.reason = reason
+
+
+def error_message(body: Any) -> str:
+    """SGLang's error shapes: {"message"}, {"error": {"message"}}, {"error": "text"}."""
+    if isinstance(body, dict):
+        err = body.get("error")
+        if isinstance(err, dict) and "message" in err:
+            return str(err["message"])
+        if isinstance(err, str):
+            return err
+        if "message" in body:
+            return str(body["message"])
+    return str(body)[:500]
+
+
+
+
+def parse_generate(body: dict[str, Any]) -> GenerateResult:
+    meta = body.get("meta_info") or {}
+    finish = meta.get("finish_reason")
+    logprobs = [float(t[0]) if t[0] is not None else 0.0 for t in meta.get("output_token_logprobs") or []]
+    return GenerateResult(
+        rid=str(meta.get("id", "")),
+        output_ids=list(body.get("output_ids") or []),
+        output_logprobs=logprobs,
+        finish_reason=msgspec.convert(finish, FinishReason) if finish else None,
+        weight_version=str(meta.get("weight_version", "default")),
+        prompt_tokens=int(meta.get("prompt_tokens") or 0),
+        text=body.get("text"),
+        meta_info=meta,
+    )
+
+
+class SGLangClient:
+    def __init__(self, url: str, http: httpx.AsyncClient, *, api_key: str | None = None) -> None:
+        self.url = url.rstrip("/")
+        self.http = http
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+    async def _request(self, method: str, path: str, *, json: Any = None, timeout: float | None = 30.0) -> httpx.Response:
+        try:
+            resp = await self.http.request(
+                method, self.url + path, json=json, headers=self.headers,
+                timeout=httpx.Timeout(timeout, connect=5.0),
+            )
+        except (httpx.TransportError, OSError) as exc:
+            raise EngineUnavailable(self.url, f"{type(exc).__name__}: {exc}") from None
+        if resp.status_code >= 500:
+            raise EngineUnavailable(self.url, f"HTTP {resp.status_code}: {resp.text[:200]}")
+        return resp
+
+    async def _json(self, method: str, path: str, *, json: Any = None, timeout: float | None = 30.0) -> Any:
+        resp = await self._request(method, path, json=json, timeout=timeout)
+        if resp.status_code >= 400:
+            try:
+                body = resp.json()
+            except ValueError:
+                body = resp.text
+            raise EngineError(self.url, resp.status_code, error_message(body))
+        if not resp.content:
+            return None
+        try:
+            return resp.json()
+        except ValueError:
+            return resp.text
+
+    async def generate(
+        self,
+        input_ids: list[int],
+        sampling: SamplingParams,
+        *,
+        rid: str | None = None,
+        return_logprob: bool = True,
+        timeout: float | None = None,  # None: a paused engine keeps the call open until it resumes
+    ) -> GenerateResult:
+        payload: dict[str, Any] = {
+            "input_ids": input_ids,
+            "sampling_params": msgspec.to_builtins(sampling),
+            "return_logprob": return_logprob,
+        }
+        if rid:
+            payload["rid"] = rid
+        body = await self._json("POST", "/generate", json=payload, timeout=timeout)
+        if isinstance(body, list):  # n > 1 answers a list; callers ask for one sample per call
+            body = body[0]
+        return parse_generate(body)
+
+    async def pause_generation(self, mode: PauseMode = "abort") -> None:
+        # 0.5.5 takes no body and ignores one; 0.5.23 reads the mode.
+        await self._json("POST", "/pause_generation", json={"mode": mode}, timeout=None)
+
+    async def continue_generation(self) -> None:
+        await self._json("POST", "/continue_generation", json={})
+
+    async def update_weights_from_disk(
+        self, model_path: str, *, weight_version: str | None = None, abort_all_requests: bool = False,
+        flush_cache: bool | None = None, timeout: float | None = None,
+    ) -> dict[str, Any]:
+        payload: dict[str, Any] = {"model_path": model_path, "abort_all_requests": abort_all_requests}
+        if weight_version is not None:
+            payload["weight_version"] = weight_version
+        if flush_cache is not None:
+            payload["flush_cache"] = flush_cache
+        resp = await self._request("POST", "/update_weights_from_disk", json=payload, timeout=timeout)
+        body = resp.json() if resp.content else {}
+        if resp.status_code >= 400 or not body.get("success", False):
+            raise EngineError(self.url, resp.status_code, error_message(body))
+        return body
+
+    async def flush_cache(self) -> None:
+        await self._json("POST", "/flush_cache")
+
+    async def abort_request(self, rid: str = "", *, abort_all: bool = False) -> None:
+        await self._json("POST", "/abort_request", json={"rid": rid, "abort_all": abort_all})
+
+    async def health_generate(self, timeout: float = 10.0) -> bool:
+        try:
+            resp = await self._request("GET", "/health_generate", timeout=timeout)
+        except EngineUnavailable:
+            return False
+        return resp.status_code == 200
+
+    async def _get_with_fallback(self, new: str, old: str) -> dict[str, Any]:
+        try:
+            return await self._json("GET", new)
+        except EngineError as exc:
+            if exc.status != 404:
+                raise
+            return await self._json("GET", old)
+
+    async def model_info(self) -> dict[str, Any]:
+        return await self._get_with_fallback("/model_info", "/get_model_info")
+
+    async def server_info(self) -> dict[str, Any]:
+        return await self._get_with_fallback("/server_info", "/get_server_info")
+
+    async def weight_version(self) -> str:
+        info = await self.model_info()
+        if "weight_version" in info:
+            return str(info["weight_version"])
+        return str((await self._json("GET", "/get_weight_version"))["weight_version"])
