@@ -9,7 +9,7 @@ import re
 import time
 import uuid
 from collections import OrderedDict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import msgspec
@@ -17,6 +17,9 @@ import msgspec
 from engine.client import EngineError, EngineUnavailable, SGLangClient
 from engine.http import shared_http_client
 from engine.types import GenerateResult, ModelRequest, ModelResponse
+
+if TYPE_CHECKING:
+    from engine.registry import EngineRegistry
 
 log = logging.getLogger("rollq.engine")
 
@@ -95,6 +98,8 @@ class EnginePool:
         self._health_task: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
         self.target_version: str | None = None  # set by FleetController; engines on another version are stale
+        self.static_urls = {u.rstrip("/") for u in config.urls}  # never removed by the registry
+        self._registry_task: asyncio.Task | None = None
         for url in config.urls:
             self.add(url)
 
@@ -121,11 +126,31 @@ class EnginePool:
         if self._health_task is None:
             self._health_task = asyncio.create_task(self._health_loop(), name="engine-health")
 
+    def follow(self, registry: "EngineRegistry", interval_s: float = 1.0) -> None:
+        """Keep membership in step with a Redis engine registry (engines join and leave live)."""
+        self._registry_task = asyncio.create_task(self._follow(registry, interval_s), name="engine-registry")
+
+    async def sync_registry(self, registry: "EngineRegistry") -> None:
+        live = set(await registry.live())
+        for url in live - set(self.members):
+            self.add(url)
+        for url in set(self.members) - live - self.static_urls:
+            self.remove(url)
+
+    async def _follow(self, registry: "EngineRegistry", interval_s: float) -> None:
+        while True:
+            try:
+                await self.sync_registry(registry)
+            except Exception as exc:  # Redis away: keep the last known membership
+                log.warning("engine registry unavailable: %s", exc)
+            await asyncio.sleep(interval_s)
+
     async def close(self) -> None:
-        if self._health_task is not None:
-            self._health_task.cancel()
-            await asyncio.gather(self._health_task, return_exceptions=True)
-            self._health_task = None
+        for task in (self._health_task, self._registry_task):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        self._health_task = self._registry_task = None
         if self._own_http:
             await self.http.aclose()
 

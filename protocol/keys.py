@@ -53,6 +53,11 @@ class RunKeys(msgspec.Struct, frozen=True):
         """Hash: worker name -> JSON description."""
         return f"{self.prefix}:workers:info"
 
+    @property
+    def engines(self) -> str:
+        """Sorted set: engine URL -> time its registration expires (engines renew it while alive)."""
+        return f"{self.prefix}:engines"
+
     def reply_stream(self, name: str) -> str:
         """A private results stream, e.g. for one `rollq enqueue --wait` or one external service."""
         validate_run_name(name)

@@ -12,6 +12,7 @@ import sys
 import uvloop
 
 from engine.pool import EnginePool, PoolConfig
+from engine.registry import EngineRegistry
 from protocol.keys import RunKeys
 from protocol.connection import TRANSIENT_ERRORS, redis_client
 from workers.config import WorkerConfig
@@ -50,9 +51,11 @@ async def _wait_for_redis(url: str, wait_s: float) -> None:
 
 async def _serve(cfg: WorkerConfig, wait_s: float) -> int:
     await _wait_for_redis(cfg.redis_url, wait_s)
-    pool = EnginePool(PoolConfig(urls=cfg.engine_urls)) if cfg.engine_urls else None
-    if pool is not None:
-        await pool.start()
+    # Engines: the static --engine URLs plus whatever registers in Redis for this run (joining and leaving live).
+    pool = EnginePool(PoolConfig(urls=cfg.engine_urls))
+    await pool.start()
+    registry_client = redis_client(cfg.redis_url)
+    pool.follow(EngineRegistry(registry_client, cfg.run))
     worker = Worker(cfg, engine=pool)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -61,8 +64,8 @@ async def _serve(cfg: WorkerConfig, wait_s: float) -> int:
         await worker.run()
     finally:
         await worker.redis.aclose()
-        if pool is not None:
-            await pool.close()
+        await pool.close()
+        await registry_client.aclose()
     return 0
 
 
