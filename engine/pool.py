@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("rollq.engine")
 
-_TRAILING_INT = re.compile(r"(-?\d+)$")
+_TRAILING_INT = re.compile(r"(\d+)$")
 
 
 def version_number(weight_version: str) -> int:

@@ -23,6 +23,7 @@ def redis_hint(url: str, reason: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from engine import cli as engine_cli
     from producer import cli as producer_cli
     from workers import cli as workers_cli
 
@@ -42,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     workers_cli.register(sub, common)
     producer_cli.register(sub, common)
+    engine_cli.register(sub, common)
     return parser
 
 

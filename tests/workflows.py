@@ -77,3 +77,26 @@ class WithKwargs:
 
 async def function_workflow(engine, data):
     return trajectory(2)
+
+
+class Generate:
+    """A RolloutWorkflow that generates through the engine pool (token in, token out)."""
+
+    async def arun_episode(self, engine, data):
+        from engine.types import ModelRequest, SamplingParams
+
+        prompt = list(data["prompt_ids"])
+        resp = await engine.agenerate(ModelRequest(
+            input_ids=prompt,
+            sampling=SamplingParams(max_new_tokens=data.get("max_new_tokens", 16), ignore_eos=True,
+                                    temperature=data.get("temperature", 1.0)),
+            affinity=data.get("group", ""),
+        ))
+        n_out = len(resp.output_tokens)
+        return {
+            "input_ids": prompt + resp.output_tokens,
+            "loss_mask": [0] * len(prompt) + [1] * n_out,
+            "logprobs": [0.0] * len(prompt) + resp.output_logprobs,
+            "versions": [-1] * len(prompt) + resp.output_versions,
+            "reward": float(n_out),
+        }

@@ -1,0 +1,621 @@
+"""SGLang's HTTP protocol over any `engine.backend.Backend` (see /work/shared/sglang-protocol.md).
+
+The server owns HTTP, validation, rids, the pause gate, aborts, the model-update lock and weight versions; the
+backend only turns GenStates into tokens."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from engine.backend import Backend, GenState
+from engine.types import FinishReason, PauseMode, SamplingParams
+from engine.validation import BadRequest, EngineValueError, GenerateCall, parse_generate
+
+log = logging.getLogger("rollq.engine")
+
+PROTOCOL_VERSION = "0.5.23"  # the SGLang release whose protocol this server follows
+WAITING_ABORT = "Abort in waiting queue"
+_OPEN_PATHS = frozenset({"/health", "/health_generate", "/metrics", "/ready"})
+_PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+class EngineServerConfig(msgspec.Struct, kw_only=True):
+    host: str = "127.0.0.1"
+    port: int = 30000  # 0: any free port (see ServerHandle.url)
+    api_key: str | None = None
+    weight_version: str = "default"
+    skip_tokenizer_init: bool = False
+    served_model_name: str | None = None
+    tokenizer_path: str | None = None
+    health_timeout_s: float = 20.0
+    stream_poll_s: float = 0.01  # how often a stream looks for new tokens (the contract has no token callback)
+    shutdown_timeout_s: float = 5.0
+
+
+class _Req:
+    """Server-side bookkeeping of one GenState."""
+
+    __slots__ = ("state", "started", "segments", "wake", "retractions", "top_logprobs_num")
+
+    def __init__(self, state: GenState, top_logprobs_num: int) -> None:
+        self.state = state
+        self.started = False
+        self.segments: list[tuple[str, int]] = []  # (weight version, first output index generated under it)
+        self.wake: asyncio.Event | None = None  # set while waiting at the gate
+        self.retractions = 0
+        self.top_logprobs_num = top_logprobs_num
+
+
+def _json(obj: Any, status: int = 200) -> web.Response:
+    return web.Response(body=msgspec.json.encode(obj), status=status, content_type="application/json")
+
+
+def _bad_request(message: str) -> web.Response:
+    return _json({"object": "error", "message": message, "type": "Bad Request", "param": None, "code": 400}, 400)
+
+
+def _engine_error(message: str, status: int = 400) -> web.Response:
+    return _json({"error": {"message": message}}, status)
+
+
+class EngineServer:
+    def __init__(self, backend: Backend, config: EngineServerConfig) -> None:
+        self.backend = backend
+        self.config = config
+        self.weight_version = config.weight_version
+        self.phase = "starting"  # starting | ready | closing
+        self.states: dict[str, _Req] = {}  # every request in flight (waiting or running), by rid
+        self.running = 0
+        self.paused = False
+        self.pause_mode: PauseMode | None = None
+        self._frozen = False  # backend.pause() has returned: no decode step runs until resume
+        self._updating = 0
+        self._update_lock = asyncio.Lock()
+        self._changed = asyncio.Event()  # pulsed when `running` drops to 0 or the pause state changes
+        self.started_at = time.time()
+        self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "requests": 0, "aborted_requests": 0}
+
+    # --- gate, aborts, waiting ---
+
+    @property
+    def admitting(self) -> bool:
+        return not self.paused and not self._updating and self.phase != "closing"
+
+    def _pulse(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def _wait_for(self, predicate: Callable[[], bool]) -> None:
+        while not predicate():
+            await self._changed.wait()
+
+    def _gate_changed(self) -> None:
+        self._pulse()
+        if self.admitting or self.phase == "closing":
+            for req in self.states.values():
+                if req.wake is not None:
+                    req.wake.set()
+
+    def _abort(self, req: _Req, message: str) -> None:
+        state = req.state
+        if state.finish is not None or state.abort_message is not None:
+            return
+        state.abort_message = message
+        self.counters["aborted_requests"] += 1
+        if not req.started:
+            state.finish = FinishReason(type="abort", message=WAITING_ABORT)
+            if req.wake is not None:
+                req.wake.set()
+
+    def abort_matching(self, rid: str = "", abort_all: bool = False, message: str = "Aborted by request.") -> int:
+        hits = [r for r in self.states.values() if abort_all or (rid and r.state.rid.startswith(rid))]
+        for req in hits:
+            self._abort(req, message)
+        return len(hits)
+
+    def _set_weight_version(self, version: str) -> None:
+        if version == self.weight_version:
+            return
+        self.weight_version = version
+        for req in self.states.values():
+            if req.started and req.state.finish is None:
+                req.segments.append((version, len(req.state.output_ids)))
+
+    async def _execute(self, req: _Req) -> None:
+        state = req.state
+        while not self.admitting and state.finish is None:
+            req.wake = asyncio.Event()
+            await req.wake.wait()
+        req.wake = None
+        if state.finish is not None:  # aborted while waiting
+            return
+        req.started = True
+        self.running += 1
+        state.weight_version_start = self.weight_version
+        req.segments = [(self.weight_version, len(state.output_ids))]
+        try:
+            if state.params.max_new_tokens == 0:
+                state.finish = FinishReason(type="length", length=0)
+            else:
+                await self.backend.run(state)
+                if state.finish is None:  # a backend bug must not leave the client without an answer
+                    state.finish = FinishReason(type="abort", message="backend returned without finishing")
+        finally:
+            self.running -= 1
+            self.counters["generation_tokens"] += len(state.output_ids)
+            if self.running == 0:
+                self._pulse()
+
+    # --- answers ---
+
+    def _text(self, ids: list[int]) -> str:
+        return self.backend.decode(ids)
+
+    def _finish_dict(self, finish: FinishReason | None) -> dict[str, Any] | None:
+        return None if finish is None else msgspec.to_builtins(finish)
+
+    def output(self, req: _Req, call: GenerateCall, return_logprob: bool, *, final: bool) -> dict[str, Any]:
+        state = req.state
+        finish = state.finish if final else None
+        meta: dict[str, Any] = {"id": state.rid, "finish_reason": self._finish_dict(finish)}
+        if final and not req.started:  # aborted in the waiting queue: SGLang sends no token counts
+            meta["e2e_latency"] = time.monotonic() - state.created
+            out: dict[str, Any] = {"output_ids": [], "meta_info": meta}
+            if not self.config.skip_tokenizer_init:
+                out = {"text": "", **out}
+            return out
+        ids = list(state.output_ids)
+        meta.update(
+            prompt_tokens=len(state.input_ids),
+            completion_tokens=len(ids),
+            cached_tokens=0,
+            weight_version=self.weight_version,
+            num_retractions=req.retractions,
+        )
+        if return_logprob:
+            with_text = call.return_text_in_logprobs and not self.config.skip_tokenizer_init
+            meta["input_token_logprobs"] = []
+            meta["output_token_logprobs"] = [
+                [lp, t, self._text([t]) if with_text else None] for lp, t in zip(state.output_logprobs, ids)
+            ]
+            if req.top_logprobs_num > 0:  # accepted; top alternatives are not computed
+                meta["input_top_logprobs"] = []
+                meta["output_top_logprobs"] = [[] for _ in ids]
+        if len(req.segments) > 1:
+            meta["weight_versions"] = self._version_ranges(req, len(ids))
+        meta["e2e_latency"] = time.monotonic() - state.created
+        out = {"output_ids": ids, "meta_info": meta}
+        if not self.config.skip_tokenizer_init:
+            out = {"text": self._trimmed_text(state, ids, finish), **out}
+        return out
+
+    @staticmethod
+    def _version_ranges(req: _Req, total: int) -> list[dict[str, Any]]:
+        bounds = [*(start for _, start in req.segments[1:]), total]
+        ranges = [{"version": v, "start": s, "end": e} for (v, s), e in zip(req.segments, bounds)]
+        return [r for r in ranges if r["end"] > r["start"]] or ranges[-1:]
+
+    def _trimmed_text(self, state: GenState, ids: list[int], finish: FinishReason | None) -> str:
+        trim = finish is not None and finish.type == "stop" and not state.params.no_stop_trim
+        if trim and isinstance(finish.matched, int) and ids and ids[-1] == finish.matched:
+            return self._text(ids[:-1])
+        text = self._text(ids)
+        if trim and isinstance(finish.matched, str):
+            cut = text.rfind(finish.matched)
+            if cut >= 0:
+                text = text[:cut]
+        return text
+
+    # --- /generate ---
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        body = await _read_json(request)
+        if isinstance(body, web.Response):
+            return body
+        if self.phase == "closing":
+            return _engine_error("The server is shutting down.", 503)
+        try:
+            call = parse_generate(
+                body,
+                encode=self.backend.encode,
+                vocab_size=self.backend.vocab_size,
+                context_length=self.backend.context_length,
+                tokenizer=not self.config.skip_tokenizer_init,
+            )
+        except BadRequest as exc:
+            return _bad_request(str(exc))
+        except EngineValueError as exc:
+            return _engine_error(str(exc))
+        except NotImplementedError as exc:
+            return _engine_error(str(exc))
+
+        # Rids must be unique among requests in flight and within the call itself.
+        items: list[tuple[_Req, bool]] = []
+        seen: set[str] = set()
+        for prompt in call.prompts:
+            for rid in prompt.rids:
+                if rid in self.states or rid in seen:
+                    return _engine_error(f"Duplicate request ID detected: {rid}")
+                seen.add(rid)
+        for prompt in call.prompts:
+            for rid in prompt.rids:
+                state = GenState(rid, list(prompt.input_ids), prompt.params, prompt.return_logprob)
+                items.append((_Req(state, prompt.top_logprobs_num), prompt.return_logprob))
+                self.counters["prompt_tokens"] += len(prompt.input_ids)
+        self.counters["requests"] += len(items)
+        for req, _ in items:
+            self.states[req.state.rid] = req
+        try:
+            if call.stream:
+                return await self._stream(request, call, items)
+            try:
+                if len(items) == 1:
+                    await self._execute(items[0][0])
+                else:
+                    await asyncio.gather(*(self._execute(req) for req, _ in items))
+            except Exception as exc:  # noqa: BLE001 - a backend failure is the engine's 500, with a message
+                log.exception("generation failed")
+                for req, _ in items:
+                    self._abort(req, "generation failed")
+                return _engine_error(f"Internal server error: {type(exc).__name__}: {exc}", 500)
+            outs = [self.output(req, call, lp, final=True) for req, lp in items]
+        finally:
+            for req, _ in items:
+                self.states.pop(req.state.rid, None)
+        return _json(outs if call.batched else outs[0])
+
+    async def _stream(self, request: web.Request, call: GenerateCall, items: list[tuple[_Req, bool]]) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        tasks = [asyncio.create_task(self._execute(req)) for req, _ in items]
+        sent = [-1] * len(items)  # output length at the last chunk sent
+        done_sent = [False] * len(items)
+        try:
+            while True:
+                for i, ((req, lp), task) in enumerate(zip(items, tasks)):
+                    finished = task.done()
+                    n = len(req.state.output_ids)
+                    if done_sent[i] or (n == sent[i] and not finished) or (n == 0 and not finished):
+                        continue
+                    chunk = self.output(req, call, lp, final=finished)
+                    if call.batched:
+                        chunk["index"] = i
+                    await resp.write(b"data: " + msgspec.json.encode(chunk) + b"\n\n")
+                    sent[i], done_sent[i] = n, finished
+                if all(done_sent):
+                    break
+                pending = [t for t in tasks if not t.done()]
+                if pending:
+                    await asyncio.wait(pending, timeout=self.config.stream_poll_s, return_when=asyncio.FIRST_COMPLETED)
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+        except (ConnectionResetError, asyncio.CancelledError):
+            for req, _ in items:  # the client went away: free the engine
+                self._abort(req, "client disconnected")
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        for task in tasks:
+            task.result()  # surface backend errors in the log
+        return resp
+
+    # --- control ---
+
+    async def pause_generation(self, request: web.Request) -> web.Response:
+        body = await _read_json(request, optional=True)
+        if isinstance(body, web.Response):
+            return body
+        mode = body.get("mode") or "abort"
+        if mode not in _PAUSE_MODES:
+            return _bad_request(f"mode must be one of {', '.join(_PAUSE_MODES)}, got {mode!r}")
+        self.paused = True
+        self.pause_mode = mode
+        self._gate_changed()
+        if mode == "abort":
+            self.abort_matching(abort_all=True, message="Aborted by pause_generation.")
+            await self._wait_for(lambda: self.running == 0)
+        elif mode == "retract":
+            for req in self.states.values():
+                if req.started and req.state.finish is None:
+                    req.retractions += 1
+        await self.backend.pause(mode)
+        self._frozen = True
+        self._pulse()
+        return _json({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def continue_generation(self, request: web.Request) -> web.Response:
+        body = await _read_json(request, optional=True)
+        if isinstance(body, web.Response):
+            return body
+        if self.paused:
+            self._frozen = False
+            await self.backend.resume()
+        self.paused = False
+        self.pause_mode = None
+        self._gate_changed()
+        return _json({"message": "Generation continued successfully.", "status": "ok"})
+
+    async def abort_request(self, request: web.Request) -> web.Response:
+        body = await _read_json(request, optional=True)
+        if isinstance(body, web.Response):
+            return body
+        rid, abort_all = body.get("rid") or "", bool(body.get("abort_all"))
+        if not isinstance(rid, str):
+            return _bad_request("rid must be a string")
+        self.abort_matching(rid, abort_all)
+        return web.Response(status=200)
+
+    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
+        body = await _read_json(request)
+        if isinstance(body, web.Response):
+            return body
+        path = body.get("model_path")
+        version = body.get("weight_version")
+        if not isinstance(path, str) or not path:
+            return _bad_request("model_path is required")
+        if version is not None and not isinstance(version, str):
+            return _bad_request("weight_version must be a string")
+        async with self._update_lock:
+            if body.get("abort_all_requests"):
+                self.abort_matching(abort_all=True, message="Aborted for a weight update.")
+            # Model-update lock: new generations wait behind the update; in-flight ones finish first unless paused.
+            self._updating += 1
+            self._gate_changed()
+            try:
+                await self._wait_for(lambda: self.running == 0 or self._frozen)
+                paused_before = self._frozen
+                num_paused = self.running if paused_before else 0
+                if not paused_before:
+                    await self.backend.pause("in_place")  # no decode step may run during the load
+                try:
+                    await self.backend.load_weights(path)
+                except Exception as exc:  # noqa: BLE001 - any load failure is the client's 400
+                    return _json({"success": False, "message": f"Failed to update weights: {exc}",
+                                  "num_paused_requests": num_paused}, 400)
+                finally:
+                    if not paused_before and not self.paused:
+                        await self.backend.resume()
+                if version is not None:
+                    self._set_weight_version(version)
+            finally:
+                self._updating -= 1
+                self._gate_changed()
+        return _json({"success": True, "message": "Succeeded to update model weights.",
+                      "num_paused_requests": num_paused})
+
+    async def update_weight_version(self, request: web.Request) -> web.Response:
+        body = await _read_json(request)
+        if isinstance(body, web.Response):
+            return body
+        version = body.get("new_version")
+        if not isinstance(version, str) or not version:
+            return _bad_request("new_version is required")
+        if body.get("abort_all_requests", True):
+            self.abort_matching(abort_all=True, message="Aborted for a weight version update.")
+        self._set_weight_version(version)
+        return _json({"success": True, "message": f"Weight version updated to {version}", "new_version": version})
+
+    async def get_weight_version(self, request: web.Request) -> web.Response:
+        return _json({"weight_version": self.weight_version})
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        note = ("Please check backend logs for more details. "
+                "(When there are running or waiting requests, the operation will not be performed.)\n")
+        if self.states:
+            return web.Response(text="Cache not flushed.\n" + note, status=400)
+        return web.Response(text="Cache flushed.\n" + note)
+
+    # --- health and info ---
+
+    async def health(self, request: web.Request) -> web.Response:
+        if self.phase != "ready":
+            return web.Response(status=503)
+        if self.paused or self._updating:  # healthy, but a generation would wait for /continue_generation
+            return web.Response(status=200)
+        state = GenState(f"HEALTH_CHECK_{uuid.uuid4().hex}", [1], SamplingParams(max_new_tokens=1, temperature=0.0))
+        task = asyncio.create_task(self.backend.run(state))
+        deadline = time.monotonic() + self.config.health_timeout_s
+        try:
+            while not task.done():
+                await asyncio.wait([task], timeout=0.05)
+                if self.paused or self.phase != "ready" or time.monotonic() > deadline:
+                    state.abort_message = "health check interrupted"
+                    healthy = self.paused and self.phase == "ready"
+                    await asyncio.wait([task], timeout=1.0)
+                    return web.Response(status=200 if healthy else 503)
+            task.result()
+        except Exception:  # noqa: BLE001 - a failing backend is unhealthy, not a server error
+            return web.Response(status=503)
+        return web.Response(status=200)
+
+    async def ready(self, request: web.Request) -> web.Response:
+        return web.Response(status=200 if self.phase == "ready" else 503)
+
+    def model_name(self) -> str:
+        return self.config.served_model_name or self.backend.model_path
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        return _json({
+            "model_path": self.backend.model_path,
+            "tokenizer_path": self.config.tokenizer_path or self.backend.model_path,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": self.weight_version,
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "model_type": type(self.backend).__name__,
+            "architectures": None,
+        })
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        stats = self.gauges()
+        info = {
+            "model_path": self.backend.model_path,
+            "tokenizer_path": self.config.tokenizer_path or self.backend.model_path,
+            "served_model_name": self.model_name(),
+            "host": self.config.host,
+            "port": self.config.port,
+            "skip_tokenizer_init": self.config.skip_tokenizer_init,
+            "context_length": self.backend.context_length,
+            "weight_version": self.weight_version,
+            "enable_metrics": True,
+            "tp_size": 1,
+            "dp_size": 1,
+            "backend": type(self.backend).__name__,
+            "internal_states": [{
+                "last_gen_throughput": stats["gen_throughput"],
+                "num_running_reqs": stats["num_running_reqs"],
+                "num_queue_reqs": stats["num_queue_reqs"],
+                "token_usage": stats["token_usage"],
+                "paused": self.paused,
+                "pause_mode": self.pause_mode,
+            }],
+            "version": PROTOCOL_VERSION,
+        }
+        return _json(info)
+
+    async def models(self, request: web.Request) -> web.Response:
+        name = self.model_name()
+        return _json({"object": "list", "data": [{
+            "id": name, "object": "model", "created": int(self.started_at), "owned_by": "sglang", "root": name,
+            "max_model_len": self.backend.context_length,
+        }]})
+
+    def gauges(self) -> dict[str, float]:
+        stats = self.backend.stats()
+        queued = float(stats.get("num_queue_reqs", 0.0))
+        waiting = len(self.states) - self.running
+        return {
+            "num_running_reqs": max(0.0, self.running - queued),
+            "num_queue_reqs": waiting + queued,
+            "num_paused_reqs": float(self.running) if self.paused else 0.0,
+            "token_usage": float(stats.get("token_usage", 0.0)),
+            "gen_throughput": float(stats.get("gen_throughput", 0.0)),
+            "cache_hit_rate": 0.0,
+            "is_paused": float(self.paused),
+        }
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        labels = f'{{model_name="{self.model_name()}",engine_type="unified"}}'
+        lines: list[str] = []
+        for name, value in self.gauges().items():
+            lines += [f"# HELP sglang:{name} {name.replace('_', ' ')}.", f"# TYPE sglang:{name} gauge",
+                      f"sglang:{name}{labels} {float(value)}"]
+        for name, value in self.counters.items():
+            lines += [f"# HELP sglang:{name}_total {name.replace('_', ' ')}.", f"# TYPE sglang:{name}_total counter",
+                      f"sglang:{name}_total{labels} {float(value)}"]
+        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain", charset="utf-8",
+                            headers={"X-Content-Type-Options": "nosniff"})
+
+    # --- lifecycle ---
+
+    async def on_startup(self, app: web.Application) -> None:
+        await self.backend.start()
+        self.phase = "ready"
+
+    async def on_shutdown(self, app: web.Application) -> None:
+        self.phase = "closing"
+        self.abort_matching(abort_all=True, message="The server is shutting down.")
+        if self.paused:
+            self._frozen = False
+            await self.backend.resume()  # let frozen states see their abort
+        self._gate_changed()
+
+    async def on_cleanup(self, app: web.Application) -> None:
+        await self.backend.close()
+
+
+async def _read_json(request: web.Request, optional: bool = False) -> dict[str, Any] | web.Response:
+    raw = await request.read()
+    if not raw.strip():
+        return {} if optional or request.method != "POST" else _bad_request("the request needs a JSON body")
+    try:
+        body = msgspec.json.decode(raw)
+    except msgspec.DecodeError as exc:
+        return _bad_request(f"Invalid JSON body: {exc}")
+    if not isinstance(body, dict):
+        if optional and body is None:
+            return {}
+        return _bad_request("the request body must be a JSON object")
+    return body
+
+
+def _auth_middleware(api_key: str):
+    expected = f"Bearer {api_key}".encode()
+
+    @web.middleware
+    async def auth(request: web.Request, handler):
+        if request.path not in _OPEN_PATHS:
+            given = request.headers.get("Authorization", "").encode()
+            if not hmac.compare_digest(given, expected):
+                return _json({"error": "Unauthorized"}, 401)
+        return await handler(request)
+
+    return auth
+
+
+SERVER_KEY = web.AppKey("engine_server", EngineServer)
+
+
+def build_app(backend: Backend, config: EngineServerConfig) -> web.Application:
+    server = EngineServer(backend, config)
+    app = web.Application(middlewares=[_auth_middleware(config.api_key)] if config.api_key else [],
+                          client_max_size=256 * 1024 * 1024)
+    app[SERVER_KEY] = server
+    s = server
+    r = app.router
+    r.add_post("/generate", s.generate)
+    r.add_put("/generate", s.generate)
+    r.add_post("/pause_generation", s.pause_generation)
+    r.add_post("/continue_generation", s.continue_generation)
+    r.add_post("/abort_request", s.abort_request)
+    r.add_post("/update_weights_from_disk", s.update_weights_from_disk)
+    r.add_post("/update_weight_version", s.update_weight_version)
+    r.add_get("/get_weight_version", s.get_weight_version)
+    for path in ("/flush_cache",):
+        r.add_get(path, s.flush_cache)
+        r.add_post(path, s.flush_cache)
+    for path in ("/health", "/health_generate"):
+        r.add_get(path, s.health)
+    r.add_get("/ready", s.ready)
+    for path in ("/model_info", "/get_model_info"):
+        r.add_get(path, s.model_info)
+    for path in ("/server_info", "/get_server_info"):
+        r.add_get(path, s.server_info)
+    r.add_get("/v1/models", s.models)
+    r.add_get("/metrics", s.metrics)
+    app.on_startup.append(s.on_startup)
+    app.on_shutdown.append(s.on_shutdown)
+    app.on_cleanup.append(s.on_cleanup)
+    return app
+
+
+class ServerHandle:
+    """A running server: `.url`, `.server` (its state, for in-process tests and tools), `await close()`."""
+
+    def __init__(self, runner: web.AppRunner, server: EngineServer, host: str, port: int) -> None:
+        self.runner = runner
+        self.server = server
+        self.url = f"http://{host}:{port}"
+
+    async def close(self) -> None:
+        await self.runner.cleanup()
+
+
+async def serve(backend: Backend, config: EngineServerConfig) -> ServerHandle:
+    app = build_app(backend, config)
+    runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=config.shutdown_timeout_s)
+    await runner.setup()
+    site = web.TCPSite(runner, config.host, config.port, backlog=4096, reuse_address=True)
+    await site.start()
+    port = runner.addresses[0][1] if config.port == 0 else config.port
+    host = config.host if config.host not in ("0.0.0.0", "::") else "127.0.0.1"
+    return ServerHandle(runner, app[SERVER_KEY], host, port)

@@ -1,0 +1,307 @@
+"""SyntheticBackend: a model-free Backend with deterministic tokens and configurable latency and output lengths.
+
+Used to test the server, the client and the pool, and to benchmark the rollout system without a GPU.
+
+Token at absolute position p is a hash of (seed, every token before p): a resubmission of prompt + partial output
+continues exactly as the uninterrupted run would (what a greedy model does). The output *length* is drawn once per
+request from a hash of its prompt, so a resubmitted remainder draws a fresh length (only pause/resume within one
+server keeps it); use `ignore_eos` when exact replays matter."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import random
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Literal
+
+import msgspec
+
+from engine.backend import Backend, GenState, stop_check
+from engine.types import FinishReason, PauseMode
+
+_MASK = (1 << 64) - 1
+_MUL = 0x9E3779B97F4A7C15  # odd: the rolling hash is a bijection of the previous state for a fixed token
+_NUM_SPECIAL = 3  # ids 0..2 are special (pad, bos, eos); text bytes map to ids 3..258
+_ABORT_POLL_S = 0.01  # how often a paused backend looks for aborted states (the contract gives no wake-up)
+
+
+def _mix(h: int) -> int:
+    """splitmix64 finaliser: spreads the rolling hash's bits."""
+    h = (h ^ (h >> 30)) * 0xBF58476D1CE4E5B9 & _MASK
+    h = (h ^ (h >> 27)) * 0x94D049BB133111EB & _MASK
+    return h ^ (h >> 31)
+
+
+class LengthDist(msgspec.Struct, kw_only=True, frozen=True):
+    """Output-length distribution (tokens including the final eos), always capped by max_new_tokens.
+
+    fixed: `length` (None: never emit eos, finish by length) | uniform: [low, high] |
+    lognormal: median `median`, shape `sigma` | pareto: minimum `xmin`, tail index `alpha` (heavy tail)."""
+
+    kind: Literal["fixed", "uniform", "lognormal", "pareto"] = "fixed"
+    length: int | None = None
+    low: int = 1
+    high: int = 256
+    median: float = 128.0
+    sigma: float = 1.0
+    xmin: float = 16.0
+    alpha: float = 1.5
+
+    @classmethod
+    def parse(cls, spec: str) -> LengthDist:
+        """CLI form: `fixed[:N]`, `uniform:LOW:HIGH`, `lognormal:MEDIAN:SIGMA`, `pareto:XMIN:ALPHA`."""
+        kind, *args = spec.split(":")
+        try:
+            if kind == "fixed":
+                return cls(kind="fixed", length=int(args[0]) if args else None)
+            if kind == "uniform":
+                return cls(kind="uniform", low=int(args[0]), high=int(args[1]))
+            if kind == "lognormal":
+                return cls(kind="lognormal", median=float(args[0]), sigma=float(args[1]))
+            if kind == "pareto":
+                return cls(kind="pareto", xmin=float(args[0]), alpha=float(args[1]))
+        except (IndexError, ValueError):
+            pass
+        raise ValueError(f"bad length distribution {spec!r}: use fixed[:N], uniform:LOW:HIGH, lognormal:MEDIAN:SIGMA "
+                         "or pareto:XMIN:ALPHA")
+
+    def sample(self, rng: random.Random) -> int | None:
+        if self.kind == "fixed":
+            return self.length
+        if self.kind == "uniform":
+            return rng.randint(self.low, self.high)
+        if self.kind == "lognormal":
+            return max(1, round(rng.lognormvariate(math.log(self.median), self.sigma)))
+        return max(1, round(self.xmin * rng.paretovariate(self.alpha)))
+
+
+class SyntheticConfig(msgspec.Struct, kw_only=True, frozen=True):
+    model_path: str = "synthetic"
+    vocab_size: int = 32000
+    context_length: int = 32768
+    eos_token_id: int = 2
+    per_token_latency_s: float = 0.0  # one decode step of the whole batch
+    per_request_latency_s: float = 0.0  # prefill, paid once per request
+    length: LengthDist = LengthDist()
+    seed: int = 0
+    max_running_requests: int = 0  # batch slots in stepped mode (per_token_latency_s > 0); 0 = unlimited
+    kv_capacity_tokens: int = 1_000_000  # denominator of token_usage
+    load_delay_s: float = 0.0  # time load_weights takes
+
+
+class _Seq:
+    """Per-state generation cursor: rolling hash of every token so far and the drawn output length."""
+
+    __slots__ = ("state", "h", "target", "done")
+
+    def __init__(self, state: GenState, h: int, target: int | None) -> None:
+        self.state = state
+        self.h = h
+        self.target = target
+        self.done: asyncio.Future[None] | None = None
+
+
+class SyntheticBackend(Backend):
+    def __init__(self, config: SyntheticConfig | None = None) -> None:
+        self.config = config or SyntheticConfig()
+        c = self.config
+        if c.vocab_size <= _NUM_SPECIAL + 256:
+            raise ValueError("vocab_size must exceed 259 (3 special ids + 256 byte ids)")
+        self.model_path = c.model_path
+        self.vocab_size = c.vocab_size
+        self.context_length = c.context_length
+        self.eos_token_ids = frozenset({c.eos_token_id})
+        self._span = c.vocab_size - _NUM_SPECIAL
+        self._resumed = asyncio.Event()
+        self._resumed.set()
+        self._active: list[_Seq] = []  # stepped mode: states decoding
+        self._queue: deque[_Seq] = deque()  # stepped mode: states waiting for a batch slot
+        self._stepper: asyncio.Task | None = None
+        self._kick = asyncio.Event()  # wakes an idle stepper
+        self._inline = 0  # states generating in latency-0 mode
+        self._inline_tokens = 0
+        self._tokens_total = 0
+        self._window: deque[tuple[float, int]] = deque()  # (time, tokens_total) samples for gen_throughput
+
+    # --- tokenizer: UTF-8 bytes shifted past the special ids ---
+
+    def encode(self, text: str) -> list[int]:
+        return [b + _NUM_SPECIAL for b in text.encode()]
+
+    def decode(self, ids: list[int]) -> str:
+        data = bytes((i - _NUM_SPECIAL) & 0xFF for i in ids if i >= _NUM_SPECIAL)
+        return data.decode(errors="replace")
+
+    # --- generation ---
+
+    def _begin(self, state: GenState) -> _Seq:
+        h = self.config.seed & _MASK
+        for t in state.input_ids:
+            h = (h * _MUL + t + 1) & _MASK
+        for t in state.output_ids:  # a state resumed with partial output
+            h = (h * _MUL + t + 1) & _MASK
+        target = self.config.length.sample(random.Random(h))
+        if target is not None:
+            target = max(target, state.params.min_new_tokens, 1)
+        return _Seq(state, h, target)
+
+    def _step(self, seq: _Seq) -> bool:
+        """Append one token; returns True when the state finished."""
+        state = seq.state
+        if state.abort_message is not None:
+            state.finish = FinishReason(type="abort", message=state.abort_message)
+            return True
+        m = _mix(seq.h ^ (len(state.input_ids) + len(state.output_ids)))  # position too
+        eos = self.config.eos_token_id
+        if seq.target is not None and len(state.output_ids) + 1 >= seq.target and not state.params.ignore_eos:
+            token = eos
+        else:
+            token = _NUM_SPECIAL + m % self._span
+            if token == eos:
+                token = _NUM_SPECIAL + (token + 1 - _NUM_SPECIAL) % self._span
+        state.output_ids.append(token)
+        # Deterministic logprob in (-4, 0): the same bits for the same position and history.
+        state.output_logprobs.append(-((m >> 11) / 2.0**53) * 4.0 - 1e-4)
+        if state.first_token_at is None:
+            state.first_token_at = time.monotonic()
+        seq.h = (seq.h * _MUL + token + 1) & _MASK
+        self._tokens_total += 1
+        state.finish = stop_check(state, token, self.eos_token_ids, self.decode if state.params.stop else None)
+        return state.finish is not None
+
+    async def _wait_resumed(self, current: Callable[[], list[_Seq]]) -> None:
+        """Paused: wait for resume, but let aborted states finish meanwhile (returns early once all finished)."""
+        while not self._resumed.is_set():
+            seqs = current()
+            for seq in seqs:
+                if seq.state.abort_message is not None and seq.state.finish is None:
+                    self._step(seq)
+                    if seq.done is not None and not seq.done.done():
+                        seq.done.set_result(None)
+            if all(s.state.finish is not None for s in seqs) and seqs:
+                return
+            try:
+                await asyncio.wait_for(self._resumed.wait(), _ABORT_POLL_S)
+            except TimeoutError:
+                pass
+
+    async def run(self, state: GenState) -> None:
+        c = self.config
+        if c.per_request_latency_s > 0:
+            await asyncio.sleep(c.per_request_latency_s)
+        seq = self._begin(state)
+        if c.per_token_latency_s > 0:
+            await self._run_stepped(seq)
+        else:
+            await self._run_inline(seq)
+
+    async def _run_inline(self, seq: _Seq) -> None:
+        # No latency: generate in chunks, yielding between them so aborts, pauses and other requests get a turn.
+        self._inline += 1
+        try:
+            while True:
+                if not self._resumed.is_set():
+                    await self._wait_resumed(lambda: [seq])
+                    if seq.state.finish is not None:
+                        return
+                for _ in range(256):
+                    if self._step(seq):
+                        return
+                await asyncio.sleep(0)
+        finally:
+            self._inline -= 1
+
+    async def _run_stepped(self, seq: _Seq) -> None:
+        seq.done = asyncio.get_running_loop().create_future()
+        self._queue.append(seq)
+        if self._stepper is None or self._stepper.done():
+            self._stepper = asyncio.create_task(self._step_loop(), name="synthetic-stepper")
+        self._kick.set()
+        try:
+            await asyncio.shield(seq.done)
+        except asyncio.CancelledError:
+            seq.state.abort_message = seq.state.abort_message or "cancelled"
+            raise
+
+    def _admit(self) -> None:
+        limit = self.config.max_running_requests or math.inf
+        while self._queue and len(self._active) < limit:
+            self._active.append(self._queue.popleft())
+
+    async def _step_loop(self) -> None:
+        """One decode step for every running state per tick, like a batched engine."""
+        interval = self.config.per_token_latency_s
+        while True:
+            if not self._active and not self._queue:
+                self._kick.clear()
+                await self._kick.wait()
+            if not self._resumed.is_set():
+                await self._wait_resumed(lambda: self._active + list(self._queue))
+                self._active = [s for s in self._active if s.state.finish is None]
+                self._queue = deque(s for s in self._queue if s.state.finish is None)
+                continue
+            tick = time.monotonic()
+            self._admit()
+            still: list[_Seq] = []
+            for seq in self._active:
+                if self._step(seq):
+                    if not seq.done.done():
+                        seq.done.set_result(None)
+                else:
+                    still.append(seq)
+            self._active = still
+            # Queued states that were aborted before getting a slot finish now.
+            if self._queue and any(s.state.abort_message is not None for s in self._queue):
+                for s in [s for s in self._queue if s.state.abort_message is not None]:
+                    self._queue.remove(s)
+                    self._step(s)
+                    s.done.set_result(None)
+            await asyncio.sleep(max(0.0, interval - (time.monotonic() - tick)))
+
+    async def pause(self, mode: PauseMode) -> None:
+        # in_place, retract and abort all stop stepping; retract keeps the partial tokens in the state, and a
+        # synthetic model has no KV cache to free, so resuming continues exactly where it stopped.
+        self._resumed.clear()
+
+    async def resume(self) -> None:
+        self._resumed.set()
+
+    async def load_weights(self, path: str) -> None:
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"weights not found: {path}")
+        if self.config.load_delay_s > 0:
+            await asyncio.sleep(self.config.load_delay_s)
+
+    async def close(self) -> None:
+        if self._stepper is not None:
+            self._stepper.cancel()
+            try:
+                await self._stepper
+            except asyncio.CancelledError:
+                pass
+            self._stepper = None
+        for seq in [*self._active, *self._queue]:
+            if seq.state.finish is None:
+                seq.state.finish = FinishReason(type="abort", message="engine shutting down")
+            if seq.done is not None and not seq.done.done():
+                seq.done.set_result(None)
+        self._active, self._queue = [], deque()
+
+    def stats(self) -> dict[str, float]:
+        now = time.monotonic()
+        self._window.append((now, self._tokens_total))
+        while len(self._window) > 2 and now - self._window[0][0] > 10.0:
+            self._window.popleft()
+        t0, n0 = self._window[0]
+        throughput = (self._tokens_total - n0) / (now - t0) if now > t0 else 0.0
+        held = sum(len(s.state.input_ids) + len(s.state.output_ids) for s in self._active)
+        return {
+            "num_running_reqs": float(len(self._active) + self._inline),
+            "num_queue_reqs": float(len(self._queue)),
+            "token_usage": held / self.config.kv_capacity_tokens,
+            "gen_throughput": throughput,
+        }

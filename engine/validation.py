@@ -1,0 +1,222 @@
+"""Parsing and validating SGLang /generate bodies into typed prompts and sampling params (SGLang's rules and messages,
+see /work/shared/sglang-protocol.md). Two error kinds, because SGLang answers them in two shapes."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import msgspec
+
+from engine.types import SamplingParams
+
+
+class BadRequest(Exception):
+    """Request-shape error: 400 `{"object":"error","message":...,"type":"Bad Request","param":null,"code":400}`."""
+
+
+class EngineValueError(Exception):
+    """What SGLang's engine raises as ValueError: 400 `{"error":{"message":...}}`."""
+
+
+SAMPLING_FIELDS = frozenset(SamplingParams.__struct_fields__)
+# SGLang sampling keys rollq's engines accept and ignore (constrained decoding, seeds, ...): real clients send them.
+IGNORED_SAMPLING_KEYS = frozenset({
+    "stop_regex", "json_schema", "regex", "ebnf", "structural_tag", "spaces_between_special_tokens",
+    "custom_params", "stream_interval", "logit_bias", "sampling_seed",
+})
+
+
+class Prompt(msgspec.Struct, kw_only=True):
+    """One prompt of a (possibly batched) /generate call, with its samples' rids (n of them)."""
+
+    input_ids: list[int]
+    params: SamplingParams
+    rids: list[str]
+    return_logprob: bool
+    top_logprobs_num: int
+    logprob_start_len: int
+
+
+class GenerateCall(msgspec.Struct, kw_only=True):
+    prompts: list[Prompt]
+    batched: bool  # answer a JSON list (batch input or n > 1)
+    stream: bool
+    return_text_in_logprobs: bool
+
+
+def parse_sampling(raw: Any) -> SamplingParams:
+    if raw is None:
+        return SamplingParams()
+    if not isinstance(raw, dict):
+        raise BadRequest("sampling_params must be an object or a list of objects")
+    unknown = sorted(k for k in raw if k not in SAMPLING_FIELDS and k not in IGNORED_SAMPLING_KEYS)
+    if unknown:
+        raise EngineValueError(f"Unknown sampling parameter(s): {', '.join(map(str, unknown))}")
+    given = {k: v for k, v in raw.items() if k in SAMPLING_FIELDS and v is not None}  # null means default
+    if isinstance(given.get("stop"), str):
+        given["stop"] = [given["stop"]]
+    try:
+        params = msgspec.convert(given, SamplingParams)
+    except msgspec.ValidationError as exc:
+        raise EngineValueError(f"Invalid sampling_params: {exc}") from None
+    verify(params)
+    return params
+
+
+def verify(p: SamplingParams) -> None:
+    """SGLang's SamplingParams.verify() ranges and messages."""
+    if p.temperature < 0.0:
+        raise EngineValueError(f"temperature must be non-negative, got {p.temperature}.")
+    if not 0.0 < p.top_p <= 1.0:
+        raise EngineValueError(f"top_p must be in (0, 1], got {p.top_p}.")
+    if not 0.0 <= p.min_p <= 1.0:
+        raise EngineValueError(f"min_p must be in [0, 1], got {p.min_p}.")
+    if p.top_k < 1 and p.top_k != -1:
+        raise EngineValueError(f"top_k must be -1 (disable), or at least 1, got {p.top_k}.")
+    if not -2.0 <= p.frequency_penalty <= 2.0:
+        raise EngineValueError(f"frequency_penalty must be in [-2, 2], got {p.frequency_penalty}.")
+    if not -2.0 <= p.presence_penalty <= 2.0:
+        raise EngineValueError(f"presence_penalty must be in [-2, 2], got {p.presence_penalty}.")
+    if not 0.0 < p.repetition_penalty <= 2.0:
+        raise EngineValueError(f"repetition_penalty must be in (0, 2], got {p.repetition_penalty}.")
+    if p.min_new_tokens < 0:
+        raise EngineValueError(f"min_new_tokens must be in [0, max_new_tokens], got {p.min_new_tokens}.")
+    if p.max_new_tokens < 0:
+        raise EngineValueError(f"max_new_tokens must be at least 0, got {p.max_new_tokens}.")
+    if p.min_new_tokens > p.max_new_tokens:
+        raise EngineValueError(
+            f"min_new_tokens must be in [0, max_new_tokens({p.max_new_tokens})], got {p.min_new_tokens}."
+        )
+    if p.n < 1:
+        raise EngineValueError(f"n must be at least 1, got {p.n}.")
+
+
+def _is_int(x: Any) -> bool:
+    return type(x) is int
+
+
+def _prompts_from_ids(raw: Any) -> tuple[list[list[int]], bool]:
+    if not isinstance(raw, list):
+        raise BadRequest("input_ids must be a list of token ids or a list of such lists")
+    if not raw:
+        raise EngineValueError("input_ids cannot be empty.")
+    if all(map(_is_int, raw)):
+        return [raw], False
+    if all(isinstance(x, list) for x in raw):
+        for ids in raw:
+            if not ids:
+                raise EngineValueError("input_ids cannot be empty.")
+            if not all(map(_is_int, ids)):
+                raise BadRequest("input_ids must contain integers")
+        return raw, True
+    raise BadRequest("input_ids must be a list of token ids or a list of such lists")
+
+
+def _per_prompt(value: Any, count: int, name: str, default: Any, kind: type | tuple[type, ...]) -> list[Any]:
+    """SGLang lets most per-request fields be a scalar (applies to all) or a list (one per prompt)."""
+    if value is None:
+        return [default] * count
+    if isinstance(value, list):
+        if len(value) != count:
+            raise EngineValueError(f"{name} has {len(value)} entries for {count} prompts")
+        items = [default if v is None else v for v in value]
+    else:
+        items = [value] * count
+    if not all(isinstance(v, kind) for v in items):
+        raise BadRequest(f"{name} has the wrong type")
+    return items
+
+
+def parse_generate(body: Any, *, encode, vocab_size: int, context_length: int, tokenizer: bool) -> GenerateCall:
+    """`encode(text) -> ids`; raises BadRequest / EngineValueError with SGLang's messages."""
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    given = [k for k in ("text", "input_ids", "input_embeds") if body.get(k) is not None]
+    if not given:
+        raise EngineValueError("Either text, input_ids or input_embeds should be provided.")
+    if len(given) > 1:
+        raise EngineValueError("Only one of text, input_ids, or input_embeds should be provided.")
+    if given[0] == "input_embeds":
+        raise EngineValueError("input_embeds is not supported by this engine.")
+    if given[0] == "text":
+        if not tokenizer:
+            raise EngineValueError("text input needs a tokenizer; this server runs with --skip-tokenizer-init.")
+        text = body["text"]
+        if isinstance(text, str):
+            texts, batched = [text], False
+        elif isinstance(text, list) and text and all(isinstance(t, str) for t in text):
+            texts, batched = text, True
+        else:
+            raise BadRequest("text must be a string or a non-empty list of strings")
+        prompts_ids = [encode(t) for t in texts]
+        if any(not ids for ids in prompts_ids):
+            raise EngineValueError("input_ids cannot be empty.")
+    else:
+        prompts_ids, batched = _prompts_from_ids(body["input_ids"])
+    count = len(prompts_ids)
+
+    raw_sampling = body.get("sampling_params")
+    if isinstance(raw_sampling, list):
+        if len(raw_sampling) != count:
+            raise EngineValueError(f"sampling_params has {len(raw_sampling)} entries for {count} prompts")
+        params = [parse_sampling(s) for s in raw_sampling]
+    else:
+        one = parse_sampling(raw_sampling)
+        params = [one] * count
+
+    rid = body.get("rid")
+    if rid is None:
+        base_rids = [None] * count
+    elif isinstance(rid, str):
+        base_rids = [f"{rid}_{i}" for i in range(count)] if batched else [rid]
+    elif isinstance(rid, list) and len(rid) == count and all(isinstance(r, str) for r in rid):
+        base_rids = list(rid)
+    else:
+        raise EngineValueError("rid must be a string or a list of strings, one per prompt")
+
+    return_logprob = _per_prompt(body.get("return_logprob"), count, "return_logprob", False, bool)
+    top_logprobs = _per_prompt(body.get("top_logprobs_num"), count, "top_logprobs_num", 0, int)
+    start_len = _per_prompt(body.get("logprob_start_len"), count, "logprob_start_len", -1, int)
+    stream = body.get("stream") or False
+    text_in_logprobs = body.get("return_text_in_logprobs") or False
+    if not isinstance(stream, bool) or not isinstance(text_in_logprobs, bool):
+        raise BadRequest("stream and return_text_in_logprobs must be booleans")
+
+    prompts: list[Prompt] = []
+    for i, ids in enumerate(prompts_ids):
+        p = params[i]
+        if vocab_size and (min(ids) < 0 or max(ids) >= vocab_size):
+            bad = next(t for t in ids if t < 0 or t >= vocab_size)
+            raise EngineValueError(f"Input token id {bad} is out of the vocabulary range [0, {vocab_size}).")
+        if context_length and len(ids) >= context_length:
+            raise EngineValueError(
+                f"The input ({len(ids)} tokens) is longer than the model's context length ({context_length} tokens)."
+            )
+        if context_length and _explicit_max(raw_sampling, i) and (
+            p.max_new_tokens + len(ids) >= context_length
+        ):
+            raise EngineValueError(
+                f"Requested token count exceeds the model's maximum context length of {context_length} tokens. "
+                f"You requested a total of {p.max_new_tokens + len(ids)} tokens: {len(ids)} tokens from the input "
+                f"messages and {p.max_new_tokens} tokens for the completion. Please reduce the number of tokens in "
+                "the input messages or the completion to fit within the limit."
+            )
+        if p.n > 1:  # every sample of a parallel-sampling request gets a fresh rid
+            rids = [uuid.uuid4().hex for _ in range(p.n)]
+        else:
+            rids = [base_rids[i] or uuid.uuid4().hex]
+        prompts.append(Prompt(input_ids=ids, params=p, rids=rids, return_logprob=return_logprob[i],
+                              top_logprobs_num=top_logprobs[i], logprob_start_len=start_len[i]))
+    return GenerateCall(
+        prompts=prompts,
+        batched=batched or sum(len(p.rids) for p in prompts) > 1,
+        stream=stream,
+        return_text_in_logprobs=text_in_logprobs,
+    )
+
+
+def _explicit_max(raw_sampling: Any, i: int) -> bool:
+    """SGLang checks the total length only when the client set max_new_tokens itself."""
+    item = raw_sampling[i] if isinstance(raw_sampling, list) else raw_sampling
+    return isinstance(item, dict) and item.get("max_new_tokens") is not None
