@@ -24,6 +24,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skip-tokenizer-init", action="store_true", help="token ids only: no `text` in or out")
     p.add_argument("--device", default="cpu", help="torch device of the reference backend (default cpu)")
     p.add_argument("--max-running", type=int, default=0, help="batch slots (0 = the backend's default)")
+    p.add_argument("--register", action="store_true",
+                   help="register in the run's Redis engine registry (--redis, --run) so workers find this engine")
+    p.add_argument("--advertise-url", default=None, metavar="URL",
+                   help="URL workers should use (default: http://HOST:PORT; set it when binding 0.0.0.0)")
     g = p.add_argument_group("synthetic backend")
     g.add_argument("--token-latency", type=float, default=0.0, metavar="S", help="seconds per decode step")
     g.add_argument("--request-latency", type=float, default=0.0, metavar="S", help="seconds of prefill per request")
@@ -75,7 +79,7 @@ def _usage_exit(message: str) -> SystemExit:
     return SystemExit(2)
 
 
-async def _serve(backend: Backend, config: EngineServerConfig) -> int:
+async def _serve(backend: Backend, config: EngineServerConfig, args: argparse.Namespace) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -83,8 +87,21 @@ async def _serve(backend: Backend, config: EngineServerConfig) -> int:
     handle = await serve(backend, config)
     log.info("engine (%s) serving on %s, weight version %s", type(backend).__name__, handle.url,
              config.weight_version)
+    registration = None
+    if getattr(args, "register", False):
+        from engine.registry import EngineRegistry
+        from protocol.connection import redis_client, redis_url_from_env
+
+        redis = redis_client(redis_url_from_env(getattr(args, "redis", None)))
+        await redis.ping()  # fail now, in one clear line, if Redis is unreachable
+        url = args.advertise_url or handle.url
+        registration = asyncio.create_task(EngineRegistry(redis, getattr(args, "run", "default")).keep_registered(url))
+        log.info("registered as %s in run %r", url, getattr(args, "run", "default"))
     await stop.wait()
     log.info("shutting down: aborting requests in flight")
+    if registration is not None:
+        registration.cancel()
+        await asyncio.gather(registration, return_exceptions=True)
     await handle.close()
     return 0
 
@@ -99,6 +116,6 @@ def run_engine(args: argparse.Namespace) -> int:
     try:
         import uvloop
 
-        return uvloop.run(_serve(backend, config))
+        return uvloop.run(_serve(backend, config, args))
     except ImportError:
-        return asyncio.run(_serve(backend, config))
+        return asyncio.run(_serve(backend, config, args))

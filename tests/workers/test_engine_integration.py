@@ -1,0 +1,72 @@
+"""A worker running a RolloutWorkflow that generates through two engines, one SIGKILLed mid-run."""
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+
+import httpx
+
+from engine.registry import EngineRegistry
+from producer import JobRequest, Producer
+from tests.conftest import REPO_ROOT, wait_registered, wait_until
+from tests.redis_server import free_port
+
+
+async def _healthy(url: str) -> bool:
+    try:
+        async with httpx.AsyncClient() as c:
+            return (await c.get(url + "/health", timeout=1)).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+async def test_every_job_completes_when_an_engine_dies_mid_run(redis, redis_url, run_name, spawn_worker):
+    ports = [free_port(), free_port()]
+    engines = [
+        subprocess.Popen(
+            [sys.executable, "-m", "rollq", "engine", "--backend", "synthetic", "--port", str(p),
+             "--token-latency", "0.01", "--register", "--redis", redis_url, "--run", run_name],
+            cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        for p in ports
+    ]
+    try:
+        urls = [f"http://127.0.0.1:{p}" for p in ports]
+        for url in urls:
+            await wait_until(lambda url=url: _healthy(url), 30, what=f"{url} up")
+        registry = EngineRegistry(redis, run_name)
+        await wait_until(lambda: _registered(registry, urls), 10, what="engines registered")
+        # The worker finds the engines through the registry (no --engine flags).
+        worker = spawn_worker(redis_url, run_name, "--concurrency", "16")
+        await wait_registered(redis, run_name, worker.name)
+        producer = Producer(redis, run_name)
+        consumer = producer.consumer()
+        await consumer.setup()
+        reqs = [JobRequest(workflow="tests.workflows:Generate", job_id=f"g{i}", n=2,
+                           data={"prompt_ids": [1, 2, 3, i], "max_new_tokens": 60, "group": f"g{i}"}) for i in range(12)]
+        await producer.submit_many(reqs)
+        await wait_until(lambda: _at_least(redis, producer.reply_to, 2), 30, what="first trajectories")
+        os.kill(engines[0].pid, signal.SIGKILL)
+        expected = {f"g{i}": 2 for i in range(12)}
+        trajs = [t async for t in producer.wait_for(expected, timeout_s=90, consumer=consumer)]
+        assert sorted((t.job_id, t.sample_index) for t in trajs) == sorted((j, s) for j in expected for s in range(2))
+        assert all(t.status == "ok" for t in trajs), [t.error for t in trajs if t.error]
+        for t in trajs:
+            seq = t.sequences[0]
+            assert len(seq.input_ids) == 4 + 60 and sum(seq.loss_mask) == 60
+            assert seq.versions.tolist()[4:] == [-1] * 60  # the engines run weight version "default"
+    finally:
+        for e in engines:
+            if e.poll() is None:
+                e.kill()
+            e.wait(10)
+
+
+async def _registered(registry, urls):
+    return sorted(await registry.live()) == sorted(urls)
+
+
+async def _at_least(redis, key, n):
+    return await redis.xlen(key) >= n
