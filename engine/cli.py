@@ -24,6 +24,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skip-tokenizer-init", action="store_true", help="token ids only: no `text` in or out")
     p.add_argument("--device", default="cpu", help="torch device of the reference backend (default cpu)")
     p.add_argument("--max-running", type=int, default=0, help="batch slots (0 = the backend's default)")
+    p.add_argument("--tp-size", type=int, default=1, help="sglang backend: tensor parallel size")
+    p.add_argument("--ready-timeout", type=float, default=1800.0, help="sglang backend: seconds to wait for start-up")
     p.add_argument("--register", action="store_true",
                    help="register in the run's Redis engine registry (--redis, --run) so workers find this engine")
     p.add_argument("--advertise-url", default=None, metavar="URL",
@@ -71,7 +73,7 @@ def build_backend(args: argparse.Namespace) -> Backend:
         if args.max_running:
             fields["max_running"] = args.max_running
         return reference.ReferenceBackend(reference.ReferenceConfig(**fields))
-    raise _usage_exit("the sglang backend is not implemented yet")
+    raise _usage_exit(f"unknown backend {args.backend!r}")
 
 
 def _usage_exit(message: str) -> SystemExit:
@@ -79,43 +81,102 @@ def _usage_exit(message: str) -> SystemExit:
     return SystemExit(2)
 
 
-async def _serve(backend: Backend, config: EngineServerConfig, args: argparse.Namespace) -> int:
+async def _register(args: argparse.Namespace, url: str) -> asyncio.Task | None:
+    """With --register: keep `url` in the run's engine registry until the returned task is cancelled."""
+    if not getattr(args, "register", False):
+        return None
+    from engine.registry import EngineRegistry
+    from protocol.connection import redis_client, redis_url_from_env
+
+    redis = redis_client(redis_url_from_env(getattr(args, "redis", None)))
+    await redis.ping()  # fail now, in one clear line, if Redis is unreachable
+    url = args.advertise_url or url
+    run = getattr(args, "run", "default")
+    log.info("registered as %s in run %r", url, run)
+    return asyncio.create_task(EngineRegistry(redis, run).keep_registered(url))
+
+
+async def _unregister(task: asyncio.Task | None) -> None:
+    if task is not None:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+def _stop_event() -> asyncio.Event:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
+async def _serve(backend: Backend, config: EngineServerConfig, args: argparse.Namespace) -> int:
+    stop = _stop_event()
     handle = await serve(backend, config)
     log.info("engine (%s) serving on %s, weight version %s", type(backend).__name__, handle.url,
              config.weight_version)
-    registration = None
-    if getattr(args, "register", False):
-        from engine.registry import EngineRegistry
-        from protocol.connection import redis_client, redis_url_from_env
-
-        redis = redis_client(redis_url_from_env(getattr(args, "redis", None)))
-        await redis.ping()  # fail now, in one clear line, if Redis is unreachable
-        url = args.advertise_url or handle.url
-        registration = asyncio.create_task(EngineRegistry(redis, getattr(args, "run", "default")).keep_registered(url))
-        log.info("registered as %s in run %r", url, getattr(args, "run", "default"))
+    registration = await _register(args, handle.url)
     await stop.wait()
     log.info("shutting down: aborting requests in flight")
-    if registration is not None:
-        registration.cancel()
-        await asyncio.gather(registration, return_exceptions=True)
+    await _unregister(registration)
     await handle.close()
     return 0
 
 
+async def _run_sglang(args: argparse.Namespace) -> int:
+    from engine.sglang_launcher import SGLangLaunch, wait_ready
+
+    launch = SGLangLaunch(model_path=args.model, host=args.host, port=args.port, tp_size=args.tp_size,
+                          weight_version=args.weight_version, api_key=args.api_key,
+                          skip_tokenizer_init=args.skip_tokenizer_init)
+    stop = _stop_event()
+    proc = await asyncio.create_subprocess_exec(*launch.command())
+    url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '') else args.host}:{args.port}"
+    registration = None
+    try:
+        await wait_ready(url, proc, args.ready_timeout)
+        log.info("sglang ready at %s", url)
+        registration = await _register(args, url)
+        exited = asyncio.create_task(proc.wait())
+        stopped = asyncio.create_task(stop.wait())
+        await asyncio.wait([exited, stopped], return_when=asyncio.FIRST_COMPLETED)
+        stopped.cancel()
+        return 0 if stop.is_set() else (proc.returncode or 1)
+    finally:
+        await _unregister(registration)
+        if proc.returncode is None:
+            proc.terminate()
+            try:
+                await asyncio.wait_for(proc.wait(), 30)
+            except asyncio.TimeoutError:
+                proc.kill()
+
+
+def _run(coro) -> int:
+    try:
+        import uvloop
+
+        return uvloop.run(coro)
+    except ImportError:
+        return asyncio.run(coro)
+
+
 def run_engine(args: argparse.Namespace) -> int:
+    if args.backend == "sglang":
+        from engine.sglang_launcher import sglang_installed
+
+        if not sglang_installed():
+            print("rollq engine: sglang is not installed here; on a GPU machine: pip install 'rollq[sglang]'",
+                  file=sys.stderr)
+            return 2
+        if args.model == "tiny":
+            print("rollq engine: --backend sglang needs --model PATH (an HF model directory or hub id)", file=sys.stderr)
+            return 2
+        return _run(_run_sglang(args))
     try:
         backend = build_backend(args)
     except SystemExit as exc:
         return int(exc.code or 2)
     config = EngineServerConfig(host=args.host, port=args.port, api_key=args.api_key,
                                 weight_version=args.weight_version, skip_tokenizer_init=args.skip_tokenizer_init)
-    try:
-        import uvloop
-
-        return uvloop.run(_serve(backend, config, args))
-    except ImportError:
-        return asyncio.run(_serve(backend, config, args))
+    return _run(_serve(backend, config, args))
