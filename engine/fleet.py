@@ -21,6 +21,7 @@ class FleetResult(msgspec.Struct):
     ok: list[str]
     failed: dict[str, str]  # url -> error
     seconds: float
+    load_seconds: float = 0.0  # longest weight load reported by an engine (rollq engines report it)
 
 
 class FleetController:
@@ -39,10 +40,14 @@ class FleetController:
         started = time.monotonic()
         members = list(self.pool.members.values()) if members is None else members
 
+        loads: list[float] = []
+
         async def one(member: EngineMember) -> str | None:
             for attempt in range(self.retries + 1):
                 try:
-                    await call(member.client)
+                    reply = await call(member.client)
+                    if isinstance(reply, dict) and "load_seconds" in reply:
+                        loads.append(float(reply["load_seconds"]))
                     return None
                 except EngineUnavailable as exc:
                     error = exc.reason
@@ -57,6 +62,7 @@ class FleetController:
             ok=[m.url for m, e in zip(members, errors) if e is None],
             failed={m.url: e for m, e in zip(members, errors) if e is not None},
             seconds=time.monotonic() - started,
+            load_seconds=max(loads, default=0.0),
         )
         if result.failed:
             log.warning("%s failed on %d engines: %s", what, len(result.failed), result.failed)
@@ -101,12 +107,14 @@ class FleetController:
         return result
 
     async def cycle(self, path: str, version: str | int, *, mode: PauseMode = "retract") -> dict[str, float]:
-        """pause -> update -> resume. Returns seconds per phase; generation resumes right after the load."""
+        """pause -> update -> resume. Returns seconds per phase; `control_s` is the total minus the slowest engine's
+        weight load (what the control plane itself costs). Generation resumes right after the load."""
         t0 = time.monotonic()
         await self.pause(mode)
         t1 = time.monotonic()
-        await self.update_weights(path, version)
+        update = await self.update_weights(path, version)
         t2 = time.monotonic()
         await self.resume()
         t3 = time.monotonic()
-        return {"pause_s": t1 - t0, "update_s": t2 - t1, "resume_s": t3 - t2, "total_s": t3 - t0}
+        return {"pause_s": t1 - t0, "update_s": t2 - t1, "resume_s": t3 - t2, "total_s": t3 - t0,
+                "load_s": update.load_seconds, "control_s": t3 - t0 - update.load_seconds}

@@ -375,8 +375,10 @@ class EngineServer:
                 num_paused = self.running if paused_before else 0
                 if not paused_before:
                     await self.backend.pause("in_place")  # no decode step may run during the load
+                load_started = time.monotonic()
                 try:
                     await self.backend.load_weights(path)
+                    load_s = time.monotonic() - load_started
                 except Exception as exc:  # noqa: BLE001 - any load failure is the client's 400
                     return _json({"success": False, "message": f"Failed to update weights: {exc}",
                                   "num_paused_requests": num_paused}, 400)
@@ -388,8 +390,9 @@ class EngineServer:
             finally:
                 self._updating -= 1
                 self._gate_changed()
+        # load_seconds is rollq's addition (clients ignore unknown keys): lets fleet timing exclude the load itself.
         return _json({"success": True, "message": "Succeeded to update model weights.",
-                      "num_paused_requests": num_paused})
+                      "num_paused_requests": num_paused, "load_seconds": round(load_s, 6)})
 
     async def update_weight_version(self, request: web.Request) -> web.Response:
         body = await _read_json(request)
