@@ -1,13 +1,16 @@
 """HTTP client for one SGLang-protocol engine (SGLang 0.5.5 and 0.5.23, or rollq's reference/synthetic engine).
 
 Token-in/token-out: requests carry `input_ids`, answers are parsed into GenerateResult. Connections come from one
-shared keep-alive `httpx.AsyncClient` per process (see `engine.http.shared_http_client`)."""
+shared keep-alive `aiohttp.ClientSession` per process (see `engine.http.shared_http_session`)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-import httpx
+import asyncio
+import json as jsonlib
+
+import aiohttp
 import msgspec
 
 from engine.types import FinishReason, GenerateResult, PauseMode, SamplingParams
@@ -63,32 +66,48 @@ def parse_generate(body: dict[str, Any]) -> GenerateResult:
     )
 
 
+class _Reply:
+    __slots__ = ("status", "content")
+
+    def __init__(self, status: int, content: bytes) -> None:
+        self.status = status
+        self.content = content
+
+    def json(self) -> Any:
+        return jsonlib.loads(self.content)
+
+    @property
+    def text(self) -> str:
+        return self.content.decode(errors="replace")
+
+
 class SGLangClient:
-    def __init__(self, url: str, http: httpx.AsyncClient, *, api_key: str | None = None) -> None:
+    def __init__(self, url: str, http: aiohttp.ClientSession, *, api_key: str | None = None) -> None:
         self.url = url.rstrip("/")
         self.http = http
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
-    async def _request(self, method: str, path: str, *, json: Any = None, timeout: float | None = 30.0) -> httpx.Response:
+    async def _request(self, method: str, path: str, *, json: Any = None, timeout: float | None = 30.0) -> _Reply:
         try:
-            resp = await self.http.request(
+            async with self.http.request(
                 method, self.url + path, json=json, headers=self.headers,
-                timeout=httpx.Timeout(timeout, connect=5.0),
-            )
-        except (httpx.TransportError, OSError) as exc:
+                timeout=aiohttp.ClientTimeout(total=timeout, connect=5.0),
+            ) as resp:
+                reply = _Reply(resp.status, await resp.read())
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
             raise EngineUnavailable(self.url, f"{type(exc).__name__}: {exc}") from None
-        if resp.status_code >= 500:
-            raise EngineUnavailable(self.url, f"HTTP {resp.status_code}: {resp.text[:200]}")
-        return resp
+        if reply.status >= 500:
+            raise EngineUnavailable(self.url, f"HTTP {reply.status}: {reply.text[:200]}")
+        return reply
 
     async def _json(self, method: str, path: str, *, json: Any = None, timeout: float | None = 30.0) -> Any:
         resp = await self._request(method, path, json=json, timeout=timeout)
-        if resp.status_code >= 400:
+        if resp.status >= 400:
             try:
                 body = resp.json()
             except ValueError:
                 body = resp.text
-            raise EngineError(self.url, resp.status_code, error_message(body))
+            raise EngineError(self.url, resp.status, error_message(body))
         if not resp.content:
             return None
         try:
@@ -135,8 +154,8 @@ class SGLangClient:
             payload["flush_cache"] = flush_cache
         resp = await self._request("POST", "/update_weights_from_disk", json=payload, timeout=timeout)
         body = resp.json() if resp.content else {}
-        if resp.status_code >= 400 or not body.get("success", False):
-            raise EngineError(self.url, resp.status_code, error_message(body))
+        if resp.status >= 400 or not body.get("success", False):
+            raise EngineError(self.url, resp.status, error_message(body))
         return body
 
     async def flush_cache(self) -> None:
@@ -150,7 +169,7 @@ class SGLangClient:
             resp = await self._request("GET", "/health_generate", timeout=timeout)
         except EngineUnavailable:
             return False
-        return resp.status_code == 200
+        return resp.status == 200
 
     async def _get_with_fallback(self, new: str, old: str) -> dict[str, Any]:
         try:

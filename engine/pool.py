@@ -11,11 +11,11 @@ import uuid
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
-import httpx
+import aiohttp
 import msgspec
 
 from engine.client import EngineError, EngineUnavailable, SGLangClient
-from engine.http import shared_http_client
+from engine.http import shared_http_session
 from engine.types import GenerateResult, ModelRequest, ModelResponse
 
 if TYPE_CHECKING:
@@ -88,10 +88,10 @@ class EngineMember:
 
 
 class EnginePool:
-    def __init__(self, config: PoolConfig, *, http: httpx.AsyncClient | None = None) -> None:
+    def __init__(self, config: PoolConfig, *, http: aiohttp.ClientSession | None = None) -> None:
         self.config = config
         self._own_http = http is None
-        self.http = http or shared_http_client()
+        self.http = http  # created in start(): a ClientSession needs the running loop
         self.members: dict[str, EngineMember] = {}
         self._affinity: OrderedDict[str, str] = OrderedDict()
         self._changed = asyncio.Event()
@@ -105,11 +105,16 @@ class EnginePool:
 
     # -- membership --------------------------------------------------------------------------------------------------
 
+    def _session(self) -> aiohttp.ClientSession:
+        if self.http is None:
+            self.http = shared_http_session()
+        return self.http
+
     def add(self, url: str) -> EngineMember:
         url = url.rstrip("/")
         member = self.members.get(url)
         if member is None:
-            member = self.members[url] = EngineMember(url, SGLangClient(url, self.http, api_key=self.config.api_key))
+            member = self.members[url] = EngineMember(url, SGLangClient(url, self._session(), api_key=self.config.api_key))
             log.info("engine %s joined the pool", url)
             self._signal()
         return member
@@ -151,8 +156,9 @@ class EnginePool:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
         self._health_task = self._registry_task = None
-        if self._own_http:
-            await self.http.aclose()
+        if self._own_http and self.http is not None:
+            await self.http.close()
+            self.http = None
 
     async def __aenter__(self) -> "EnginePool":
         await self.start()

@@ -1,0 +1,191 @@
+"""Engine-layer benchmarks (JSON summary as the last line):
+
+  (a) reference engine continuous batching vs sequential `model.generate` at concurrency 32 (tokens/s ratio, >= 5x);
+  (b) EnginePool overhead vs a bare SGLangClient on the synthetic engine (<= 5% at >= 1,000 requests/s);
+  (c) pause -> update_weights -> resume across 4 reference engines under load: milliseconds of control time excluding
+      the weight load itself (<= 50 ms), and requests lost (0).
+
+    python -m bench.engine [--quick] [--skip a,b,c]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+from engine.client import SGLangClient
+from engine.fleet import FleetController
+from engine.http import shared_http_session
+from engine.pool import EnginePool, PoolConfig
+from engine.server import EngineServerConfig, serve
+from engine.types import ModelRequest, SamplingParams
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def _drive(call, total: int, concurrency: int) -> float:
+    """Requests/s of `total` calls, `concurrency` at a time."""
+    queue = iter(range(total))
+
+    async def lane() -> None:
+        for i in queue:
+            await call(i)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(lane() for _ in range(concurrency)))
+    return total / (time.perf_counter() - t0)
+
+
+async def bench_pool_overhead(requests: int, concurrency: int, rounds: int) -> dict[str, Any]:
+    # The engine runs in its own process, as in production, so the client side is what is compared.
+    port = free_port()
+    engine = subprocess.Popen([sys.executable, "-m", "engine", "--backend", "synthetic", "--port", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    http = shared_http_session()
+    client = SGLangClient(url, http)
+    pool = EnginePool(PoolConfig(urls=[url]), http=http)
+    deadline = time.monotonic() + 30
+    while not await client.health_generate(timeout=1):
+        if time.monotonic() > deadline or engine.poll() is not None:
+            engine.kill()
+            raise RuntimeError("synthetic engine did not start")
+        await asyncio.sleep(0.1)
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    try:
+        async def bare(i: int) -> None:
+            await client.generate([1, 2, 3, i % 1000], params)
+
+        async def pooled(i: int) -> None:
+            await pool.agenerate(ModelRequest(input_ids=[1, 2, 3, i % 1000], sampling=params))
+
+        await _drive(bare, 200, concurrency)  # warm up connections
+        bare_rates, pool_rates = [], []
+        for _ in range(rounds):  # interleaved, so machine noise hits both alike
+            bare_rates.append(await _drive(bare, requests, concurrency))
+            pool_rates.append(await _drive(pooled, requests, concurrency))
+    finally:
+        await pool.close()
+        await http.close()
+        engine.terminate()
+        engine.wait(10)
+    bare_rps, pool_rps = statistics.median(bare_rates), statistics.median(pool_rates)
+    return {"bare_rps": round(bare_rps, 1), "pool_rps": round(pool_rps, 1),
+            "overhead_pct": round(100 * (bare_rps / pool_rps - 1), 2), "requests": requests, "concurrency": concurrency}
+
+
+async def bench_fleet_cycle(engines: int, cycles: int, load_per_engine: int, max_new: int) -> dict[str, Any]:
+    from engine.reference import ReferenceBackend, ReferenceConfig
+    from engine.tiny_model import build_tiny
+
+    weights = build_tiny(tempfile.mkdtemp(prefix="rollq-bench-weights-"))
+    handles = [await serve(ReferenceBackend(ReferenceConfig(model="tiny")), EngineServerConfig(host="127.0.0.1", port=0,
+                                                                                               weight_version="0"))
+               for _ in range(engines)]
+    pool = EnginePool(PoolConfig(urls=[h.url for h in handles]))
+    fleet = FleetController(pool)
+    stop = asyncio.Event()
+    done = lost = 0
+    rid = 0
+
+    async def load() -> None:
+        nonlocal done, lost, rid
+        while not stop.is_set():
+            rid += 1
+            req = ModelRequest(input_ids=[5, 6, 7, rid % 97], sampling=SamplingParams(max_new_tokens=max_new,
+                                                                                      ignore_eos=True))
+            try:
+                resp = await pool.agenerate(req)
+                if len(resp.output_tokens) == max_new:
+                    done += 1
+                else:
+                    lost += 1
+            except Exception:  # noqa: BLE001 - a failed request is what we count
+                lost += 1
+
+    runners = [asyncio.create_task(load()) for _ in range(engines * load_per_engine)]
+    results = []
+    try:
+        await asyncio.sleep(1.0)  # the load reaches steady state
+        for v in range(1, cycles + 1):
+            results.append(await fleet.cycle(str(weights), v, mode="retract"))
+            await asyncio.sleep(0.3)
+        stop.set()
+        await asyncio.wait_for(asyncio.gather(*runners), 120)
+    finally:
+        stop.set()
+        await pool.close()
+        for h in handles:
+            await h.close()
+    control_ms = [1000 * r["control_s"] for r in results]
+    return {"engines": engines, "cycles": cycles, "control_ms_median": round(statistics.median(control_ms), 2),
+            "control_ms_max": round(max(control_ms), 2),
+            "load_ms_median": round(1000 * statistics.median(r["load_s"] for r in results), 2),
+            "total_ms_median": round(1000 * statistics.median(r["total_s"] for r in results), 2),
+            "requests_completed": done, "requests_lost": lost}
+
+
+async def bench_batching(quick: bool) -> dict[str, Any]:
+    from bench import engine_batching
+
+    args = engine_batching.parse_args(["--quick"] if quick else [])
+    return await engine_batching.amain(args)
+
+
+async def amain(args: argparse.Namespace) -> dict[str, Any]:
+    skip = set(filter(None, args.skip.split(",")))
+    out: dict[str, Any] = {}
+    if "a" not in skip:
+        out["a_batching"] = await bench_batching(args.quick)
+    if "b" not in skip:
+        out["b_pool_overhead"] = await bench_pool_overhead(1000 if args.quick else 4000, 64, 1 if args.quick else 3)
+    if "c" not in skip:
+        out["c_fleet_cycle"] = await bench_fleet_cycle(4, 2 if args.quick else 5, 4, 24)
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--skip", default="", help="comma-separated parts to skip: a,b,c")
+    args = p.parse_args()
+    out = asyncio.run(amain(args))
+    print()
+    if "a_batching" in out:
+        a = out["a_batching"]
+        print(f"(a) continuous batching vs sequential generate: {json.dumps(a)[:300]}")
+    if "b_pool_overhead" in out:
+        b = out["b_pool_overhead"]
+        print(f"(b) bare client {b['bare_rps']:,.0f} req/s | pool {b['pool_rps']:,.0f} req/s | "
+              f"overhead {b['overhead_pct']:.1f}% (target <= 5% at >= 1,000 req/s)")
+    if "c_fleet_cycle" in out:
+        c = out["c_fleet_cycle"]
+        print(f"(c) pause->update->resume on {c['engines']} engines: control {c['control_ms_median']:.1f} ms median "
+              f"(max {c['control_ms_max']:.1f}), load {c['load_ms_median']:.1f} ms, lost {c['requests_lost']} of "
+              f"{c['requests_completed'] + c['requests_lost']} (targets <= 50 ms, 0 lost)")
+    targets = {}
+    if "b_pool_overhead" in out:
+        targets["pool_overhead<=5%"] = out["b_pool_overhead"]["overhead_pct"] <= 5
+        targets["pool_rps>=1000"] = out["b_pool_overhead"]["pool_rps"] >= 1000
+    if "c_fleet_cycle" in out:
+        targets["control_ms<=50"] = out["c_fleet_cycle"]["control_ms_median"] <= 50
+        targets["lost==0"] = out["c_fleet_cycle"]["requests_lost"] == 0
+    out["targets"] = targets
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

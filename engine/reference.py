@@ -1,0 +1,283 @@
+"""ReferenceBackend: a transformers model behind the engine server, with continuous batching.
+
+One scheduler task owns the running batch. Each iteration it reaps aborted states, admits waiting states up to
+`max_running` (each prefilled on its own, unpadded), runs one batched decode step for the rows already running,
+samples every row and applies the tokens on the event loop (stop checks, finishes). States join and leave between
+steps. The torch work of an iteration runs in a worker thread so the event loop (HTTP) stays responsive; everything
+else (queues, GenStates) is touched only on the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import torch  # ImportError here tells `rollq engine --backend reference` that torch/transformers are missing
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+from engine.backend import Backend, GenState, stop_check
+from engine.kv_batch import KVBatch, prefill
+from engine.sampler import RowSpec, request_generator, sample
+from engine.tiny_model import build_tiny, default_cache_dir
+from engine.types import FinishReason, PauseMode
+from engine.weights import load_into
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.02  # how often a paused scheduler looks for aborted states (the server sets abort_message directly)
+THROUGHPUT_WINDOW_S = 10.0
+
+
+class ReferenceConfig(msgspec.Struct, kw_only=True, frozen=True):
+    model: str = "tiny"  # "tiny" (built offline into the cache dir) or a path to an HF model directory
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_running: int = 64  # batch cap; more states wait in the queue
+    context_length: int = 0  # 0: the model config's max_position_embeddings
+    seed: int = 0  # sampling seed, combined with each rid
+    torch_threads: int = 0  # 0: leave one core to the event loop when there are few cores
+    attn_implementation: str = "sdpa"
+
+
+class _Req:
+    __slots__ = ("state", "done", "generator")
+
+    def __init__(self, state: GenState, done: asyncio.Future[None], generator: Any) -> None:
+        self.state = state
+        self.done = done
+        self.generator = generator
+
+
+class ReferenceBackend(Backend):
+    def __init__(self, config: ReferenceConfig | None = None) -> None:
+        self.config = config or ReferenceConfig()
+        self.model: Any = None
+        self.tokenizer: Any = None
+        self._waiting: collections.deque[_Req] = collections.deque()
+        self._running: list[_Req] = []  # row i of the KV batch
+        self._batch: Any = None
+        self._lock = asyncio.Lock()  # held by each scheduler iteration, by pause and by load_weights
+        self._wake = asyncio.Event()
+        self._paused = False
+        self._task: asyncio.Task[None] | None = None
+        self._generated: collections.deque[tuple[float, int]] = collections.deque()
+
+    # ---- lifecycle -------------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        await asyncio.to_thread(self._load)
+        self._task = asyncio.create_task(self._schedule(), name="reference-scheduler")
+
+    def _load(self) -> None:
+        cfg = self.config
+        threads = cfg.torch_threads or max(1, min(8, (os.cpu_count() or 2) - 1))
+        torch.set_num_threads(threads)
+        path = build_tiny(default_cache_dir()) if cfg.model == "tiny" else Path(cfg.model).expanduser()
+        self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=getattr(torch, cfg.dtype), local_files_only=True, attn_implementation=cfg.attn_implementation,
+        ).to(cfg.device).eval()
+        self.model.requires_grad_(False)
+        self.model_path = str(path)
+        self.vocab_size = int(self.model.config.get_text_config().vocab_size)
+        self.context_length = cfg.context_length or int(self.model.config.get_text_config().max_position_embeddings)
+        eos: set[int] = set()
+        for source in (self.model.config.get_text_config(), self._generation_config(path)):
+            ids = getattr(source, "eos_token_id", None)
+            eos.update([ids] if isinstance(ids, int) else ids or [])
+        if not eos and self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+        self._batch = KVBatch()
+
+    @staticmethod
+    def _generation_config(path: Path) -> GenerationConfig | None:
+        try:
+            return GenerationConfig.from_pretrained(path, local_files_only=True)
+        except OSError:  # no generation_config.json
+            return None
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        for req in [*self._running, *self._waiting]:
+            self._finish(req, FinishReason(type="abort", message="engine shut down"))
+        self._running.clear()
+        self._waiting.clear()
+        if self._batch is not None:
+            self._batch.clear()
+
+    # ---- the Backend contract --------------------------------------------------------------------------------
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    async def run(self, state: GenState) -> None:
+        if self._task is None:
+            raise RuntimeError("ReferenceBackend.run before start()")
+        n = len(state.input_ids) + len(state.output_ids)
+        if n >= self.context_length:
+            raise ValueError(f"The input ({n} tokens) is longer than the model's context length "
+                             f"({self.context_length} tokens).")
+        if state.params.max_new_tokens <= len(state.output_ids):
+            state.finish = FinishReason(type="length", length=len(state.output_ids))
+            return
+        req = _Req(state, asyncio.get_running_loop().create_future(), request_generator(self.config.seed, state.rid))
+        self._waiting.append(req)
+        self._wake.set()
+        try:
+            await asyncio.shield(req.done)
+        except asyncio.CancelledError:
+            # The caller went away: let the scheduler drop the state at its next look.
+            if state.finish is None and state.abort_message is None:
+                state.abort_message = "request cancelled"
+            self._wake.set()
+            raise
+
+    async def pause(self, mode: PauseMode) -> None:
+        self._paused = True
+        async with self._lock:  # waits for the iteration in flight
+            if mode == "retract":
+                # Running states go back to the queue head, in order; resume re-prefills prompt + partial output.
+                self._waiting.extendleft(reversed([r for r in self._running if r.state.finish is None]))
+                self._running.clear()
+                self._batch.clear()
+
+    async def resume(self) -> None:
+        self._paused = False
+        self._wake.set()
+
+    async def load_weights(self, path: str) -> None:
+        async with self._lock:
+            await asyncio.to_thread(load_into, self.model, path)
+
+    def stats(self) -> dict[str, float]:
+        now = time.monotonic()
+        while self._generated and self._generated[0][0] < now - THROUGHPUT_WINDOW_S:
+            self._generated.popleft()
+        tokens = sum(n for _, n in self._generated)
+        span = max(1e-3, min(THROUGHPUT_WINDOW_S, now - self._generated[0][0])) if self._generated else 1.0
+        capacity = self.config.max_running * max(1, self.context_length)
+        cached = self._batch.tokens() if self._batch is not None else 0
+        return {
+            "num_running_reqs": float(sum(r.state.finish is None for r in self._running)),
+            "num_queue_reqs": float(len(self._waiting)),
+            "token_usage": cached / capacity,
+            "gen_throughput": tokens / span,
+        }
+
+    # ---- scheduler -------------------------------------------------------------------------------------------
+
+    async def _schedule(self) -> None:
+        while True:
+            async with self._lock:
+                self._reap_aborted()
+                busy = not self._paused and bool(self._waiting or self._unfinished())
+                if busy:
+                    await self._iterate()
+                elif not self._paused and self._running:  # all finished: free their caches now, not on next work
+                    self._running.clear()
+                    self._batch.clear()
+            if busy:
+                await asyncio.sleep(0)  # let pause/load_weights/new requests in between iterations
+                continue
+            self._wake.clear()
+            pending = bool(self._waiting or self._unfinished())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), POLL_S if pending else None)
+
+    def _unfinished(self) -> bool:
+        return any(r.state.finish is None for r in self._running)
+
+    def _reap_aborted(self) -> None:
+        for req in [r for r in self._waiting if r.state.abort_message is not None]:
+            self._waiting.remove(req)
+            self._finish(req, FinishReason(type="abort", message=req.state.abort_message))
+        for req in self._running:
+            if req.state.finish is None and req.state.abort_message is not None:
+                self._finish(req, FinishReason(type="abort", message=req.state.abort_message))
+
+    async def _iterate(self) -> None:
+        keep = [i for i, r in enumerate(self._running) if r.state.finish is None]
+        running = [self._running[i] for i in keep]
+        admit = []
+        while self._waiting and len(running) + len(admit) < self.config.max_running:
+            admit.append(self._waiting.popleft())
+        # Snapshot what the thread reads, so the loop may go on mutating states meanwhile.
+        decode_tokens = [r.state.output_ids[-1] for r in running]
+        prefill_ids = [[*r.state.input_ids, *r.state.output_ids] for r in admit]
+        rows = [RowSpec(r.state.params, list(r.state.output_ids), r.generator, self._min_new_stop_ids(r.state))
+                for r in (*running, *admit)]
+        self._running = running + admit
+        if not self._running:  # everything finished: only free the batch
+            self._batch.clear()
+            return
+        try:
+            tokens, logprobs = await asyncio.to_thread(self._step, keep, decode_tokens, prefill_ids, rows)
+        except Exception as e:  # noqa: BLE001 - a failed step must not kill the scheduler and hang every caller
+            log.exception("reference engine step failed; aborting the running batch")
+            for req in self._running:
+                self._finish(req, FinishReason(type="abort", message=f"engine error: {e!r}", status_code=500,
+                                               err_type=type(e).__name__))
+            self._running.clear()
+            self._batch.clear()
+            return
+        self._apply(tokens, logprobs)
+
+    def _step(self, keep: list[int], decode_tokens: list[int], prefill_ids: list[list[int]],
+              rows: list[Any]) -> tuple[list[int], list[float]]:
+        with torch.inference_mode():
+            self._batch.keep(keep)
+            parts = [self._batch.decode(self.model, decode_tokens)] if decode_tokens else []
+            seqs = [prefill(self.model, ids) for ids in prefill_ids]
+            parts += [s.logits[None] for s in seqs]
+            self._batch.add(seqs)
+            return sample(torch.cat(parts), rows)
+
+    def _apply(self, tokens: list[int], logprobs: list[float]) -> None:
+        now = time.monotonic()
+        for req, token, logprob in zip(self._running, tokens, logprobs, strict=True):
+            state = req.state
+            if state.finish is not None:  # finished (aborted) while the step ran: keep what it had
+                continue
+            state.output_ids.append(token)
+            if state.return_logprob:
+                state.output_logprobs.append(logprob)
+            if state.first_token_at is None:
+                state.first_token_at = now
+            finish = stop_check(state, token, self.eos_token_ids, self._decode_for_stop)
+            if finish is None and len(state.input_ids) + len(state.output_ids) >= self.context_length:
+                finish = FinishReason(type="length", length=len(state.output_ids))
+            if finish is not None:
+                self._finish(req, finish)
+        self._generated.append((now, len(tokens)))
+
+    def _decode_for_stop(self, ids: list[int]) -> str:
+        # as SGLang's check_finished: stop strings match the raw tail, special tokens included
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def _min_new_stop_ids(self, state: GenState) -> list[int]:
+        p = state.params
+        if p.min_new_tokens <= len(state.output_ids):
+            return []
+        return [*([] if p.ignore_eos else self.eos_token_ids), *(p.stop_token_ids or [])]
+
+    @staticmethod
+    def _finish(req: _Req, reason: FinishReason) -> None:
+        if req.state.finish is None:
+            req.state.finish = reason
+        if not req.done.done():
+            req.done.set_result(None)
