@@ -1,4 +1,5 @@
-"""A worker running a RolloutWorkflow that generates through two engines, one SIGKILLed mid-run."""
+"""A worker running a RolloutWorkflow that generates through two reference engines (tiny model), one SIGKILLed
+mid-run."""
 
 import asyncio
 import os
@@ -26,8 +27,8 @@ async def test_every_job_completes_when_an_engine_dies_mid_run(redis, redis_url,
     ports = [free_port(), free_port()]
     engines = [
         subprocess.Popen(
-            [sys.executable, "-m", "rollq", "engine", "--backend", "synthetic", "--port", str(p),
-             "--token-latency", "0.01", "--register", "--redis", redis_url, "--run", run_name],
+            [sys.executable, "-m", "rollq", "engine", "--backend", "reference", "--model", "tiny", "--port", str(p),
+             "--register", "--redis", redis_url, "--run", run_name],
             cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
         for p in ports
@@ -35,7 +36,7 @@ async def test_every_job_completes_when_an_engine_dies_mid_run(redis, redis_url,
     try:
         urls = [f"http://127.0.0.1:{p}" for p in ports]
         for url in urls:
-            await wait_until(lambda url=url: _healthy(url), 30, what=f"{url} up")
+            await wait_until(lambda url=url: _healthy(url), 90, what=f"{url} up")
         registry = EngineRegistry(redis, run_name)
         await wait_until(lambda: _registered(registry, urls), 10, what="engines registered")
         # The worker finds the engines through the registry (no --engine flags).
@@ -45,7 +46,7 @@ async def test_every_job_completes_when_an_engine_dies_mid_run(redis, redis_url,
         consumer = producer.consumer()
         await consumer.setup()
         reqs = [JobRequest(workflow="tests.workflows:Generate", job_id=f"g{i}", n=2,
-                           data={"prompt_ids": [1, 2, 3, i], "max_new_tokens": 60, "group": f"g{i}"}) for i in range(12)]
+                           data={"prompt_ids": [30, 31, 32, 40 + i], "max_new_tokens": 60, "group": f"g{i}"}) for i in range(12)]
         await producer.submit_many(reqs)
         await wait_until(lambda: _at_least(redis, producer.reply_to, 2), 30, what="first trajectories")
         os.kill(engines[0].pid, signal.SIGKILL)
@@ -53,6 +54,7 @@ async def test_every_job_completes_when_an_engine_dies_mid_run(redis, redis_url,
         trajs = [t async for t in producer.wait_for(expected, timeout_s=90, consumer=consumer)]
         assert sorted((t.job_id, t.sample_index) for t in trajs) == sorted((j, s) for j in expected for s in range(2))
         assert all(t.status == "ok" for t in trajs), [t.error for t in trajs if t.error]
+        assert "failed over from" in worker.output()  # the kill really hit requests in flight
         for t in trajs:
             seq = t.sequences[0]
             assert len(seq.input_ids) == 4 + 60 and sum(seq.loss_mask) == 60
