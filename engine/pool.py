@@ -4,6 +4,8 @@ and dead engines (the `engine` handed to workflows)."""
 from __future__ import annotations
 
 import asyncio
+import functools
+import itertools
 import logging
 import re
 import time
@@ -23,9 +25,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("rollq.engine")
 
+_NONE: frozenset[str] = frozenset()
 _TRAILING_INT = re.compile(r"(\d+)$")
 
 
+@functools.lru_cache(maxsize=4096)
 def version_number(weight_version: str) -> int:
     """Policy version as an int: "3" -> 3, "step-3" -> 3; anything else (SGLang's "default") -> -1."""
     m = _TRAILING_INT.search(weight_version or "")
@@ -97,6 +101,8 @@ class EnginePool:
         self._changed = asyncio.Event()
         self._health_task: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
+        self._rid_prefix = uuid.uuid4().hex[:12]
+        self._rid_counter = itertools.count()
         self.target_version: str | None = None  # set by FleetController; engines on another version are stale
         self.static_urls = {u.rstrip("/") for u in config.urls}  # never removed by the registry
         self._registry_task: asyncio.Task | None = None
@@ -216,8 +222,13 @@ class EnginePool:
 
     # -- routing -----------------------------------------------------------------------------------------------------
 
-    def route(self, affinity: str, exclude: frozenset[str] = frozenset()) -> EngineMember | None:
-        """The engine this affinity key sticks to while it is routable; else the one with least outstanding work."""
+    def route(
+        self, affinity: str, exclude: frozenset[str] = frozenset(), prefer: EngineMember | None = None
+    ) -> EngineMember | None:
+        """The engine this affinity key sticks to while it is routable (else `prefer`, e.g. the engine that holds a
+        resubmitted request's prefix); else the one with least outstanding work."""
+        if prefer is not None and not affinity and prefer.routable and prefer.url not in exclude:
+            return prefer
         url = self._affinity.get(affinity) if affinity else None
         if url is not None:
             member = self.members.get(url)
@@ -235,9 +246,11 @@ class EnginePool:
                 self._affinity.popitem(last=False)
         return member
 
-    async def _wait_for_engine(self, affinity: str, exclude: frozenset[str], deadline: float) -> EngineMember:
+    async def _wait_for_engine(
+        self, affinity: str, exclude: frozenset[str], deadline: float, prefer: EngineMember | None = None
+    ) -> EngineMember:
         while True:
-            member = self.route(affinity, exclude) or self.route(affinity)
+            member = self.route(affinity, exclude, prefer) or self.route(affinity)
             if member is not None:
                 return member
             left = deadline - time.monotonic()
@@ -256,8 +269,8 @@ class EnginePool:
         resubmitted as prompt + tokens so far with the remaining budget. No token is lost or repeated; each keeps
         the weight version that produced it."""
         started = time.monotonic()
-        rid = req.rid or uuid.uuid4().hex
-        affinity = req.affinity or rid
+        rid = req.rid or f"{self._rid_prefix}-{next(self._rid_counter)}"
+        affinity = req.affinity  # without one, a resubmission still prefers the engine of its last segment
         budget = req.sampling.max_new_tokens
         tokens: list[int] = []
         logprobs: list[float] = []
@@ -265,18 +278,25 @@ class EnginePool:
         failed: set[str] = set()
         segments = 0
         deadline = time.monotonic() + self.config.no_engine_timeout_s
+        member: EngineMember | None = None
         while True:
-            member = await self._wait_for_engine(affinity, frozenset(failed), deadline)
-            sampling = msgspec.structs.replace(
-                req.sampling,
-                max_new_tokens=budget - len(tokens),
-                min_new_tokens=max(0, req.sampling.min_new_tokens - len(tokens)),
-                n=1,
+            exclude = frozenset(failed) if failed else _NONE
+            member = self.route(affinity, exclude, member) or await self._wait_for_engine(
+                affinity, exclude, deadline, member
             )
+            sampling = req.sampling
+            if tokens or sampling.n != 1:  # a resubmission asks only for what is left
+                sampling = msgspec.structs.replace(
+                    sampling,
+                    max_new_tokens=budget - len(tokens),
+                    min_new_tokens=max(0, sampling.min_new_tokens - len(tokens)),
+                    n=1,
+                )
             member.outstanding += 1
             try:
                 result = await member.client.generate(
-                    req.input_ids + tokens, sampling, rid=f"{rid}-{segments}", return_logprob=True
+                    req.input_ids + tokens if tokens else req.input_ids, sampling, rid=f"{rid}-{segments}",
+                    return_logprob=True,
                 )
             except asyncio.CancelledError:
                 # The caller gave up: free the engine's slot too (a closed connection alone may not abort it).
@@ -311,7 +331,7 @@ class EnginePool:
             else:
                 reason = "length" if len(tokens) >= budget else "stop"
             return ModelResponse(
-                input_tokens=list(req.input_ids),
+                input_tokens=req.input_ids,
                 output_tokens=tokens,
                 output_logprobs=logprobs,
                 output_versions=versions,
