@@ -126,6 +126,17 @@ def spawn_worker(tmp_path: Path):
         p.close()
 
 
+async def engine_healthy(url: str) -> bool:
+    """Whether an engine at `url` answers /health (for bounded waits on engine start-up)."""
+    import httpx
+
+    try:
+        async with httpx.AsyncClient() as c:
+            return (await c.get(url + "/health", timeout=1)).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 async def wait_registered(redis, run: str, name: str, timeout_s: float = 15.0) -> None:
     from protocol.keys import RunKeys
 

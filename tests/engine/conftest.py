@@ -11,7 +11,7 @@ import pytest
 
 from engine.server import EngineServerConfig, ServerHandle, serve
 from engine.synthetic import SyntheticBackend, SyntheticConfig
-from tests.conftest import REPO_ROOT, wait_until
+from tests.conftest import REPO_ROOT, engine_healthy, wait_until
 from tests.redis_server import free_port
 
 
@@ -42,14 +42,6 @@ async def http():
         yield client
 
 
-async def _healthy(url: str) -> bool:
-    try:
-        async with httpx.AsyncClient() as c:
-            return (await c.get(url + "/health", timeout=1)).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
 @pytest.fixture
 async def engine_process(tmp_path):
     """`await engine_process(*args)` runs `python -m engine --backend synthetic --port P *args` and waits for
@@ -65,7 +57,7 @@ async def engine_process(tmp_path):
         )
         procs.append(proc)
         url = f"http://127.0.0.1:{port}"
-        await wait_until(lambda: proc.poll() is not None or _healthy(url), 30, what=f"{url} healthy")
+        await wait_until(lambda: proc.poll() is not None or engine_healthy(url), 30, what=f"{url} healthy")
         assert proc.poll() is None, (tmp_path / f"engine-{port}.log").read_text()
         return proc, url
 

@@ -5,9 +5,7 @@ import os
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
-import httpx
 import pytest
 
 from engine.fleet import FleetController
@@ -15,7 +13,7 @@ from engine.pool import EnginePool, PoolConfig, version_number
 from engine.server import EngineServerConfig, serve
 from engine.synthetic import SyntheticBackend, SyntheticConfig
 from engine.types import ModelRequest, SamplingParams
-from tests.conftest import REPO_ROOT, wait_until
+from tests.conftest import REPO_ROOT, engine_healthy, wait_until
 from tests.redis_server import free_port
 
 
@@ -115,20 +113,12 @@ def engine_procs():
             p.wait(10)
 
 
-async def _healthy(url: str) -> bool:
-    try:
-        async with httpx.AsyncClient() as c:
-            return (await c.get(url + "/health", timeout=1)).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
 async def test_requests_fail_over_when_an_engine_is_sigkilled_mid_request(engine_procs):
     ports = [free_port(), free_port()]
     procs = [engine_procs(p) for p in ports]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     for url in urls:
-        await wait_until(lambda url=url: _healthy(url), 30, what=f"{url} up")
+        await wait_until(lambda url=url: engine_healthy(url), 30, what=f"{url} up")
     async with EnginePool(PoolConfig(urls=urls, health_interval_s=0.2)) as pool:
         reqs = [request(i, 80) for i in range(10)]
         tasks = [asyncio.create_task(pool.agenerate(r)) for r in reqs]

@@ -1,26 +1,16 @@
 """A worker running a RolloutWorkflow that generates through two reference engines (tiny model), one SIGKILLed
 mid-run."""
 
-import asyncio
 import os
 import signal
 import subprocess
 import sys
 
-import httpx
 
 from engine.registry import EngineRegistry
 from producer import JobRequest, Producer
-from tests.conftest import REPO_ROOT, wait_registered, wait_until
+from tests.conftest import REPO_ROOT, engine_healthy, wait_registered, wait_until
 from tests.redis_server import free_port
-
-
-async def _healthy(url: str) -> bool:
-    try:
-        async with httpx.AsyncClient() as c:
-            return (await c.get(url + "/health", timeout=1)).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 async def test_every_job_completes_when_an_engine_dies_mid_run(redis, redis_url, run_name, spawn_worker):
@@ -36,7 +26,7 @@ async def test_every_job_completes_when_an_engine_dies_mid_run(redis, redis_url,
     try:
         urls = [f"http://127.0.0.1:{p}" for p in ports]
         for url in urls:
-            await wait_until(lambda url=url: _healthy(url), 90, what=f"{url} up")
+            await wait_until(lambda url=url: engine_healthy(url), 90, what=f"{url} up")
         registry = EngineRegistry(redis, run_name)
         await wait_until(lambda: _registered(registry, urls), 10, what="engines registered")
         # The worker finds the engines through the registry (no --engine flags).
