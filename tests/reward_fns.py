@@ -1,0 +1,43 @@
+"""Module-level reward functions for tests/workers/test_rewards.py (children import them by name)."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+
+def exact_match(answer: str, target: str = "42") -> float:
+    return 1.0 if answer.strip() == target else 0.0
+
+
+def sleepy(seconds: float, value: float = 1.0) -> float:
+    time.sleep(seconds)
+    return value
+
+
+def pid_of_worker() -> int:
+    return os.getpid()
+
+
+def record_pid_then_hang(pid_file: str) -> float:
+    Path(pid_file).write_text(str(os.getpid()))
+    time.sleep(60)
+    return 1.0
+
+
+def raises(message: str) -> float:
+    raise ValueError(message)
+
+
+def returns(value: object) -> object:
+    return value
+
+
+def hard_exit(code: int) -> float:
+    os._exit(code)
+
+
+def dispatch(kind: str, *args: object) -> object:
+    """One wrapper per test module can exercise every behaviour, reusing its children across tests."""
+    return globals()[kind](*args)
