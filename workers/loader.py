@@ -36,6 +36,20 @@ def resolve(path: str) -> Any:
     return obj
 
 
+def workflow_path(workflow: str, data: Any) -> str:
+    """The import path a job runs: its data's `agent_name` picks a built-in loop (verl's convention), a short
+    built-in name stands for its class, anything else is an import path."""
+    from workers.builtin import BUILTIN_WORKFLOWS, resolve_agent_name
+
+    agent = data.get("agent_name") if isinstance(data, dict) else None
+    if agent:
+        try:
+            return resolve_agent_name(str(agent))
+        except ValueError as exc:
+            raise WorkflowLoadError(str(exc)) from None
+    return BUILTIN_WORKFLOWS.get(workflow, workflow)
+
+
 class FunctionWorkflow:
     """Adapts `async def fn(engine, data)` to the RolloutWorkflow shape."""
 

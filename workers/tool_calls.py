@@ -70,7 +70,7 @@ def parse_tool_calls(text: str) -> tuple[str, list[ToolCall], list[str]]:
     calls: list[ToolCall] = []
     errors: list[str] = []
     for i, m in enumerate(_BLOCK.finditer(text)):
-        closed, unclosed = m.group(1), m.group(2)
+        closed = m.group(1)  # group 2 matches an unclosed block
         if closed is None:
             errors.append(f"error: tool call {i} has no closing {TOOL_CALL_CLOSE} tag")
             continue

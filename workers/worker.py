@@ -28,7 +28,7 @@ from protocol.keys import PAYLOAD_FIELD, WORKER_GROUP, RunKeys
 from protocol.messages import SCHEMA_VERSION, DeadLetter, ErrorRecord, Job, Trajectory
 from workers.batcher import WriteBatcher
 from workers.config import WorkerConfig
-from workers.loader import WorkflowCache, WorkflowLoadError
+from workers.loader import WorkflowCache, WorkflowLoadError, workflow_path
 from workers.outputs import to_sequences
 
 log = logging.getLogger("rollq.worker")
@@ -300,7 +300,7 @@ class Worker:
                     runs - 1,
                 ))
             try:
-                workflow = self.workflows.get(job.workflow, job.workflow_kwargs)
+                workflow = self.workflows.get(workflow_path(job.workflow, job.data), job.workflow_kwargs)
             except WorkflowLoadError as exc:
                 raise _Fatal(self._error("WorkflowLoadError", str(exc), runs)) from None
             try:

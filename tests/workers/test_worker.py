@@ -120,3 +120,17 @@ async def test_unfinished_jobs_are_handed_back_when_the_drain_grace_expires(redi
     [(_, fields)] = await redis.xrange(keys.jobs)
     job = Codec().decode_job(fields[PAYLOAD_FIELD])
     assert job.job_id == "slow" and job.attempt == 0
+
+
+async def test_agent_name_picks_a_builtin_loop_and_an_unknown_one_is_dead_lettered(redis, redis_url, run_name):
+    from workers.loader import workflow_path
+
+    assert workflow_path("tests.workflows:Echo", {"agent_name": "tool_agent"}) == "workers.builtin.tool_agent:ToolAgentWorkflow"
+    assert workflow_path("rlvr", {}) == "workers.builtin.rlvr:RLVRWorkflow"
+    assert workflow_path("tests.workflows:Echo", {"q": 1}) == "tests.workflows:Echo"
+    producer = Producer(redis, run_name)
+    async with running_worker(redis_url, run_name):
+        await producer.submit("tests.workflows:Echo", {"agent_name": "no_such_agent"}, job_id="agent")
+        [traj] = await collect(producer, {"agent": 1})
+    assert traj.status == "error" and traj.error.type == "WorkflowLoadError"
+    assert "unknown agent name 'no_such_agent'; known: multi_turn, rlvr, tool_agent" in traj.error.message
