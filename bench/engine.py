@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import socket
 import statistics
 import subprocess
 import sys
@@ -22,18 +21,13 @@ import tempfile
 import time
 from typing import Any
 
+from bench.queue import free_port
 from engine.client import SGLangClient
 from engine.fleet import FleetController
 from engine.http import shared_http_session
 from engine.pool import EnginePool, PoolConfig
 from engine.server import EngineServerConfig, serve
 from engine.types import ModelRequest, SamplingParams
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def _drive(call, total: int, concurrency: int) -> tuple[float, float]:

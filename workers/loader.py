@@ -7,6 +7,8 @@ import inspect
 import json
 from typing import Any
 
+from workers.builtin import BUILTIN_WORKFLOWS, resolve_agent_name
+
 
 class WorkflowLoadError(Exception):
     """The import path does not name a usable workflow. Deterministic: the job is dead-lettered at once."""
@@ -39,8 +41,6 @@ def resolve(path: str) -> Any:
 def workflow_path(workflow: str, data: Any) -> str:
     """The import path a job runs: its data's `agent_name` picks a built-in loop (verl's convention), a short
     built-in name stands for its class, anything else is an import path."""
-    from workers.builtin import BUILTIN_WORKFLOWS, resolve_agent_name
-
     agent = data.get("agent_name") if isinstance(data, dict) else None
     if agent:
         try:

@@ -3,8 +3,6 @@
 import asyncio
 import os
 import signal
-import subprocess
-import sys
 
 import pytest
 
@@ -13,7 +11,7 @@ from engine.pool import EnginePool, PoolConfig, version_number
 from engine.server import EngineServerConfig, serve
 from engine.synthetic import SyntheticBackend, SyntheticConfig
 from engine.types import ModelRequest, SamplingParams
-from tests.conftest import REPO_ROOT, engine_healthy, wait_until
+from tests.conftest import wait_until
 from tests.redis_server import free_port
 
 
@@ -94,31 +92,10 @@ async def test_failed_update_takes_engines_out_of_routing_until_reloaded(engines
         assert resp.output_versions == [5] * 5
 
 
-@pytest.fixture
-def engine_procs():
-    procs = []
-
-    def spawn(port: int) -> subprocess.Popen:
-        p = subprocess.Popen(
-            [sys.executable, "-m", "engine", "--backend", "synthetic", "--port", str(port), "--token-latency", "0.01"],
-            cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )
-        procs.append(p)
-        return p
-
-    yield spawn
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-            p.wait(10)
-
-
-async def test_requests_fail_over_when_an_engine_is_sigkilled_mid_request(engine_procs):
-    ports = [free_port(), free_port()]
-    procs = [engine_procs(p) for p in ports]
-    urls = [f"http://127.0.0.1:{p}" for p in ports]
-    for url in urls:
-        await wait_until(lambda url=url: engine_healthy(url), 30, what=f"{url} up")
+async def test_requests_fail_over_when_an_engine_is_sigkilled_mid_request(engine_process):
+    started = [await engine_process("--token-latency", "0.01") for _ in range(2)]
+    procs = [proc for proc, _ in started]
+    urls = [url for _, url in started]
     async with EnginePool(PoolConfig(urls=urls, health_interval_s=0.2)) as pool:
         reqs = [request(i, 80) for i in range(10)]
         tasks = [asyncio.create_task(pool.agenerate(r)) for r in reqs]
