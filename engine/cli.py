@@ -36,6 +36,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--length-dist", default="fixed", metavar="SPEC",
                    help="output lengths: fixed[:N] | uniform:LOW:HIGH | lognormal:MEDIAN:SIGMA | pareto:XMIN:ALPHA")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--tokenizer", default="", metavar="NAME",
+                   help="`tiny` (the offline ChatML tokenizer) or an HF tokenizer directory (default: UTF-8 bytes)")
+    g.add_argument("--replies-file", default=None, metavar="PATH",
+                   help="JSON list of strings: scripted replies, one per assistant turn (the last one repeats)")
+    g.add_argument("--turn-marker", default="<|im_start|>assistant", metavar="TEXT",
+                   help="text whose occurrences in the prompt count the assistant turns (with --replies-file)")
 
 
 def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
@@ -53,14 +59,31 @@ def build_backend(args: argparse.Namespace) -> Backend:
             length = LengthDist.parse(args.length_dist)
         except ValueError as exc:
             raise _usage_exit(str(exc)) from None
-        return SyntheticBackend(SyntheticConfig(
-            model_path=args.model if args.model != "tiny" else "synthetic",
-            per_token_latency_s=args.token_latency,
-            per_request_latency_s=args.request_latency,
-            length=length,
-            seed=args.seed,
-            max_running_requests=args.max_running,
-        ))
+        replies: list[str] = []
+        if args.replies_file:
+            import json
+
+            try:
+                with open(args.replies_file, encoding="utf-8") as f:
+                    replies = json.load(f)
+            except (OSError, ValueError) as exc:
+                raise _usage_exit(f"cannot read --replies-file {args.replies_file}: {exc}".splitlines()[0]) from None
+            if not isinstance(replies, list) or not replies or not all(isinstance(r, str) for r in replies):
+                raise _usage_exit(f"--replies-file {args.replies_file} must hold a non-empty JSON list of strings")
+        try:
+            return SyntheticBackend(SyntheticConfig(
+                model_path=args.model if args.model != "tiny" else "synthetic",
+                per_token_latency_s=args.token_latency,
+                per_request_latency_s=args.request_latency,
+                length=length,
+                seed=args.seed,
+                max_running_requests=args.max_running,
+                tokenizer=args.tokenizer,
+                replies=replies,
+                turn_marker=args.turn_marker,
+            ))
+        except (ImportError, OSError, ValueError) as exc:  # no transformers, a bad tokenizer dir, an empty marker
+            raise _usage_exit(f"synthetic backend: {exc}".splitlines()[0]) from None
     if args.backend == "reference":
         try:
             from engine import reference

@@ -5,15 +5,18 @@ shared keep-alive `aiohttp.ClientSession` per process (see `engine.http.shared_h
 
 from __future__ import annotations
 
-from typing import Any
-
 import asyncio
 import json as jsonlib
+from collections.abc import Callable
+from typing import Any
 
 import aiohttp
 import msgspec
 
 from engine.types import FinishReason, GenerateResult, PauseMode, SamplingParams
+
+# Called with each batch of newly generated (token ids, logprobs) while a streamed request runs.
+ProgressCallback = Callable[[list[int], list[float]], None]
 
 
 class EngineError(Exception):
@@ -66,6 +69,13 @@ def parse_generate(body: dict[str, Any]) -> GenerateResult:
     )
 
 
+def _json_or_text(reply: "_Reply") -> Any:
+    try:
+        return reply.json()
+    except ValueError:
+        return reply.text
+
+
 class _Reply:
     __slots__ = ("status", "content")
 
@@ -103,11 +113,7 @@ class SGLangClient:
     async def _json(self, method: str, path: str, *, json: Any = None, timeout: float | None = 30.0) -> Any:
         resp = await self._request(method, path, json=json, timeout=timeout)
         if resp.status >= 400:
-            try:
-                body = resp.json()
-            except ValueError:
-                body = resp.text
-            raise EngineError(self.url, resp.status, error_message(body))
+            raise EngineError(self.url, resp.status, error_message(_json_or_text(resp)))
         if not resp.content:
             return None
         try:
@@ -123,6 +129,7 @@ class SGLangClient:
         rid: str | None = None,
         return_logprob: bool = True,
         timeout: float | None = None,  # None: a paused engine keeps the call open until it resumes
+        on_progress: ProgressCallback | None = None,  # streams the request and reports tokens as they come
     ) -> GenerateResult:
         payload: dict[str, Any] = {
             "input_ids": input_ids,
@@ -131,10 +138,51 @@ class SGLangClient:
         }
         if rid:
             payload["rid"] = rid
+        if on_progress is not None:
+            return await self._generate_stream(payload, timeout, on_progress)
         body = await self._json("POST", "/generate", json=payload, timeout=timeout)
         if isinstance(body, list):  # n > 1 answers a list; callers ask for one sample per call
             body = body[0]
         return parse_generate(body)
+
+    async def _generate_stream(self, payload: dict[str, Any], timeout: float | None,
+                               on_progress: ProgressCallback) -> GenerateResult:
+        """`stream: true`: chunks carry the cumulative output_ids and logprobs (SGLang 0.5.23 and rollq's engines;
+        0.5.5 sends deltas and may drop chunks — stream only against the former). The last chunk is the result."""
+        payload = {**payload, "stream": True}
+        last: dict[str, Any] | None = None
+        seen = 0
+        try:
+            async with self.http.post(self.url + "/generate", json=payload, headers=self.headers,
+                                      timeout=aiohttp.ClientTimeout(total=timeout, connect=5.0)) as resp:
+                if resp.status >= 400:
+                    reply = _Reply(resp.status, await resp.read())
+                    if resp.status >= 500:
+                        raise EngineUnavailable(self.url, f"HTTP {reply.status}: {reply.text[:200]}")
+                    raise EngineError(self.url, resp.status, error_message(_json_or_text(reply)))
+                buffer = b""
+                while True:
+                    data = await resp.content.readany()  # no line-length limit: a chunk holds the whole output
+                    if not data:
+                        break
+                    buffer += data
+                    *events, buffer = buffer.split(b"\n\n")
+                    for event in events:
+                        if not event.startswith(b"data: ") or event == b"data: [DONE]":
+                            continue
+                        chunk = jsonlib.loads(event[6:])
+                        ids = chunk.get("output_ids") or []
+                        if len(ids) > seen:
+                            entries = (chunk.get("meta_info") or {}).get("output_token_logprobs") or []
+                            lps = [float(e[0]) if e[0] is not None else 0.0 for e in entries[seen:len(ids)]]
+                            on_progress(ids[seen:], lps + [0.0] * (len(ids) - seen - len(lps)))
+                            seen = len(ids)
+                        last = chunk
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as exc:
+            raise EngineUnavailable(self.url, f"stream broke: {type(exc).__name__}: {exc}") from None
+        if last is None or (last.get("meta_info") or {}).get("finish_reason") is None:
+            raise EngineUnavailable(self.url, "stream ended before the request finished")
+        return parse_generate(last)
 
     async def pause_generation(self, mode: PauseMode = "abort") -> None:
         # 0.5.5 takes no body and ignores one; 0.5.23 reads the mode.

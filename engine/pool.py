@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 import msgspec
 
-from engine.client import EngineError, EngineUnavailable, SGLangClient
+from engine.client import EngineError, EngineUnavailable, ProgressCallback, SGLangClient
 from engine.http import shared_http_session
 from engine.types import GenerateResult, ModelRequest, ModelResponse
 
@@ -264,10 +264,13 @@ class EnginePool:
 
     # -- generation --------------------------------------------------------------------------------------------------
 
-    async def agenerate(self, req: ModelRequest) -> ModelResponse:
+    async def agenerate(self, req: ModelRequest, on_tokens: ProgressCallback | None = None) -> ModelResponse:
         """Generate `req.sampling.max_new_tokens` at most, across pauses and failures: an aborted or failed segment is
         resubmitted as prompt + tokens so far with the remaining budget. No token is lost or repeated; each keeps
-        the weight version that produced it."""
+        the weight version that produced it.
+
+        `on_tokens(ids, logprobs)` streams the request: it sees every token once, in order, as the engine produces
+        it (tokens a dying engine streamed are kept, so the caller never sees a token taken back)."""
         started = time.monotonic()
         rid = req.rid or f"{self._rid_prefix}-{next(self._rid_counter)}"
         affinity = req.affinity  # without one, a resubmission still prefers the engine of its last segment
@@ -293,10 +296,17 @@ class EnginePool:
                     n=1,
                 )
             member.outstanding += 1
+            streamed: tuple[list[int], list[float]] = ([], [])
+            progress = None
+            if on_tokens is not None:
+                def progress(ids: list[int], lps: list[float], streamed=streamed) -> None:
+                    streamed[0].extend(ids)
+                    streamed[1].extend(lps)
+                    on_tokens(ids, lps)
             try:
                 result = await member.client.generate(
                     req.input_ids + tokens if tokens else req.input_ids, sampling, rid=f"{rid}-{segments}",
-                    return_logprob=True,
+                    return_logprob=True, on_progress=progress,
                 )
             except asyncio.CancelledError:
                 # The caller gave up: free the engine's slot too (a closed connection alone may not abort it).
@@ -305,6 +315,13 @@ class EnginePool:
                 task.add_done_callback(self._background.discard)
                 raise
             except EngineUnavailable as exc:
+                if streamed[0]:  # already shown to the caller: keep them and resubmit only the rest
+                    tokens += streamed[0]
+                    logprobs += streamed[1]
+                    versions += [version_number(member.weight_version)] * len(streamed[0])
+                    if len(tokens) >= budget:
+                        return self._response(req, rid, tokens, logprobs, versions, "length", member, segments,
+                                              started)
                 failed.add(member.url)
                 self._evict(member, exc.reason)
                 if len(failed) > self.config.max_failovers:
@@ -330,17 +347,22 @@ class EnginePool:
                 reason = result.finish_reason.type
             else:
                 reason = "length" if len(tokens) >= budget else "stop"
-            return ModelResponse(
-                input_tokens=req.input_ids,
-                output_tokens=tokens,
-                output_logprobs=logprobs,
-                output_versions=versions,
-                stop_reason=reason,
-                rid=rid,
-                engine=member.url,
-                resubmissions=segments - 1,
-                latency_s=time.monotonic() - started,
-            )
+            return self._response(req, rid, tokens, logprobs, versions, reason, member, segments, started)
+
+    @staticmethod
+    def _response(req: ModelRequest, rid: str, tokens: list[int], logprobs: list[float], versions: list[int],
+                  reason: str, member: EngineMember, segments: int, started: float) -> ModelResponse:
+        return ModelResponse(
+            input_tokens=req.input_ids,
+            output_tokens=tokens,
+            output_logprobs=logprobs,
+            output_versions=versions,
+            stop_reason=reason,  # type: ignore[arg-type]
+            rid=rid,
+            engine=member.url,
+            resubmissions=segments - 1,
+            latency_s=time.monotonic() - started,
+        )
 
 
 __all__ = ["EngineError", "EnginePool", "NoEngineAvailable", "PoolConfig", "version_number"]

@@ -5,18 +5,24 @@ Used to test the server, the client and the pool, and to benchmark the rollout s
 Token at absolute position p is a hash of (seed, every token before p): a resubmission of prompt + partial output
 continues exactly as the uninterrupted run would (what a greedy model does). The output *length* is drawn once per
 request from a hash of its prompt, so a resubmitted remainder draws a fresh length (only pause/resume within one
-server keeps it); use `ignore_eos` when exact replays matter."""
+server keeps it); use `ignore_eos` when exact replays matter.
+
+Agent tests: `tokenizer="tiny"` (or an HF tokenizer directory) swaps the byte tokenizer for a real chat tokenizer,
+and `replies` scripts the output text per assistant turn (see `SyntheticConfig`). A scripted reply is located from
+the token ids alone, so a resubmitted prompt + partial output continues the same reply, token for token."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import os
 import random
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Literal
+from pathlib import Path
+from typing import Any, Literal
 
 import msgspec
 
@@ -79,11 +85,23 @@ class LengthDist(msgspec.Struct, kw_only=True, frozen=True):
         return max(1, round(self.xmin * rng.paretovariate(self.alpha)))
 
 
+DEFAULT_MODEL_PATH = "synthetic"
+
+
 class SyntheticConfig(msgspec.Struct, kw_only=True, frozen=True):
-    model_path: str = "synthetic"
+    """With `tokenizer` set, vocab_size and eos_token_id come from the tokenizer, and model_path (left at its
+    default) reports the tokenizer directory. With `replies` set, output is scripted: the request whose ids hold
+    the token sequence of `turn_marker` n times gets `replies[min(n - 1, len(replies) - 1)]` (for a ChatML prompt
+    ending in a generation prompt: the reply for its assistant turn), then eos (none with ignore_eos), then hashed
+    tokens."""
+
+    model_path: str = DEFAULT_MODEL_PATH
     vocab_size: int = 32000
     context_length: int = 32768
     eos_token_id: int = 2
+    tokenizer: str = ""  # "": UTF-8 bytes; "tiny": engine.tiny_model's ChatML tokenizer; else an HF tokenizer directory
+    replies: list[str] = []
+    turn_marker: str = "<|im_start|>assistant"
     per_token_latency_s: float = 0.0  # one decode step of the whole batch
     per_request_latency_s: float = 0.0  # prefill, paid once per request
     length: LengthDist = LengthDist()
@@ -93,29 +111,95 @@ class SyntheticConfig(msgspec.Struct, kw_only=True, frozen=True):
     load_delay_s: float = 0.0  # time load_weights takes
 
 
+def load_tokenizer(name: str) -> tuple[Any, Path]:
+    """(HF tokenizer, its directory) for `name`: "tiny" (built offline on first use) or a tokenizer directory."""
+    from transformers import AutoTokenizer  # heavy: imported only when a tokenizer is asked for
+
+    if name == "tiny":
+        from engine.tiny_model import build_tiny, default_cache_dir
+
+        path = build_tiny(default_cache_dir())
+    else:
+        path = Path(name).expanduser()
+    return AutoTokenizer.from_pretrained(path, local_files_only=True), path
+
+
+def _eos_ids(tokenizer: Any, path: Path) -> list[int]:
+    """The tokenizer's eos first (the one scripted replies end with), then generation_config.json's, as a model
+    stops on any of them."""
+    ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    try:
+        extra = json.loads((path / "generation_config.json").read_text()).get("eos_token_id")
+    except (OSError, ValueError):
+        extra = None
+    for i in [extra] if isinstance(extra, int) else extra or []:
+        if i not in ids:
+            ids.append(i)
+    if not ids:
+        raise ValueError(f"tokenizer at {path} has no eos token")
+    return ids
+
+
+def _count(ids: list[int], pattern: list[int]) -> tuple[int, int]:
+    """(non-overlapping occurrences of `pattern` in `ids`, index just past the last one; -1 if none)."""
+    n, end, i, k = 0, -1, 0, len(pattern)
+    first = pattern[0]
+    while True:
+        try:
+            i = ids.index(first, i)
+        except ValueError:
+            return n, end
+        if ids[i:i + k] == pattern:
+            n, end, i = n + 1, i + k, i + k
+        else:
+            i += 1
+
+
 class _Seq:
-    """Per-state generation cursor: rolling hash of every token so far and the drawn output length."""
+    """Per-state generation cursor: rolling hash of every token so far, the drawn output length and, when scripted,
+    the reply's tokens with the index of the next one."""
 
-    __slots__ = ("state", "h", "target", "done")
+    __slots__ = ("state", "h", "target", "done", "script", "cursor")
 
-    def __init__(self, state: GenState, h: int, target: int | None) -> None:
+    def __init__(self, state: GenState, h: int, target: int | None, script: list[int] | None = None,
+                 cursor: int = 0) -> None:
         self.state = state
         self.h = h
         self.target = target
         self.done: asyncio.Future[None] | None = None
+        self.script = script
+        self.cursor = cursor
 
 
 class SyntheticBackend(Backend):
     def __init__(self, config: SyntheticConfig | None = None) -> None:
         self.config = config or SyntheticConfig()
         c = self.config
-        if c.vocab_size <= _NUM_SPECIAL + 256:
-            raise ValueError("vocab_size must exceed 259 (3 special ids + 256 byte ids)")
         self.model_path = c.model_path
-        self.vocab_size = c.vocab_size
         self.context_length = c.context_length
-        self.eos_token_ids = frozenset({c.eos_token_id})
-        self._span = c.vocab_size - _NUM_SPECIAL
+        self._tok: Any = None  # HF tokenizer, when configured
+        if c.tokenizer:
+            self._tok, path = load_tokenizer(c.tokenizer)
+            if c.model_path == DEFAULT_MODEL_PATH:
+                self.model_path = str(path)
+            self.vocab_size = len(self._tok)
+            eos = _eos_ids(self._tok, path)
+        else:
+            if c.vocab_size <= _NUM_SPECIAL + 256:
+                raise ValueError("vocab_size must exceed 259 (3 special ids + 256 byte ids)")
+            self.vocab_size = c.vocab_size
+            eos = [c.eos_token_id]
+        self._eos = eos[0]  # the eos this backend emits
+        self.eos_token_ids = frozenset(eos)
+        if len(self.eos_token_ids) >= self.vocab_size - _NUM_SPECIAL:
+            raise ValueError("the vocabulary needs ids that are not eos")
+        self._span = self.vocab_size - _NUM_SPECIAL
+        # Scripted replies, tokenized once; the marker locates the turn (and, on a resubmission, the partial reply).
+        self._replies = [self.encode(r) for r in c.replies]
+        self._marker = self.encode(c.turn_marker) if c.replies else []
+        if c.replies and not self._marker:
+            raise ValueError("turn_marker must not be empty")
+        self._newline = self.encode("\n")
         self._resumed = asyncio.Event()
         self._resumed.set()
         self._active: list[_Seq] = []  # stepped mode: states decoding
@@ -127,14 +211,23 @@ class SyntheticBackend(Backend):
         self._tokens_total = 0
         self._window: deque[tuple[float, int]] = deque()  # (time, tokens_total) samples for gen_throughput
 
-    # --- tokenizer: UTF-8 bytes shifted past the special ids ---
+    # --- tokenizer: the configured HF tokenizer, else UTF-8 bytes shifted past the special ids ---
 
     def encode(self, text: str) -> list[int]:
+        if self._tok is not None:
+            return list(self._tok.encode(text, add_special_tokens=False))
         return [b + _NUM_SPECIAL for b in text.encode()]
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        # The server decodes output text with the default, as SGLang does (special tokens dropped).
+        if self._tok is not None:
+            return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
         data = bytes((i - _NUM_SPECIAL) & 0xFF for i in ids if i >= _NUM_SPECIAL)
         return data.decode(errors="replace")
+
+    def _decode_for_stop(self, ids: list[int]) -> str:
+        # As SGLang's check_finished: stop strings match the raw tail, special tokens included.
+        return self.decode(ids, skip_special_tokens=False)
 
     # --- generation ---
 
@@ -144,10 +237,34 @@ class SyntheticBackend(Backend):
             h = (h * _MUL + t + 1) & _MASK
         for t in state.output_ids:  # a state resumed with partial output
             h = (h * _MUL + t + 1) & _MASK
+        if self._replies:
+            script, cursor = self._locate_reply([*state.input_ids, *state.output_ids], state.params.ignore_eos)
+            return _Seq(state, h, None, script, cursor)
         target = self.config.length.sample(random.Random(h))
         if target is not None:
             target = max(target, state.params.min_new_tokens, 1)
         return _Seq(state, h, target)
+
+    def _locate_reply(self, ids: list[int], ignore_eos: bool) -> tuple[list[int], int]:
+        """(the scripted tokens for the turn `ids` ends in, how many of them `ids` already holds).
+
+        The turn is the number of markers in `ids`; the tokens after the last marker are the generation prompt's
+        newline (when there is one) and then the reply's tokens so far: a resubmission of prompt + partial output
+        (or a state resumed with output) finds its place in the same reply. A tail that is no prefix of the reply
+        (a prompt without a generation prompt, say) starts the reply from the beginning."""
+        n, end = _count(ids, self._marker)
+        reply = self._replies[min(max(n - 1, 0), len(self._replies) - 1)]
+        script = reply if ignore_eos else [*reply, self._eos]
+        if end < 0:
+            return script, 0
+        tail = ids[end:]
+        # The generation prompt's newline is the usual case; the unstripped reading serves a marker that ends in one.
+        skips = (len(self._newline), 0) if self._newline and tail[:len(self._newline)] == self._newline else (0,)
+        for skip in skips:
+            done = tail[skip:]
+            if done[:len(script)] == script[:len(done)]:  # beyond the script: hashed tokens, consistent by design
+                return script, len(done)
+        return script, 0
 
     def _step(self, seq: _Seq) -> bool:
         """Append one token; returns True when the state finished."""
@@ -156,12 +273,14 @@ class SyntheticBackend(Backend):
             state.finish = FinishReason(type="abort", message=state.abort_message)
             return True
         m = _mix(seq.h ^ (len(state.input_ids) + len(state.output_ids)))  # position too
-        eos = self.config.eos_token_id
-        if seq.target is not None and len(state.output_ids) + 1 >= seq.target and not state.params.ignore_eos:
-            token = eos
+        if seq.script is not None and seq.cursor < len(seq.script):
+            token = seq.script[seq.cursor]
+            seq.cursor += 1
+        elif seq.target is not None and len(state.output_ids) + 1 >= seq.target and not state.params.ignore_eos:
+            token = self._eos
         else:
             token = _NUM_SPECIAL + m % self._span
-            if token == eos:
+            while token in self.eos_token_ids:
                 token = _NUM_SPECIAL + (token + 1 - _NUM_SPECIAL) % self._span
         state.output_ids.append(token)
         # Deterministic logprob in (-4, 0): the same bits for the same position and history.
@@ -170,7 +289,8 @@ class SyntheticBackend(Backend):
             state.first_token_at = time.monotonic()
         seq.h = (seq.h * _MUL + token + 1) & _MASK
         self._tokens_total += 1
-        state.finish = stop_check(state, token, self.eos_token_ids, self.decode if state.params.stop else None)
+        state.finish = stop_check(state, token, self.eos_token_ids,
+                                  self._decode_for_stop if state.params.stop else None)
         return state.finish is not None
 
     async def _wait_resumed(self, current: Callable[[], list[_Seq]]) -> None:

@@ -16,6 +16,7 @@ from producer.status import format_status, gather_status
 from protocol.codec import Codec
 from protocol.connection import redis_client
 from protocol.keys import RunKeys, inflight_key
+from protocol.messages import AgentOptions
 
 
 def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
@@ -27,6 +28,15 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     p.add_argument("--output", default=None, help="where --wait writes trajectories (default stdout)")
     p.add_argument("--timeout", type=float, default=None, metavar="S", help="give up waiting after S seconds")
     p.add_argument("--max-inflight", type=int, default=0, help="backpressure: samples admitted but not consumed")
+    p.add_argument("--kwargs", default=None, metavar="JSON", help="workflow_kwargs: the workflow class's arguments")
+    a = p.add_argument_group("agent workflows (a class with `async def run(self, data, **extra_kwargs)`)")
+    a.add_argument("--agent-mode", choices=["inline", "subproc"], default="inline",
+                   help="inline: in the worker's event loop; subproc: in a process pool, OPENAI_BASE_URL/OPENAI_API_KEY set")
+    a.add_argument("--export", choices=["individual", "concat"], default="individual",
+                   help="a sequence per completion, or per conversation branch (default individual)")
+    a.add_argument("--turn-discount", type=float, default=1.0, help="reward discount per turn up the conversation tree")
+    a.add_argument("--agent-timeout", type=float, default=600.0, metavar="S", help="an episode's time limit")
+    a.add_argument("--max-tokens", type=int, default=0, help="default max_tokens of the agent's requests")
     p.set_defaults(handler=run_enqueue)
 
     s = sub.add_parser("status", parents=[common], help="queue lengths, pending work, dead letters, live workers")
@@ -38,7 +48,8 @@ class InputError(ValueError):
     pass
 
 
-def read_jobs(stream: IO[str], name: str, workflow: str, n: int) -> list[JobRequest]:
+def read_jobs(stream: IO[str], name: str, workflow: str, n: int, *, workflow_kwargs: dict[str, Any] | None = None,
+              agent: AgentOptions | None = None) -> list[JobRequest]:
     """Parse every line first, so a bad line stops the command before anything is submitted."""
     requests: list[JobRequest] = []
     for lineno, line in enumerate(stream, 1):
@@ -53,7 +64,8 @@ def read_jobs(stream: IO[str], name: str, workflow: str, n: int) -> list[JobRequ
         job_id = data.get("job_id")
         if job_id is not None and (not isinstance(job_id, str) or not job_id):
             raise InputError(f"{name}:{lineno}: job_id must be a non-empty string, got {job_id!r}")
-        requests.append(JobRequest(workflow=workflow, data=data, n=n, job_id=job_id))
+        requests.append(JobRequest(workflow=workflow, data=data, n=n, job_id=job_id, workflow_kwargs=workflow_kwargs,
+                                   agent=agent))
     return requests
 
 
@@ -112,11 +124,12 @@ def run_enqueue(args: argparse.Namespace) -> int:
         RunKeys(args.run)
         if args.n < 1:
             raise InputError(f"--n must be >= 1, got {args.n}")
+        options = {"workflow_kwargs": _workflow_kwargs(args.kwargs), "agent": _agent_options(args)}
         if args.file == "-":
-            requests = read_jobs(sys.stdin, "<stdin>", args.workflow, args.n)
+            requests = read_jobs(sys.stdin, "<stdin>", args.workflow, args.n, **options)
         else:
             with open(args.file) as f:
-                requests = read_jobs(f, args.file, args.workflow, args.n)
+                requests = read_jobs(f, args.file, args.workflow, args.n, **options)
     except (InputError, ValueError) as exc:
         print(f"rollq enqueue: {exc}", file=sys.stderr)
         return 2
@@ -124,6 +137,24 @@ def run_enqueue(args: argparse.Namespace) -> int:
         print(f"rollq enqueue: cannot read {args.file}: {exc.strerror}", file=sys.stderr)
         return 2
     return uvloop.run(_enqueue(args, requests))
+
+
+def _workflow_kwargs(raw: str | None) -> dict[str, Any] | None:
+    if raw is None:
+        return None
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise InputError(f"--kwargs is not valid JSON: {exc.msg}") from None
+    if not isinstance(value, dict):
+        raise InputError("--kwargs must be a JSON object")
+    return value
+
+
+def _agent_options(args: argparse.Namespace) -> AgentOptions | None:
+    options = AgentOptions(mode=args.agent_mode, export=args.export, turn_discount=args.turn_discount,
+                           timeout_seconds=args.agent_timeout, max_tokens=args.max_tokens)
+    return None if options == AgentOptions() else options  # defaults travel as nothing
 
 
 async def _status(args: argparse.Namespace) -> int:

@@ -16,7 +16,7 @@ from protocol import scripts
 from protocol.codec import Codec
 from protocol.connection import ensure_group
 from protocol.keys import WORKER_GROUP, RunKeys, inflight_key
-from protocol.messages import Job, Trajectory
+from protocol.messages import AgentOptions, Job, Trajectory
 
 DEFAULT_SEEN_TTL_S = 7 * 24 * 3600
 
@@ -29,6 +29,7 @@ class JobRequest(msgspec.Struct, kw_only=True):
     n: int = 1
     job_id: str | None = None  # give one to make the submission idempotent
     workflow_kwargs: dict[str, Any] | None = None
+    agent: AgentOptions | None = None  # how an agent workflow is run and exported
 
 
 class SubmitResult(msgspec.Struct, frozen=True):
@@ -139,6 +140,7 @@ class Producer:
                         sample_index=i,
                         n=req.n,
                         workflow_kwargs=req.workflow_kwargs,
+                        agent=req.agent,
                         reply_to=self.reply_to,
                         submitted_at=now,
                     )

@@ -3,9 +3,10 @@
 from protocol.arrays import Float32Array, Int32Array, UInt8Array
 from protocol.codec import Codec, CodecError
 from protocol.keys import DEFAULT_RESULTS_GROUP, WORKER_GROUP, RunKeys
-from protocol.messages import SCHEMA_VERSION, DeadLetter, ErrorRecord, Job, Sequence, Trajectory
+from protocol.messages import SCHEMA_VERSION, AgentOptions, DeadLetter, ErrorRecord, Job, Sequence, Trajectory
 
 __all__ = [
+    "AgentOptions",
     "Codec",
     "CodecError",
     "DEFAULT_RESULTS_GROUP",

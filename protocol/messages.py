@@ -14,6 +14,24 @@ SCHEMA_VERSION = 1
 TrajectoryStatus = Literal["ok", "rejected", "error"]
 
 
+class AgentOptions(msgspec.Struct, kw_only=True, omit_defaults=True, frozen=True):
+    """How the worker runs an agent workflow (a class with `async def run(self, data, **extra_kwargs)`)."""
+
+    mode: Literal["inline", "subproc"] = "inline"  # subproc: a process pool, OPENAI_BASE_URL/OPENAI_API_KEY set
+    export: Literal["individual", "concat"] = "individual"  # a sequence per completion | per conversation branch
+    turn_discount: float = 1.0  # a completion without its own reward gets its children's (mean) times this
+    timeout_seconds: float = 600.0  # an episode running longer fails (subproc: its process is killed)
+    max_tokens: int = 0  # default max_tokens for requests that give none; 0 = the proxy's default
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.turn_discount <= 1.0:
+            raise ValueError(f"turn_discount must be in [0, 1], got {self.turn_discount}")
+        if not self.timeout_seconds > 0:
+            raise ValueError("timeout_seconds must be > 0")
+        if self.max_tokens < 0:
+            raise ValueError("max_tokens must be >= 0")
+
+
 class Job(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     """One sample of one prompt. A prompt with n samples is n jobs sharing job_id (sample_index 0..n-1)."""
 
@@ -23,6 +41,7 @@ class Job(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     sample_index: int = 0
     n: int = 1
     workflow_kwargs: dict[str, Any] | None = None
+    agent: AgentOptions | None = None  # only for agent workflows; None = defaults
     reply_to: str = ""  # results stream key; "" = the run's shared results stream
     attempt: int = 0  # failed runs before this one (the workflow raised)
     submitted_at: float = 0.0

@@ -26,6 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     from engine import cli as engine_cli
     from producer import cli as producer_cli
     from workers import cli as workers_cli
+    from workers import reward_cli
 
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
@@ -42,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     workers_cli.register(sub, common)
+    reward_cli.register(sub, common)
     producer_cli.register(sub, common)
     engine_cli.register(sub, common)
     return parser

@@ -65,8 +65,8 @@ async def wait_until(predicate: Callable, timeout_s: float = 10.0, interval_s: f
 
 
 @asynccontextmanager
-async def running_worker(redis_url: str, run: str, **config) -> AsyncIterator[Worker]:
-    worker = Worker(WorkerConfig(redis_url=redis_url, run=run, **config))
+async def running_worker(redis_url: str, run: str, engine=None, **config) -> AsyncIterator[Worker]:
+    worker = Worker(WorkerConfig(redis_url=redis_url, run=run, **config), engine=engine)
     task = asyncio.create_task(worker.run())
     ready = asyncio.create_task(worker.ready.wait())
     done, _ = await asyncio.wait([task, ready], timeout=10, return_when=asyncio.FIRST_COMPLETED)

@@ -41,3 +41,14 @@ def hard_exit(code: int) -> float:
 def dispatch(kind: str, *args: object) -> object:
     """One wrapper per test module can exercise every behaviour, reusing its children across tests."""
     return globals()[kind](*args)
+
+
+def hang_forever(*args: object, **kwargs: object) -> float:
+    """Never returns (the wrapper's timeout must kill it); takes any arguments, so workflows can call it too."""
+    while True:
+        time.sleep(3600)
+
+
+def completion_reward(prompt, completion, input_ids, output_ids, bonus: float = 0.0, **data: object) -> float:
+    """Workflow-shaped, with AReaL's parameter names: the data key "prompt" must be left out of the kwargs."""
+    return float(len(output_ids)) + bonus

@@ -100,3 +100,25 @@ class Generate:
             "versions": [-1] * len(prompt) + resp.output_versions,
             "reward": float(n_out),
         }
+
+
+class ContextProbe:
+    """Returns a trajectory whose reward is the id of the worker's shared httpx client (so a test can compare)."""
+
+    async def arun_episode(self, engine, data):
+        from workers.context import workflow_context
+
+        return {**trajectory(4), "reward": float(id(workflow_context().http_client()) % 1_000_003)}
+
+
+class Closable:
+    """Counts its aclose() calls in a file, so a test can see the worker closed it on shutdown."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = Path(marker)
+
+    async def arun_episode(self, engine, data):
+        return trajectory(4)
+
+    async def aclose(self) -> None:
+        self.marker.write_text(str(int(self.marker.read_text() or 0) + 1) if self.marker.exists() else "1")

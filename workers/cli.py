@@ -30,6 +30,12 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     p.add_argument("--lease-ms", type=int, default=60_000, help="idle time after which a dead worker's job is reclaimed")
     p.add_argument("--drain-grace", type=float, default=30.0, help="seconds in-flight jobs get to finish on SIGTERM")
     p.add_argument("--wait-redis", type=float, default=0.0, metavar="S", help="wait up to S seconds for Redis at start")
+    g = p.add_argument_group("agent workflows")
+    g.add_argument("--tokenizer", default="tiny",
+                   help="tokenizer + chat template of the agents' proxy: `tiny` or the served model's directory")
+    g.add_argument("--agent-processes", type=int, default=4, help="subproc-mode agents running at once (default 4)")
+    g.add_argument("--proxy-host", default="127.0.0.1", help="where the agents' OpenAI-compatible proxy listens")
+    g.add_argument("--proxy-port", type=int, default=0, help="its port (default: a free one)")
     p.set_defaults(handler=run_worker)
 
 
@@ -83,6 +89,10 @@ def run_worker(args: argparse.Namespace) -> int:
             max_attempts=args.max_attempts,
             lease_idle_ms=args.lease_ms,
             drain_grace_s=args.drain_grace,
+            tokenizer=args.tokenizer,
+            agent_processes=args.agent_processes,
+            proxy_host=args.proxy_host,
+            proxy_port=args.proxy_port,
         )
         RunKeys(args.run)
     except ValueError as exc:

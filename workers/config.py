@@ -19,6 +19,10 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
     block_ms: int = 500  # longest blocking read; bounds how fast a stop is noticed
     drain_grace_s: float = 30.0  # on SIGTERM, how long in-flight jobs may take to finish
     publish_batch: int = 256
+    tokenizer: str = "tiny"  # the agent proxy's tokenizer + chat template: "tiny" or the engine model's directory
+    agent_processes: int = 4  # subproc-mode agents running at once
+    proxy_host: str = "127.0.0.1"  # where the agent proxy listens (subproc agents and inline agents reach it here)
+    proxy_port: int = 0  # 0: a free port
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import inspect
 import json
+import logging
 from typing import Any
 
+from protocol.messages import AgentOptions
 from workers.builtin import BUILTIN_WORKFLOWS, resolve_agent_name
+
+log = logging.getLogger("rollq.worker")
 
 
 class WorkflowLoadError(Exception):
@@ -62,29 +67,51 @@ class FunctionWorkflow:
 
 class WorkflowCache:
     def __init__(self) -> None:
-        self._instances: dict[tuple[str, str], Any] = {}
+        self._instances: dict[tuple[str, str, AgentOptions | None], Any] = {}
 
-    def get(self, path: str, kwargs: dict[str, Any] | None) -> Any:
-        key = (path, json.dumps(kwargs, sort_keys=True, default=str) if kwargs else "")
+    def get(self, path: str, kwargs: dict[str, Any] | None, agent: AgentOptions | None = None) -> Any:
+        key = (path, json.dumps(kwargs, sort_keys=True, default=str) if kwargs else "", agent)
         wf = self._instances.get(key)
         if wf is None:
-            wf = self._instances[key] = self._build(path, kwargs or {})
+            wf = self._instances[key] = self._build(path, kwargs or {}, agent)
         return wf
 
+    async def close(self) -> None:
+        """Give every workflow that has `async def aclose(self)` the chance to release what it holds (reward
+        process pools, clients)."""
+        instances, self._instances = list(self._instances.values()), {}
+        closers = [wf.aclose() for wf in instances if inspect.iscoroutinefunction(getattr(wf, "aclose", None))]
+        for result in await asyncio.gather(*closers, return_exceptions=True):
+            if isinstance(result, Exception):
+                log.warning("closing a workflow failed: %s: %s", type(result).__name__, result)
+
     @staticmethod
-    def _build(path: str, kwargs: dict[str, Any]) -> Any:
+    def _build(path: str, kwargs: dict[str, Any], agent: AgentOptions | None) -> Any:
+        from workers.agents.runner import AgentWorkflow, is_agent  # the agent stack loads only when used
+
         obj = resolve(path)
+        if is_agent(obj):
+            if inspect.isclass(obj) and (agent is None or agent.mode == "inline"):
+                obj = _construct(obj, path, kwargs)  # subproc mode builds it in the child instead
+            elif not inspect.isclass(obj) and kwargs:
+                raise WorkflowLoadError(f"agent {path!r} is not a class, so it takes no workflow_kwargs")
+            return AgentWorkflow(obj, path, kwargs, agent)
         if inspect.isclass(obj):
-            try:
-                obj = obj(**kwargs)
-            except Exception as exc:
-                raise WorkflowLoadError(f"cannot construct workflow {path!r}: {type(exc).__name__}: {exc}") from None
+            obj = _construct(obj, path, kwargs)
         elif kwargs:
             raise WorkflowLoadError(f"workflow {path!r} is not a class, so it takes no workflow_kwargs")
         if inspect.iscoroutinefunction(obj):
             return FunctionWorkflow(obj)
         if not inspect.iscoroutinefunction(getattr(obj, "arun_episode", None)):
             raise WorkflowLoadError(
-                f"workflow {path!r} has no 'async def arun_episode(self, engine, data)' (got {type(obj).__name__})"
+                f"workflow {path!r} has neither 'async def arun_episode(self, engine, data)' nor an agent's "
+                f"'async def run(self, data, **extra_kwargs)' (got {type(obj).__name__})"
             )
         return obj
+
+
+def _construct(cls: Any, path: str, kwargs: dict[str, Any]) -> Any:
+    try:
+        return cls(**kwargs)
+    except Exception as exc:
+        raise WorkflowLoadError(f"cannot construct workflow {path!r}: {type(exc).__name__}: {exc}") from None

@@ -76,7 +76,7 @@ def _as_reward(value: Any) -> float | None:
     return result if math.isfinite(result) else None
 
 
-def _child_main(fn: Callable[..., Any], conn: Connection) -> None:
+def _child_main(fn: Callable[..., Any], conn: Connection, accept: Callable[[Any], Any] = _as_reward) -> None:
     """Child loop: one (args, kwargs) in, one tagged result out, until the parent says stop or goes away."""
     # Ctrl-C reaches the whole process group; the parent decides when children stop, so don't die mid-reply.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -95,8 +95,8 @@ def _child_main(fn: Callable[..., Any], conn: Connection) -> None:
         except BaseException as exc:  # noqa: BLE001 - everything the user code raises is reported, incl. SystemExit
             reply: tuple = (_RAISED, type(exc).__name__, str(exc), traceback.format_exc())
         else:
-            reward = _as_reward(value)
-            reply = (_OK, reward) if reward is not None else (_NOT_A_NUMBER, type(value).__name__, repr(value)[:200])
+            result = accept(value)
+            reply = (_OK, result) if result is not None else (_NOT_A_NUMBER, type(value).__name__, repr(value)[:200])
         conn.send(reply)
 
 
@@ -119,13 +119,21 @@ class AsyncRewardWrapper:
         max_workers: int = 4,
         *,
         start_method: str = "forkserver",
+        accept: Callable[[Any], Any] = _as_reward,
+        what: str = "reward function",
+        expected: str = "a finite number",
     ) -> None:
+        """`accept` (module-level, runs in the child) maps a return value to the result, or None when it is not
+        one; `what` and `expected` word the errors. The defaults make it a reward function runner."""
         try:
             # Children receive fn by pickle (module + name); a lambda or closure should fail here, not per call.
             ForkingPickler.dumps(fn)
         except Exception as exc:
             raise TypeError(f"reward function {fn!r} must be a picklable module-level function: {exc}") from exc
         self.fn = fn
+        self.accept = accept
+        self.what = what
+        self.expected = expected
         self.config = RewardConfig(timeout_seconds=timeout_seconds, max_workers=max_workers, start_method=start_method)
         self._ctx = multiprocessing.get_context(start_method)
         self._slots = asyncio.Semaphore(max_workers)
@@ -172,7 +180,7 @@ class AsyncRewardWrapper:
             await _wait_readable(child.conn, self.config.timeout_seconds)
         except TimeoutError:
             raise RewardTimeout(
-                f"reward function {_name(self.fn)} took longer than {self.config.timeout_seconds:g}s; "
+                f"{self.what} {_name(self.fn)} took longer than {self.config.timeout_seconds:g}s; "
                 f"worker {child.pid} killed"
             ) from None
         try:
@@ -180,7 +188,7 @@ class AsyncRewardWrapper:
         except (EOFError, OSError):
             await _reap(child)
             raise RewardError(
-                f"reward worker {child.pid} died while running {_name(self.fn)} "
+                f"worker process {child.pid} died while running {self.what} {_name(self.fn)} "
                 f"(exit code {child.process.exitcode})"
             ) from None
 
@@ -190,10 +198,10 @@ class AsyncRewardWrapper:
             return reply[1]
         if tag == _RAISED:
             _, type_name, text, tb = reply
-            raise RewardError(f"reward function {_name(self.fn)} raised {type_name}: {text}", remote_traceback=tb)
+            raise RewardError(f"{self.what} {_name(self.fn)} raised {type_name}: {text}", remote_traceback=tb)
         _, type_name, value_repr = reply
         raise RewardNotANumber(
-            f"reward function {_name(self.fn)} returned {type_name} {value_repr}, not a finite number"
+            f"{self.what} {_name(self.fn)} returned {type_name} {value_repr}, not {self.expected}"
         )
 
     async def _take_child(self) -> _Child:
@@ -219,7 +227,7 @@ class AsyncRewardWrapper:
 
     def _start_child(self) -> _Child:
         parent_conn, child_conn = self._ctx.Pipe(duplex=True)
-        process = self._ctx.Process(target=_child_main, args=(self.fn, child_conn), daemon=True, name="rollq-reward")
+        process = self._ctx.Process(target=_child_main, args=(self.fn, child_conn, self.accept), daemon=True, name="rollq-reward")
         process.start()
         # Drop our copy of the child's end, so the child's death shows up as EOF on ours.
         child_conn.close()

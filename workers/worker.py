@@ -28,8 +28,10 @@ from protocol.keys import PAYLOAD_FIELD, WORKER_GROUP, RunKeys
 from protocol.messages import SCHEMA_VERSION, DeadLetter, ErrorRecord, Job, Trajectory
 from workers.batcher import WriteBatcher
 from workers.config import WorkerConfig
+from workers.context import ContextConfig, WorkflowContext
 from workers.loader import WorkflowCache, WorkflowLoadError, workflow_path
 from workers.outputs import to_sequences
+from workers.proxy.server import ProxyConfig
 
 log = logging.getLogger("rollq.worker")
 
@@ -86,6 +88,9 @@ class Worker:
         self.engine = engine
         self.codec = Codec()
         self.workflows = WorkflowCache()
+        # Shared by this worker's workflows (HTTP clients, the agents' recording proxy); closed when it stops.
+        self.context = WorkflowContext(ContextConfig(tokenizer=config.tokenizer, agent_processes=config.agent_processes,
+                                                     proxy=ProxyConfig(host=config.proxy_host, port=config.proxy_port)))
         self.stats = WorkerStats()
         self._finish = self.redis.register_script(scripts.FINISH)
         self._requeue = self.redis.register_script(scripts.REQUEUE)
@@ -111,8 +116,12 @@ class Worker:
         ]
         log.info("worker %s serving run %r (concurrency %d)", self.name, self.cfg.run, self.cfg.concurrency)
         try:
-            await self._consume_loop()
-            await self._drain()
+            async with self.context:  # job tasks started below inherit it: workflow_context() finds it
+                try:
+                    await self._consume_loop()
+                    await self._drain()
+                finally:
+                    await self.workflows.close()
         finally:
             for task in background:
                 task.cancel()
@@ -300,7 +309,7 @@ class Worker:
                     runs - 1,
                 ))
             try:
-                workflow = self.workflows.get(workflow_path(job.workflow, job.data), job.workflow_kwargs)
+                workflow = self.workflows.get(workflow_path(job.workflow, job.data), job.workflow_kwargs, job.agent)
             except WorkflowLoadError as exc:
                 raise _Fatal(self._error("WorkflowLoadError", str(exc), runs)) from None
             try:

@@ -110,3 +110,46 @@ async def test_requests_fail_over_when_an_engine_is_sigkilled_mid_request(engine
         # Same tokens as a run on the survivor alone (deterministic synthetic engine).
         again = await asyncio.gather(*(pool.agenerate(r) for r in reqs))
         assert [r.output_tokens for r in responses] == [r.output_tokens for r in again]
+
+
+class Collector:
+    """on_tokens target: everything a streamed request showed its caller, in order."""
+
+    def __init__(self) -> None:
+        self.ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.calls = 0
+
+    def __call__(self, ids: list[int], logprobs: list[float]) -> None:
+        self.ids += ids
+        self.logprobs += logprobs
+        self.calls += 1
+
+
+async def test_streamed_tokens_are_the_response_across_a_pause(engines, tmp_path):
+    async with EnginePool(PoolConfig(urls=[h.url for h in engines])) as pool:
+        baseline = await pool.agenerate(request(1, 80))
+        seen = Collector()
+        task = asyncio.create_task(pool.agenerate(request(1, 80), on_tokens=seen))
+        await wait_until(lambda: len(seen.ids) >= 5, 10, what="first streamed tokens")
+        await FleetController(pool).cycle(str(tmp_path), 1, mode="abort")  # aborts and resubmits mid-stream
+        resp = await asyncio.wait_for(task, 30)
+        assert resp.resubmissions >= 1 and seen.calls > 2  # several chunks, not one at the end
+        assert seen.ids == resp.output_tokens == baseline.output_tokens
+        assert seen.logprobs == resp.output_logprobs
+
+
+async def test_streamed_tokens_survive_an_engine_sigkilled_mid_stream(engine_process):
+    started = [await engine_process("--token-latency", "0.01") for _ in range(2)]
+    urls = [url for _, url in started]
+    async with EnginePool(PoolConfig(urls=urls, health_interval_s=0.2)) as pool:
+        seen = Collector()
+        task = asyncio.create_task(pool.agenerate(request(3, 80, affinity="a"), on_tokens=seen))
+        await wait_until(lambda: len(seen.ids) >= 10, 10, what="tokens streamed")
+        victim = next(i for i, u in enumerate(urls) if pool.members[u].outstanding)
+        os.kill(started[victim][0].pid, signal.SIGKILL)
+        resp = await asyncio.wait_for(task, 60)
+        # Nothing shown is taken back or repeated: the survivor continued after the streamed tokens.
+        assert seen.ids == resp.output_tokens and len(resp.output_tokens) == 80
+        again = await pool.agenerate(request(3, 80))
+        assert resp.output_tokens == again.output_tokens

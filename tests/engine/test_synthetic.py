@@ -3,15 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import statistics
+import subprocess
+import sys
 import time
 
 import pytest
 
 from engine.backend import GenState
 from engine.synthetic import LengthDist, SyntheticBackend, SyntheticConfig
+from engine.tiny_model import build_tiny, default_cache_dir
 from engine.types import SamplingParams
+from tests.conftest import REPO_ROOT, wait_until
+from tests.scripted import scripted_engine, tiny_tokenizer
 
 
 async def run(backend: SyntheticBackend, prompt: list[int], tokens: int, **params) -> GenState:
@@ -69,3 +75,127 @@ async def test_many_short_generations_are_cheap():
     await asyncio.gather(*(backend.run(s) for s in states))
     assert time.perf_counter() - t0 < 1.0  # well under the 1,000 requests/s the server must sustain
     assert all(len(s.output_ids) == 16 for s in states)
+
+
+def test_default_backend_keeps_the_byte_tokenizer():
+    backend = SyntheticBackend()
+    assert (backend.model_path, backend.vocab_size, backend.eos_token_ids) == ("synthetic", 32000, frozenset({2}))
+    assert backend.encode("hé") == [b + 3 for b in "hé".encode()] and backend.decode(backend.encode("hé")) == "hé"
+
+
+# --- scripted replies with the tiny ChatML tokenizer, over a real server on loopback ---
+
+TOOL_REPLY = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+REPLIES = [TOOL_REPLY, "The sum is 5.", "Anything else?"]
+
+
+def chat_ids(*turns: str) -> list[int]:
+    """ChatML ids for alternating user/assistant turns (user first), ending in the generation prompt."""
+    messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(turns)]
+    text = tiny_tokenizer().apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tiny_tokenizer().encode(text, add_special_tokens=False)
+
+
+async def post(http, url: str, input_ids: list[int], max_new_tokens: int = 200, **params) -> dict:
+    body = {"input_ids": input_ids, "return_logprob": True,
+            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0, **params}}
+    resp = await http.post(url + "/generate", json=body)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def logprobs(out: dict) -> list[float]:
+    return [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
+
+
+async def test_scripted_reply_follows_the_assistant_turn(http):
+    eos = tiny_tokenizer().eos_token_id
+    async with scripted_engine(REPLIES) as handle:
+        info = (await http.get(handle.url + "/model_info")).json()
+        assert info["model_path"] == str(build_tiny(default_cache_dir()))
+        turns = ["What is 2 + 3?", TOOL_REPLY, '{"result": 5}', "The sum is 5.", "Thanks", "Anything else?", "No"]
+        for n_assistant, want in [(0, REPLIES[0]), (1, REPLIES[1]), (2, REPLIES[2]), (3, REPLIES[2])]:
+            out = await post(http, handle.url, chat_ids(*turns[:2 * n_assistant + 1]))
+            assert out["text"] == want, n_assistant
+            assert out["output_ids"] == [*tiny_tokenizer().encode(want, add_special_tokens=False), eos]
+            assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": eos}
+            assert all(-4 < lp < 0 for lp in logprobs(out))
+        # Text in goes through the same tokenizer.
+        text = tiny_tokenizer().apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                                    add_generation_prompt=True)
+        body = {"text": text, "sampling_params": {"max_new_tokens": 100}}
+        assert (await http.post(handle.url + "/generate", json=body)).json()["text"] == REPLIES[0]
+
+
+def test_tool_call_text_round_trips_through_the_tiny_tokenizer():
+    backend = SyntheticBackend(SyntheticConfig(tokenizer="tiny", replies=[TOOL_REPLY]))
+    ids = backend.encode(TOOL_REPLY)
+    assert ids[0] == tiny_tokenizer().convert_tokens_to_ids("<tool_call>")  # one added token
+    assert backend.decode(ids) == TOOL_REPLY and backend.decode(ids, skip_special_tokens=True) == TOOL_REPLY
+    assert backend.vocab_size == len(tiny_tokenizer())
+    assert tiny_tokenizer().eos_token_id in backend.eos_token_ids
+
+
+async def test_scripted_reply_respects_max_new_tokens_and_stops(http):
+    reply_ids = tiny_tokenizer().encode(TOOL_REPLY, add_special_tokens=False)
+    async with scripted_engine([TOOL_REPLY]) as handle:
+        out = await post(http, handle.url, chat_ids("add 2 and 3"), max_new_tokens=3)
+        assert out["output_ids"] == reply_ids[:3]
+        assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 3}
+        out = await post(http, handle.url, chat_ids("add 2 and 3"), stop=['"arguments'])
+        assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": '"arguments'}
+        assert out["text"] == TOOL_REPLY[:TOOL_REPLY.index('"arguments')]
+        out = await post(http, handle.url, chat_ids("add 2 and 3"), stop_token_ids=[reply_ids[1]])
+        assert out["output_ids"] == reply_ids[:2]
+
+
+@pytest.mark.parametrize("latency", [0.0, 0.001])
+@pytest.mark.parametrize("ignore_eos", [False, True])
+async def test_scripted_resubmission_continues_the_same_reply(http, latency, ignore_eos):
+    prompt = chat_ids("What is 2 + 3?", TOOL_REPLY, '{"result": 5}')
+    async with scripted_engine(REPLIES, per_token_latency_s=latency) as handle:
+        # With ignore_eos the reply runs on into hashed tokens: the resubmission must cross that boundary too.
+        full = await post(http, handle.url, prompt, 12, ignore_eos=ignore_eos)
+        assert full["text"].startswith(REPLIES[1][:5])
+        ids = full["output_ids"]
+        for m in (1, 3, len(ids) - 2, len(ids) - 1):
+            rest = await post(http, handle.url, prompt + ids[:m], 12 - m, ignore_eos=ignore_eos)
+            assert rest["output_ids"] == ids[m:], m
+            assert logprobs(rest) == logprobs(full)[m:], m
+
+
+async def test_scripted_reply_survives_a_retracting_pause(http):
+    prompt = chat_ids("What is 2 + 3?")
+    async with scripted_engine([TOOL_REPLY], per_token_latency_s=0.01) as handle:
+        want = await post(http, handle.url, prompt)
+        task = asyncio.create_task(http.post(handle.url + "/generate", json={
+            "input_ids": prompt, "rid": "paused", "sampling_params": {"max_new_tokens": 200}}))
+
+        def started() -> bool:
+            req = handle.server.states.get("paused")
+            return req is not None and len(req.state.output_ids) >= 3
+
+        await wait_until(started, 10, 0.002, what="3 tokens")
+        assert (await http.post(handle.url + "/pause_generation", json={"mode": "retract"})).status_code == 200
+        assert (await http.post(handle.url + "/continue_generation")).status_code == 200
+        out = (await asyncio.wait_for(task, 10)).json()
+        assert out["output_ids"] == want["output_ids"] and out["text"] == TOOL_REPLY
+        assert out["meta_info"]["num_retractions"] == 1
+
+
+def test_cli_replies_file_errors_exit_2(tmp_path):
+    bad = tmp_path / "replies.json"
+    bad.write_text('{"not": "a list"}')
+    for path in (bad, tmp_path / "missing.json"):
+        proc = subprocess.run([sys.executable, "-m", "engine", "--backend", "synthetic", "--port", "0",
+                               "--replies-file", str(path)], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+        assert "--replies-file" in proc.stderr
+
+
+async def test_cli_serves_scripted_replies(engine_process, http, tmp_path):
+    replies = tmp_path / "replies.json"
+    replies.write_text(json.dumps(REPLIES))
+    _, url = await engine_process("--tokenizer", "tiny", "--replies-file", str(replies))
+    out = await post(http, url, chat_ids("What is 2 + 3?", TOOL_REPLY, '{"result": 5}'))
+    assert out["text"] == REPLIES[1]

@@ -301,3 +301,59 @@ async def test_tool_agent_honours_the_token_budget(scripted, tok):
     traj = await wf.arun_episode(pool, {"prompt": "p"})
     prompt_len = len(backend.prompts[0])
     assert len(backend.prompts) == 2 and len(traj["input_ids"]) - prompt_len == n_first + 40
+
+
+# --- reward execution modes ------------------------------------------------------------------------------------
+
+
+def _expected_completion_reward(traj, prompt_len: int, bonus: float) -> float:
+    return float(len(traj["input_ids"]) - prompt_len) + bonus  # tests.reward_fns.completion_reward
+
+
+async def test_rlvr_reward_mode_process_runs_the_reward_in_a_child(ref_pool, tok):
+    wf = RLVRWorkflow(reward_fn="tests.reward_fns:completion_reward", max_new_tokens=5, temperature=0.0,
+                      reward_mode="process", reward_timeout=5.0, reward_workers=1)
+    try:
+        # "prompt" is a data key and also the function's first parameter name: left out of the kwargs.
+        traj = await wf.arun_episode(ref_pool, {"input_ids": [5, 6, 7], "prompt": "ignored", "bonus": 0.5})
+        assert traj["reward"] == _expected_completion_reward(traj, 3, 0.5)
+        assert len(wf.reward._runner.pids) == 1
+    finally:
+        await wf.aclose()
+
+
+async def test_process_mode_timeout_raises_instead_of_a_zero_reward(ref_pool):
+    from workers.rewards import RewardTimeout
+
+    wf = MultiTurnWorkflow(reward_fn="tests.reward_fns:hang_forever", max_new_tokens=2, reward_mode="process",
+                           reward_timeout=0.3)
+    try:
+        with pytest.raises(RewardTimeout, match="hang_forever took longer than 0.3s"):
+            await wf.arun_episode(ref_pool, {"input_ids": [5, 6, 7]})
+    finally:
+        await wf.aclose()
+
+
+async def test_rlvr_reward_mode_remote_uses_the_reward_worker(ref_pool, redis_url, run_name, tmp_path, monkeypatch):
+    from tests.workers.test_remote_rewards import reward_worker
+
+    monkeypatch.setenv("ROLLQ_REDIS_URL", redis_url)
+    with reward_worker(redis_url, run_name, tmp_path / "reward-worker.log", "--timeout", "5"):
+        wf = RLVRWorkflow(reward_fn="tests.reward_fns:completion_reward", max_new_tokens=5, temperature=0.0,
+                          reward_mode="remote", reward_run=run_name)
+        try:
+            traj = await wf.arun_episode(ref_pool, {"input_ids": [5, 6, 7], "prompt": "ignored", "bonus": 0.25})
+            assert traj["reward"] == _expected_completion_reward(traj, 3, 0.25)
+        finally:
+            await wf.aclose()
+
+
+def test_reward_mode_is_checked_at_construction():
+    with pytest.raises(ValueError, match="reward_mode 'nope' is not one of inline, process, remote"):
+        RLVRWorkflow(reward_fn=zero_reward, reward_mode="nope")
+    with pytest.raises(ValueError, match="reward_mode"):
+        ToolAgentWorkflow(tools=[], reward_mode="nope")
+    with pytest.raises(ValueError, match="import path or a module-level function"):
+        RLVRWorkflow(reward_fn=lambda *a, **k: 0.0, reward_mode="remote")
+    with pytest.raises(TypeError, match="picklable"):
+        MultiTurnWorkflow(reward_fn=lambda *a, **k: 0.0, reward_mode="process")

@@ -13,11 +13,10 @@ from workers.builtin.rlvr import (
     GenerationConfig,
     LazyTokenizer,
     TokenSequence,
-    call_reward,
     encode,
-    load_callable,
     prompt_ids,
     render,
+    reward_caller,
 )
 
 # A stand-in conversation: the template's rendering of new turns after an assistant turn is the difference between
@@ -49,14 +48,22 @@ def _eos_ids(tokenizer: Any) -> set[int]:
 
 class MultiTurnWorkflow:
     def __init__(self, reward_fn: Any, tokenizer: str = "tiny", max_new_tokens: int = 64, temperature: float = 1.0,
-                 max_turns: int = 2, feedback: str = "Try again.") -> None:
+                 max_turns: int = 2, feedback: str = "Try again.", reward_mode: str = "inline",
+                 reward_timeout: float = 15.0, reward_workers: int = 2, reward_run: str = "default") -> None:
         if max_turns < 1:
             raise ValueError("max_turns must be >= 1")
-        self.reward_fn = load_callable(reward_fn)
+        self.reward = reward_caller(reward_fn, reward_mode, reward_timeout, reward_workers, reward_run)
+        if self.reward is None:
+            raise ValueError("MultiTurnWorkflow needs a reward_fn")
+        self.reward_fn = self.reward.fn
         self.tokenizer = LazyTokenizer(tokenizer)
         self.generation = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature)
         self.max_turns = max_turns
         self.feedback = feedback
+
+    async def aclose(self) -> None:
+        """Stops reward child processes / connections (process and remote modes)."""
+        await self.reward.close()
 
     async def arun_episode(self, engine: Any, data: dict[str, Any]) -> dict[str, Any] | None:
         tok = await self.tokenizer.get()
@@ -68,9 +75,9 @@ class MultiTurnWorkflow:
         for turn in range(self.max_turns):
             resp = await engine.agenerate(self.generation.request(seq.input_ids, data))
             seq.add_generated(resp)
-            reward = await call_reward(
-                self.reward_fn, prompt_text, tok.decode(resp.output_tokens, skip_special_tokens=True),
-                prompt, list(resp.output_tokens), {**data, "turn": turn},
+            reward = await self.reward(
+                prompt_text, tok.decode(resp.output_tokens, skip_special_tokens=True), prompt,
+                list(resp.output_tokens), {**data, "turn": turn},
             )
             if reward >= 1.0 or turn + 1 == self.max_turns:
                 break

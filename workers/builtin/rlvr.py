@@ -7,16 +7,14 @@ token-sequence builder that keeps input_ids / loss_mask / logprobs / versions al
 from __future__ import annotations
 
 import asyncio
-import inspect
-import math
-import numbers
 from collections.abc import Callable
 from typing import Any
 
 import msgspec
 
 from engine.types import ModelRequest, ModelResponse, SamplingParams
-from workers.loader import resolve
+# Re-exported: the reward-call helpers used to live here and the other workflows import them from this module.
+from workers.builtin.reward_call import RewardCaller, call_reward, load_callable, reward_caller, reward_kwargs
 
 
 def load_tokenizer(name: str) -> Any:
@@ -71,40 +69,6 @@ def prompt_ids(tokenizer: Any, data: dict[str, Any], *, tools: list[dict] | None
     return encode(tokenizer, render(tokenizer, messages, tools=tools, add_generation_prompt=True))
 
 
-def load_callable(spec: str | Callable[..., Any] | None) -> Callable[..., Any] | None:
-    """An import path ("module:function") or the callable itself."""
-    if spec is None or callable(spec):
-        return spec
-    fn = resolve(spec)
-    if not callable(fn):
-        raise TypeError(f"{spec!r} is not callable")
-    return fn
-
-
-async def call_reward(fn: Callable[..., Any], prompt_text: str, completion_text: str, input_ids: list[int],
-                      output_ids: list[int], data: dict[str, Any]) -> float:
-    """`fn(prompt_text, completion_text, input_ids, output_ids, **data)`, sync (in a thread) or async -> float.
-
-    Data keys that would collide with the first four parameters (whatever the function calls them, e.g. AReaL's
-    `prompt`) are left out of the keyword arguments."""
-    try:
-        positional = [p.name for p in inspect.signature(fn).parameters.values()
-                      if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][:4]
-    except (TypeError, ValueError):
-        positional = []
-    kwargs = {k: v for k, v in data.items() if k not in positional}
-    args = (prompt_text, completion_text, input_ids, output_ids)
-    if inspect.iscoroutinefunction(fn):
-        value = await fn(*args, **kwargs)
-    else:
-        value = await asyncio.to_thread(fn, *args, **kwargs)  # graders can be slow; keep the loop free
-        if inspect.isawaitable(value):
-            value = await value
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
-        raise TypeError(f"reward function returned {value!r}, not a finite number")
-    return float(value)
-
-
 class TokenSequence:
     """One growing episode: every token with its loss mask, behaviour logprob and policy version."""
 
@@ -156,10 +120,19 @@ class GenerationConfig(msgspec.Struct, kw_only=True, frozen=True):
 
 class RLVRWorkflow:
     def __init__(self, reward_fn: str | Callable[..., Any], tokenizer: str = "tiny", max_new_tokens: int = 64,
-                 temperature: float = 1.0) -> None:
-        self.reward_fn = load_callable(reward_fn)  # resolved now: a bad path fails at construction (dead-letter)
+                 temperature: float = 1.0, reward_mode: str = "inline", reward_timeout: float = 15.0,
+                 reward_workers: int = 2, reward_run: str = "default") -> None:
+        # Resolved now: a bad path or mode fails at construction (dead-letter). See reward_call for the modes.
+        self.reward = reward_caller(reward_fn, reward_mode, reward_timeout, reward_workers, reward_run)
+        if self.reward is None:
+            raise ValueError("RLVRWorkflow needs a reward_fn")
+        self.reward_fn = self.reward.fn
         self.tokenizer = LazyTokenizer(tokenizer)
         self.generation = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature)
+
+    async def aclose(self) -> None:
+        """Stops reward child processes / connections (process and remote modes)."""
+        await self.reward.close()
 
     async def arun_episode(self, engine: Any, data: dict[str, Any]) -> dict[str, Any] | None:
         tok = await self.tokenizer.get()
@@ -168,12 +141,12 @@ class RLVRWorkflow:
         seq = TokenSequence()
         seq.add_context(prompt)
         seq.add_generated(resp)
-        reward = await call_reward(
-            self.reward_fn, tok.decode(prompt), tok.decode(resp.output_tokens, skip_special_tokens=True),
-            prompt, list(resp.output_tokens), data,
+        reward = await self.reward(
+            tok.decode(prompt), tok.decode(resp.output_tokens, skip_special_tokens=True), prompt,
+            list(resp.output_tokens), data,
         )
         return seq.trajectory(reward)
 
 
-__all__ = ["GenerationConfig", "LazyTokenizer", "RLVRWorkflow", "TokenSequence", "call_reward", "encode",
-           "load_callable", "load_tokenizer", "prompt_ids", "render"]
+__all__ = ["GenerationConfig", "LazyTokenizer", "RLVRWorkflow", "RewardCaller", "TokenSequence", "call_reward",
+           "encode", "load_callable", "load_tokenizer", "prompt_ids", "render", "reward_caller", "reward_kwargs"]

@@ -14,7 +14,7 @@ import msgspec
 
 from engine.types import ModelRequest, SamplingParams
 from workers.builtin.multi_turn import continuation_ids
-from workers.builtin.rlvr import LazyTokenizer, TokenSequence, call_reward, encode, load_callable, prompt_ids
+from workers.builtin.rlvr import LazyTokenizer, TokenSequence, encode, prompt_ids, reward_caller
 from workers.loader import resolve
 from workers.tool_calls import ToolRegistry, parse_tool_calls
 
@@ -45,12 +45,20 @@ def truncate_tokens(tokenizer: Any, text: str, limit: int) -> str:
 class ToolAgentWorkflow:
     def __init__(self, tools: str | ToolRegistry | list, tokenizer: str = "tiny", max_turns: int = 4,
                  max_response_tokens: int = 256, max_tool_response_tokens: int = 64, reward_fn: Any = None,
-                 temperature: float = 1.0) -> None:
+                 temperature: float = 1.0, reward_mode: str = "inline", reward_timeout: float = 15.0,
+                 reward_workers: int = 2, reward_run: str = "default") -> None:
         self.registry = load_tools(tools)
         self.tokenizer = LazyTokenizer(tokenizer)
         self.config = ToolAgentConfig(max_turns=max_turns, max_response_tokens=max_response_tokens,
                                       max_tool_response_tokens=max_tool_response_tokens, temperature=temperature)
-        self.reward_fn = load_callable(reward_fn)
+        # None without a reward_fn (the episode's reward is then 0); the mode is validated either way.
+        self.reward = reward_caller(reward_fn, reward_mode, reward_timeout, reward_workers, reward_run)
+        self.reward_fn = self.reward.fn if self.reward is not None else None
+
+    async def aclose(self) -> None:
+        """Stops reward child processes / connections (process and remote modes)."""
+        if self.reward is not None:
+            await self.reward.close()
 
     async def _tool_messages(self, tok: Any, text: str) -> list[dict[str, Any]]:
         _, calls, errors = parse_tool_calls(text)
@@ -86,10 +94,9 @@ class ToolAgentWorkflow:
                 break
             seq.add_context(suffix)
         reward = 0.0
-        if self.reward_fn is not None:
-            reward = await call_reward(self.reward_fn, tok.decode(prompt),
-                                       tok.decode(completion_ids, skip_special_tokens=True), prompt, completion_ids,
-                                       data)
+        if self.reward is not None:
+            reward = await self.reward(tok.decode(prompt), tok.decode(completion_ids, skip_special_tokens=True),
+                                       prompt, completion_ids, data)
         return seq.trajectory(reward)
 
 

@@ -1,0 +1,110 @@
+"""Agents used by the tests, written as users write them: against the OpenAI SDK with a base URL and API key
+(imported by workers by path, e.g. `tests.agents:CalculatorAgent`)."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+ADD_TOOL = {"type": "function", "function": {
+    "name": "add", "description": "Add two integers.",
+    "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                   "required": ["a", "b"]}}}
+# What a scripted engine answers: a tool call, then the final answer.
+CALL_ADD = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+ANSWER = "The answer is 5."
+SCRIPT = [CALL_ADD, ANSWER]
+
+
+def run_tools(message: Any) -> list[dict[str, Any]]:
+    out = []
+    for call in message.tool_calls or []:
+        args = json.loads(call.function.arguments)
+        out.append({"role": "tool", "tool_call_id": call.id, "content": str(args["a"] + args["b"])})
+    return out
+
+
+def score(text: str | None) -> float:
+    return 1.0 if text and "5" in text else 0.0
+
+
+class CalculatorAgent:
+    """Multi-turn tool loop with openai.AsyncOpenAI and the worker's shared http client."""
+
+    def __init__(self, max_turns: int = 4) -> None:
+        self.max_turns = max_turns
+
+    async def run(self, data: dict, **extra_kwargs: Any) -> float:
+        from openai import AsyncOpenAI
+
+        client = AsyncOpenAI(base_url=extra_kwargs["base_url"], api_key=extra_kwargs["api_key"],
+                             http_client=extra_kwargs["http_client"])
+        messages: list[dict[str, Any]] = [{"role": "user", "content": data["question"]}]
+        for _ in range(self.max_turns):
+            resp = await client.chat.completions.create(model="policy", messages=messages, tools=[ADD_TOOL],
+                                                        max_tokens=64, logprobs=True)
+            message = resp.choices[0].message
+            messages.append(message.model_dump(exclude_none=True))
+            if not message.tool_calls:
+                return score(message.content)
+            messages += run_tools(message)
+        return 0.0
+
+
+class DictRewardAgent(CalculatorAgent):
+    """Rewards every completion by id: the tool call 0.5, the answer 1.0."""
+
+    async def run(self, data: dict, base_url: str, api_key: str, http_client: Any) -> dict[str, float]:
+        from openai import AsyncOpenAI
+
+        client = AsyncOpenAI(base_url=base_url, api_key=api_key, http_client=http_client)
+        messages: list[dict[str, Any]] = [{"role": "user", "content": data["question"]}]
+        first = await client.chat.completions.create(model="m", messages=messages, tools=[ADD_TOOL], max_tokens=64)
+        messages += [first.choices[0].message.model_dump(exclude_none=True), *run_tools(first.choices[0].message)]
+        second = await client.chat.completions.create(model="m", messages=messages, tools=[ADD_TOOL], max_tokens=64)
+        return {first.id: 0.5, second.id: 1.0}
+
+
+class SyncEnvAgent:
+    """A synchronous agent that finds the proxy only through the environment (subproc mode)."""
+
+    def run(self, data: dict) -> float:
+        from openai import OpenAI
+
+        client = OpenAI()  # OPENAI_BASE_URL / OPENAI_API_KEY
+        messages: list[dict[str, Any]] = [{"role": "user", "content": data["question"]}]
+        for _ in range(4):
+            resp = client.chat.completions.create(model="m", messages=messages, tools=[ADD_TOOL], max_tokens=64)
+            message = resp.choices[0].message
+            messages.append(message.model_dump(exclude_none=True))
+            if not message.tool_calls:
+                return score(message.content) + (0.0 if os.environ["OPENAI_API_KEY"] else -1.0)
+            messages += run_tools(message)
+        return 0.0
+
+
+class RaisingAgent:
+    async def run(self, data: dict, **extra_kwargs: Any) -> float:
+        raise RuntimeError("the agent's environment crashed")
+
+
+class NotANumberAgent(CalculatorAgent):
+    async def run(self, data: dict, **extra_kwargs: Any) -> Any:
+        await super().run(data, **extra_kwargs)
+        return "very good"
+
+
+class SilentAgent:
+    """Never calls the model."""
+
+    async def run(self, data: dict, **extra_kwargs: Any) -> float:
+        return 1.0
+
+
+class HangingSyncAgent:
+    def run(self, data: dict) -> float:
+        import time
+
+        time.sleep(3600)
+        return 0.0

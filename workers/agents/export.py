@@ -1,0 +1,124 @@
+"""An agent episode's recorded completions -> rewards per completion -> training sequences.
+
+The completions form a tree by parent links (a request that continues a recorded conversation is its child; `n > 1`
+and an agent that retries from an earlier point make branches). Rewards flow up that tree, not along creation
+order: an unrewarded completion gets `turn_discount` times the mean of its children's rewards, so concurrent
+sub-agents or abandoned branches don't discount each other.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Mapping
+from typing import Any
+
+from workers.proxy.sessions import CompletionRecord
+
+
+class AgentOutputError(ValueError):
+    """The agent's return value or its recorded completions can't be turned into trajectories."""
+
+
+def _number(value: Any, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
+        raise AgentOutputError(f"{what} must be a finite number, got {type(value).__name__} {value!r:.80}")
+    return float(value)
+
+
+def assign_rewards(records: list[CompletionRecord], result: Any) -> None:
+    """A number rewards the last completion (every choice of the last request); a mapping maps completion ids
+    (`response.id`, or `id:choice` for one choice of an n > 1 request) to rewards."""
+    if not records:
+        raise AgentOutputError("the agent made no completion through the proxy: it must call the base_url with the "
+                               "api_key it was given (or OPENAI_BASE_URL / OPENAI_API_KEY in subproc mode)")
+    if isinstance(result, Mapping):
+        by_key: dict[str, list[CompletionRecord]] = {}
+        for rec in records:
+            by_key.setdefault(rec.key, []).append(rec)
+            if rec.choice != 0:  # the response id stands for all its choices
+                by_key.setdefault(rec.id, []).append(rec)
+        # A response id rewards all its choices; an `id:choice` key then overrides its one choice.
+        for cid, value in sorted(result.items(), key=lambda kv: ":" in str(kv[0])):
+            targets = by_key.get(str(cid))
+            if targets is None:
+                known = ", ".join(sorted({r.id for r in records}))
+                raise AgentOutputError(f"reward for unknown completion id {cid!r}; this episode's ids: {known}")
+            reward = _number(value, f"reward of completion {cid!r}")
+            for rec in targets:
+                rec.reward = reward
+        return
+    reward = _number(result, "the agent's return value (a reward, or {completion_id: reward})")
+    last = max(r.order for r in records)
+    for rec in records:
+        if rec.order == last:
+            rec.reward = reward
+
+
+def tree_rewards(records: list[CompletionRecord], turn_discount: float) -> dict[str, float]:
+    children: dict[str, list[str]] = {}
+    for rec in records:
+        if rec.parent is not None:
+            children.setdefault(rec.parent, []).append(rec.key)
+    values: dict[str, float] = {}
+    # A child is always created after its parent, so reverse creation order visits children first.
+    for rec in sorted(records, key=lambda r: (r.order, r.choice), reverse=True):
+        kids = children.get(rec.key, [])
+        if rec.reward is not None:
+            values[rec.key] = rec.reward
+        elif kids:
+            values[rec.key] = turn_discount * sum(values[k] for k in kids) / len(kids)
+        else:
+            values[rec.key] = 0.0
+    return values
+
+
+def _individual(rec: CompletionRecord, reward: float) -> dict[str, Any]:
+    n_prompt, n_out = len(rec.prompt_ids), len(rec.output_ids)
+    return {
+        "input_ids": rec.prompt_ids + rec.output_ids,
+        "loss_mask": [0] * n_prompt + [1] * n_out,
+        "logprobs": [0.0] * n_prompt + rec.output_logprobs,
+        "versions": [-1] * n_prompt + rec.output_versions,
+        "reward": reward,
+    }
+
+
+def _concat(path: list[CompletionRecord], reward: float) -> dict[str, Any]:
+    leaf = path[-1]
+    ids = leaf.full_ids
+    mask, logprobs, versions = [0] * len(ids), [0.0] * len(ids), [-1] * len(ids)
+    for rec in path:
+        start, end = len(rec.prompt_ids), len(rec.prompt_ids) + len(rec.output_ids)
+        if ids[start:end] != rec.output_ids:
+            raise AgentOutputError(f"completion {leaf.key} does not extend {rec.key} token by token")
+        mask[start:end] = [1] * (end - start)
+        logprobs[start:end] = rec.output_logprobs
+        versions[start:end] = rec.output_versions
+    return {"input_ids": ids, "loss_mask": mask, "logprobs": logprobs, "versions": versions, "reward": reward}
+
+
+def export(records: list[CompletionRecord], style: str, turn_discount: float) -> list[dict[str, Any]]:
+    """`individual`: one sequence per completion. `concat`: one per conversation branch (root to leaf), the leaf's
+    exact token sequence with every ancestor's output trained on and everything else (prompts, user and tool
+    turns) masked."""
+    ordered = sorted(records, key=lambda r: (r.order, r.choice))
+    rewards = tree_rewards(ordered, turn_discount)
+    if style == "individual":
+        return [_individual(r, rewards[r.key]) for r in ordered]
+    if style != "concat":
+        raise AgentOutputError(f"unknown export style {style!r} (individual or concat)")
+    by_key = {r.key: r for r in ordered}
+    parents = {r.parent for r in ordered if r.parent is not None}
+    out = []
+    for leaf in ordered:
+        if leaf.key in parents:
+            continue
+        path = [leaf]
+        while path[-1].parent is not None:
+            path.append(by_key[path[-1].parent])
+        out.append(_concat(path[::-1], rewards[leaf.key]))
+    return out
+
+
+__all__ = ["AgentOutputError", "assign_rewards", "export", "tree_rewards"]

@@ -1,0 +1,97 @@
+"""AgentWorkflow: runs an agent (any object with `run(self, data, **extra_kwargs)`) as a rollout workflow.
+
+Per episode: open a proxy session, run the agent against the proxy (inline in the worker's loop, or in a pooled
+process), close the session, turn the agent's return value into per-completion rewards and export the recorded
+completions as trajectories. The agent needs no change but its base URL and API key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+from typing import Any
+
+from protocol.messages import AgentOptions
+from workers.agents.export import AgentOutputError, assign_rewards, export
+from workers.agents.subproc import agent_result, extra_kwargs_for, run_agent
+from workers.context import workflow_context
+from workers.rewards import AsyncRewardWrapper, RewardError, RewardNotANumber, RewardTimeout
+
+
+class AgentTimeout(Exception):
+    """The episode ran longer than the agent options' timeout_seconds."""
+
+
+class AgentWorkflow:
+    def __init__(self, target: Any, path: str, kwargs: dict[str, Any] | None, options: AgentOptions | None) -> None:
+        self.target = target  # the agent class (built lazily, inline mode only) or an agent object
+        self.path = path
+        self.kwargs = kwargs or {}
+        self.options = options or AgentOptions()
+        self._agent: Any = None
+
+    def _inline_agent(self) -> Any:
+        if self._agent is None:
+            self._agent = self.target(**self.kwargs) if inspect.isclass(self.target) else self.target
+        return self._agent
+
+    async def arun_episode(self, engine: Any, data: Any) -> list[dict[str, Any]] | None:
+        ctx = workflow_context()
+        proxy = await ctx.proxy(engine)
+        opts = self.options
+        session = proxy.sessions.open({"max_tokens": opts.max_tokens} if opts.max_tokens else None)
+        urls = {"base_url": proxy.base_url, "anthropic_base_url": proxy.root_url}
+        try:
+            if opts.mode == "inline":
+                result = await self._run_inline(ctx, data, urls, session.key)
+            else:
+                result = await self._run_subproc(ctx, data, urls, session.key)
+        finally:
+            proxy.sessions.close(session)
+        records = session.ordered()
+        if result is None:  # the agent rejected the sample (as arun_episode returning None does)
+            return None
+        assign_rewards(records, result)
+        return export(records, opts.export, opts.turn_discount)
+
+    async def _run_inline(self, ctx: Any, data: Any, urls: dict[str, str], key: str) -> Any:
+        agent = self._inline_agent()
+        offered = {**urls, "api_key": key}
+        if inspect.iscoroutinefunction(agent.run):
+            offered["http_client"] = ctx.http_client()
+            call = agent.run(data, **extra_kwargs_for(agent.run, offered))
+        else:  # a synchronous agent: a thread, so the loop (and the proxy it talks to) keeps running
+            call = asyncio.to_thread(agent.run, data, **extra_kwargs_for(agent.run, offered))
+        try:
+            return await asyncio.wait_for(call, self.options.timeout_seconds)
+        except TimeoutError:
+            raise AgentTimeout(f"agent {self.path} ran longer than {self.options.timeout_seconds:g}s") from None
+
+    async def _run_subproc(self, ctx: Any, data: Any, urls: dict[str, str], key: str) -> Any:
+        timeout = self.options.timeout_seconds
+        pool = ctx.pool(("agents", timeout), lambda: AsyncRewardWrapper(
+            run_agent, timeout_seconds=timeout, max_workers=ctx.config.agent_processes, accept=agent_result,
+            what="agent", expected="a reward or a {completion_id: reward} mapping",
+        ))
+        try:
+            kind, value = await pool(self.path, json.dumps(self.kwargs, sort_keys=True), data, urls, key)
+        except RewardTimeout as exc:
+            raise AgentTimeout(f"agent {self.path}: {exc}") from None
+        except RewardNotANumber as exc:
+            raise AgentOutputError(str(exc)) from None
+        except RewardError as exc:
+            # The agent's own exception, with the child's traceback in the message so the dead letter shows it.
+            raise AgentError(f"{exc}\n{exc.remote_traceback}".rstrip()) from None
+        return value
+
+
+class AgentError(Exception):
+    """The agent raised (subproc mode; inline agents' exceptions propagate as they are)."""
+
+
+def is_agent(obj: Any) -> bool:
+    return callable(getattr(obj, "run", None)) and getattr(obj, "arun_episode", None) is None
+
+
+__all__ = ["AgentError", "AgentTimeout", "AgentWorkflow", "is_agent"]

@@ -1,0 +1,143 @@
+"""How a built-in workflow runs its reward function: inline, in killable child processes, or on reward workers.
+
+- "inline": in the rollout worker (async functions on the loop, sync ones in a thread); cheapest, but a hung grader
+  can't be stopped.
+- "process": AsyncRewardWrapper; each call in a pooled child process, killed past `timeout` (RewardTimeout).
+- "remote": RemoteReward; `rollq reward-worker --run RUN` processes elsewhere run it (same child-process timeout).
+
+Every failure raises (RewardTimeout, RewardNotANumber, RewardError, or TypeError inline): the rollout worker retries
+the job and then dead-letters it with the message. A failed reward is never turned into 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import math
+import numbers
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from protocol.connection import redis_url_from_env
+from workers.loader import resolve
+from workers.remote_rewards import RemoteReward
+from workers.rewards import AsyncRewardWrapper
+
+REWARD_MODES = ("inline", "process", "remote")
+
+
+def load_callable(spec: str | Callable[..., Any] | None) -> Callable[..., Any] | None:
+    """An import path ("module:function") or the callable itself."""
+    if spec is None or callable(spec):
+        return spec
+    fn = resolve(spec)
+    if not callable(fn):
+        raise TypeError(f"{spec!r} is not callable")
+    return fn
+
+
+def reward_kwargs(fn: Callable[..., Any] | None, data: dict[str, Any]) -> dict[str, Any]:
+    """`data` without the keys that name one of `fn`'s first four (positionally passed) parameters; a Python
+    call would otherwise fail with "got multiple values". All of `data` when `fn` is unknown or not inspectable."""
+    if fn is None:
+        return dict(data)
+    try:
+        positional = [p.name for p in inspect.signature(fn).parameters.values()
+                      if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][:4]
+    except (TypeError, ValueError):
+        positional = []
+    return {k: v for k, v in data.items() if k not in positional}
+
+
+async def call_reward(fn: Callable[..., Any], prompt_text: str, completion_text: str, input_ids: list[int],
+                      output_ids: list[int], data: dict[str, Any]) -> float:
+    """`fn(prompt_text, completion_text, input_ids, output_ids, **data)`, sync (in a thread) or async -> float.
+
+    Data keys that would collide with the first four parameters (whatever the function calls them, e.g. AReaL's
+    `prompt`) are left out of the keyword arguments."""
+    kwargs = reward_kwargs(fn, data)
+    args = (prompt_text, completion_text, input_ids, output_ids)
+    if inspect.iscoroutinefunction(fn):
+        value = await fn(*args, **kwargs)
+    else:
+        value = await asyncio.to_thread(fn, *args, **kwargs)  # graders can be slow; keep the loop free
+        if inspect.isawaitable(value):
+            value = await value
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
+        raise TypeError(f"reward function returned {value!r}, not a finite number")
+    return float(value)
+
+
+class RewardCallConfig(msgspec.Struct, kw_only=True, frozen=True):
+    mode: str = "inline"
+    timeout_seconds: float = 15.0  # process / remote: per call
+    workers: int = 2  # process: child processes of this workflow instance
+    run: str = "default"  # remote: the run whose reward workers serve the calls
+
+    def __post_init__(self) -> None:
+        if self.mode not in REWARD_MODES:
+            raise ValueError(f"reward_mode {self.mode!r} is not one of {', '.join(REWARD_MODES)}")
+        if not self.timeout_seconds > 0:
+            raise ValueError("reward_timeout must be > 0")
+        if self.workers < 1:
+            raise ValueError("reward_workers must be >= 1")
+
+
+def import_path(fn: str | Callable[..., Any]) -> str:
+    """The import path a reward worker can resolve, for a path or a module-level function."""
+    if isinstance(fn, str):
+        return fn
+    qualname = getattr(fn, "__qualname__", "")
+    module = getattr(fn, "__module__", None)
+    if not module or not qualname or "<" in qualname:  # <lambda>, <locals>: nothing another process can import
+        raise ValueError(f"reward_mode='remote' needs an import path or a module-level function, got {fn!r}")
+    return f"{module}:{qualname}"
+
+
+class RewardCaller:
+    """`await caller(prompt_text, completion_text, input_ids, output_ids, data) -> float`, in the configured mode."""
+
+    def __init__(self, fn: str | Callable[..., Any], config: RewardCallConfig | None = None) -> None:
+        self.config = config = config or RewardCallConfig()
+        self._runner: AsyncRewardWrapper | RemoteReward | None = None
+        if config.mode == "remote":
+            path = import_path(fn)
+            # Imported here too when possible, only to drop data keys colliding with its positional parameters;
+            # a function that exists only on the reward workers gets all of data as keyword arguments.
+            try:
+                self.fn = load_callable(fn)
+            except Exception:
+                self.fn = None
+            self._runner = RemoteReward(path, redis_url=redis_url_from_env(None), run=config.run,
+                                        timeout_seconds=config.timeout_seconds)
+            return
+        self.fn = load_callable(fn)  # resolved now: a bad path fails at construction (dead-letter)
+        if config.mode == "process":
+            if inspect.iscoroutinefunction(self.fn):
+                raise ValueError("reward_mode='process' runs sync reward functions; use 'inline' for async ones")
+            self._runner = AsyncRewardWrapper(self.fn, timeout_seconds=config.timeout_seconds,
+                                              max_workers=config.workers)
+
+    async def __call__(self, prompt_text: str, completion_text: str, input_ids: list[int], output_ids: list[int],
+                       data: dict[str, Any]) -> float:
+        if self._runner is None:
+            return await call_reward(self.fn, prompt_text, completion_text, input_ids, output_ids, data)
+        return await self._runner(prompt_text, completion_text, list(input_ids), list(output_ids),
+                                  **reward_kwargs(self.fn, data))
+
+    async def close(self) -> None:
+        if self._runner is not None:
+            await self._runner.close()
+
+
+def reward_caller(fn: str | Callable[..., Any] | None, mode: str = "inline", timeout: float = 15.0, workers: int = 2,
+                  run: str = "default") -> RewardCaller | None:
+    """The workflows' constructor options -> a RewardCaller (None without a reward function)."""
+    config = RewardCallConfig(mode=mode, timeout_seconds=timeout, workers=workers, run=run)  # validates even then
+    return None if fn is None else RewardCaller(fn, config)
+
+
+__all__ = ["REWARD_MODES", "RewardCallConfig", "RewardCaller", "call_reward", "import_path", "load_callable",
+           "reward_caller", "reward_kwargs"]

@@ -1,0 +1,342 @@
+"""The recording proxy: an OpenAI- and Anthropic-compatible HTTP server (one per worker process) in front of the
+engine pool, that records every completion token-exactly under the calling episode's session key.
+
+Token in, token out: a request that continues a recorded conversation is sent to the engine as the parent's exact
+prompt + output ids followed by only the new turns' tokens; generated text is never re-tokenized. So a chain of
+turns is one growing token sequence (the `concat` export), and what the engine sampled is what gets trained.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from engine.types import ModelRequest, SamplingParams
+from workers.builtin.multi_turn import continuation_ids
+from workers.builtin.rlvr import encode, render
+from workers.proxy import anthropic
+from workers.proxy.chat import (
+    BadRequest,
+    ChoiceOut,
+    GenerationParams,
+    chat_completion,
+    chat_stream,
+    generation_params,
+    normalize_messages,
+    normalize_tools,
+    parse_reply,
+    text_completion,
+    text_stream,
+    tool_choice_allows_calls,
+    trim_stop,
+)
+from workers.proxy.sessions import CompletionRecord, Session, SessionClosed, SessionStore
+from workers.proxy.streaming import TextStream, stream_deltas
+
+log = logging.getLogger("rollq.proxy")
+
+
+class ProxyConfig(msgspec.Struct, kw_only=True, frozen=True):
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: a free port
+    model_name: str = "rollq"  # what /v1/models lists; requests may name any model
+    default_max_tokens: int = 512  # for chat requests without max_tokens (OpenAI's default is the context size)
+    max_body_bytes: int = 64 << 20
+
+
+class _Prompt(msgspec.Struct, kw_only=True):
+    ids: list[int]
+    parent: str | None
+    messages: list[Any] | None = None
+    tools: Any = None
+
+
+class _Unauthorized(Exception):
+    pass
+
+
+def _openai_error(message: str, status: int, kind: str = "invalid_request_error", param: str | None = None):
+    return web.json_response({"error": {"message": message, "type": kind, "param": param, "code": None}}, status=status)
+
+
+def _anthropic_error(message: str, status: int, kind: str = "invalid_request_error"):
+    return web.json_response({"type": "error", "error": {"type": kind, "message": message}}, status=status)
+
+
+class RecordingProxy:
+    def __init__(self, engine: Any, tokenizer: Any, config: ProxyConfig | None = None) -> None:
+        self.engine = engine  # anything with `async agenerate(ModelRequest) -> ModelResponse` (the EnginePool)
+        self.tokenizer = tokenizer
+        self.config = config or ProxyConfig()
+        self.sessions = SessionStore()
+        self._runner: web.AppRunner | None = None
+        self.port = 0
+
+    # -- lifecycle ---------------------------------------------------------------------------------------------------
+
+    @property
+    def root_url(self) -> str:
+        return f"http://{self.config.host}:{self.port}"
+
+    @property
+    def base_url(self) -> str:
+        """OpenAI-style base URL (the SDKs append /chat/completions)."""
+        return f"{self.root_url}/v1"
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.config.max_body_bytes)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/messages", self.messages)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model:.+}", self.model)
+        app.router.add_get("/health", self.health)
+        return app
+
+    async def start(self) -> RecordingProxy:
+        self._runner = web.AppRunner(self.app(), access_log=None, handle_signals=False)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.config.host, self.config.port)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        log.info("recording proxy on %s", self.base_url)
+        return self
+
+    async def close(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    # -- plumbing ----------------------------------------------------------------------------------------------------
+
+    def _session(self, request: web.Request) -> Session:
+        key = request.headers.get("x-api-key") or ""
+        auth = request.headers.get("Authorization", "")
+        if auth.lower().startswith("bearer "):
+            key = auth[7:].strip()
+        if not key:
+            raise _Unauthorized("missing API key: use the api_key (session key) your episode was given")
+        session = self.sessions.get(key)
+        if session is None:
+            raise _Unauthorized("unknown or finished session key: each episode must use the api_key it was given")
+        return session
+
+    @staticmethod
+    async def _body(request: web.Request) -> dict[str, Any]:
+        try:
+            body = await request.json(loads=json.loads)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise BadRequest(f"the body is not valid JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise BadRequest("the body must be a JSON object")
+        return body
+
+    def _pieces(self, ids: list[int]) -> list[str]:
+        return self.tokenizer.batch_decode([[t] for t in ids], skip_special_tokens=True)
+
+    async def _generate(self, session: Session, prompt: _Prompt, params: GenerationParams, *, parse_tools: bool,
+                        rid: str, want_pieces: bool, on_tokens: list[Any] | None = None) -> list[ChoiceOut]:
+        sampling = SamplingParams(
+            max_new_tokens=params.max_new_tokens, temperature=params.temperature, top_p=params.top_p,
+            top_k=params.top_k, stop=params.stop, frequency_penalty=params.frequency_penalty,
+            presence_penalty=params.presence_penalty,
+        )
+        # Every turn and choice of an episode goes to one engine while it is healthy: its prefix cache holds them.
+        responses = await asyncio.gather(*(
+            self.engine.agenerate(ModelRequest(input_ids=prompt.ids, sampling=sampling, affinity=session.key),
+                                  on_tokens=on_tokens[i] if on_tokens else None)
+            for i in range(params.n)
+        ))
+        order = session.next_order()
+        choices = []
+        for index, resp in enumerate(responses):
+            raw = self.tokenizer.decode(resp.output_tokens, skip_special_tokens=True)
+            reply = parse_reply(trim_stop(raw, params.stop), resp.stop_reason, parse_tools=parse_tools)
+            record = CompletionRecord(
+                id=rid, choice=index, order=order, parent=prompt.parent, prompt_ids=prompt.ids,
+                output_ids=list(resp.output_tokens), output_logprobs=list(resp.output_logprobs),
+                output_versions=list(resp.output_versions), finish_reason=reply.finish_reason,
+                messages=prompt.messages, tools=prompt.tools,
+                reply=reply.normalized() if prompt.messages is not None else None,
+            )
+            try:
+                session.add(record)
+            except SessionClosed:
+                log.warning("completion %s finished after its episode ended; not recorded", record.key)
+            choices.append(ChoiceOut(
+                reply=reply, pieces=self._pieces(resp.output_tokens) if want_pieces else [],
+                logprobs=list(resp.output_logprobs), completion_tokens=len(resp.output_tokens), raw_text=raw,
+            ))
+        return choices
+
+    def _chat_prompt(self, session: Session, messages: list[dict[str, Any]], tools: Any) -> _Prompt:
+        match = session.chat_parent(messages, tools)
+        if match is not None:
+            parent, start = match
+            suffix = continuation_ids(self.tokenizer, parent.output_ids, messages[start:])
+            return _Prompt(ids=parent.full_ids + suffix, parent=parent.key, messages=messages, tools=tools)
+        text = render(self.tokenizer, messages, tools=tools, add_generation_prompt=True)
+        return _Prompt(ids=encode(self.tokenizer, text), parent=None, messages=messages, tools=tools)
+
+    def _max_tokens(self, session: Session) -> int:
+        return int(session.defaults.get("max_tokens") or self.config.default_max_tokens)
+
+    async def _sse(self, request: web.Request, frames: Any, error_frame: Any) -> web.StreamResponse:
+        """Write `frames` (an async iterator of bytes) as they come. Once streaming began the status is sent, so a
+        generation failure becomes an error event."""
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        try:
+            async for frame in frames:
+                await resp.write(frame)
+        except (ConnectionResetError, asyncio.CancelledError):
+            raise  # the client went away; stream_deltas cancels the generation
+        except Exception as exc:
+            await resp.write(error_frame(f"generation failed: {type(exc).__name__}: {exc}"))
+        await resp.write_eof()
+        return resp
+
+    def _live(self, session: Session, prompt: _Prompt, params: GenerationParams, *, parse_tools: bool, rid: str,
+              with_pieces: bool) -> Any:
+        streams = [TextStream(self.tokenizer, params.stop, parse_tools) for _ in range(params.n)]
+        return stream_deltas(
+            lambda callbacks: self._generate(session, prompt, params, parse_tools=parse_tools, rid=rid,
+                                             want_pieces=False, on_tokens=callbacks),
+            streams, with_pieces=with_pieces)
+
+    # -- OpenAI ------------------------------------------------------------------------------------------------------
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        try:
+            session = self._session(request)
+            body = await self._body(request)
+            params = generation_params(body, self._max_tokens(session),
+                                       max_tokens_keys=("max_completion_tokens", "max_tokens"))
+            params.logprobs = bool(body.get("logprobs", False))
+            messages = normalize_messages(body.get("messages"))
+            tools = normalize_tools(body.get("tools"))
+            parse_tools = tool_choice_allows_calls(body.get("tool_choice"), tools)
+            prompt = self._chat_prompt(session, messages, tools)
+        except _Unauthorized as exc:
+            return _openai_error(str(exc), 401, "authentication_error")
+        except BadRequest as exc:
+            return _openai_error(str(exc), 400, param=exc.param)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        model = str(body.get("model") or self.config.model_name)
+        if params.stream:
+            deltas = self._live(session, prompt, params, parse_tools=parse_tools, rid=rid, with_pieces=params.logprobs)
+            return await self._sse(request, _data_frames(chat_stream(rid, model, deltas, params.n, len(prompt.ids),
+                                                                     params)), _openai_error_frame)
+        try:
+            choices = await self._generate(session, prompt, params, parse_tools=parse_tools, rid=rid,
+                                           want_pieces=params.logprobs)
+        except Exception as exc:  # the engine pool's failure: the agent sees a server error, as with a real API
+            return _openai_error(f"generation failed: {type(exc).__name__}: {exc}", 502, "server_error")
+        return web.json_response(chat_completion(rid, model, choices, len(prompt.ids), params.logprobs))
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        try:
+            session = self._session(request)
+            body = await self._body(request)
+            params = generation_params(body, 16, max_tokens_keys=("max_tokens",))  # OpenAI's default is 16
+            logprobs = body.get("logprobs")
+            if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)):
+                raise BadRequest("'logprobs' must be an integer (top logprobs count) or null", "logprobs")
+            params.logprobs = logprobs is not None
+            if body.get("echo"):
+                raise BadRequest("'echo' is not supported", "echo")
+            prompt_ids = self._completion_prompt(body.get("prompt"))
+        except _Unauthorized as exc:
+            return _openai_error(str(exc), 401, "authentication_error")
+        except BadRequest as exc:
+            return _openai_error(str(exc), 400, param=exc.param)
+        parent = session.token_parent(prompt_ids)
+        prompt = _Prompt(ids=prompt_ids, parent=parent.key if parent else None)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        model = str(body.get("model") or self.config.model_name)
+        if params.stream:
+            deltas = self._live(session, prompt, params, parse_tools=False, rid=rid, with_pieces=False)
+            return await self._sse(request, _data_frames(text_stream(rid, model, deltas)), _openai_error_frame)
+        try:
+            choices = await self._generate(session, prompt, params, parse_tools=False, rid=rid,
+                                           want_pieces=params.logprobs)
+        except Exception as exc:
+            return _openai_error(f"generation failed: {type(exc).__name__}: {exc}", 502, "server_error")
+        return web.json_response(text_completion(rid, model, choices, len(prompt_ids), params.logprobs))
+
+    def _completion_prompt(self, prompt: Any) -> list[int]:
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch of one
+        if isinstance(prompt, str) and prompt:
+            return encode(self.tokenizer, prompt)
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return list(prompt)
+        raise BadRequest("'prompt' must be one non-empty string or one list of token ids (no batches)", "prompt")
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        return web.json_response({**self._model_card(), "id": request.match_info["model"]})
+
+    def _model_card(self) -> dict[str, Any]:
+        return {"id": self.config.model_name, "object": "model", "created": 0, "owned_by": "rollq"}
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "sessions": len(self.sessions)})
+
+    # -- Anthropic ---------------------------------------------------------------------------------------------------
+
+    async def messages(self, request: web.Request) -> web.StreamResponse:
+        try:
+            session = self._session(request)
+            body = await self._body(request)
+            params = anthropic.generation_params(body)
+            messages = anthropic.normalize_messages(body)
+            tools = anthropic.normalize_tools(body.get("tools"))
+            parse_tools = anthropic.tool_choice_allows_calls(body.get("tool_choice"), tools)
+            prompt = self._chat_prompt(session, messages, tools)
+        except _Unauthorized as exc:
+            return _anthropic_error(str(exc), 401, "authentication_error")
+        except BadRequest as exc:
+            return _anthropic_error(str(exc), 400)
+        mid = anthropic.new_message_id()
+        model = str(body.get("model") or self.config.model_name)
+        if params.stream:
+            deltas = self._live(session, prompt, params, parse_tools=parse_tools, rid=mid, with_pieces=False)
+            events = anthropic.stream_events(mid, model, deltas, len(prompt.ids), params.stop)
+            return await self._sse(request, _event_frames(events), _anthropic_error_frame)
+        try:
+            [choice] = await self._generate(session, prompt, params, parse_tools=parse_tools, rid=mid, want_pieces=False)
+        except Exception as exc:
+            return _anthropic_error(f"generation failed: {type(exc).__name__}: {exc}", 502, "api_error")
+        return web.json_response(anthropic.message(mid, model, choice, len(prompt.ids), params.stop))
+
+
+async def _data_frames(chunks: Any) -> Any:
+    async for chunk in chunks:
+        yield b"data: " + json.dumps(chunk).encode() + b"\n\n"
+    yield b"data: [DONE]\n\n"
+
+
+async def _event_frames(events: Any) -> Any:
+    async for name, data in events:
+        yield f"event: {name}\ndata: {json.dumps(data)}\n\n".encode()
+
+
+def _openai_error_frame(message: str) -> bytes:
+    return b"data: " + json.dumps({"error": {"message": message, "type": "server_error"}}).encode() + b"\n\n"
+
+
+def _anthropic_error_frame(message: str) -> bytes:
+    body = {"type": "error", "error": {"type": "api_error", "message": message}}
+    return f"event: error\ndata: {json.dumps(body)}\n\n".encode()
+
+
+__all__ = ["ProxyConfig", "RecordingProxy"]

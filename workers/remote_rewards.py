@@ -1,0 +1,294 @@
+"""Reward functions run by separate reward workers (`rollq reward-worker`), reached through an arq queue in Redis.
+
+Graders that need their own machine (a GPU verifier, a sandbox farm, heavy dependencies) should not live in every
+rollout worker. A rollout worker enqueues `compute_reward(fn_path, args, kwargs)` on the run's reward queue; a reward
+worker imports `fn_path` and runs it in killable child processes (AsyncRewardWrapper), so a hanging grader is killed
+and reported as a timeout without taking the reward worker down.
+
+The arq job never raises for a reward failure: it returns a tagged result ({"ok": reward} or {"error": type name,
+"message": ..., "traceback": ...}). The exception type thus crosses the queue explicitly (no pickled user exception
+classes), and arq retries a job only when its worker died (in-progress key expired) or shut down mid-job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+import msgspec
+from arq.connections import ArqRedis, RedisSettings, create_pool
+from arq.constants import abort_jobs_ss, in_progress_key_prefix, job_key_prefix, result_key_prefix
+from arq.jobs import Job, JobResult, JobStatus
+from arq.utils import timestamp_ms
+from arq.worker import func
+from redis.exceptions import WatchError
+
+from protocol.keys import RunKeys
+from workers.loader import resolve, split_import_path
+from workers.rewards import STARTUP_TIMEOUT_S, AsyncRewardWrapper, RewardError, RewardNotANumber, RewardTimeout
+
+COMPUTE_REWARD = "compute_reward"  # the arq function name, shared by both sides
+RUN_MARGIN_S = 5.0  # client-side slack past the reward timeout once a worker has the job (Redis round trips)
+MAX_POLL_S = 0.2  # result polling backs off to this; fast rewards are seen within milliseconds
+WORKER_POLL_S = 0.05  # reward workers look for new jobs and aborts this often: a reward is on the episode's path
+RESULT_TTL_S = 300  # the caller deletes a result once read; this only bounds results nobody came back for
+MAX_TRIES = 3  # runs of one job; only worker death or shutdown mid-job uses a retry
+
+_ERRORS: dict[str, type[Exception]] = {
+    "RewardTimeout": RewardTimeout,
+    "RewardNotANumber": RewardNotANumber,
+    "RewardError": RewardError,
+}
+
+
+class NoRewardWorker(RewardTimeout):
+    """No reward worker took the call within the pickup window; it was withdrawn from the queue unrun."""
+
+
+def reward_queue(run: str) -> str:
+    """The run's reward queue; shares the run's hash tag like every other key of the run."""
+    return f"{RunKeys(run).prefix}:rewards"
+
+
+class RemoteRewardConfig(msgspec.Struct, kw_only=True, frozen=True):
+    fn: str  # import path, resolved on the reward worker
+    redis_url: str
+    run: str = "default"
+    timeout_seconds: float = 15.0  # how long the reward may run once a reward worker has it
+    # How long a call may wait in the queue for a free reward worker before it fails as "no reward worker answered".
+    pickup_timeout_seconds: float = 30.0
+
+    def __post_init__(self) -> None:
+        split_import_path(self.fn)  # a malformed path fails here, not on the reward worker
+        RunKeys(self.run)
+        if not self.timeout_seconds > 0 or not self.pickup_timeout_seconds > 0:
+            raise ValueError("timeout_seconds and pickup_timeout_seconds must be > 0")
+
+
+class RemoteReward:
+    """`await rr(*args, **kwargs) -> float`: `fn(*args, **kwargs)` on a reward worker of the run.
+
+    Raises RewardTimeout (the reward overran and was killed, or no reward worker answered in time), RewardNotANumber
+    or RewardError, each with the remote message."""
+
+    def __init__(self, fn: str, *, redis_url: str, run: str = "default", timeout_seconds: float = 15.0,
+                 pickup_timeout_seconds: float = 30.0) -> None:
+        self.config = RemoteRewardConfig(fn=fn, redis_url=redis_url, run=run, timeout_seconds=timeout_seconds,
+                                         pickup_timeout_seconds=pickup_timeout_seconds)
+        self.queue = reward_queue(run)
+        self._pool: ArqRedis | None = None
+        self._pool_lock: asyncio.Lock | None = None  # created inside the running loop, like the pool
+
+    async def _get_pool(self) -> ArqRedis:
+        if self._pool is None:
+            self._pool_lock = self._pool_lock or asyncio.Lock()
+            async with self._pool_lock:
+                if self._pool is None:
+                    self._pool = await create_pool(RedisSettings.from_dsn(self.config.redis_url),
+                                                   default_queue_name=self.queue)
+        return self._pool
+
+    async def __call__(self, *args: Any, **kwargs: Any) -> float:
+        pool = await self._get_pool()
+        c = self.config
+        # Positional (fn_path, args, kwargs) so reward kwargs never collide with arq's own `_`-prefixed options.
+        # _expires: a job nobody took within the pickup window is dropped by arq instead of running for no one.
+        job = await pool.enqueue_job(COMPUTE_REWARD, c.fn, list(args), kwargs, _queue_name=self.queue,
+                                     _expires=c.pickup_timeout_seconds + RUN_MARGIN_S)
+        assert job is not None  # only None for a duplicate _job_id, and ids here are fresh uuids
+        try:
+            info = await self._wait(pool, job)
+        except NoRewardWorker:
+            raise  # withdrawn, nothing to abort
+        except BaseException:
+            # Timed out or cancelled (the rollout worker is draining): stop the reward run for no one.
+            await asyncio.shield(_abort(pool, job.job_id))
+            raise
+        with contextlib.suppress(Exception):
+            await pool.delete(result_key_prefix + job.job_id)  # read once; don't leave it to the TTL
+        return self._unpack(info)
+
+    async def _wait(self, pool: ArqRedis, job: Job) -> JobResult:
+        c = self.config
+        loop = asyncio.get_running_loop()
+        enqueued = loop.time()
+        started: float | None = None
+        delay = 0.005
+        while True:
+            info = await job.result_info()
+            if info is not None:
+                return info
+            now = loop.time()
+            if started is None:
+                status = await job.status()
+                if status in (JobStatus.in_progress, JobStatus.complete):
+                    started = now
+                elif status == JobStatus.not_found:
+                    info = await job.result_info()  # it may have finished between the two reads
+                    if info is not None:
+                        return info
+                    raise RewardError(f"reward job for {c.fn} disappeared from queue {self.queue}")
+                elif now - enqueued > c.pickup_timeout_seconds:
+                    if await _withdraw(pool, self.queue, job.job_id):
+                        raise NoRewardWorker(
+                            f"no reward worker answered on queue {self.queue} within "
+                            f"{c.pickup_timeout_seconds:g}s (is `rollq reward-worker --run {c.run}` running?)"
+                        )
+                    started = now  # a reward worker took it at the last moment
+            elif now - started > c.timeout_seconds + RUN_MARGIN_S:
+                # The reward worker's own timeout should have answered first; it died or is stuck.
+                raise RewardTimeout(
+                    f"reward worker did not answer for {c.fn} within {c.timeout_seconds + RUN_MARGIN_S:g}s "
+                    "of taking the job"
+                )
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, MAX_POLL_S)
+
+    def _unpack(self, info: JobResult) -> float:
+        if not info.success:  # arq-level failure: function timeout, aborted, retries used up by dying workers
+            raise RewardError(f"reward job for {self.config.fn} failed on the reward worker: "
+                              f"{type(info.result).__name__}: {info.result}")
+        tagged = info.result
+        if isinstance(tagged, dict) and "ok" in tagged:
+            return float(tagged["ok"])
+        if isinstance(tagged, dict) and "error" in tagged:
+            error = _ERRORS.get(tagged["error"], RewardError)
+            message = f"remote: {tagged.get('message', '')}"
+            if error is RewardError:
+                raise RewardError(message, remote_traceback=tagged.get("traceback", ""))
+            raise error(message)
+        raise RewardError(f"reward worker sent an unexpected result for {self.config.fn}: {tagged!r:.200}")
+
+    async def close(self) -> None:
+        if self._pool is not None:
+            pool, self._pool = self._pool, None
+            await pool.aclose(close_connection_pool=True)
+
+    async def __aenter__(self) -> RemoteReward:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+
+async def _withdraw(pool: ArqRedis, queue: str, job_id: str) -> bool:
+    """Take a job that no worker has started off the queue. False when a worker started it meanwhile."""
+    in_progress = in_progress_key_prefix + job_id
+    try:
+        async with pool.pipeline(transaction=True) as pipe:
+            await pipe.watch(in_progress)  # the key a worker sets, also under WATCH, when it takes the job
+            if await pipe.exists(in_progress):
+                return False
+            pipe.multi()
+            pipe.zrem(queue, job_id)
+            pipe.delete(job_key_prefix + job_id)
+            await pipe.execute()
+    except WatchError:
+        return False
+    return True
+
+
+async def _abort(pool: ArqRedis, job_id: str) -> None:
+    # Best effort and without waiting: reward workers run with allow_abort_jobs, so the job's task is cancelled
+    # (which kills its reward child) or skipped if not started.
+    with contextlib.suppress(Exception):
+        await pool.zadd(abort_jobs_ss, {job_id: timestamp_ms()})
+
+
+# --- the reward worker side ---------------------------------------------------------------------------------------
+
+
+class RewardWorkerConfig(msgspec.Struct, kw_only=True, frozen=True):
+    redis_url: str
+    run: str = "default"
+    max_workers: int = 2  # child processes per reward function
+    timeout_seconds: float = 15.0  # per reward call; the child is killed past it
+    # Jobs taken at once. Defaults to max_workers: a job taken but waiting for a child would spend its caller's
+    # timeout, while one left in Redis can go to another reward worker.
+    max_jobs: int | None = None
+
+    def __post_init__(self) -> None:
+        RunKeys(self.run)
+        if self.max_workers < 1 or (self.max_jobs is not None and self.max_jobs < 1):
+            raise ValueError("max_workers and max_jobs must be >= 1")
+        if not self.timeout_seconds > 0:
+            raise ValueError("timeout_seconds must be > 0")
+
+
+class RewardFunctions:
+    """One AsyncRewardWrapper per reward function import path, created on first use (lives in the arq ctx)."""
+
+    def __init__(self, max_workers: int, timeout_seconds: float) -> None:
+        self.max_workers = max_workers
+        self.timeout_seconds = timeout_seconds
+        self._wrappers: dict[str, AsyncRewardWrapper] = {}
+
+    def get(self, fn_path: str) -> AsyncRewardWrapper:
+        wrapper = self._wrappers.get(fn_path)
+        if wrapper is None:
+            try:
+                fn = resolve(fn_path)
+            except Exception as exc:  # WorkflowLoadError, or anything a module import raises
+                raise RewardError(f"cannot load reward function {fn_path!r}: {exc}") from None
+            if not callable(fn):
+                raise RewardError(f"reward function {fn_path!r} is not callable (got {type(fn).__name__})")
+            try:
+                wrapper = AsyncRewardWrapper(fn, timeout_seconds=self.timeout_seconds, max_workers=self.max_workers)
+            except TypeError as exc:  # not picklable by reference
+                raise RewardError(str(exc)) from None
+            self._wrappers[fn_path] = wrapper
+        return wrapper
+
+    async def close(self) -> None:
+        wrappers, self._wrappers = list(self._wrappers.values()), {}
+        await asyncio.gather(*(w.close() for w in wrappers))
+
+
+async def compute_reward(ctx: dict[str, Any], fn_path: str, args: list[Any], kwargs: dict[str, Any]) -> dict:
+    """The arq job: a tagged result, never an exception for a reward failure (so arq does not retry it)."""
+    try:
+        value = await ctx["rewards"].get(fn_path)(*args, **kwargs)
+    except (RewardTimeout, RewardNotANumber, RewardError) as exc:
+        return {"error": type(exc).__name__, "message": str(exc), "traceback": getattr(exc, "remote_traceback", "")}
+    return {"ok": value}
+
+
+def worker_settings(cfg: RewardWorkerConfig) -> dict[str, Any]:
+    """Keyword arguments for arq.worker.Worker serving run `cfg.run`."""
+
+    async def on_startup(ctx: dict[str, Any]) -> None:
+        ctx["rewards"] = RewardFunctions(cfg.max_workers, cfg.timeout_seconds)
+
+    async def on_shutdown(ctx: dict[str, Any]) -> None:
+        await ctx["rewards"].close()
+
+    redis_settings = RedisSettings.from_dsn(cfg.redis_url)
+    redis_settings.conn_retries = 0  # unreachable Redis at start: fail at once with rollq's one-line hint
+    return {
+        # arq's timeout is only a backstop behind the wrapper's (which also excludes the child's start-up).
+        "functions": [func(compute_reward, name=COMPUTE_REWARD, max_tries=MAX_TRIES,
+                           timeout=cfg.timeout_seconds + STARTUP_TIMEOUT_S + RUN_MARGIN_S)],
+        "queue_name": reward_queue(cfg.run),
+        "redis_settings": redis_settings,
+        "on_startup": on_startup,
+        "on_shutdown": on_shutdown,
+        "max_jobs": cfg.max_jobs or cfg.max_workers,
+        "keep_result": RESULT_TTL_S,
+        "poll_delay": WORKER_POLL_S,
+        "allow_abort_jobs": True,
+        "log_results": False,  # rewards are one number each; the job log line says enough
+    }
+
+
+__all__ = [
+    "COMPUTE_REWARD",
+    "NoRewardWorker",
+    "RemoteReward",
+    "RemoteRewardConfig",
+    "RewardFunctions",
+    "RewardWorkerConfig",
+    "compute_reward",
+    "reward_queue",
+    "worker_settings",
+]
