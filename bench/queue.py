@@ -45,6 +45,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+from collections.abc import Awaitable, Callable
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -195,20 +196,26 @@ def cpu_us_per_item(before: dict[str, float | None], after: dict[str, float | No
 # -- (a) rollq -----------------------------------------------------------------------------------------------------
 
 
+async def start_worker(procs: Procs, redis: Any, url: str, run: str, *args: str) -> subprocess.Popen:
+    """A `rollq worker` subprocess for `run`, returned once it registered (or BenchError with its log)."""
+    worker = procs.start("rollq-worker", [*rollq_argv(), "worker", "--redis", url, "--run", run, "--log-level",
+                                          "WARNING", *args], env=bench_env())
+    deadline = time.monotonic() + 30
+    while not await redis.zcard(RunKeys(run).workers):
+        if worker.poll() is not None:
+            raise BenchError(f"rollq worker exited with {worker.returncode}:\n{procs.log_tail(worker)}")
+        if time.monotonic() > deadline:
+            raise BenchError(f"rollq worker did not register in 30 s:\n{procs.log_tail(worker)}")
+        await asyncio.sleep(0.05)
+    return worker
+
+
 async def bench_rollq(url: str, procs: Procs, jobs: int, concurrency: int, timeout_s: float) -> dict[str, Any]:
     run = f"bench-{uuid.uuid4().hex[:10]}"
     keys = RunKeys(run)
     redis = redis_client(url)
-    worker = procs.start("rollq-worker", [*rollq_argv(), "worker", "--redis", url, "--run", run, "--concurrency",
-                                          str(concurrency), "--log-level", "WARNING"], env=bench_env())
+    worker = await start_worker(procs, redis, url, run, "--concurrency", str(concurrency))  # run_bench stops it on failure
     try:
-        deadline = time.monotonic() + 30
-        while not await redis.zcard(keys.workers):
-            if worker.poll() is not None:
-                raise BenchError(f"rollq worker exited with {worker.returncode}:\n{procs.log_tail(worker)}")
-            if time.monotonic() > deadline:
-                raise BenchError(f"rollq worker did not register in 30 s:\n{procs.log_tail(worker)}")
-            await asyncio.sleep(0.05)
 
         producer = Producer(redis, run)
         consumer = producer.consumer(group="trainer", name="bench")
@@ -637,19 +644,19 @@ def _raise_on_sigterm(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def run_bench(run: Callable[[Procs, Path], Awaitable[Any]], prefix: str) -> int:
+    """A benchmark's main: temp directory and child processes cleaned up on any exit (SIGTERM included), the
+    coroutine run on uvloop (as the worker runs), and a failure reported in one line with exit code 1."""
     signal.signal(signal.SIGTERM, _raise_on_sigterm)
-    tmp = Path(tempfile.mkdtemp(prefix="rollq-bench-"))
+    tmp = Path(tempfile.mkdtemp(prefix=prefix))
     procs = Procs(tmp)
     try:
-        url = args.redis or start_redis(procs, tmp)
         try:
             import uvloop
         except ImportError:
-            asyncio.run(amain(args, url, procs))
+            asyncio.run(run(procs, tmp))
         else:
-            uvloop.run(amain(args, url, procs))
+            uvloop.run(run(procs, tmp))
         return 0
     except (BenchError, RedisError, asyncio.TimeoutError) as exc:
         print(f"bench failed: {type(exc).__name__}: {exc}" if not isinstance(exc, BenchError) else f"bench failed: {exc}",
@@ -658,6 +665,15 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         procs.stop_all()
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+
+    async def run(procs: Procs, tmp: Path) -> None:
+        await amain(args, args.redis or start_redis(procs, tmp), procs)
+
+    return run_bench(run, "rollq-bench-")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from typing import Any
 import aiohttp
 import httpx
 import msgspec
+from httpx_aiohttp import HttpxAiohttpClient
 
 from workers.proxy.server import ProxyConfig, RecordingProxy
 
@@ -47,11 +48,13 @@ class WorkflowContext:
         self._token: contextvars.Token | None = None
 
     def http_client(self) -> httpx.AsyncClient:
-        """The shared httpx client (what agents get as `http_client`)."""
+        """The shared httpx client (what agents get as `http_client`). An `httpx.AsyncClient` on an aiohttp
+        transport: httpcore's connection pool spends milliseconds of CPU per request once dozens of agents share
+        it (measured by bench/agents.py), aiohttp's does not."""
         if self._httpx is None:
             limits = httpx.Limits(max_connections=self.config.http_max_connections,
                                   max_keepalive_connections=self.config.http_max_connections)
-            self._httpx = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(600.0, connect=30.0))
+            self._httpx = HttpxAiohttpClient(limits=limits, timeout=httpx.Timeout(600.0, connect=30.0))
         return self._httpx
 
     def aiohttp_session(self) -> aiohttp.ClientSession:

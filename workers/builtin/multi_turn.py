@@ -24,10 +24,16 @@ from workers.builtin.rlvr import (
 _ANCHOR = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
 
 
-def continuation_ids(tokenizer: Any, last_output: list[int], messages: list[dict[str, Any]]) -> list[int]:
+def anchor_text(tokenizer: Any) -> str:
+    """The stand-in conversation rendered (callers on a hot path compute it once and pass it as `base`)."""
+    return render(tokenizer, _ANCHOR)
+
+
+def continuation_ids(tokenizer: Any, last_output: list[int], messages: list[dict[str, Any]],
+                     base: str | None = None) -> list[int]:
     """Tokens that close the assistant turn ending in `last_output` and add `messages`, then open the next
     assistant turn (the generation prompt)."""
-    base = render(tokenizer, _ANCHOR)
+    base = base if base is not None else anchor_text(tokenizer)
     full = render(tokenizer, _ANCHOR + messages, add_generation_prompt=True)
     if not full.startswith(base):
         raise ValueError("the chat template does not render new turns as a suffix of the conversation")

@@ -9,7 +9,6 @@ turns is one growing token sequence (the `concat` export), and what the engine s
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import uuid
 from typing import Any
@@ -18,8 +17,6 @@ import msgspec
 from aiohttp import web
 
 from engine.types import ModelRequest, SamplingParams
-from workers.builtin.multi_turn import continuation_ids
-from workers.builtin.rlvr import encode, render
 from workers.proxy import anthropic
 from workers.proxy.chat import (
     BadRequest,
@@ -36,6 +33,7 @@ from workers.proxy.chat import (
     tool_choice_allows_calls,
     trim_stop,
 )
+from workers.proxy.prompt_encoder import PromptEncoder
 from workers.proxy.sessions import CompletionRecord, Session, SessionClosed, SessionStore
 from workers.proxy.streaming import TextStream, stream_deltas
 
@@ -61,18 +59,23 @@ class _Unauthorized(Exception):
     pass
 
 
+def _json_response(body: Any, status: int = 200) -> web.Response:
+    return web.Response(body=msgspec.json.encode(body), status=status, content_type="application/json")
+
+
 def _openai_error(message: str, status: int, kind: str = "invalid_request_error", param: str | None = None):
-    return web.json_response({"error": {"message": message, "type": kind, "param": param, "code": None}}, status=status)
+    return _json_response({"error": {"message": message, "type": kind, "param": param, "code": None}}, status=status)
 
 
 def _anthropic_error(message: str, status: int, kind: str = "invalid_request_error"):
-    return web.json_response({"type": "error", "error": {"type": kind, "message": message}}, status=status)
+    return _json_response({"type": "error", "error": {"type": kind, "message": message}}, status=status)
 
 
 class RecordingProxy:
     def __init__(self, engine: Any, tokenizer: Any, config: ProxyConfig | None = None) -> None:
         self.engine = engine  # anything with `async agenerate(ModelRequest) -> ModelResponse` (the EnginePool)
         self.tokenizer = tokenizer
+        self.prompts = PromptEncoder(tokenizer)
         self.config = config or ProxyConfig()
         self.sessions = SessionStore()
         self._runner: web.AppRunner | None = None
@@ -130,8 +133,8 @@ class RecordingProxy:
     @staticmethod
     async def _body(request: web.Request) -> dict[str, Any]:
         try:
-            body = await request.json(loads=json.loads)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            body = msgspec.json.decode(await request.read())
+        except msgspec.DecodeError as exc:
             raise BadRequest(f"the body is not valid JSON: {exc}") from None
         if not isinstance(body, dict):
             raise BadRequest("the body must be a JSON object")
@@ -179,10 +182,9 @@ class RecordingProxy:
         match = session.chat_parent(messages, tools)
         if match is not None:
             parent, start = match
-            suffix = continuation_ids(self.tokenizer, parent.output_ids, messages[start:])
+            suffix = self.prompts.continuation(parent.output_ids, messages[start:])
             return _Prompt(ids=parent.full_ids + suffix, parent=parent.key, messages=messages, tools=tools)
-        text = render(self.tokenizer, messages, tools=tools, add_generation_prompt=True)
-        return _Prompt(ids=encode(self.tokenizer, text), parent=None, messages=messages, tools=tools)
+        return _Prompt(ids=self.prompts.chat(messages, tools), parent=None, messages=messages, tools=tools)
 
     def _max_tokens(self, session: Session) -> int:
         return int(session.defaults.get("max_tokens") or self.config.default_max_tokens)
@@ -238,7 +240,7 @@ class RecordingProxy:
                                            want_pieces=params.logprobs)
         except Exception as exc:  # the engine pool's failure: the agent sees a server error, as with a real API
             return _openai_error(f"generation failed: {type(exc).__name__}: {exc}", 502, "server_error")
-        return web.json_response(chat_completion(rid, model, choices, len(prompt.ids), params.logprobs))
+        return _json_response(chat_completion(rid, model, choices, len(prompt.ids), params.logprobs))
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         try:
@@ -268,28 +270,28 @@ class RecordingProxy:
                                            want_pieces=params.logprobs)
         except Exception as exc:
             return _openai_error(f"generation failed: {type(exc).__name__}: {exc}", 502, "server_error")
-        return web.json_response(text_completion(rid, model, choices, len(prompt_ids), params.logprobs))
+        return _json_response(text_completion(rid, model, choices, len(prompt_ids), params.logprobs))
 
     def _completion_prompt(self, prompt: Any) -> list[int]:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # a batch of one
         if isinstance(prompt, str) and prompt:
-            return encode(self.tokenizer, prompt)
+            return self.prompts.encode(prompt)
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return list(prompt)
         raise BadRequest("'prompt' must be one non-empty string or one list of token ids (no batches)", "prompt")
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [self._model_card()]})
+        return _json_response({"object": "list", "data": [self._model_card()]})
 
     async def model(self, request: web.Request) -> web.Response:
-        return web.json_response({**self._model_card(), "id": request.match_info["model"]})
+        return _json_response({**self._model_card(), "id": request.match_info["model"]})
 
     def _model_card(self) -> dict[str, Any]:
         return {"id": self.config.model_name, "object": "model", "created": 0, "owned_by": "rollq"}
 
     async def health(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "sessions": len(self.sessions)})
+        return _json_response({"status": "ok", "sessions": len(self.sessions)})
 
     # -- Anthropic ---------------------------------------------------------------------------------------------------
 
@@ -316,27 +318,27 @@ class RecordingProxy:
             [choice] = await self._generate(session, prompt, params, parse_tools=parse_tools, rid=mid, want_pieces=False)
         except Exception as exc:
             return _anthropic_error(f"generation failed: {type(exc).__name__}: {exc}", 502, "api_error")
-        return web.json_response(anthropic.message(mid, model, choice, len(prompt.ids), params.stop))
+        return _json_response(anthropic.message(mid, model, choice, len(prompt.ids), params.stop))
 
 
 async def _data_frames(chunks: Any) -> Any:
     async for chunk in chunks:
-        yield b"data: " + json.dumps(chunk).encode() + b"\n\n"
+        yield b"data: " + msgspec.json.encode(chunk) + b"\n\n"
     yield b"data: [DONE]\n\n"
 
 
 async def _event_frames(events: Any) -> Any:
     async for name, data in events:
-        yield f"event: {name}\ndata: {json.dumps(data)}\n\n".encode()
+        yield b"event: " + name.encode() + b"\ndata: " + msgspec.json.encode(data) + b"\n\n"
 
 
 def _openai_error_frame(message: str) -> bytes:
-    return b"data: " + json.dumps({"error": {"message": message, "type": "server_error"}}).encode() + b"\n\n"
+    return b"data: " + msgspec.json.encode({"error": {"message": message, "type": "server_error"}}) + b"\n\n"
 
 
 def _anthropic_error_frame(message: str) -> bytes:
     body = {"type": "error", "error": {"type": "api_error", "message": message}}
-    return f"event: error\ndata: {json.dumps(body)}\n\n".encode()
+    return b"event: error\ndata: " + msgspec.json.encode(body) + b"\n\n"
 
 
 __all__ = ["ProxyConfig", "RecordingProxy"]
