@@ -47,6 +47,9 @@ class LazyTokenizer:
 
 def encode(tokenizer: Any, text: str) -> list[int]:
     # The chat template already wrote every special token; don't let the tokenizer add a BOS of its own.
+    backend = getattr(tokenizer, "backend_tokenizer", None)  # a fast tokenizer: skip ~50 µs of Python wrapping
+    if backend is not None:
+        return backend.encode(text, add_special_tokens=False).ids
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 

@@ -27,3 +27,10 @@ def test_cached_pieces_give_the_exact_ids_of_a_whole_encode():
                 text = render(tok, messages, tools=tools, add_generation_prompt=True)
                 assert encoder.chat(messages, tools) == encode(tok, text)
     assert len(encoder._pieces) <= 4  # bounded
+
+
+def test_encode_matches_the_tokenizers_own_call():
+    tok = tiny_tokenizer()
+    for messages in CONVERSATIONS:
+        text = render(tok, messages, tools=[ADD_TOOL], add_generation_prompt=True)
+        assert encode(tok, text) == tok(text, add_special_tokens=False)["input_ids"]
