@@ -58,6 +58,11 @@ class RunKeys(msgspec.Struct, frozen=True):
         """Sorted set: engine URL -> time its registration expires (engines renew it while alive)."""
         return f"{self.prefix}:engines"
 
+    @property
+    def ledger(self) -> str:
+        """Hash: the trainer's policy version and sample admission counts (the staleness ledger)."""
+        return f"{self.prefix}:ledger"
+
     def reply_stream(self, name: str) -> str:
         """A private results stream, e.g. for one `rollq enqueue --wait` or one external service."""
         validate_run_name(name)

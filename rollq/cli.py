@@ -25,6 +25,7 @@ def redis_hint(url: str, reason: str) -> str:
 def build_parser() -> argparse.ArgumentParser:
     from engine import cli as engine_cli
     from producer import cli as producer_cli
+    from trainer import cli as trainer_cli
     from workers import cli as workers_cli
     from workers import reward_cli
 
@@ -46,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     reward_cli.register(sub, common)
     producer_cli.register(sub, common)
     engine_cli.register(sub, common)
+    trainer_cli.register(sub, common)
     return parser
 
 
@@ -53,9 +55,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     handler: Callable[[argparse.Namespace], int] | None = getattr(args, "handler", None)
-    if handler is None:
-        parser.print_help()
-        return 0
+    if handler is None:  # plain `rollq`: the embedded default run (`rollq --help` lists the commands)
+        args = parser.parse_args(["up", *(argv or [])])
+        handler = args.handler
     logging.basicConfig(
         level=getattr(logging, args.log_level), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
