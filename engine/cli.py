@@ -36,6 +36,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--length-dist", default="fixed", metavar="SPEC",
                    help="output lengths: fixed[:N] | uniform:LOW:HIGH | lognormal:MEDIAN:SIGMA | pareto:XMIN:ALPHA")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--sampled", action="store_true",
+                   help="sample like a model at temperature > 0: the n samples of a prompt differ in tokens and length "
+                   "(default: greedy-like, the same prompt always gets the same output)")
     g.add_argument("--tokenizer", default="", metavar="NAME",
                    help="`tiny` (the offline ChatML tokenizer) or an HF tokenizer directory (default: UTF-8 bytes)")
     g.add_argument("--replies-file", default=None, metavar="PATH",
@@ -77,6 +80,7 @@ def build_backend(args: argparse.Namespace) -> Backend:
                 per_request_latency_s=args.request_latency,
                 length=length,
                 seed=args.seed,
+                sampled=args.sampled,
                 max_running_requests=args.max_running,
                 tokenizer=args.tokenizer,
                 replies=replies,

@@ -78,9 +78,13 @@ class FleetController:
         version = str(version)
         self.weights_path = path
         self.pool.target_version = version
-        result = await self._on_all(
-            f"update_weights({version})", lambda c: c.update_weights_from_disk(path, weight_version=version)
-        )
+        self.pool.updating = True
+        try:
+            result = await self._on_all(
+                f"update_weights({version})", lambda c: c.update_weights_from_disk(path, weight_version=version)
+            )
+        finally:
+            self.pool.updating = False
         for url in result.failed:
             member = self.pool.members.get(url)
             if member is not None:

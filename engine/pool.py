@@ -104,6 +104,7 @@ class EnginePool:
         self._rid_prefix = uuid.uuid4().hex[:12]
         self._rid_counter = itertools.count()
         self.target_version: str | None = None  # set by FleetController; engines on another version are stale
+        self.updating = False  # a fleet update is under way: versions read now say nothing about staleness
         self.static_urls = {u.rstrip("/") for u in config.urls}  # never removed by the registry
         self._registry_task: asyncio.Task | None = None
         for url in config.urls:
@@ -193,7 +194,12 @@ class EnginePool:
                     self._evict(member, "failed health checks")
 
     async def _check_versions(self, members: list[EngineMember]) -> None:
+        target = self.target_version
+        if self.updating:
+            return
         versions = await asyncio.gather(*(m.client.weight_version() for m in members), return_exceptions=True)
+        if self.updating or self.target_version != target:  # an update began or ended meanwhile: look next time
+            return
         for member, version in zip(members, versions):
             if isinstance(version, str):
                 member.weight_version = version

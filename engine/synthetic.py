@@ -109,6 +109,9 @@ class SyntheticConfig(msgspec.Struct, kw_only=True, frozen=True):
     max_running_requests: int = 0  # batch slots in stepped mode (per_token_latency_s > 0); 0 = unlimited
     kv_capacity_tokens: int = 1_000_000  # denominator of token_usage
     load_delay_s: float = 0.0  # time load_weights takes
+    # Sample like a model at temperature > 0: each request (temperature >= 1e-6) mixes a fresh draw into its hash, so
+    # the n samples of one prompt differ in tokens and length. A resubmitted remainder is a new draw from its prefix.
+    sampled: bool = False
 
 
 def load_tokenizer(name: str) -> tuple[Any, Path]:
@@ -210,6 +213,7 @@ class SyntheticBackend(Backend):
         self._inline_tokens = 0
         self._tokens_total = 0
         self._window: deque[tuple[float, int]] = deque()  # (time, tokens_total) samples for gen_throughput
+        self._draws = random.Random(c.seed)  # per-request draws of a sampled backend (reproducible per process)
 
     # --- tokenizer: the configured HF tokenizer, else UTF-8 bytes shifted past the special ids ---
 
@@ -237,6 +241,8 @@ class SyntheticBackend(Backend):
             h = (h * _MUL + t + 1) & _MASK
         for t in state.output_ids:  # a state resumed with partial output
             h = (h * _MUL + t + 1) & _MASK
+        if self.config.sampled and state.params.temperature >= 1e-6:
+            h = _mix(h ^ self._draws.getrandbits(64))
         if self._replies:
             script, cursor = self._locate_reply([*state.input_ids, *state.output_ids], state.params.ignore_eos)
             return _Seq(state, h, None, script, cursor)

@@ -63,6 +63,11 @@ class RunKeys(msgspec.Struct, frozen=True):
         """Hash: the trainer's policy version and sample admission counts (the staleness ledger)."""
         return f"{self.prefix}:ledger"
 
+    @property
+    def ledger_groups(self) -> str:
+        """Hash: group (job) id -> samples it holds in the staleness ledger (0 once given back)."""
+        return f"{self.prefix}:ledger:groups"
+
     def reply_stream(self, name: str) -> str:
         """A private results stream, e.g. for one `rollq enqueue --wait` or one external service."""
         validate_run_name(name)

@@ -11,7 +11,9 @@ from collections.abc import Callable, Sequence
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from protocol.connection import DEFAULT_REDIS_URL, REDIS_URL_ENV, redis_url_from_env
+from protocol.config import ConfigError, read_document
+from protocol.connection import DEFAULT_REDIS_URL, REDIS_URL_ENV
+from rollq import settings
 
 
 def redis_hint(url: str, reason: str) -> str:
@@ -36,7 +38,11 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="URL",
         help=f"Redis URL (default: ${REDIS_URL_ENV} or {DEFAULT_REDIS_URL})",
     )
-    common.add_argument("--run", default="default", help="run name; namespaces every stream and key (default: default)")
+    common.add_argument("--run", default=None,
+                        help="run name; namespaces every stream and key (default: $ROLLQ_RUN, the config's, or default)")
+    common.add_argument("--config", default=None, metavar="FILE",
+                        help="YAML config shared by every service (its section for this command; ROLLQ_* variables "
+                        "and flags override it)")
     common.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     parser = argparse.ArgumentParser(
         prog="rollq",
@@ -51,17 +57,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line over the config file's section and the ROLLQ_* variables. Plain `rollq` is `rollq up`."""
     parser = build_parser()
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or (argv[0] not in subparsers and argv[0] not in ("-h", "--help")):
+        argv = ["up", *argv]  # plain `rollq [KEY=VALUE ...]`: the embedded default run (`rollq --help` lists all)
     args = parser.parse_args(argv)
-    handler: Callable[[argparse.Namespace], int] | None = getattr(args, "handler", None)
-    if handler is None:  # plain `rollq`: the embedded default run (`rollq --help` lists the commands)
-        args = parser.parse_args(["up", *(argv or [])])
-        handler = args.handler
+    try:
+        document = read_document(args.config)
+        settings.apply(parser, subparsers, args.command, document)
+        args = parser.parse_args(argv)
+        settings.shared(args, document)
+    except ConfigError as exc:
+        parser.exit(2, f"rollq {args.command}: {exc}\n")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse(argv)
+    handler: Callable[[argparse.Namespace], int] = args.handler
     logging.basicConfig(
         level=getattr(logging, args.log_level), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
-    args.redis = redis_url_from_env(args.redis)
     try:
         return handler(args)
     except (RedisConnectionError, RedisTimeoutError) as exc:

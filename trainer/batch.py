@@ -1,33 +1,61 @@
-"""Completed groups -> one padded training batch, with GRPO's group-normalised advantages."""
+"""Groups of trajectories -> one padded training batch, with GRPO's group-normalised advantages."""
 
 from __future__ import annotations
 
+import array
+
 import msgspec
+import numpy as np
 import torch
 
-from protocol.messages import Trajectory
+from protocol.messages import Sequence, Trajectory
+
+
+def _column(values, dtype: str) -> np.ndarray:
+    """A per-token column as numpy: zero-copy for the decoded typed arrays, converted for plain lists."""
+    if isinstance(values, array.array) and len(values):
+        return np.frombuffer(values, dtype=dtype)
+    return np.asarray(values, dtype=dtype)
+
+
+def trained_versions(seq: Sequence) -> np.ndarray:
+    """Policy versions of the tokens the loss trains on (loss_mask 1)."""
+    return _column(seq.versions, "<i4")[_column(seq.loss_mask, "u1").astype(bool)]
 
 
 class Group(msgspec.Struct, kw_only=True):
-    """The n samples of one prompt; admitted, trained and dropped as one unit."""
+    """The n samples of one prompt: admitted, trained and dropped as one unit."""
 
     job_id: str
     samples: list[Trajectory]
 
     @property
-    def oldest_version(self) -> int:
-        """The oldest policy version behind any trained token (-1 if an engine reported none)."""
-        oldest = None
-        for traj in self.samples:
-            for seq in traj.sequences:
-                for v, m in zip(seq.versions, seq.loss_mask):
-                    if m and (oldest is None or v < oldest):
-                        oldest = v
-        return -1 if oldest is None else oldest
-
-    @property
     def ok(self) -> bool:
         return all(t.status == "ok" and t.sequences for t in self.samples)
+
+    def version_range(self) -> tuple[int, int] | None:
+        """(oldest, newest) policy version behind any trained token; None when nothing is trained."""
+        columns = [trained_versions(s) for t in self.samples for s in t.sequences]
+        columns = [c for c in columns if c.size]
+        if not columns:
+            return None
+        joined = np.concatenate(columns)
+        return int(joined.min()), int(joined.max())
+
+    def invalid(self, vocab_size: int) -> str | None:
+        """Why these sequences can't be trained by a model of `vocab_size` tokens (None: they can)."""
+        for t in self.samples:
+            for s in t.sequences:
+                ids = _column(s.input_ids, "<i4")
+                if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+                    return f"token ids outside the model's vocabulary [0, {vocab_size})"
+                if ids.size < 2:
+                    return "a sequence needs at least 2 tokens"
+        return None
+
+    @property
+    def model_tokens(self) -> int:
+        return sum(int(_column(s.loss_mask, "u1").sum()) for t in self.samples for s in t.sequences)
 
 
 class Batch(msgspec.Struct, kw_only=True):
@@ -44,40 +72,59 @@ class Batch(msgspec.Struct, kw_only=True):
         return int(self.loss_mask.sum().item())
 
 
+def micro_batches(lengths: list[int], rows: list[int], max_tokens: int) -> list[list[int]]:
+    """`rows` split into micro-batches of similar length whose padded size (rows x longest) stays within
+    `max_tokens` (a longer row goes alone): padding to the batch's longest sequence would multiply the compute on
+    long-tailed lengths."""
+    out: list[list[int]] = []
+    current: list[int] = []
+    for i in sorted(rows, key=lambda r: lengths[r]):
+        if current and (len(current) + 1) * lengths[i] > max_tokens:
+            out.append(current)
+            current = []
+        current.append(i)
+    if current:
+        out.append(current)
+    return out
+
+
 def grpo_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """(r - mean) / (std + eps) within the group; a group with equal rewards teaches nothing (all zero)."""
+    """(r - mean) / (std + eps) within the group; a group whose rewards are all equal teaches nothing (all zero)."""
     if rewards.numel() < 2:
         return torch.zeros_like(rewards)
-    return (rewards - rewards.mean()) / (rewards.std() + eps)
+    centred = rewards - rewards.mean()
+    return centred / (rewards.std() + eps)
 
 
 def build_batch(groups: list[Group], pad_id: int = 0) -> Batch:
-    rows: list[tuple[list[int], list[int], list[float], list[int]]] = []
+    """One row per sequence. A sample with several sequences (an agent's completions) shares its group's
+    normalisation: the advantage is computed over every sequence of the group."""
+    seqs: list[Sequence] = []
     advantages: list[torch.Tensor] = []
-    rewards: list[float] = []
     for group in groups:
-        seqs = [s for t in group.samples for s in t.sequences]
-        r = torch.tensor([s.reward for s in seqs], dtype=torch.float32)
-        advantages.append(grpo_advantages(r))
-        rewards += r.tolist()
-        rows += [(list(s.input_ids), list(s.loss_mask), list(s.logprobs), list(s.versions)) for s in seqs]
-    width = max(len(ids) for ids, *_ in rows)
-    n = len(rows)
+        members = [s for t in group.samples for s in t.sequences]
+        advantages.append(grpo_advantages(torch.tensor([s.reward for s in members], dtype=torch.float32)))
+        seqs += members
+    if not seqs:
+        raise ValueError("build_batch needs at least one sequence")
+    width = max(len(s.input_ids) for s in seqs)
+    n = len(seqs)
     input_ids = torch.full((n, width), pad_id, dtype=torch.long)
     attention = torch.zeros((n, width), dtype=torch.long)
     mask = torch.zeros((n, width), dtype=torch.float32)
     behav = torch.zeros((n, width), dtype=torch.float32)
     versions = torch.full((n, width), -1, dtype=torch.long)
-    for i, (ids, m, lp, v) in enumerate(rows):
-        k = len(ids)
-        input_ids[i, :k] = torch.tensor(ids)
+    for i, s in enumerate(seqs):
+        k = len(s.input_ids)
+        input_ids[i, :k] = torch.from_numpy(_column(s.input_ids, "<i4").astype(np.int64))
         attention[i, :k] = 1
-        mask[i, :k] = torch.tensor(m, dtype=torch.float32)
-        behav[i, :k] = torch.tensor(lp, dtype=torch.float32)
-        versions[i, :k] = torch.tensor(v)
-    # Token t is predicted from position t-1: drop the first column of the per-token arrays.
+        mask[i, :k] = torch.from_numpy(_column(s.loss_mask, "u1").astype(np.float32))
+        behav[i, :k] = torch.from_numpy(_column(s.logprobs, "<f4").copy())
+        versions[i, :k] = torch.from_numpy(_column(s.versions, "<i4").astype(np.int64))
+    # Token t is predicted at position t-1: the per-token columns drop their first entry.
     return Batch(input_ids=input_ids, attention_mask=attention, loss_mask=mask[:, 1:], behav_logprobs=behav[:, 1:],
-                 versions=versions[:, 1:], advantages=torch.cat(advantages), rewards=torch.tensor(rewards))
+                 versions=versions[:, 1:], advantages=torch.cat(advantages),
+                 rewards=torch.tensor([s.reward for s in seqs], dtype=torch.float32))
 
 
-__all__ = ["Batch", "Group", "build_batch", "grpo_advantages"]
+__all__ = ["Batch", "Group", "build_batch", "grpo_advantages", "micro_batches", "trained_versions"]

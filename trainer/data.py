@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -54,21 +53,25 @@ def load_prompts(spec: str) -> list[dict[str, Any]]:
     return records
 
 
-class PromptStream:
-    """Endless prompts, reshuffled every epoch; `position` makes a restarted trainer continue where it was."""
+class PromptOrder:
+    """Prompt of the i-th group: every epoch visits each record once in a seeded shuffle. A pure function of i,
+    so a restarted trainer re-offers exactly the groups it offered before."""
 
-    def __init__(self, records: list[dict[str, Any]], seed: int = 0, position: int = 0) -> None:
+    def __init__(self, records: list[dict[str, Any]], seed: int = 0) -> None:
+        if not records:
+            raise DatasetError("no prompts")
         self.records = records
         self.seed = seed
-        self.position = position
+        self._epoch = -1
+        self._order: list[int] = []
 
-    def __iter__(self) -> Iterator[dict[str, Any]]:
-        while True:
-            epoch, index = divmod(self.position, len(self.records))
-            order = list(range(len(self.records)))
-            random.Random(self.seed + epoch).shuffle(order)
-            self.position += 1
-            yield self.records[order[index]]
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        epoch, position = divmod(index, len(self.records))
+        if epoch != self._epoch:
+            self._order = list(range(len(self.records)))
+            random.Random(self.seed * 1_000_003 + epoch).shuffle(self._order)
+            self._epoch = epoch
+        return self.records[self._order[position]]
 
 
-__all__ = ["DatasetError", "PromptStream", "load_prompts"]
+__all__ = ["DatasetError", "PromptOrder", "load_prompts"]

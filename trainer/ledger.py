@@ -1,10 +1,10 @@
-"""The staleness ledger: how many samples have been admitted for generation, against the policy version, in Redis.
+"""The staleness ledger: samples admitted for generation, against the policy version, kept in Redis.
 
-Admission is atomic (Lua) and bounded: by policy version v, at most (eta + v + 1) * B samples are admitted, B being
-the samples one step trains on. A sample admitted at version v therefore trains at a version of at most v + eta —
-which the trainer also checks at consumption, dropping anything older. A job id is admitted at most once (a
-restarted trainer re-submitting the same jobs counts nothing twice); a dropped group gives its capacity back.
-The ledger lives in Redis, so it survives a trainer restart.
+AReaL's rule, enforced atomically (Lua): by policy version v at most (eta + v + 1) * B samples are admitted, B being
+the samples one step trains on. Admission is per group (all n samples of a prompt or none), a group id counts once
+however often it is offered (a restarted trainer re-offering its groups admits nothing twice), and a dropped group
+gives its samples back. Because the ledger lives in Redis it survives a trainer restart; the trainer's consumption
+check (oldest token version >= v - eta) makes the bound exact when completions arrive out of order.
 """
 
 from __future__ import annotations
@@ -14,8 +14,7 @@ import redis.asyncio as aioredis
 
 from protocol.keys import RunKeys
 
-# KEYS: ledger hash, admitted-jobs hash. ARGV: job id, samples, B, eta.
-# -> {admitted (1/0), version, samples admitted, limit}
+# KEYS: ledger, groups. ARGV: group id, samples, B, eta. -> {admitted 1/0, version, samples admitted, limit}
 _ADMIT = """
 local v = tonumber(redis.call('HGET', KEYS[1], 'version') or '0')
 local admitted = tonumber(redis.call('HGET', KEYS[1], 'admitted') or '0')
@@ -32,71 +31,93 @@ redis.call('HINCRBY', KEYS[1], 'admitted', n)
 return {1, v, admitted + n, limit}
 """
 
-# KEYS: ledger hash, admitted-jobs hash. ARGV: job id. Gives a dropped job's samples back (once).
+# KEYS: ledger, groups. ARGV: group id. Gives a dropped group's samples back, once.
 _RELEASE = """
 local n = tonumber(redis.call('HGET', KEYS[2], ARGV[1]) or '0')
 if n > 0 then
   redis.call('HSET', KEYS[2], ARGV[1], 0)
   redis.call('HINCRBY', KEYS[1], 'admitted', -n)
-  redis.call('HINCRBY', KEYS[1], 'dropped', n)
+  redis.call('HINCRBY', KEYS[1], 'released', n)
 end
 return n
 """
 
-# KEYS: ledger hash. ARGV: version. Versions only move forward.
+# KEYS: ledger. ARGV: version. The trainer's version moves forward only (restore() is the exception).
 _SET_VERSION = """
 local v = tonumber(redis.call('HGET', KEYS[1], 'version') or '0')
-if tonumber(ARGV[1]) > v then redis.call('HSET', KEYS[1], 'version', ARGV[1]) end
-return math.max(v, tonumber(ARGV[1]))
+local new = tonumber(ARGV[1])
+if new > v then redis.call('HSET', KEYS[1], 'version', new) return new end
+return v
+"""
+
+# KEYS: ledger, groups. ARGV: version, admitted (used only when the ledger is gone). -> 1 if it had to be rebuilt
+_RESTORE = """
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  redis.call('HSET', KEYS[1], 'version', ARGV[1])
+  return 0
+end
+redis.call('DEL', KEYS[2])
+redis.call('HSET', KEYS[1], 'version', ARGV[1], 'admitted', ARGV[2], 'released', 0)
+return 1
 """
 
 
 class Admission(msgspec.Struct, frozen=True):
     admitted: bool
     version: int
-    samples_admitted: int
-    limit: int
+    samples_admitted: int  # in the ledger after this call
+    limit: int  # (eta + version + 1) * B
 
 
 class LedgerState(msgspec.Struct, frozen=True):
     version: int
-    admitted: int
-    dropped: int
+    admitted: int  # samples admitted and not given back (in flight, waiting, or trained)
+    released: int  # samples given back by dropped groups
 
 
 class StalenessLedger:
     def __init__(self, redis: aioredis.Redis, run: str, batch_samples: int, max_staleness: int) -> None:
         self.redis = redis
         self.keys = RunKeys(run)
-        self.jobs_key = f"{self.keys.ledger}:jobs"
         self.batch_samples = batch_samples
         self.max_staleness = max_staleness
         self._admit = redis.register_script(_ADMIT)
         self._release = redis.register_script(_RELEASE)
         self._set_version = redis.register_script(_SET_VERSION)
+        self._restore = redis.register_script(_RESTORE)
 
-    async def admit(self, job_id: str, samples: int) -> Admission:
+    def limit(self, version: int) -> int:
+        return (self.max_staleness + version + 1) * self.batch_samples
+
+    async def admit(self, group_id: str, samples: int) -> Admission:
+        """Admit a whole group or nothing. A group admitted before is admitted again without counting."""
         ok, version, admitted, limit = await self._admit(
-            keys=[self.keys.ledger, self.jobs_key], args=[job_id, samples, self.batch_samples, self.max_staleness])
+            keys=[self.keys.ledger, self.keys.ledger_groups],
+            args=[group_id, samples, self.batch_samples, self.max_staleness])
         return Admission(bool(ok), int(version), int(admitted), int(limit))
 
-    async def release(self, job_id: str) -> int:
-        return int(await self._release(keys=[self.keys.ledger, self.jobs_key], args=[job_id]))
+    async def release(self, group_id: str) -> int:
+        """Give a dropped group's samples back (once). Returns how many."""
+        return int(await self._release(keys=[self.keys.ledger, self.keys.ledger_groups], args=[group_id]))
 
     async def set_version(self, version: int) -> int:
         return int(await self._set_version(keys=[self.keys.ledger], args=[version]))
 
-    async def restore_version(self, version: int) -> None:
-        """A restarted trainer's version (from its checkpoint), even if the ledger had moved past it."""
-        await self.redis.hset(self.keys.ledger, "version", version)
+    async def restore(self, version: int, trained_samples: int) -> bool:
+        """A restarted trainer's version (from its checkpoint). If Redis lost the ledger, it is rebuilt from what
+        the checkpoint knows (the samples trained so far); returns True then."""
+        return bool(await self._restore(keys=[self.keys.ledger, self.keys.ledger_groups],
+                                        args=[version, trained_samples]))
 
     async def state(self) -> LedgerState:
         raw = await self.redis.hgetall(self.keys.ledger)
-        get = lambda k: int(raw.get(k.encode(), 0))  # noqa: E731
-        return LedgerState(version=get("version"), admitted=get("admitted"), dropped=get("dropped"))
+        return LedgerState(version=int(raw.get(b"version", 0)), admitted=int(raw.get(b"admitted", 0)),
+                           released=int(raw.get(b"released", 0)))
 
     async def reset(self) -> None:
-        await self.redis.delete(self.keys.ledger, self.jobs_key)
+        """A fresh run: version 0, nothing admitted."""
+        await self.redis.delete(self.keys.ledger_groups)
+        await self.redis.hset(self.keys.ledger, mapping={"version": 0, "admitted": 0, "released": 0})
 
 
 __all__ = ["Admission", "LedgerState", "StalenessLedger"]

@@ -1,33 +1,40 @@
-"""The training loop: feed the queue through the staleness ledger, consume groups, train, move every engine to the
-new weights, checkpoint.
+"""The training loop: feed the queue through the staleness ledger, consume fresh groups, train, move every engine
+to the new weights, checkpoint.
 
-Per step v -> v + 1:
-  collect B samples of complete, fresh groups (a group older than v - eta is dropped as a unit and its admission
-  released) -> decoupled PPO step -> write weights -> pause engines, update_weights_from_disk(version v + 1),
-  resume (generation restarts here) -> publish v + 1 in the ledger -> checkpoint -> ack the consumed trajectories.
-A trainer killed anywhere restarts from its checkpoint: groups it trained are skipped, pending ones redelivered.
+One step, policy version v -> v + 1:
+  collect B samples of complete groups fit to train at v -> decoupled PPO step -> write weights -> pause engines,
+  update_weights_from_disk(version v + 1), resume (generation restarts here) -> metrics line -> checkpoint ->
+  publish v + 1 in the ledger (new admissions) -> ack what the checkpoint holds.
+A trainer killed anywhere restarts from its checkpoint: groups it trained and checkpointed are acked without
+training, everything else is redelivered. With checkpoint_every 1 the ledger never runs ahead of the checkpoint,
+so the admission bound holds across the restart; tokens of weights the checkpoint doesn't know (published before a
+crash, never checkpointed) are dropped at consumption.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
 import time
-from collections import Counter
+import uuid
+from collections import Counter, deque
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
-import msgspec
 import redis.asyncio as aioredis
-import torch
 
 from engine.fleet import FleetController
 from engine.pool import EnginePool
-from producer.producer import JobRequest, Producer
+from producer.producer import Producer
 from producer.results import Delivered, ResultConsumer
-from trainer.batch import Group, build_batch
+from trainer import checkpoint
+from trainer.batch import build_batch
+from trainer.checkpoint import TrainerState
+from trainer.collector import GroupCollector
 from trainer.config import TrainConfig
-from trainer.data import PromptStream, load_prompts
+from trainer.data import PromptOrder, load_prompts
+from trainer.feeder import GroupFeeder
 from trainer.ledger import StalenessLedger
 from trainer.metrics import MetricsLog, plot
 from trainer.policy import Policy
@@ -36,189 +43,152 @@ log = logging.getLogger("rollq.trainer")
 
 CONSUMER_GROUP = "trainer"
 CONSUMER_NAME = "trainer"  # fixed: a restarted trainer first re-reads what its previous life left pending
-
-
-class TrainerState(msgspec.Struct, kw_only=True):
-    """What a checkpoint holds besides the model and optimizer."""
-
-    step: int = 0
-    version: int = 0
-    next_group: int = 0  # groups submitted so far (job ids g0, g1, ...)
-    prompt_position: int = 0
-    trained_groups: list[str] = []
-    dropped_samples: int = 0
-    accepted_samples: int = 0
+KEEP_WEIGHT_VERSIONS = 2
+RATE_WINDOW_S = 10.0  # throughput figures average over at least this long (reads come in bursts)  # an engine being reconciled may still read the previous version
 
 
 class Trainer:
     def __init__(self, config: TrainConfig, redis: aioredis.Redis, pool: EnginePool, *,
-                 metrics_out: Any = None) -> None:
+                 progress: TextIO | None = None, policy: Policy | None = None) -> None:
         self.cfg = config
         self.redis = redis
         self.pool = pool
         self.fleet = FleetController(pool)
         self.run_dir = Path(config.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.metrics = MetricsLog(self.run_dir, metrics_out)
+        self.weights_root = Path(config.weights_root)
+        self.metrics = MetricsLog(self.run_dir, progress)
         self.ledger = StalenessLedger(redis, config.run, config.batch_samples, config.max_staleness)
         self.producer = Producer(redis, config.run)
         self.consumer = ResultConsumer(redis, self.producer.reply_to, group=CONSUMER_GROUP, name=CONSUMER_NAME)
-        self.policy = Policy(config)
-        self.prompts = PromptStream(load_prompts(config.dataset), seed=config.seed)
-        self.state = TrainerState()
-        self._pending: dict[str, list[Delivered]] = {}
-        self._admission_changed = asyncio.Event()
-        self._generated_tokens = 0
+        self.prompts = PromptOrder(load_prompts(config.dataset), seed=config.seed)
+        self.policy = policy or Policy(config)
+        self.state = TrainerState(run_id=uuid.uuid4().hex[:8])
+        self._unacked: list[Delivered] = []
+        self._started = 0.0
+        self.feeder: GroupFeeder | None = None
+        self.collector: GroupCollector | None = None
 
     @property
     def checkpoint_path(self) -> Path:
         return self.run_dir / "checkpoint.pt"
 
-    # -- checkpoint ----------------------------------------------------------------------------------------------------
+    # -- start ---------------------------------------------------------------------------------------------------------
 
-    def _save_checkpoint(self) -> None:
-        tmp = self.checkpoint_path.with_suffix(".tmp")
-        torch.save({"policy": self.policy.state(), "state": msgspec.to_builtins(self.state)}, tmp)
-        tmp.replace(self.checkpoint_path)
-
-    def _load_checkpoint(self) -> bool:
-        if not self.checkpoint_path.exists():
+    async def _resume(self) -> bool:
+        saved = await asyncio.to_thread(checkpoint.load, self.checkpoint_path, self.cfg.device)
+        if saved is None:
+            await self.ledger.reset()
+            self.metrics.truncate(0)
             return False
-        saved = torch.load(self.checkpoint_path, map_location=self.cfg.device, weights_only=False)
-        self.policy.load_state(saved["policy"])
-        self.state = msgspec.convert(saved["state"], TrainerState)
-        self.prompts.position = self.state.prompt_position
+        policy_state, self.state = saved
+        self.policy.load_state(policy_state)
+        if await self.ledger.restore(self.state.version, self.state.trained_samples):
+            log.warning("the staleness ledger was gone from Redis; rebuilt from the checkpoint")
+        self.metrics.truncate(self.state.step)
         return True
 
-    # -- weights -------------------------------------------------------------------------------------------------------
-
     async def _publish_weights(self, version: int) -> dict[str, float]:
-        """Weights of `version` onto every engine; generation resumes as soon as they are loaded."""
-        path = await asyncio.to_thread(self.policy.save_weights, self.run_dir / "weights" / f"v{version}")
+        """Weights of `version` onto every engine: pause, load, resume. Generation resumes right after the load."""
+        path = await asyncio.to_thread(self.policy.save_weights, self.weights_root / f"v{version}")
+        await self.fleet.reconcile()  # engines that missed an update (or joined since) first catch up
         phases = await self.fleet.cycle(str(path), version, mode=self.cfg.pause_mode)
-        await self.ledger.set_version(version)
-        self._admission_changed.set()
-        old = self.run_dir / "weights" / f"v{version - 2}"
-        if old.exists():  # engines may still be reading v-1 if one is reconciling; older is garbage
-            await asyncio.to_thread(__import__("shutil").rmtree, old, True)
+        for old in self.weights_root.glob("v*"):
+            if old.name[1:].isdigit() and int(old.name[1:]) <= version - KEEP_WEIGHT_VERSIONS:
+                await asyncio.to_thread(shutil.rmtree, old, True)
         return phases
-
-    # -- feeding -------------------------------------------------------------------------------------------------------
-
-    async def _submit_loop(self) -> None:
-        """Admit and submit groups for as long as the ledger has room, forever (cancelled at the end)."""
-        prompts = iter(self.prompts)
-        data = next(prompts)
-        while True:
-            job_id = f"g{self.state.next_group}"
-            admission = await self.ledger.admit(job_id, self.cfg.group_size)
-            if not admission.admitted:
-                self._admission_changed.clear()
-                try:
-                    await asyncio.wait_for(self._admission_changed.wait(), 1.0)
-                except TimeoutError:
-                    pass
-                continue
-            await self.producer.submit_many([JobRequest(
-                workflow=self.cfg.workflow, data={**data, "group_id": job_id}, n=self.cfg.group_size, job_id=job_id,
-                workflow_kwargs=self.cfg.workflow_kwargs)])
-            self.state.next_group += 1
-            self.state.prompt_position = self.prompts.position
-            data = next(prompts)
-
-    # -- consuming -----------------------------------------------------------------------------------------------------
-
-    async def _collect(self) -> tuple[list[Group], list[Delivered], Counter]:
-        """Complete, fresh groups for one step; drops stale / failed groups as they complete."""
-        cfg = self.cfg
-        ready: list[Group] = []
-        used: list[Delivered] = []
-        staleness: Counter = Counter()
-        while len(ready) < cfg.groups_per_step:
-            for d in await self.consumer.read(count=256, block_ms=500):
-                self._pending.setdefault(d.trajectory.job_id, []).append(d)
-            for job_id in [j for j, items in self._pending.items() if len(items) >= cfg.group_size]:
-                items = self._pending.pop(job_id)
-                group = Group(job_id=job_id, samples=[d.trajectory for d in items])
-                if job_id in self.state.trained_groups:  # trained before a crash, not yet acked: ack only
-                    await self.consumer.commit(items)
-                    continue
-                oldest = group.oldest_version
-                if not group.ok or oldest < self.state.version - cfg.max_staleness:
-                    why = "failed samples" if not group.ok else f"version {oldest} < {self.state.version - cfg.max_staleness}"
-                    log.info("dropping group %s (%s)", job_id, why)
-                    await self.ledger.release(job_id)
-                    self._admission_changed.set()
-                    self.state.dropped_samples += len(items)
-                    await self.consumer.commit(items)
-                    continue
-                if len(ready) < cfg.groups_per_step:
-                    ready.append(group)
-                    used += items
-                    staleness[self.state.version - oldest] += len(items)
-                else:
-                    self._pending[job_id] = items  # complete, but for the next step
-        return ready, used, staleness
 
     # -- the loop ------------------------------------------------------------------------------------------------------
 
     async def run(self) -> list[dict[str, Any]]:
         cfg = self.cfg
         await self.pool.start()
-        resumed = self._load_checkpoint()
-        if resumed:
-            await self.ledger.restore_version(self.state.version)
-        else:
-            await self.ledger.reset()
+        resumed = await self._resume()
         await self.consumer.setup()
         await self._publish_weights(self.state.version)  # engines start from the trainer's weights
-        log.info("%s at step %d (version %d); %d steps to go", "resumed" if resumed else "starting",
+        prefix = f"{self.state.run_id}-g"
+        self.feeder = GroupFeeder(self.producer, self.ledger, self.prompts, prefix=prefix,
+                                  group_size=cfg.group_size, workflow=cfg.workflow,
+                                  workflow_kwargs=cfg.workflow_kwargs, next_index=self.state.next_group)
+        self.collector = GroupCollector(self.consumer, self.ledger, group_prefix=prefix,
+                                        max_staleness=cfg.max_staleness, vocab_size=self.policy.vocab_size,
+                                        on_release=self.feeder.notify)
+        self.collector.skip = set(self.state.unacked_groups)
+        log.info("%s at step %d (policy version %d); %d steps to go", "resumed" if resumed else "starting",
                  self.state.step, self.state.version, cfg.steps - self.state.step)
-        submitter = asyncio.create_task(self._submit_loop(), name="submitter")
+        self._started = time.monotonic()
+        # (time, samples read, tokens read) at the ends of recent steps: rates over some seconds, not one read
+        self._marks = deque([(self._started, 0, 0)])
+        feeding = asyncio.create_task(self.feeder.run(), name="feeder")
         try:
             while self.state.step < cfg.steps:
-                await self._step()
-                if submitter.done():
-                    submitter.result()  # surface its failure
+                step = asyncio.create_task(self._step())
+                await asyncio.wait([step, feeding], return_when=asyncio.FIRST_COMPLETED)
+                if feeding.done():  # the feeder only ends by failing: surface it
+                    step.cancel()
+                    await asyncio.gather(step, return_exceptions=True)
+                    feeding.result()
+                step.result()
         finally:
-            submitter.cancel()
-            await asyncio.gather(submitter, return_exceptions=True)
+            self.feeder.stop()
+            feeding.cancel()
+            await asyncio.wait([feeding], timeout=10)
         records = self.metrics.read()
         if records:
-            plot(records, self.run_dir / "plot.png")
+            await asyncio.to_thread(plot, records, self.run_dir / "plot.png", f"rollq run {cfg.run}")
         return records
 
     async def _step(self) -> None:
-        cfg = self.cfg
-        started = time.monotonic()
-        groups, used, staleness = await self._collect()
-        collected = time.monotonic()
-        batch = build_batch(groups, self.policy.pad_id)
+        cfg, state = self.cfg, self.state
+        assert self.collector is not None and self.feeder is not None
+        t0 = time.monotonic()
+        got = await self.collector.collect(cfg.groups_per_step, state.version)
+        t1 = time.monotonic()
+        batch = build_batch(got.groups, self.policy.pad_id)
         stats = await asyncio.to_thread(self.policy.train_step, batch)
-        trained = time.monotonic()
-        self.state.version += 1
-        self.state.step += 1
-        phases = await self._publish_weights(self.state.version)
-        self.state.trained_groups += [g.job_id for g in groups]
-        self.state.accepted_samples += len(used)
-        if self.state.step % cfg.checkpoint_every == 0 or self.state.step == cfg.steps:
-            await asyncio.to_thread(self._save_checkpoint)
-        await self.consumer.commit(used)
-        elapsed = time.monotonic() - started
+        t2 = time.monotonic()
+        phases = await self._publish_weights(state.version + 1)
+        t3 = time.monotonic()
+
+        state.step += 1
+        state.version += 1
+        state.next_group = self.feeder.next_index
+        state.trained_samples += len(got.deliveries)
+        state.dropped = dict(Counter(state.dropped) + Counter(got.dropped))
+        state.staleness = dict(Counter(state.staleness) + Counter(got.staleness))
+        state.unacked_groups += [g.job_id for g in got.groups]
+        self._unacked += got.deliveries
         ledger = await self.ledger.state()
-        record = {
-            "step": self.state.step, "version": self.state.version,
+        trained = sum(got.staleness.values())
+        self._marks.append((t3, self.collector.samples_read, self.collector.model_tokens_read))
+        while len(self._marks) > 2 and t3 - self._marks[1][0] >= RATE_WINDOW_S:
+            self._marks.popleft()
+        (ta, sa, ka), (tb, sb, kb) = self._marks[0], self._marks[-1]
+        samples_per_s, tokens_per_s = (sb - sa) / max(tb - ta, 1e-9), (kb - ka) / max(tb - ta, 1e-9)
+        self.metrics.write({
+            "step": state.step, "version": state.version,
             "reward_mean": float(batch.rewards.mean()), "reward_max": float(batch.rewards.max()),
-            "accepted_samples": self.state.accepted_samples, "dropped_samples": self.state.dropped_samples,
-            "staleness_mean": sum(k * n for k, n in staleness.items()) / max(1, sum(staleness.values())),
-            "staleness_max": max(staleness) if staleness else 0,
-            "staleness_hist": {str(k): n for k, n in sorted(staleness.items())},
-            "trained_tokens": batch.tokens, "tokens_per_s": batch.tokens / max(elapsed, 1e-9),
-            "collect_s": collected - started, "train_s": trained - collected, "step_s": elapsed,
+            "reward_min": float(batch.rewards.min()),
+            "samples": len(got.deliveries), "trained_samples": state.trained_samples,
+            "dropped": dict(state.dropped), "dropped_this_step": got.dropped,
+            "staleness_mean": sum(k * n for k, n in got.staleness.items()) / max(1, trained),
+            "staleness_max": max(got.staleness, default=0),
+            "staleness_hist": {str(k): n for k, n in sorted(got.staleness.items())},
+            "trained_tokens": batch.tokens, "gen_tokens_per_s": tokens_per_s, "samples_per_s": samples_per_s,
+            "collect_s": t1 - t0, "train_s": t2 - t1, "step_s": t3 - t0,
             "pause_s": phases["total_s"], "weight_load_s": phases["load_s"],
-            "ledger_admitted": ledger.admitted, "time": time.time(), **stats,
-        }
-        self.metrics.write(record)
+            "ledger_version": ledger.version, "ledger_admitted": ledger.admitted,
+            "ledger_limit": self.ledger.limit(ledger.version),
+            "elapsed_s": time.monotonic() - self._started, "time": time.time(), **stats,
+        }, cfg.steps)
+        if state.step % cfg.checkpoint_every == 0 or state.step == cfg.steps:
+            await asyncio.to_thread(checkpoint.save, self.checkpoint_path, self.policy.state(), state)
+            await self.consumer.commit(self._unacked)  # the checkpoint holds them now
+            self._unacked = []
+            state.unacked_groups = []
+        # New admissions only against versions a checkpoint knows (with checkpoint_every 1: always).
+        await self.ledger.set_version(state.version)
+        self.feeder.notify()
 
 
-__all__ = ["Trainer", "TrainerState"]
+__all__ = ["Trainer"]

@@ -10,9 +10,9 @@ from typing import Any
 
 import torch
 
-from trainer.batch import Batch
+from trainer.batch import Batch, micro_batches
 from trainer.config import TrainConfig
-from trainer.loss import decoupled_ppo_loss
+from trainer.loss import LossSums, decoupled_ppo_loss
 
 
 def model_path(name: str) -> str:
@@ -26,6 +26,9 @@ def model_path(name: str) -> str:
 class Policy:
     def __init__(self, config: TrainConfig) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # the run's own progress lines are what the user reads
 
         torch.manual_seed(config.seed)
         self.config = config
@@ -34,37 +37,53 @@ class Policy:
         self.model = AutoModelForCausalLM.from_pretrained(self.path, dtype=torch.float32).to(config.device)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self.vocab_size = int(self.model.get_input_embeddings().num_embeddings)
 
     def token_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """log p(input_ids[:, t] | input_ids[:, :t]) for t >= 1: [N, T-1]."""
         logits = self.model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()
         return torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
 
+    def _logprobs_of(self, ids: torch.Tensor, attn: torch.Tensor, rows: list[int], width: int) -> torch.Tensor:
+        return self.token_logprobs(ids[rows, :width], attn[rows, :width])
+
     def train_step(self, batch: Batch) -> dict[str, Any]:
+        """One decoupled-PPO step: proximal logprobs with the current weights, then `ppo_minibatches` optimizer
+        steps, each accumulating gradients over length-sorted micro-batches."""
         c = self.config
         dev = c.device
         ids, attn = batch.input_ids.to(dev), batch.attention_mask.to(dev)
         mask, behav, adv = batch.loss_mask.to(dev), batch.behav_logprobs.to(dev), batch.advantages.to(dev)
+        lengths = attn.sum(dim=1).tolist()
+        rows = list(range(ids.shape[0]))
         self.model.eval()
+        prox = torch.zeros_like(mask)
         with torch.no_grad():
-            prox = self.token_logprobs(ids, attn)
+            for mb in micro_batches(lengths, rows, c.max_tokens_per_microbatch):
+                w = max(lengths[i] for i in mb)
+                prox[mb, : w - 1] = self._logprobs_of(ids, attn, mb, w)
         self.model.train()
-        order = torch.randperm(ids.shape[0])
-        stats = []
-        for part in order.chunk(c.ppo_minibatches):
-            logprobs = self.token_logprobs(ids[part], attn[part])
-            loss, s = decoupled_ppo_loss(logprobs, prox[part], behav[part], adv[part], mask[part],
-                                         clip_eps=c.clip_eps, behav_imp_cap=c.behav_imp_cap)
+        sums, losses, norms = LossSums(), [], []
+        for part in torch.randperm(len(rows)).chunk(c.ppo_minibatches):
+            part = part.tolist()
+            denominator = mask[part].sum().clamp(min=1.0)
             self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), c.grad_clip)
+            total = 0.0
+            for mb in micro_batches(lengths, part, c.max_tokens_per_microbatch):
+                w = max(lengths[i] for i in mb)
+                loss, s = decoupled_ppo_loss(
+                    self._logprobs_of(ids, attn, mb, w), prox[mb, : w - 1], behav[mb, : w - 1], adv[mb],
+                    mask[mb, : w - 1], clip_eps=c.clip_eps, behav_imp_cap=c.behav_imp_cap, denominator=denominator)
+                loss.backward()
+                total += float(loss.detach())
+                sums.add(s)
+            norms.append(float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), c.grad_clip)))
             self.optimizer.step()
-            stats.append((s, float(grad_norm)))
-        n = len(stats)
-        return {"loss": sum(s.loss for s, _ in stats) / n, "clip_fraction": sum(s.clip_fraction for s, _ in stats) / n,
-                "capped_fraction": sum(s.capped_fraction for s, _ in stats) / n,
-                "importance_mean": sum(s.importance_mean for s, _ in stats) / n,
-                "grad_norm": sum(g for _, g in stats) / n,
+            losses.append(total)
+        tokens = max(sums.tokens, 1.0)
+        return {"loss": sum(losses) / len(losses), "clip_fraction": sums.clipped / tokens,
+                "capped_fraction": sums.capped / tokens, "importance_mean": sums.importance / max(tokens - sums.capped, 1.0),
+                "grad_norm": sum(norms) / len(norms),
                 "behav_prox_gap": float(((prox - behav).abs() * mask).sum() / mask.sum().clamp(min=1))}
 
     def save_weights(self, directory: Path) -> Path:

@@ -1,4 +1,4 @@
-"""`rollq up`: the whole system on one machine — a redis-server (started if none answers), reference engines,
+"""`rollq up`: the whole system on one machine — a redis-server (started when none answers), reference engines,
 rollout workers and the trainer — training the built-in toy task with the tiny offline model."""
 
 from __future__ import annotations
@@ -7,15 +7,14 @@ import asyncio
 import logging
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-import httpx
 import msgspec
 
 from protocol.connection import TRANSIENT_ERRORS, redis_client
@@ -23,15 +22,24 @@ from trainer.config import TrainConfig
 
 log = logging.getLogger("rollq.up")
 
+QUIET_CHILD_ENV = {"TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_HUB_OFFLINE": "1",
+                   "TOKENIZERS_PARALLELISM": "false"}
+
+
+class StackError(RuntimeError):
+    """A part of the local stack could not start or died; the message says which, with its log's tail."""
+
 
 def free_port() -> int:
+    import socket
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
 class LocalStack:
-    """Child processes of `rollq up`, stopped (and the temporary Redis deleted) on exit."""
+    """The child processes of `rollq up`, stopped (and a private Redis's directory deleted) on exit."""
 
     def __init__(self, log_dir: Path) -> None:
         self.log_dir = log_dir
@@ -39,17 +47,17 @@ class LocalStack:
         self.tmp: Path | None = None
 
     def spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
-        out = open(self.log_dir / f"{name}.log", "w")
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        out.close()
+        with open(self.log_dir / f"{name}.log", "w") as out:
+            proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    env={**os.environ, **QUIET_CHILD_ENV}, start_new_session=True)
         self.procs.append((name, proc))
         return proc
 
     def check(self) -> None:
         for name, proc in self.procs:
             if proc.poll() is not None:
-                tail = (self.log_dir / f"{name}.log").read_text()[-2000:]
-                raise RuntimeError(f"{name} exited with {proc.returncode}:\n{tail}")
+                tail = (self.log_dir / f"{name}.log").read_text(errors="replace")[-2000:]
+                raise StackError(f"{name} exited with code {proc.returncode}; the end of its log:\n{tail}")
 
     def stop(self) -> None:
         for _, proc in reversed(self.procs):
@@ -66,7 +74,7 @@ class LocalStack:
             shutil.rmtree(self.tmp, ignore_errors=True)
 
 
-async def _answers(url: str) -> bool:
+async def redis_answers(url: str) -> bool:
     client = redis_client(url, retries=0)
     try:
         await client.ping()
@@ -77,16 +85,9 @@ async def _answers(url: str) -> bool:
         await client.aclose()
 
 
-async def _wait(predicate: Any, stack: LocalStack, what: str, timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not await predicate():
-        stack.check()
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{what} did not come up in {timeout_s:.0f} s")
-        await asyncio.sleep(0.1)
+async def engine_healthy(url: str) -> bool:
+    import httpx
 
-
-async def _healthy(url: str) -> bool:
     try:
         async with httpx.AsyncClient(timeout=2) as c:
             return (await c.get(url + "/health")).status_code == 200
@@ -94,55 +95,75 @@ async def _healthy(url: str) -> bool:
         return False
 
 
+async def wait_for(ready: Callable[[], Awaitable[bool]], stack: LocalStack, what: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not await ready():
+        stack.check()
+        if time.monotonic() > deadline:
+            raise StackError(f"{what} did not come up in {timeout_s:.0f} s (logs in {stack.log_dir})")
+        await asyncio.sleep(0.1)
+
+
 async def start_redis(stack: LocalStack, url: str | None) -> str:
-    """The given Redis if it answers, else a private redis-server on a free port in a temporary directory."""
-    if url and await _answers(url):
+    """`url` if given (it must answer); else the default Redis if one answers; else a private redis-server on a
+    free port in a temporary directory, stopped on exit."""
+    from protocol.connection import DEFAULT_REDIS_URL
+
+    if url is not None:
+        if not await redis_answers(url):
+            raise StackError(f"no Redis answers at {url} (leave --redis/ROLLQ_REDIS_URL unset to start one)")
         return url
+    if await redis_answers(DEFAULT_REDIS_URL):
+        return DEFAULT_REDIS_URL
     binary = shutil.which("redis-server")
     if binary is None:
-        raise RuntimeError("no Redis answers and redis-server is not installed (run the README's set-up command)")
+        raise StackError("no Redis answers and redis-server is not installed (run the README's set-up command)")
     stack.tmp = Path(tempfile.mkdtemp(prefix="rollq-up-redis-"))
     port = free_port()
     stack.spawn("redis", [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(stack.tmp),
                           "--save", "", "--appendonly", "no"])
     local = f"redis://127.0.0.1:{port}/0"
-    await _wait(lambda: _answers(local), stack, "redis-server", 30)
+    await wait_for(lambda: redis_answers(local), stack, "redis-server", 30)
     return local
 
 
-async def up(cfg: TrainConfig, *, engines: int, workers: int, redis_url: str | None,
-             concurrency: int = 64) -> list[dict[str, Any]]:
+async def up(cfg: TrainConfig, *, engines: int, workers: int, concurrency: int = 64,
+             redis_url: str | None = None) -> list[dict[str, Any]]:
+    """Start the stack, train `cfg`, stop everything. Returns the metrics records."""
     from engine.pool import EnginePool, PoolConfig
     from trainer.loop import Trainer
 
+    for name in ("httpx", "transformers"):
+        logging.getLogger(name).setLevel(logging.WARNING)
     run_dir = Path(cfg.run_dir)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     stack = LocalStack(run_dir / "logs")
     rollq = [sys.executable, "-m", "rollq"]
     try:
         url = await start_redis(stack, redis_url)
+        log.info("redis at %s, run %r; child logs in %s", url, cfg.run, stack.log_dir)
         urls = []
         for i in range(engines):
             port = free_port()
             urls.append(f"http://127.0.0.1:{port}")
             stack.spawn(f"engine-{i}", [*rollq, "engine", "--backend", "reference", "--model", cfg.model,
-                                        "--port", str(port), "--weight-version", "0"])
+                                        "--port", str(port), "--weight-version", "0", "--device", cfg.device])
         for i in range(workers):
             stack.spawn(f"worker-{i}", [*rollq, "worker", "--redis", url, "--run", cfg.run, "--concurrency",
-                                        str(concurrency), *[a for u in urls for a in ("--engine", u)]])
+                                        str(concurrency), "--wait-redis", "30",
+                                        *[a for u in urls for a in ("--engine", u)]])
         for u in urls:
-            await _wait(lambda u=u: _healthy(u), stack, f"engine {u}")
+            await wait_for(lambda u=u: engine_healthy(u), stack, f"engine {u}", 300)
         cfg = msgspec.structs.replace(cfg, redis_url=url, engines=urls)
         redis = redis_client(url)
         pool = EnginePool(PoolConfig(urls=urls))
         try:
-            trainer = Trainer(cfg, redis, pool)
-            training = asyncio.create_task(trainer.run(), name="trainer")
+            training = asyncio.create_task(Trainer(cfg, redis, pool).run(), name="trainer")
             watch = asyncio.create_task(_watch(stack), name="watch")
             try:
                 await asyncio.wait([training, watch], return_when=asyncio.FIRST_COMPLETED)
                 if not training.done():
-                    watch.result()  # a child died: raise its log
+                    watch.result()  # a child died: raise with its log
                 return training.result()
             finally:
                 for task in (training, watch):
@@ -158,8 +179,8 @@ async def up(cfg: TrainConfig, *, engines: int, workers: int, redis_url: str | N
 async def _watch(stack: LocalStack) -> None:
     """A child that dies ends the run with its log, rather than a silent stall."""
     while True:
-        await asyncio.sleep(1.0)
+        await asyncio.sleep(0.5)
         stack.check()
 
 
-__all__ = ["LocalStack", "start_redis", "up"]
+__all__ = ["LocalStack", "StackError", "start_redis", "up"]

@@ -1,0 +1,124 @@
+"""The consumption side of the staleness bound: trajectories -> complete groups fresh enough to train.
+
+A group trains at policy version v only if every trained token was produced by a version in [v - eta, v]. A group
+that fails this, or holds a failed/rejected sample, is dropped whole: its samples are acked, counted and given back
+to the ledger. Versions above v come from weights a crashed trainer published but never checkpointed; they are
+dropped too, so every trained token's version names weights the trainer still has in its history.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable
+
+import msgspec
+
+from producer.results import Delivered, ResultConsumer
+from trainer.batch import Group
+from trainer.ledger import StalenessLedger
+
+log = logging.getLogger("rollq.trainer")
+
+DROP_REASONS = ("stale", "failed", "invalid", "future", "foreign")
+
+
+class Collected(msgspec.Struct, kw_only=True):
+    groups: list[Group]
+    deliveries: list[Delivered]  # acked once the step that trains them is checkpointed
+    staleness: dict[int, int]  # trained samples per staleness (v - oldest token version)
+    dropped: dict[str, int]  # samples dropped while collecting, per reason
+
+
+class GroupCollector:
+    """Reads a results stream, assembles groups by job id and hands out the ones fit to train."""
+
+    def __init__(self, consumer: ResultConsumer, ledger: StalenessLedger, *, group_prefix: str,
+                 max_staleness: int, vocab_size: int, on_release: Callable[[], None] = lambda: None) -> None:
+        self.consumer = consumer
+        self.ledger = ledger
+        self.group_prefix = group_prefix  # this trainer's job ids; anything else is left from an earlier run
+        self.max_staleness = max_staleness
+        self.vocab_size = vocab_size
+        self.on_release = on_release
+        self.skip: set[str] = set()  # trained before a restart, awaiting their ack
+        self._partial: dict[str, list[Delivered]] = {}
+        self._complete: dict[str, list[Delivered]] = {}  # complete groups not trained yet (checked again each step)
+        self.samples_read = 0  # every trajectory of this run read so far (trained, waiting or dropped)
+        self.model_tokens_read = 0  # their generated tokens
+
+    @property
+    def waiting_samples(self) -> int:
+        return sum(map(len, self._partial.values())) + sum(map(len, self._complete.values()))
+
+    def _verdict(self, group: Group, version: int) -> str | None:
+        if not group.ok:
+            return "failed"
+        why = group.invalid(self.vocab_size)
+        if why is not None:
+            log.warning("group %s can't be trained: %s", group.job_id, why)
+            return "invalid"
+        span = group.version_range()
+        if span is None:
+            return None  # nothing to train on, nothing stale (it still counts as a sample of the step)
+        oldest, newest = span
+        if newest > version:
+            return "future"
+        if oldest < version - self.max_staleness:
+            return "stale"
+        return None
+
+    async def _drop(self, job_id: str, items: list[Delivered], reason: str, dropped: Counter) -> None:
+        await self.consumer.commit(items)
+        dropped[reason] += len(items)
+        if reason != "foreign":
+            await self.ledger.release(job_id)
+            self.on_release()
+        log.info("dropped group %s (%d samples): %s", job_id, len(items), reason)
+
+    async def collect(self, groups_needed: int, version: int, *, block_ms: int = 500) -> Collected:
+        """Read until `groups_needed` complete groups may train at `version`. Stalest first, so the groups closest
+        to the bound are the ones used."""
+        dropped: Counter = Counter()
+        while True:
+            fit: list[tuple[int, str, Group]] = []
+            for job_id, items in list(self._complete.items()):
+                group = Group(job_id=job_id, samples=[d.trajectory for d in items])
+                reason = self._verdict(group, version)
+                if reason is not None:
+                    del self._complete[job_id]
+                    await self._drop(job_id, items, reason, dropped)
+                    continue
+                span = group.version_range()
+                fit.append((span[0] if span else version, job_id, group))
+            if len(fit) >= groups_needed:
+                break
+            for d in await self.consumer.read(count=512, block_ms=block_ms):
+                traj = d.trajectory
+                if not traj.job_id.startswith(self.group_prefix):
+                    await self._drop(traj.job_id, [d], "foreign", dropped)
+                    continue
+                self.samples_read += 1
+                self.model_tokens_read += sum(int(sum(s.loss_mask)) for s in traj.sequences)
+                items = self._partial.setdefault(traj.job_id, [])
+                items.append(d)
+                if len(items) >= traj.n:
+                    del self._partial[traj.job_id]
+                    if traj.job_id in self.skip:  # trained and checkpointed before a crash: ack only
+                        self.skip.discard(traj.job_id)
+                        await self.consumer.commit(items)
+                    else:
+                        self._complete[traj.job_id] = items
+        fit.sort(key=lambda f: f[0])
+        chosen = fit[:groups_needed]
+        deliveries: list[Delivered] = []
+        staleness: Counter = Counter()
+        for oldest, job_id, group in chosen:
+            items = self._complete.pop(job_id)
+            deliveries += items
+            staleness[version - oldest] += len(items)
+        return Collected(groups=[g for _, _, g in chosen], deliveries=deliveries, staleness=dict(staleness),
+                         dropped=dict(dropped))
+
+
+__all__ = ["Collected", "DROP_REASONS", "GroupCollector"]
