@@ -57,6 +57,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _config_path(argv: list[str]) -> str | None:
+    """--config's value, found before parsing (the file supplies defaults, required options included)."""
+    for i, arg in enumerate(argv):
+        if arg == "--config" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--config="):
+            return arg.split("=", 1)[1]
+    return None
+
+
 def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The command line over the config file's section and the ROLLQ_* variables. Plain `rollq` is `rollq up`."""
     parser = build_parser()
@@ -64,14 +74,19 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or (argv[0] not in subparsers and argv[0] not in ("-h", "--help")):
         argv = ["up", *argv]  # plain `rollq [KEY=VALUE ...]`: the embedded default run (`rollq --help` lists all)
+    if argv[0] in ("-h", "--help"):
+        parser.parse_args(argv)  # prints the help and exits
+    command = argv[0]
+    try:
+        document = read_document(_config_path(argv))
+        settings.apply(parser, subparsers, command, document)
+    except ConfigError as exc:
+        parser.exit(2, f"rollq {command}: {exc}\n")
     args = parser.parse_args(argv)
     try:
-        document = read_document(args.config)
-        settings.apply(parser, subparsers, args.command, document)
-        args = parser.parse_args(argv)
         settings.shared(args, document)
     except ConfigError as exc:
-        parser.exit(2, f"rollq {args.command}: {exc}\n")
+        parser.exit(2, f"rollq {command}: {exc}\n")
     return args
 
 

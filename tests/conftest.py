@@ -142,3 +142,29 @@ async def wait_registered(redis, run: str, name: str, timeout_s: float = 15.0) -
 
     key = RunKeys(run).workers
     await wait_until(lambda: redis.zscore(key, name), timeout_s, what=f"worker {name} to register")
+
+
+@pytest.fixture
+async def engine_process(tmp_path):
+    """`await engine_process(*args)` runs `python -m engine --backend synthetic --port P *args` and waits for
+    /health; returns (Popen, url). Killed at teardown."""
+    procs: list[subprocess.Popen] = []
+
+    async def spawn(*args: str) -> tuple[subprocess.Popen, str]:
+        port = free_port()
+        log = open(tmp_path / f"engine-{port}.log", "w")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "engine", "--backend", "synthetic", "--port", str(port), *args],
+            cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
+        )
+        procs.append(proc)
+        url = f"http://127.0.0.1:{port}"
+        await wait_until(lambda: proc.poll() is not None or engine_healthy(url), 30, what=f"{url} healthy")
+        assert proc.poll() is None, (tmp_path / f"engine-{port}.log").read_text()
+        return proc, url
+
+    yield spawn
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)

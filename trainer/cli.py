@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import statistics
 import sys
 import time
@@ -52,6 +53,12 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def _quiet_libraries() -> None:
+    """A request line per engine call would bury the progress lines."""
+    for name in ("httpx", "transformers"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
 def _fail(command: str, message: str) -> int:
     print(f"rollq {command}: {message}", file=sys.stderr)
     return 2
@@ -64,6 +71,7 @@ def run_train(args: argparse.Namespace) -> int:
         cfg = load_config(args.config, overrides=args.overrides, redis_url=args.redis, run=args.run)
     except ConfigError as exc:
         return _fail("train", str(exc))
+    _quiet_libraries()
     try:
         records = uvloop.run(train(cfg))
     except (ValueError, RuntimeError) as exc:  # a dataset that can't be read, no engine to update, ...
@@ -111,6 +119,7 @@ def run_up(args: argparse.Namespace) -> int:
           f"({cfg.groups_per_step} groups x {cfg.group_size} samples, max staleness {cfg.max_staleness}); "
           f"run directory {cfg.run_dir}", file=sys.stderr)
     started = time.monotonic()
+    _quiet_libraries()
     try:
         records = uvloop.run(up(cfg, engines=args.engines, workers=args.workers, concurrency=args.concurrency,
                                 redis_url=args.redis if args.redis_given else None))

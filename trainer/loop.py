@@ -170,6 +170,7 @@ class Trainer:
             "reward_mean": float(batch.rewards.mean()), "reward_max": float(batch.rewards.max()),
             "reward_min": float(batch.rewards.min()),
             "samples": len(got.deliveries), "trained_samples": state.trained_samples,
+            "groups": [g.job_id for g in got.groups],
             "dropped": dict(state.dropped), "dropped_this_step": got.dropped,
             "staleness_mean": sum(k * n for k, n in got.staleness.items()) / max(1, trained),
             "staleness_max": max(got.staleness, default=0),

@@ -133,8 +133,6 @@ async def up(cfg: TrainConfig, *, engines: int, workers: int, concurrency: int =
     from engine.pool import EnginePool, PoolConfig
     from trainer.loop import Trainer
 
-    for name in ("httpx", "transformers"):
-        logging.getLogger(name).setLevel(logging.WARNING)
     run_dir = Path(cfg.run_dir)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     stack = LocalStack(run_dir / "logs")

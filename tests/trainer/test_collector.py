@@ -1,0 +1,87 @@
+"""The consumption check against a real results stream: fresh complete groups train, the rest is dropped whole
+(acked, counted, given back to the ledger)."""
+
+import asyncio
+
+from producer.results import ResultConsumer
+from protocol.codec import Codec
+from protocol.keys import PAYLOAD_FIELD, RunKeys
+from protocol.messages import Sequence, Trajectory
+from trainer.collector import GroupCollector
+from trainer.ledger import StalenessLedger
+
+PREFIX = "run1-g"
+
+
+def sample(job: str, index: int, versions: list[int], *, n: int = 2, status: str = "ok", ids: list[int] | None = None):
+    ids = ids or [5, 6] + [7] * len(versions)
+    seq = Sequence(input_ids=ids, loss_mask=[0, 0] + [1] * len(versions), logprobs=[0.0] * len(ids),
+                   versions=[-1, -1] + versions, reward=float(index))
+    return Trajectory(job_id=job, sample_index=index, n=n, status=status, sequences=[seq] if status == "ok" else [])
+
+
+async def publish(redis, run: str, *trajectories: Trajectory) -> None:
+    codec = Codec()
+    for t in trajectories:  # as a worker does: one entry per sample on the run's results stream
+        await redis.xadd(RunKeys(run).results, {PAYLOAD_FIELD: codec.encode(t)})
+
+
+async def setup(redis, run: str, eta: int = 1):
+    ledger = StalenessLedger(redis, run, batch_samples=64, max_staleness=eta)
+    await ledger.reset()
+    consumer = ResultConsumer(redis, RunKeys(run).results, group="trainer", name="trainer")
+    await consumer.setup()
+    collector = GroupCollector(consumer, ledger, group_prefix=PREFIX, max_staleness=eta, vocab_size=100)
+    return ledger, consumer, collector
+
+
+async def pending(redis, run: str) -> int:
+    return (await redis.xpending(RunKeys(run).results, "trainer"))["pending"]
+
+
+async def test_only_complete_fresh_groups_train_and_the_rest_is_dropped_whole(redis, run_name):
+    ledger, consumer, collector = await setup(redis, run_name, eta=1)
+    for g in range(6):
+        assert (await ledger.admit(f"{PREFIX}{g}", 2)).admitted
+    await publish(redis, run_name,
+                  sample(f"{PREFIX}0", 0, [3, 3]), sample(f"{PREFIX}0", 1, [2, 3]),   # fresh at v=3 (staleness 1)
+                  sample(f"{PREFIX}1", 0, [1, 3]), sample(f"{PREFIX}1", 1, [3]),      # one token from v1: stale
+                  sample(f"{PREFIX}2", 0, [3]), sample(f"{PREFIX}2", 1, [], status="error"),  # a failed sample
+                  sample(f"{PREFIX}3", 0, [4]), sample(f"{PREFIX}3", 1, [3]),         # v4: weights never checkpointed
+                  sample(f"{PREFIX}4", 0, [3], ids=[5, 6, 500]), sample(f"{PREFIX}4", 1, [3]),  # not in the vocab
+                  sample("oldrun-g9", 0, [3]),                                        # another trainer's leftovers
+                  sample(f"{PREFIX}5", 0, [3]))                                       # incomplete: waits
+    before = (await ledger.state()).admitted
+    got = await asyncio.wait_for(collector.collect(1, version=3, block_ms=50), 10)
+    assert [g.job_id for g in got.groups] == [f"{PREFIX}0"]
+    assert sorted(d.trajectory.sample_index for d in got.deliveries) == [0, 1]
+    assert got.staleness == {1: 2}
+    assert got.dropped == {"stale": 2, "failed": 2, "future": 2, "invalid": 2, "foreign": 1}
+    # dropped groups are acked and give their samples back; the trained one stays pending until committed
+    assert (await ledger.state()).admitted == before - 8  # stale, failed, future, invalid: 2 each
+    assert await pending(redis, run_name) == 3  # g0's two samples + the incomplete g5
+    assert collector.waiting_samples == 1
+    await consumer.commit(got.deliveries)
+    assert await pending(redis, run_name) == 1
+
+
+async def test_the_stalest_fit_groups_go_first_and_the_rest_wait_for_the_next_step(redis, run_name):
+    ledger, consumer, collector = await setup(redis, run_name, eta=2)
+    await publish(redis, run_name, *(sample(f"{PREFIX}{g}", i, [v, v]) for g, v in ((0, 5), (1, 3), (2, 4))
+                                     for i in range(2)))
+    got = await asyncio.wait_for(collector.collect(2, version=5, block_ms=50), 10)
+    assert [g.job_id for g in got.groups] == [f"{PREFIX}1", f"{PREFIX}2"] and got.staleness == {2: 2, 1: 2}
+    # at version 8 the waiting group (v5) is 3 versions old: dropped, not trained
+    await publish(redis, run_name, sample(f"{PREFIX}3", 0, [8]), sample(f"{PREFIX}3", 1, [7]))
+    got = await asyncio.wait_for(collector.collect(1, version=8, block_ms=50), 10)
+    assert [g.job_id for g in got.groups] == [f"{PREFIX}3"] and got.dropped == {"stale": 2}
+
+
+async def test_groups_trained_before_a_restart_are_acked_not_trained_again(redis, run_name):
+    ledger, consumer, collector = await setup(redis, run_name)
+    await publish(redis, run_name, *(sample(f"{PREFIX}{g}", i, [0]) for g in range(2) for i in range(2)))
+    collector.skip = {f"{PREFIX}0"}
+    got = await asyncio.wait_for(collector.collect(1, version=0, block_ms=50), 10)
+    assert [g.job_id for g in got.groups] == [f"{PREFIX}1"]
+    assert await pending(redis, run_name) == 2  # g0 acked at once
+    assert collector.samples_read == 4 and collector.model_tokens_read == 4

@@ -1,0 +1,61 @@
+"""`rollq train` SIGKILLed mid-run, twice, and restarted: it resumes from its checkpoint, trains every step once,
+never trains a group twice, and keeps the staleness bound across the restarts."""
+
+import json
+import re
+import signal
+import subprocess
+import sys
+
+from tests.conftest import REPO_ROOT, wait_until
+from tests.trainer.conftest import WORKFLOW_KWARGS
+
+STEPS, GROUP, GROUPS, ETA = 10, 4, 3, 1
+
+
+def start_trainer(config, log):
+    out = open(log, "a")
+    return subprocess.Popen([sys.executable, "-m", "rollq", "train", "--config", str(config)], cwd=REPO_ROOT,
+                            stdout=out, stderr=subprocess.STDOUT)
+
+
+def steps_done(metrics) -> int:
+    return len(metrics.read_text().splitlines()) if metrics.exists() else 0
+
+
+async def test_a_trainer_killed_twice_resumes_exactly(redis_url, run_name, tmp_path, stack, auditor):
+    urls = await stack(run_name)
+    audit = await auditor(run_name)
+    run_dir = tmp_path / "run"
+    config = tmp_path / "rollq.yaml"
+    config.write_text(json.dumps({  # YAML is a superset of JSON
+        "redis_url": redis_url, "run": run_name,
+        "trainer": {"run_dir": str(run_dir), "engines": urls, "steps": STEPS, "group_size": GROUP,
+                    "groups_per_step": GROUPS, "max_staleness": ETA, "workflow_kwargs": WORKFLOW_KWARGS}}))
+    log = tmp_path / "trainer.log"
+    metrics = run_dir / "metrics.jsonl"
+    for kill_after in (3, 6):
+        trainer = start_trainer(config, log)
+        await wait_until(lambda: trainer.poll() is not None or steps_done(metrics) >= kill_after, 120,
+                         what=f"step {kill_after}")
+        assert trainer.poll() is None, log.read_text()[-3000:]
+        trainer.send_signal(signal.SIGKILL)  # wherever it is: training, loading weights, checkpointing, acking
+        trainer.wait(10)
+    trainer = start_trainer(config, log)
+    trainer.wait(180)
+    output = log.read_text()
+    assert trainer.returncode == 0, output[-3000:]
+    resumed = [int(s) for s in re.findall(r"resumed at step (\d+)", output)]
+    assert len(resumed) == 2 and resumed[0] >= 2 and resumed[1] >= 5, resumed
+
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))  # each step once: redone steps replaced
+    assert [r["version"] for r in records] == list(range(1, STEPS + 1))
+    assert records[-1]["trained_samples"] == STEPS * GROUP * GROUPS
+    for r in records:
+        assert r["staleness_max"] <= ETA and r["ledger_admitted"] <= r["ledger_limit"]
+    trained = [g for r in records for g in r["groups"]]
+    await wait_until(lambda: audit.has(trained, GROUP), 20, what="the auditor to read every trained group")
+    audit.check_trained(records, group_size=GROUP, eta=ETA)
+    summary = json.loads(output.strip().splitlines()[-1])
+    assert summary["steps"] == STEPS

@@ -1,0 +1,55 @@
+"""`rollq` on a fresh machine: the embedded default run starts its own Redis, a reference engine, a worker and the
+trainer, shows progress, visibly learns the toy task, writes its run directory and stops everything it started."""
+
+import json
+import os
+import re
+import socket
+import statistics
+import subprocess
+import sys
+
+from tests.conftest import REPO_ROOT
+
+STEPS = 30
+
+
+def test_plain_rollq_trains_the_toy_task_and_cleans_up(tmp_path):
+    run_dir = tmp_path / "run"
+    # No --redis and no ROLLQ_* settings: unless a Redis answers on the default port, `rollq` starts its own.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLQ_") or k == "ROLLQ_CACHE"}
+    proc = subprocess.run([sys.executable, "-m", "rollq", f"steps={STEPS}", "lr=2e-3", f"run_dir={run_dir}"],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["steps"] == STEPS and summary["trained_samples"] == STEPS * 64
+    assert re.search(rf"step +{STEPS}/{STEPS} +reward [0-9.]+ +accepted +{STEPS * 64}", proc.stderr)  # live lines
+
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rewards = [r["reward_mean"] for r in records]
+    first, last = statistics.fmean(rewards[:5]), statistics.fmean(rewards[-5:])
+    assert last >= 0.1 and last >= 3 * first, rewards
+    assert all(r["staleness_max"] <= 2 for r in records)
+    assert (run_dir / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (run_dir / "checkpoint.pt").exists()
+
+    # Everything it started is gone: its private Redis no longer answers.
+    url = re.search(r"redis at redis://([^:]+):(\d+)/0", proc.stderr)
+    assert url, proc.stderr[-2000:]
+    if url.group(1) == "127.0.0.1":  # (a Redis on the default port, if this machine has one, is used instead)
+        with socket.socket() as s:
+            assert s.connect_ex(("127.0.0.1", int(url.group(2)))) != 0
+
+
+def test_rollq_up_against_a_redis_that_does_not_answer_says_so(unused_redis_url, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "rollq", "up", "--redis", unused_redis_url,
+                           f"run_dir={tmp_path / 'run'}"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert f"no Redis answers at {unused_redis_url}" in proc.stderr
+
+
+def test_rollq_up_refuses_a_bad_setting_before_starting_anything(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "rollq", "up", "steps=0", f"run_dir={tmp_path / 'run'}"],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "steps must be >= 1" in proc.stderr
+    assert not (tmp_path / "run").exists()
