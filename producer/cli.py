@@ -11,6 +11,7 @@ from typing import IO, Any
 import msgspec
 import uvloop
 
+from producer.jsonl import JsonlError, json_objects
 from producer.producer import JobRequest, Producer
 from producer.status import format_status, gather_status
 from protocol.codec import Codec
@@ -44,7 +45,7 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     s.set_defaults(handler=run_status)
 
 
-class InputError(ValueError):
+class InputError(JsonlError):
     pass
 
 
@@ -52,15 +53,7 @@ def read_jobs(stream: IO[str], name: str, workflow: str, n: int, *, workflow_kwa
               agent: AgentOptions | None = None) -> list[JobRequest]:
     """Parse every line first, so a bad line stops the command before anything is submitted."""
     requests: list[JobRequest] = []
-    for lineno, line in enumerate(stream, 1):
-        if not line.strip():
-            continue
-        try:
-            data = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise InputError(f"{name}:{lineno}: not valid JSON ({exc.msg} at column {exc.colno})") from None
-        if not isinstance(data, dict):
-            raise InputError(f"{name}:{lineno}: expected a JSON object, got {type(data).__name__}")
+    for lineno, data in json_objects(stream, name):
         job_id = data.get("job_id")
         if job_id is not None and (not isinstance(job_id, str) or not job_id):
             raise InputError(f"{name}:{lineno}: job_id must be a non-empty string, got {job_id!r}")

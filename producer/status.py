@@ -50,6 +50,15 @@ class DeadLetterSummary(msgspec.Struct):
     message: str
 
 
+class TrainerStatus(msgspec.Struct):
+    """The staleness ledger a trainer keeps for the run."""
+
+    version: int  # the policy version new admissions are counted against
+    admitted: int  # samples admitted and not given back
+    released: int  # samples given back by dropped groups
+    bound: int | None  # (eta + version + 1) * B, when the trainer recorded eta and B
+
+
 class RunStatus(msgspec.Struct):
     run: str
     jobs: StreamStatus
@@ -57,6 +66,7 @@ class RunStatus(msgspec.Struct):
     dead_letters: int
     recent_dead_letters: list[DeadLetterSummary]
     workers: list[WorkerStatus]
+    trainer: TrainerStatus | None = None
 
 
 async def _stream_status(redis: aioredis.Redis, key: str) -> StreamStatus:
@@ -110,7 +120,17 @@ async def gather_status(redis: aioredis.Redis, run: str, *, recent: int = 5) -> 
     for name, last in seen:
         info = json.loads(infos.get(name, b"{}"))
         workers.append(WorkerStatus(name.decode(), now - last < WORKER_TTL_S, round(now - last, 1), info))
-    return RunStatus(run, jobs, results, dead_count, recent_dead, workers)
+    return RunStatus(run, jobs, results, dead_count, recent_dead, workers, await _trainer_status(redis, keys))
+
+
+async def _trainer_status(redis: aioredis.Redis, keys: RunKeys) -> TrainerStatus | None:
+    raw = {k.decode(): int(v) for k, v in (await redis.hgetall(keys.ledger)).items()}
+    if not raw:
+        return None
+    bound = None
+    if "eta" in raw and "batch" in raw:
+        bound = (raw["eta"] + raw.get("version", 0) + 1) * raw["batch"]
+    return TrainerStatus(raw.get("version", 0), raw.get("admitted", 0), raw.get("released", 0), bound)
 
 
 def _stream_lines(st: StreamStatus) -> list[str]:
@@ -140,4 +160,9 @@ def format_status(st: RunStatus) -> str:
         running = w.info.get("running", "?")
         done = w.info.get("completed", "?")
         lines.append(f"  {state} {w.name}: running {running}, completed {done}, last seen {w.last_seen_s:.1f}s ago")
+    if st.trainer is not None:
+        t = st.trainer
+        bound = f" of at most {t.bound}" if t.bound is not None else ""
+        lines.append(f"trainer: policy version {t.version}; {t.admitted} samples admitted{bound}, "
+                     f"{t.released} given back by dropped groups")
     return "\n".join(lines)

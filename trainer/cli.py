@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import statistics
 import sys
@@ -76,7 +77,10 @@ def run_train(args: argparse.Namespace) -> int:
         records = uvloop.run(train(cfg))
     except (ValueError, RuntimeError) as exc:  # a dataset that can't be read, no engine to update, ...
         return _fail("train", str(exc))
-    print(msgspec.json.encode(summarize(records)).decode())
+    summary = summarize(records)
+    if not cfg.dataset.startswith("toy:"):
+        del summary["goal_met"]  # the toy task's goal means nothing for another dataset
+    print(msgspec.json.encode(summary).decode())
     return 0
 
 
@@ -123,8 +127,11 @@ def run_up(args: argparse.Namespace) -> int:
     try:
         records = uvloop.run(up(cfg, engines=args.engines, workers=args.workers, concurrency=args.concurrency,
                                 redis_url=args.redis if args.redis_given else None))
-    except (StackError, ValueError) as exc:
+    except (StackError, RuntimeError, ValueError) as exc:  # StackError: a part died; RuntimeError: nothing trains
         return _fail("up", str(exc))
+    except (KeyboardInterrupt, asyncio.CancelledError):  # Ctrl-C / SIGTERM: the stack was stopped on the way out
+        print("rollq up: stopped; the run directory keeps what was done", file=sys.stderr)
+        return 130
     summary = summarize(records)
     summary["seconds"] = round(time.monotonic() - started, 1)
     summary["run_dir"] = cfg.run_dir

@@ -9,6 +9,7 @@ dropped too, so every trained token's version names weights the trainer still ha
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 from collections.abc import Callable
 
@@ -20,6 +21,7 @@ from trainer.ledger import StalenessLedger
 
 log = logging.getLogger("rollq.trainer")
 
+REPORT_EVERY_S = 30.0  # a step waiting longer than this says what it waits for
 DROP_REASONS = ("stale", "failed", "invalid", "future", "foreign")
 
 
@@ -30,11 +32,16 @@ class Collected(msgspec.Struct, kw_only=True):
     dropped: dict[str, int]  # samples dropped while collecting, per reason
 
 
+class NothingTrains(RuntimeError):
+    """Every group so far failed: a bad workflow, reward function, dataset or engine, not bad luck."""
+
+
 class GroupCollector:
     """Reads a results stream, assembles groups by job id and hands out the ones fit to train."""
 
     def __init__(self, consumer: ResultConsumer, ledger: StalenessLedger, *, group_prefix: str,
-                 max_staleness: int, vocab_size: int, on_release: Callable[[], None] = lambda: None) -> None:
+                 max_staleness: int, vocab_size: int, on_release: Callable[[], None] = lambda: None,
+                 give_up_after_failed: int = 0) -> None:
         self.consumer = consumer
         self.ledger = ledger
         self.group_prefix = group_prefix  # this trainer's job ids; anything else is left from an earlier run
@@ -44,6 +51,11 @@ class GroupCollector:
         self.skip: set[str] = set()  # trained before a restart, awaiting their ack
         self._partial: dict[str, list[Delivered]] = {}
         self._complete: dict[str, list[Delivered]] = {}  # complete groups not trained yet (checked again each step)
+        self.give_up_after_failed = give_up_after_failed  # failed samples, with no good group yet, that stop the run
+        self.failed_samples = 0
+        self.good_groups = 0
+        self.first_error = ""
+        self._last_report = time.monotonic()
         self.samples_read = 0  # every trajectory of this run read so far (trained, waiting or dropped)
         self.model_tokens_read = 0  # their generated tokens
 
@@ -54,6 +66,7 @@ class GroupCollector:
     def _verdict(self, group: Group, version: int) -> str | None:
         if not group.ok:
             return "failed"
+        self.good_groups += 1
         why = group.invalid(self.vocab_size)
         if why is not None:
             log.warning("group %s can't be trained: %s", group.job_id, why)
@@ -74,7 +87,17 @@ class GroupCollector:
         if reason != "foreign":
             await self.ledger.release(job_id)
             self.on_release()
-        log.info("dropped group %s (%d samples): %s", job_id, len(items), reason)
+        detail = ""
+        if reason == "failed":
+            errors = [f"{t.error.type}: {t.error.message}" if t.error else t.status
+                      for t in (d.trajectory for d in items) if t.status != "ok"]
+            detail = f" ({errors[0]})" if errors else ""
+            self.failed_samples += len(items)
+            self.first_error = self.first_error or detail.strip(" ()")
+        log.info("dropped group %s (%d samples): %s%s", job_id, len(items), reason, detail)
+        if (self.give_up_after_failed and not self.good_groups
+                and self.failed_samples >= self.give_up_after_failed):
+            raise NothingTrains(f"the first {self.failed_samples} samples all failed, e.g. {self.first_error}")
 
     async def collect(self, groups_needed: int, version: int, *, block_ms: int = 500) -> Collected:
         """Read until `groups_needed` complete groups may train at `version`. Stalest first, so the groups closest
@@ -93,6 +116,10 @@ class GroupCollector:
                 fit.append((span[0] if span else version, job_id, group))
             if len(fit) >= groups_needed:
                 break
+            if time.monotonic() - self._last_report > REPORT_EVERY_S:
+                self._last_report = time.monotonic()
+                log.info("waiting for groups: %d of %d fit to train, %d samples of unfinished groups here",
+                         len(fit), groups_needed, sum(map(len, self._partial.values())))
             for d in await self.consumer.read(count=512, block_ms=block_ms):
                 traj = d.trajectory
                 if not traj.job_id.startswith(self.group_prefix):
@@ -121,4 +148,4 @@ class GroupCollector:
                          dropped=dict(dropped))
 
 
-__all__ = ["Collected", "DROP_REASONS", "GroupCollector"]
+__all__ = ["Collected", "DROP_REASONS", "GroupCollector", "NothingTrains"]

@@ -3,10 +3,11 @@ Each record (a dict) becomes a job's data as it is; it needs what the workflow r
 
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
 from typing import Any
+
+from producer.jsonl import JsonlError, json_objects
 
 
 class DatasetError(ValueError):
@@ -37,17 +38,10 @@ def load_prompts(spec: str) -> list[dict[str, Any]]:
 
         records = pq.read_table(path).to_pylist()
     else:
-        records = []
-        for lineno, line in enumerate(path.read_text().splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DatasetError(f"{spec}:{lineno}: not valid JSON ({exc.msg})") from None
-            if not isinstance(record, dict):
-                raise DatasetError(f"{spec}:{lineno}: expected a JSON object")
-            records.append(record)
+        try:
+            records = [record for _, record in json_objects(path.read_text().splitlines(), spec)]
+        except JsonlError as exc:
+            raise DatasetError(str(exc)) from None
     if not records:
         raise DatasetError(f"dataset {spec!r} has no records")
     return records

@@ -50,14 +50,15 @@ if new > v then redis.call('HSET', KEYS[1], 'version', new) return new end
 return v
 """
 
-# KEYS: ledger, groups. ARGV: version, admitted (used only when the ledger is gone). -> 1 if it had to be rebuilt
+# KEYS: ledger, groups. ARGV: version, admitted (used only when the ledger is gone), B, eta.
+# -> 1 if it had to be rebuilt
 _RESTORE = """
 if redis.call('EXISTS', KEYS[1]) == 1 then
-  redis.call('HSET', KEYS[1], 'version', ARGV[1])
+  redis.call('HSET', KEYS[1], 'version', ARGV[1], 'batch', ARGV[3], 'eta', ARGV[4])
   return 0
 end
 redis.call('DEL', KEYS[2])
-redis.call('HSET', KEYS[1], 'version', ARGV[1], 'admitted', ARGV[2], 'released', 0)
+redis.call('HSET', KEYS[1], 'version', ARGV[1], 'admitted', ARGV[2], 'released', 0, 'batch', ARGV[3], 'eta', ARGV[4])
 return 1
 """
 
@@ -107,7 +108,7 @@ class StalenessLedger:
         """A restarted trainer's version (from its checkpoint). If Redis lost the ledger, it is rebuilt from what
         the checkpoint knows (the samples trained so far); returns True then."""
         return bool(await self._restore(keys=[self.keys.ledger, self.keys.ledger_groups],
-                                        args=[version, trained_samples]))
+                                        args=[version, trained_samples, self.batch_samples, self.max_staleness]))
 
     async def state(self) -> LedgerState:
         raw = await self.redis.hgetall(self.keys.ledger)
@@ -117,7 +118,8 @@ class StalenessLedger:
     async def reset(self) -> None:
         """A fresh run: version 0, nothing admitted."""
         await self.redis.delete(self.keys.ledger_groups)
-        await self.redis.hset(self.keys.ledger, mapping={"version": 0, "admitted": 0, "released": 0})
+        await self.redis.hset(self.keys.ledger, mapping={"version": 0, "admitted": 0, "released": 0,
+                                                         "batch": self.batch_samples, "eta": self.max_staleness})
 
 
 __all__ = ["Admission", "LedgerState", "StalenessLedger"]

@@ -44,6 +44,7 @@ log = logging.getLogger("rollq.trainer")
 CONSUMER_GROUP = "trainer"
 CONSUMER_NAME = "trainer"  # fixed: a restarted trainer first re-reads what its previous life left pending
 KEEP_WEIGHT_VERSIONS = 2
+PLOT_EVERY_STEPS = 20  # plot.png follows a long run
 RATE_WINDOW_S = 10.0  # throughput figures average over at least this long (reads come in bursts)  # an engine being reconciled may still read the previous version
 
 
@@ -100,9 +101,19 @@ class Trainer:
 
     # -- the loop ------------------------------------------------------------------------------------------------------
 
+    async def _wait_for_engines(self) -> None:
+        """Engines may start after the trainer (compose, registry): wait for one, saying so."""
+        waited = 0.0
+        while not self.pool.members:
+            if waited % 30 == 0:
+                log.warning("no engine yet (none configured, none registered for run %r): waiting", self.cfg.run)
+            await asyncio.sleep(0.5)
+            waited += 0.5
+
     async def run(self) -> list[dict[str, Any]]:
         cfg = self.cfg
         await self.pool.start()
+        await self._wait_for_engines()
         resumed = await self._resume()
         await self.consumer.setup()
         await self._publish_weights(self.state.version)  # engines start from the trainer's weights
@@ -112,7 +123,8 @@ class Trainer:
                                   workflow_kwargs=cfg.workflow_kwargs, next_index=self.state.next_group)
         self.collector = GroupCollector(self.consumer, self.ledger, group_prefix=prefix,
                                         max_staleness=cfg.max_staleness, vocab_size=self.policy.vocab_size,
-                                        on_release=self.feeder.notify)
+                                        on_release=self.feeder.notify,
+                                        give_up_after_failed=0 if resumed else 2 * cfg.batch_samples)
         self.collector.skip = set(self.state.unacked_groups)
         log.info("%s at step %d (policy version %d); %d steps to go", "resumed" if resumed else "starting",
                  self.state.step, self.state.version, cfg.steps - self.state.step)
@@ -134,9 +146,12 @@ class Trainer:
             feeding.cancel()
             await asyncio.wait([feeding], timeout=10)
         records = self.metrics.read()
-        if records:
-            await asyncio.to_thread(plot, records, self.run_dir / "plot.png", f"rollq run {cfg.run}")
+        await self._plot(records)
         return records
+
+    async def _plot(self, records: list[dict[str, Any]]) -> None:
+        if records:
+            await asyncio.to_thread(plot, records, self.run_dir / "plot.png", f"rollq run {self.cfg.run}")
 
     async def _step(self) -> None:
         cfg, state = self.cfg, self.state
@@ -190,6 +205,8 @@ class Trainer:
         # New admissions only against versions a checkpoint knows (with checkpoint_every 1: always).
         await self.ledger.set_version(state.version)
         self.feeder.notify()
+        if state.step % PLOT_EVERY_STEPS == 0 and state.step < cfg.steps:
+            await self._plot(self.metrics.read())
 
 
 __all__ = ["Trainer"]

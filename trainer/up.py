@@ -7,6 +7,7 @@ import asyncio
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -38,6 +39,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _die_with_parent() -> None:
+    """In the child, before exec: Linux sends it SIGTERM if `rollq up` dies without cleaning up (SIGKILL)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 class LocalStack:
     """The child processes of `rollq up`, stopped (and a private Redis's directory deleted) on exit."""
 
@@ -49,7 +59,8 @@ class LocalStack:
     def spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
         with open(self.log_dir / f"{name}.log", "w") as out:
             proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env={**os.environ, **QUIET_CHILD_ENV}, start_new_session=True)
+                                    env={**os.environ, **QUIET_CHILD_ENV}, start_new_session=True,
+                                    preexec_fn=_die_with_parent)
         self.procs.append((name, proc))
         return proc
 
@@ -133,6 +144,8 @@ async def up(cfg: TrainConfig, *, engines: int, workers: int, concurrency: int =
     from engine.pool import EnginePool, PoolConfig
     from trainer.loop import Trainer
 
+    # SIGTERM (docker stop, kill) ends the run like Ctrl-C: cancelled, so every child is stopped below.
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
     run_dir = Path(cfg.run_dir)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     stack = LocalStack(run_dir / "logs")

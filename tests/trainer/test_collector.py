@@ -3,6 +3,8 @@
 
 import asyncio
 
+import pytest
+
 from producer.results import ResultConsumer
 from protocol.codec import Codec
 from protocol.keys import PAYLOAD_FIELD, RunKeys
@@ -85,3 +87,17 @@ async def test_groups_trained_before_a_restart_are_acked_not_trained_again(redis
     assert [g.job_id for g in got.groups] == [f"{PREFIX}1"]
     assert await pending(redis, run_name) == 2  # g0 acked at once
     assert collector.samples_read == 4 and collector.model_tokens_read == 4
+
+
+async def test_a_run_where_everything_fails_stops_with_the_first_error(redis, run_name):
+    from protocol.messages import ErrorRecord
+    from trainer.collector import NothingTrains
+
+    ledger, consumer, collector = await setup(redis, run_name)
+    collector.give_up_after_failed = 4
+    failed = [sample(f"{PREFIX}{g}", i, [], status="error") for g in range(2) for i in range(2)]
+    for t in failed:
+        t.error = ErrorRecord(type="KeyError", message="'prompt'")
+    await publish(redis, run_name, *failed)
+    with pytest.raises(NothingTrains, match="the first 4 samples all failed, e.g. KeyError: 'prompt'"):
+        await asyncio.wait_for(collector.collect(1, version=0, block_ms=50), 10)

@@ -54,3 +54,16 @@ async def test_a_ledger_lost_with_redis_is_rebuilt_from_the_checkpoint(redis, ru
     assert (state.version, state.admitted) == (3, 12)
     assert (await ledger.admit("g0", 4)).admitted  # (0 + 3 + 1) * 4 = 16 >= 12 + 4
     assert not (await ledger.admit("g1", 4)).admitted
+
+
+async def test_rollq_status_shows_the_ledger(redis, run_name):
+    from producer.status import format_status, gather_status
+
+    assert (await gather_status(redis, run_name)).trainer is None  # no trainer yet
+    ledger = StalenessLedger(redis, run_name, batch_samples=8, max_staleness=2)
+    await ledger.reset()
+    await ledger.admit("g0", 8)
+    await ledger.set_version(1)
+    status = await gather_status(redis, run_name)
+    assert (status.trainer.version, status.trainer.admitted, status.trainer.bound) == (1, 8, 32)
+    assert "trainer: policy version 1; 8 samples admitted of at most 32, 0 given back" in format_status(status)

@@ -4,6 +4,7 @@ trainer, shows progress, visibly learns the toy task, writes its run directory a
 import json
 import os
 import re
+import signal
 import socket
 import statistics
 import subprocess
@@ -53,3 +54,29 @@ def test_rollq_up_refuses_a_bad_setting_before_starting_anything(tmp_path):
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "steps must be >= 1" in proc.stderr
     assert not (tmp_path / "run").exists()
+
+
+async def test_sigterm_stops_rollq_up_and_everything_it_started(tmp_path):
+    from tests.conftest import wait_until
+
+    log = tmp_path / "up.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLQ_") or k == "ROLLQ_CACHE"}
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "rollq", "up", "steps=1000", f"run_dir={tmp_path / 'run'}"],
+                                cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)
+    try:
+        await wait_until(lambda: proc.poll() is not None or "step    1/1000" in log.read_text(), 120,
+                         what="the first step")
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text()
+    assert proc.returncode == 130 and "rollq up: stopped" in text, text[-2000:]
+    url = re.search(r"redis at redis://([^:]+):(\d+)/0", text)
+    if url.group(1) == "127.0.0.1":
+        with socket.socket() as s:
+            assert s.connect_ex(("127.0.0.1", int(url.group(2)))) != 0
+    engine_log = (tmp_path / "run" / "logs" / "engine-0.log").read_text()
+    assert "shutting down" in engine_log  # the engine was told to stop (SIGTERM), not orphaned
