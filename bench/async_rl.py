@@ -32,6 +32,7 @@ from engine.pool import EnginePool, PoolConfig
 from protocol.connection import redis_client
 from trainer.config import TrainConfig
 from trainer.loop import Trainer
+from trainer.metrics import StepRecord
 
 TARGET_SPEEDUP = 2.0
 WARMUP_STEPS = 2
@@ -64,10 +65,10 @@ async def start_engines(procs: Procs, args: argparse.Namespace) -> list[str]:
     return urls
 
 
-def throughput(records: list[dict[str, Any]]) -> float:
+def throughput(records: list[StepRecord]) -> float:
     """Trained samples per second over the steps after the warm-up."""
     a, b = records[WARMUP_STEPS - 1], records[-1]
-    return (b["trained_samples"] - a["trained_samples"]) / (b["elapsed_s"] - a["elapsed_s"])
+    return (b.trained_samples - a.trained_samples) / (b.elapsed_s - a.elapsed_s)
 
 
 async def run_variant(url: str, procs: Procs, engines: list[str], tmp: Path, eta: int,
@@ -97,20 +98,20 @@ async def run_variant(url: str, procs: Procs, engines: list[str], tmp: Path, eta
         await redis.aclose()
     hist: dict[str, int] = {}
     for r in records[WARMUP_STEPS:]:
-        for k, n in r["staleness_hist"].items():
+        for k, n in r.staleness_hist.items():
             hist[k] = hist.get(k, 0) + n
     steps = records[WARMUP_STEPS:]
     return {
         "eta": eta,
         "samples_per_s": throughput(records),
-        "step_s_median": statistics.median(r["step_s"] for r in steps),
-        "train_s_median": statistics.median(r["train_s"] for r in steps),
-        "collect_s_median": statistics.median(r["collect_s"] for r in steps),
-        "pause_ms_median": statistics.median(r["pause_s"] for r in steps) * 1000,
+        "step_s_median": statistics.median(r.step_s for r in steps),
+        "train_s_median": statistics.median(r.train_s for r in steps),
+        "collect_s_median": statistics.median(r.collect_s for r in steps),
+        "pause_ms_median": statistics.median(r.pause_s for r in steps) * 1000,
         "staleness_hist": dict(sorted(hist.items(), key=lambda kv: int(kv[0]))),
-        "staleness_max": max(r["staleness_max"] for r in records),
-        "dropped": records[-1]["dropped"],
-        "ledger_ok": all(r["ledger_admitted"] <= r["ledger_limit"] for r in records),
+        "staleness_max": max(r.staleness_max for r in records),
+        "dropped": records[-1].dropped,
+        "ledger_ok": all(r.ledger_admitted <= r.ledger_limit for r in records),
     }
 
 

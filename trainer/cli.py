@@ -14,6 +14,7 @@ import msgspec
 
 from protocol.config import ConfigError
 from trainer.config import SECTION_KEYS, TrainConfig, load_config
+from trainer.metrics import StepRecord
 
 GOAL_LAST10 = 0.8  # the toy task's goal: mean reward of the last 10 steps ...
 GOAL_RATIO = 3.0  # ... and that many times the first 10
@@ -36,21 +37,21 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     u.set_defaults(handler=run_up)
 
 
-def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
-    rewards = [r["reward_mean"] for r in records]
+def summarize(records: list[StepRecord]) -> dict[str, Any]:
+    rewards = [r.reward_mean for r in records]
     first = statistics.fmean(rewards[:10]) if rewards else 0.0
     last = statistics.fmean(rewards[-10:]) if rewards else 0.0
     staleness: dict[str, int] = {}
     for r in records:
-        for k, n in r["staleness_hist"].items():
+        for k, n in r.staleness_hist.items():
             staleness[k] = staleness.get(k, 0) + n
     return {
         "steps": len(records), "reward_first10": round(first, 4), "reward_last10": round(last, 4),
         "goal_met": bool(rewards) and last >= GOAL_LAST10 and last >= GOAL_RATIO * first,
-        "trained_samples": records[-1]["trained_samples"] if records else 0,
-        "dropped": records[-1]["dropped"] if records else {},
+        "trained_samples": records[-1].trained_samples if records else 0,
+        "dropped": records[-1].dropped if records else {},
         "staleness_hist": dict(sorted(staleness.items(), key=lambda kv: int(kv[0]))),
-        "pause_ms_median": round(statistics.median(r["pause_s"] for r in records) * 1000, 1) if records else 0.0,
+        "pause_ms_median": round(statistics.median(r.pause_s for r in records) * 1000, 1) if records else 0.0,
     }
 
 
@@ -84,7 +85,7 @@ def run_train(args: argparse.Namespace) -> int:
     return 0
 
 
-async def train(cfg: TrainConfig) -> list[dict[str, Any]]:
+async def train(cfg: TrainConfig) -> list[StepRecord]:
     """The trainer against an existing stack: engines from the config and the run's registry."""
     from engine.pool import EnginePool, PoolConfig
     from engine.registry import EngineRegistry

@@ -18,9 +18,9 @@ import logging
 import shutil
 import time
 import uuid
-from collections import Counter, deque
+from collections import Counter
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TextIO
 
 import redis.asyncio as aioredis
 
@@ -36,7 +36,7 @@ from trainer.config import TrainConfig
 from trainer.data import PromptOrder, load_prompts
 from trainer.feeder import GroupFeeder
 from trainer.ledger import StalenessLedger
-from trainer.metrics import MetricsLog, plot
+from trainer.metrics import MetricsLog, RateWindow, StepRecord, plot
 from trainer.policy import Policy
 
 log = logging.getLogger("rollq.trainer")
@@ -110,7 +110,7 @@ class Trainer:
             await asyncio.sleep(0.5)
             waited += 0.5
 
-    async def run(self) -> list[dict[str, Any]]:
+    async def run(self) -> list[StepRecord]:
         cfg = self.cfg
         await self.pool.start()
         await self._wait_for_engines()
@@ -129,8 +129,7 @@ class Trainer:
         log.info("%s at step %d (policy version %d); %d steps to go", "resumed" if resumed else "starting",
                  self.state.step, self.state.version, cfg.steps - self.state.step)
         self._started = time.monotonic()
-        # (time, samples read, tokens read) at the ends of recent steps: rates over some seconds, not one read
-        self._marks = deque([(self._started, 0, 0)])
+        self._rates = RateWindow(RATE_WINDOW_S, self._started)
         feeding = asyncio.create_task(self.feeder.run(), name="feeder")
         try:
             while self.state.step < cfg.steps:
@@ -149,7 +148,7 @@ class Trainer:
         await self._plot(records)
         return records
 
-    async def _plot(self, records: list[dict[str, Any]]) -> None:
+    async def _plot(self, records: list[StepRecord]) -> None:
         if records:
             await asyncio.to_thread(plot, records, self.run_dir / "plot.png", f"rollq run {self.cfg.run}")
 
@@ -175,28 +174,25 @@ class Trainer:
         self._unacked += got.deliveries
         ledger = await self.ledger.state()
         trained = sum(got.staleness.values())
-        self._marks.append((t3, self.collector.samples_read, self.collector.model_tokens_read))
-        while len(self._marks) > 2 and t3 - self._marks[1][0] >= RATE_WINDOW_S:
-            self._marks.popleft()
-        (ta, sa, ka), (tb, sb, kb) = self._marks[0], self._marks[-1]
-        samples_per_s, tokens_per_s = (sb - sa) / max(tb - ta, 1e-9), (kb - ka) / max(tb - ta, 1e-9)
-        self.metrics.write({
-            "step": state.step, "version": state.version,
-            "reward_mean": float(batch.rewards.mean()), "reward_max": float(batch.rewards.max()),
-            "reward_min": float(batch.rewards.min()),
-            "samples": len(got.deliveries), "trained_samples": state.trained_samples,
-            "groups": [g.job_id for g in got.groups],
-            "dropped": dict(state.dropped), "dropped_this_step": got.dropped,
-            "staleness_mean": sum(k * n for k, n in got.staleness.items()) / max(1, trained),
-            "staleness_max": max(got.staleness, default=0),
-            "staleness_hist": {str(k): n for k, n in sorted(got.staleness.items())},
-            "trained_tokens": batch.tokens, "gen_tokens_per_s": tokens_per_s, "samples_per_s": samples_per_s,
-            "collect_s": t1 - t0, "train_s": t2 - t1, "step_s": t3 - t0,
-            "pause_s": phases["total_s"], "weight_load_s": phases["load_s"],
-            "ledger_version": ledger.version, "ledger_admitted": ledger.admitted,
-            "ledger_limit": self.ledger.limit(ledger.version),
-            "elapsed_s": time.monotonic() - self._started, "time": time.time(), **stats,
-        }, cfg.steps)
+        samples_per_s, tokens_per_s = self._rates.rates(t3, self.collector.samples_read,
+                                                        self.collector.model_tokens_read)
+        self.metrics.write(StepRecord(
+            step=state.step, version=state.version,
+            reward_mean=float(batch.rewards.mean()), reward_max=float(batch.rewards.max()),
+            reward_min=float(batch.rewards.min()),
+            samples=len(got.deliveries), trained_samples=state.trained_samples,
+            groups=[g.job_id for g in got.groups],
+            dropped=dict(state.dropped), dropped_this_step=got.dropped,
+            staleness_mean=sum(k * n for k, n in got.staleness.items()) / max(1, trained),
+            staleness_max=max(got.staleness, default=0),
+            staleness_hist={str(k): n for k, n in sorted(got.staleness.items())},
+            trained_tokens=batch.tokens, gen_tokens_per_s=tokens_per_s, samples_per_s=samples_per_s,
+            collect_s=t1 - t0, train_s=t2 - t1, step_s=t3 - t0,
+            pause_s=phases["total_s"], weight_load_s=phases["load_s"],
+            ledger_version=ledger.version, ledger_admitted=ledger.admitted,
+            ledger_limit=self.ledger.limit(ledger.version),
+            elapsed_s=time.monotonic() - self._started, time=time.time(), train=stats,
+        ), cfg.steps)
         if state.step % cfg.checkpoint_every == 0 or state.step == cfg.steps:
             await asyncio.to_thread(checkpoint.save, self.checkpoint_path, self.policy.state(), state)
             await self.consumer.commit(self._unacked)  # the checkpoint holds them now

@@ -13,6 +13,7 @@ import torch
 from trainer.batch import Batch, micro_batches
 from trainer.config import TrainConfig
 from trainer.loss import LossSums, decoupled_ppo_loss
+from trainer.metrics import TrainStats
 
 
 def model_path(name: str) -> str:
@@ -47,7 +48,7 @@ class Policy:
     def _logprobs_of(self, ids: torch.Tensor, attn: torch.Tensor, rows: list[int], width: int) -> torch.Tensor:
         return self.token_logprobs(ids[rows, :width], attn[rows, :width])
 
-    def train_step(self, batch: Batch) -> dict[str, Any]:
+    def train_step(self, batch: Batch) -> TrainStats:
         """One decoupled-PPO step: proximal logprobs with the current weights, then `ppo_minibatches` optimizer
         steps, each accumulating gradients over length-sorted micro-batches."""
         c = self.config
@@ -81,10 +82,11 @@ class Policy:
             self.optimizer.step()
             losses.append(total)
         tokens = max(sums.tokens, 1.0)
-        return {"loss": sum(losses) / len(losses), "clip_fraction": sums.clipped / tokens,
-                "capped_fraction": sums.capped / tokens, "importance_mean": sums.importance / max(tokens - sums.capped, 1.0),
-                "grad_norm": sum(norms) / len(norms),
-                "behav_prox_gap": float(((prox - behav).abs() * mask).sum() / mask.sum().clamp(min=1))}
+        return TrainStats(loss=sum(losses) / len(losses), clip_fraction=sums.clipped / tokens,
+                          capped_fraction=sums.capped / tokens,
+                          importance_mean=sums.importance / max(tokens - sums.capped, 1.0),
+                          grad_norm=sum(norms) / len(norms),
+                          behav_prox_gap=float(((prox - behav).abs() * mask).sum() / mask.sum().clamp(min=1)))
 
     def save_weights(self, directory: Path) -> Path:
         """The weights as `model.safetensors` (+ config) in `directory`, written beside it and renamed into place."""

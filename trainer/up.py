@@ -14,12 +14,12 @@ import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
 
 import msgspec
 
 from protocol.connection import TRANSIENT_ERRORS, redis_client
 from trainer.config import TrainConfig
+from trainer.metrics import StepRecord
 
 log = logging.getLogger("rollq.up")
 
@@ -139,7 +139,7 @@ async def start_redis(stack: LocalStack, url: str | None) -> str:
 
 
 async def up(cfg: TrainConfig, *, engines: int, workers: int, concurrency: int = 64,
-             redis_url: str | None = None) -> list[dict[str, Any]]:
+             redis_url: str | None = None) -> list[StepRecord]:
     """Start the stack, train `cfg`, stop everything. Returns the metrics records."""
     from engine.pool import EnginePool, PoolConfig
     from trainer.loop import Trainer

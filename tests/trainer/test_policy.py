@@ -32,7 +32,7 @@ def test_a_step_moves_probability_towards_the_better_sample():
     after = policy.token_logprobs(batch.input_ids, batch.attention_mask).detach()
     gain = ((after - before) * batch.loss_mask).sum(dim=1)
     assert gain[0] > 0 > gain[1]
-    assert stats["capped_fraction"] == 0 and abs(stats["importance_mean"] - 1) < 1e-3 and stats["grad_norm"] > 0
+    assert stats.capped_fraction == 0 and abs(stats.importance_mean - 1) < 1e-3 and stats.grad_norm > 0
 
 
 def test_micro_batching_changes_the_cost_not_the_update():

@@ -3,6 +3,8 @@ engines with random lengths and queueing. Checked against an independent reading
 
 import io
 
+import msgspec
+
 import pytest
 
 from engine.pool import EnginePool, PoolConfig
@@ -22,7 +24,7 @@ async def test_no_trained_token_is_older_than_the_bound_and_groups_stay_whole(re
                       group_size=4, groups_per_step=3, max_staleness=eta, workflow_kwargs=WORKFLOW_KWARGS)
     pool = EnginePool(PoolConfig(urls=urls))
     try:
-        records = await Trainer(cfg, redis, pool, progress=io.StringIO()).run()
+        records = msgspec.to_builtins(await Trainer(cfg, redis, pool, progress=io.StringIO()).run())
     finally:
         await pool.close()
 
