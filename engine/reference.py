@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 from engine.backend import Backend, GenState, stop_check
 from engine.kv_batch import KVBatch, prefill
 from engine.sampler import RowSpec, request_generator, sample
-from engine.tiny_model import build_tiny, default_cache_dir
+from engine.tiny_model import model_dir
 from engine.types import FinishReason, PauseMode
 from engine.weights import load_into
 
@@ -79,7 +79,7 @@ class ReferenceBackend(Backend):
         cfg = self.config
         threads = cfg.torch_threads or max(1, min(8, (os.cpu_count() or 2) - 1))
         torch.set_num_threads(threads)
-        path = build_tiny(default_cache_dir()) if cfg.model == "tiny" else Path(cfg.model).expanduser()
+        path = model_dir(cfg.model)
         self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         self.model = AutoModelForCausalLM.from_pretrained(
             path, dtype=getattr(torch, cfg.dtype), local_files_only=True, attn_implementation=cfg.attn_implementation,

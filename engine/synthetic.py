@@ -118,12 +118,9 @@ def load_tokenizer(name: str) -> tuple[Any, Path]:
     """(HF tokenizer, its directory) for `name`: "tiny" (built offline on first use) or a tokenizer directory."""
     from transformers import AutoTokenizer  # heavy: imported only when a tokenizer is asked for
 
-    if name == "tiny":
-        from engine.tiny_model import build_tiny, default_cache_dir
+    from engine.tiny_model import model_dir
 
-        path = build_tiny(default_cache_dir())
-    else:
-        path = Path(name).expanduser()
+    path = model_dir(name)
     return AutoTokenizer.from_pretrained(path, local_files_only=True), path
 
 

@@ -250,6 +250,12 @@ def _is_built(directory: Path, digest: str) -> bool:
         return False
 
 
+def model_dir(name: str) -> Path:
+    """A `--model` value as a directory: "tiny" is the offline tiny model (built into the cache on first use),
+    anything else an HF model or tokenizer directory."""
+    return build_tiny(default_cache_dir()) if name == "tiny" else Path(name).expanduser()
+
+
 def default_cache_dir() -> Path:
     """$ROLLQ_CACHE/tiny-model, else ~/.cache/rollq/tiny-model."""
     root = os.environ.get("ROLLQ_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "rollq")

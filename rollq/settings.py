@@ -59,10 +59,10 @@ def apply(parser: argparse.ArgumentParser, subparsers: Mapping[str, argparse.Arg
     check_document(document, [*map(section_name, subparsers), TRAINER_SECTION])
     sub = subparsers[command]
     section = section_name(command)
-    values = section_settings(document, section, _setting_actions(sub), env)
-    typed = typed_settings(sub, section, values)
+    actions = _setting_actions(sub)
+    typed = typed_settings(sub, section, section_settings(document, section, actions, env))
     for key in typed:
-        _setting_actions(sub)[key].required = False  # given by the config
+        actions[key].required = False  # given by the config
     sub.set_defaults(**typed)
 
 

@@ -23,6 +23,11 @@ def trained_versions(seq: Sequence) -> np.ndarray:
     return _column(seq.versions, "<i4")[_column(seq.loss_mask, "u1").astype(bool)]
 
 
+def model_tokens(traj: Trajectory) -> int:
+    """Tokens of a trajectory the model generated (loss_mask 1)."""
+    return sum(int(_column(s.loss_mask, "u1").sum()) for s in traj.sequences)
+
+
 class Group(msgspec.Struct, kw_only=True):
     """The n samples of one prompt: admitted, trained and dropped as one unit."""
 
@@ -55,7 +60,7 @@ class Group(msgspec.Struct, kw_only=True):
 
     @property
     def model_tokens(self) -> int:
-        return sum(int(_column(s.loss_mask, "u1").sum()) for t in self.samples for s in t.sequences)
+        return sum(map(model_tokens, self.samples))
 
 
 class Batch(msgspec.Struct, kw_only=True):
@@ -127,4 +132,5 @@ def build_batch(groups: list[Group], pad_id: int = 0) -> Batch:
                  rewards=torch.tensor([s.reward for s in seqs], dtype=torch.float32))
 
 
-__all__ = ["Batch", "Group", "build_batch", "grpo_advantages", "micro_batches", "trained_versions"]
+__all__ = ["Batch", "Group", "build_batch", "grpo_advantages", "micro_batches", "model_tokens",
+           "trained_versions"]

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import msgspec
 
 from producer.results import Delivered, ResultConsumer
-from trainer.batch import Group
+from trainer.batch import Group, model_tokens
 from trainer.ledger import StalenessLedger
 
 log = logging.getLogger("rollq.trainer")
@@ -30,6 +30,14 @@ class Collected(msgspec.Struct, kw_only=True):
     deliveries: list[Delivered]  # acked once the step that trains them is checkpointed
     staleness: dict[int, int]  # trained samples per staleness (v - oldest token version)
     dropped: dict[str, int]  # samples dropped while collecting, per reason
+
+
+class _Ready(msgspec.Struct):
+    """A complete group that passed the version-independent checks, with its trained tokens' version span."""
+
+    items: list[Delivered]
+    group: Group
+    span: tuple[int, int] | None  # (oldest, newest); None: nothing to train on
 
 
 class NothingTrains(RuntimeError):
@@ -50,7 +58,7 @@ class GroupCollector:
         self.on_release = on_release
         self.skip: set[str] = set()  # trained before a restart, awaiting their ack
         self._partial: dict[str, list[Delivered]] = {}
-        self._complete: dict[str, list[Delivered]] = {}  # complete groups not trained yet (checked again each step)
+        self._complete: dict[str, _Ready] = {}  # complete groups not trained yet (their versions checked each step)
         self.give_up_after_failed = give_up_after_failed  # failed samples, with no good group yet, that stop the run
         self.failed_samples = 0
         self.good_groups = 0
@@ -61,9 +69,10 @@ class GroupCollector:
 
     @property
     def waiting_samples(self) -> int:
-        return sum(map(len, self._partial.values())) + sum(map(len, self._complete.values()))
+        return sum(map(len, self._partial.values())) + sum(len(r.items) for r in self._complete.values())
 
-    def _verdict(self, group: Group, version: int) -> str | None:
+    def _unfit(self, group: Group) -> str | None:
+        """Why a group can never train, whatever the version (checked once, when it completes)."""
         if not group.ok:
             return "failed"
         self.good_groups += 1
@@ -71,7 +80,9 @@ class GroupCollector:
         if why is not None:
             log.warning("group %s can't be trained: %s", group.job_id, why)
             return "invalid"
-        span = group.version_range()
+        return None
+
+    def _out_of_bound(self, span: tuple[int, int] | None, version: int) -> str | None:
         if span is None:
             return None  # nothing to train on, nothing stale (it still counts as a sample of the step)
         oldest, newest = span
@@ -80,6 +91,18 @@ class GroupCollector:
         if oldest < version - self.max_staleness:
             return "stale"
         return None
+
+    async def _completed(self, job_id: str, items: list[Delivered], dropped: Counter) -> None:
+        if job_id in self.skip:  # trained and checkpointed before a crash: ack only
+            self.skip.discard(job_id)
+            await self.consumer.commit(items)
+            return
+        group = Group(job_id=job_id, samples=[d.trajectory for d in items])
+        reason = self._unfit(group)
+        if reason is not None:
+            await self._drop(job_id, items, reason, dropped)
+        else:
+            self._complete[job_id] = _Ready(items, group, group.version_range())
 
     async def _drop(self, job_id: str, items: list[Delivered], reason: str, dropped: Counter) -> None:
         await self.consumer.commit(items)
@@ -104,16 +127,14 @@ class GroupCollector:
         to the bound are the ones used."""
         dropped: Counter = Counter()
         while True:
-            fit: list[tuple[int, str, Group]] = []
-            for job_id, items in list(self._complete.items()):
-                group = Group(job_id=job_id, samples=[d.trajectory for d in items])
-                reason = self._verdict(group, version)
+            fit: list[tuple[int, str]] = []
+            for job_id, ready in list(self._complete.items()):
+                reason = self._out_of_bound(ready.span, version)
                 if reason is not None:
                     del self._complete[job_id]
-                    await self._drop(job_id, items, reason, dropped)
+                    await self._drop(job_id, ready.items, reason, dropped)
                     continue
-                span = group.version_range()
-                fit.append((span[0] if span else version, job_id, group))
+                fit.append((ready.span[0] if ready.span else version, job_id))
             if len(fit) >= groups_needed:
                 break
             if time.monotonic() - self._last_report > REPORT_EVERY_S:
@@ -126,26 +147,22 @@ class GroupCollector:
                     await self._drop(traj.job_id, [d], "foreign", dropped)
                     continue
                 self.samples_read += 1
-                self.model_tokens_read += sum(int(sum(s.loss_mask)) for s in traj.sequences)
+                self.model_tokens_read += model_tokens(traj)
                 items = self._partial.setdefault(traj.job_id, [])
                 items.append(d)
                 if len(items) >= traj.n:
                     del self._partial[traj.job_id]
-                    if traj.job_id in self.skip:  # trained and checkpointed before a crash: ack only
-                        self.skip.discard(traj.job_id)
-                        await self.consumer.commit(items)
-                    else:
-                        self._complete[traj.job_id] = items
-        fit.sort(key=lambda f: f[0])
-        chosen = fit[:groups_needed]
+                    await self._completed(traj.job_id, items, dropped)
+        fit.sort(key=lambda f: f[0])  # stable: among equals, the first completed
+        groups: list[Group] = []
         deliveries: list[Delivered] = []
         staleness: Counter = Counter()
-        for oldest, job_id, group in chosen:
-            items = self._complete.pop(job_id)
-            deliveries += items
-            staleness[version - oldest] += len(items)
-        return Collected(groups=[g for _, _, g in chosen], deliveries=deliveries, staleness=dict(staleness),
-                         dropped=dict(dropped))
+        for oldest, job_id in fit[:groups_needed]:
+            ready = self._complete.pop(job_id)
+            groups.append(ready.group)
+            deliveries += ready.items
+            staleness[version - oldest] += len(ready.items)
+        return Collected(groups=groups, deliveries=deliveries, staleness=dict(staleness), dropped=dict(dropped))
 
 
 __all__ = ["Collected", "DROP_REASONS", "GroupCollector", "NothingTrains"]

@@ -43,9 +43,9 @@ log = logging.getLogger("rollq.trainer")
 
 CONSUMER_GROUP = "trainer"
 CONSUMER_NAME = "trainer"  # fixed: a restarted trainer first re-reads what its previous life left pending
-KEEP_WEIGHT_VERSIONS = 2
+KEEP_WEIGHT_VERSIONS = 2  # an engine being reconciled may still read the previous version
 PLOT_EVERY_STEPS = 20  # plot.png follows a long run
-RATE_WINDOW_S = 10.0  # throughput figures average over at least this long (reads come in bursts)  # an engine being reconciled may still read the previous version
+RATE_WINDOW_S = 10.0  # throughput figures average over at least this long (reads come in bursts)
 
 
 class Trainer:

@@ -10,18 +10,11 @@ from typing import Any
 
 import torch
 
+from engine.tiny_model import model_dir
 from trainer.batch import Batch, micro_batches
 from trainer.config import TrainConfig
 from trainer.loss import LossSums, decoupled_ppo_loss
 from trainer.metrics import TrainStats
-
-
-def model_path(name: str) -> str:
-    if name == "tiny":
-        from engine.tiny_model import build_tiny, default_cache_dir
-
-        return str(build_tiny(default_cache_dir()))
-    return name
 
 
 class Policy:
@@ -33,7 +26,7 @@ class Policy:
 
         torch.manual_seed(config.seed)
         self.config = config
-        self.path = model_path(config.model)
+        self.path = model_dir(config.model)
         self.tokenizer = AutoTokenizer.from_pretrained(self.path)
         self.model = AutoModelForCausalLM.from_pretrained(self.path, dtype=torch.float32).to(config.device)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
@@ -111,4 +104,4 @@ class Policy:
         self.optimizer.load_state_dict(state["optimizer"])
 
 
-__all__ = ["Policy", "model_path"]
+__all__ = ["Policy"]

@@ -21,11 +21,9 @@ def load_tokenizer(name: str) -> Any:
     """"tiny" (the offline test model, built into the cache on first use) or an HF tokenizer directory."""
     from transformers import AutoTokenizer  # heavy import: only when a built-in workflow runs
 
-    if name == "tiny":
-        from engine.tiny_model import build_tiny, default_cache_dir
+    from engine.tiny_model import model_dir
 
-        return AutoTokenizer.from_pretrained(build_tiny(default_cache_dir()))
-    return AutoTokenizer.from_pretrained(name)
+    return AutoTokenizer.from_pretrained(model_dir(name))
 
 
 class LazyTokenizer:
