@@ -31,12 +31,12 @@ class TrainConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     workflow_kwargs: dict[str, Any] = msgspec.field(
         default_factory=lambda: {"reward_fn": "trainer.toy:digits_reward", "max_new_tokens": 8})
     # how much
-    steps: int = 100
+    steps: int = 200
     group_size: int = 8  # samples per prompt (GRPO group)
     groups_per_step: int = 8  # a step trains on group_size * groups_per_step samples (B)
     max_staleness: int = 2  # eta: a trained token is at most this many versions older than the policy trained
     # optimisation
-    lr: float = 1e-3
+    lr: float = 5e-4
     weight_decay: float = 0.0
     clip_eps: float = 0.2  # PPO clip of pi_theta / pi_prox
     behav_imp_cap: float = 5.0  # tokens whose pi_prox / pi_behaviour exceeds this are left out (decoupled PPO)
