@@ -50,19 +50,19 @@ import aiohttp
 
 from bench.agent_tasks import ANSWER, CALL_WAIT, MODEL_TURNS, QUESTION, SCRIPT, TOOL_RESULT, WAIT_TOOL
 from bench.queue import BenchError, Procs, delete_matching, proc_cpu_s, run_bench, start_redis, start_worker
-from engine.client import SGLangClient
-from engine.http import shared_http_session
-from engine.pool import EnginePool, PoolConfig
-from engine.server import EngineServerConfig, serve
-from engine.synthetic import SyntheticBackend, SyntheticConfig
-from engine.types import ModelRequest, SamplingParams
-from producer.producer import JobRequest, Producer
-from protocol.connection import redis_client
-from protocol.keys import RunKeys
-from protocol.messages import AgentOptions
-from workers.builtin.multi_turn import continuation_ids
-from workers.builtin.rlvr import encode, render
-from workers.context import ContextConfig, WorkflowContext
+from rollq.engine.client import SGLangClient
+from rollq.engine.http import shared_http_session
+from rollq.engine.pool import EnginePool, PoolConfig
+from rollq.engine.server.app import EngineServerConfig, serve
+from rollq.engine.server.synthetic import SyntheticBackend, SyntheticConfig
+from rollq.engine.types import ModelRequest, SamplingParams
+from rollq.producer.producer import JobRequest, Producer
+from rollq.redis_client import redis_client
+from rollq.protocol.keys import RunKeys
+from rollq.protocol.messages import AgentOptions
+from rollq.workers.chat_template import continuation_ids
+from rollq.workers.chat_template import encode, render
+from rollq.workers.context import ContextConfig, WorkflowContext
 
 AGENT = "bench.agent_tasks:WaitAgent"
 RAW_AGENT = "bench.agent_tasks:RawWaitAgent"  # diagnostic: the same loop over raw aiohttp instead of SDK + httpx
@@ -259,7 +259,7 @@ async def _proxy_breakdown(proxy: Any, http: aiohttp.ClientSession, first_messag
     """Where the proxy's time goes (p50s, ms): an empty HTTP round trip to it (GET /health: aiohttp client + server
     + loopback, the hop the proxy adds), and its prompt building for each turn (message/tool normalization, then
     the chat template + tokenizer for a new conversation, or parent match + continuation tokens for a later turn)."""
-    from workers.proxy.chat import normalize_messages, normalize_tools
+    from rollq.workers.proxy.chat import normalize_messages, normalize_tools
 
     hop = []
     for _ in range(n):

@@ -28,11 +28,11 @@ from pathlib import Path
 from typing import Any
 
 from bench.queue import BenchError, Procs, free_port, rollq_argv, run_bench, start_redis, start_worker, bench_env
-from engine.pool import EnginePool, PoolConfig
-from protocol.connection import redis_client
-from trainer.config import TrainConfig
-from trainer.loop import Trainer
-from trainer.metrics import StepRecord
+from rollq.engine.pool import EnginePool, PoolConfig
+from rollq.redis_client import redis_client
+from rollq.trainer.config import TrainConfig
+from rollq.trainer.loop import Trainer
+from rollq.trainer.metrics import StepRecord
 
 TARGET_SPEEDUP = 2.0
 WARMUP_STEPS = 2
@@ -81,8 +81,8 @@ async def run_variant(url: str, procs: Procs, engines: list[str], tmp: Path, eta
             workers.append(await start_worker(procs, redis, url, run, "--concurrency", str(args.concurrency),
                                               *[a for e in engines for a in ("--engine", e)]))
         cfg = TrainConfig(
-            redis_url=url, run=run, run_dir=str(tmp / run), engines=engines, model="tiny", dataset="toy:digits",
-            workflow="rlvr", workflow_kwargs={"reward_fn": "trainer.toy:digits_reward",
+            redis_url=url, run=run, run_dir=str(tmp / run), engine=engines, model="tiny", dataset="toy:digits",
+            workflow="rlvr", workflow_kwargs={"reward_fn": "rollq.trainer.toy:digits_reward",
                                               "max_new_tokens": args.max_new_tokens},
             steps=args.steps, group_size=args.group_size, groups_per_step=args.groups, max_staleness=eta,
             lr=1e-4, seed=0,

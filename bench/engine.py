@@ -22,12 +22,12 @@ import time
 from typing import Any
 
 from bench.queue import free_port
-from engine.client import SGLangClient
-from engine.fleet import FleetController
-from engine.http import shared_http_session
-from engine.pool import EnginePool, PoolConfig
-from engine.server import EngineServerConfig, serve
-from engine.types import ModelRequest, SamplingParams
+from rollq.engine.client import SGLangClient
+from rollq.engine.fleet import FleetController
+from rollq.engine.http import shared_http_session
+from rollq.engine.pool import EnginePool, PoolConfig
+from rollq.engine.server.app import EngineServerConfig, serve
+from rollq.engine.types import ModelRequest, SamplingParams
 
 
 async def _drive(call, total: int, concurrency: int) -> tuple[float, float]:
@@ -67,7 +67,7 @@ async def bench_pool_overhead(requests: int, concurrency: int, rounds: int, rate
     """Saturation throughput (closed loop, `concurrency` lanes) and latency at a fixed `rate` (open loop)."""
     # The engine runs in its own process, as in production, so the client side is what is compared.
     port = free_port()
-    engine = subprocess.Popen([sys.executable, "-m", "engine", "--backend", "synthetic", "--port", str(port)],
+    engine = subprocess.Popen([sys.executable, "-m", "rollq.engine", "--backend", "synthetic", "--port", str(port)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     http = shared_http_session()
@@ -120,8 +120,8 @@ async def bench_pool_overhead(requests: int, concurrency: int, rounds: int, rate
 
 
 async def bench_fleet_cycle(engines: int, cycles: int, load_per_engine: int, max_new: int) -> dict[str, Any]:
-    from engine.reference import ReferenceBackend, ReferenceConfig
-    from engine.tiny_model import build_tiny
+    from rollq.engine.server.reference import ReferenceBackend, ReferenceConfig
+    from rollq.engine.tiny_model import build_tiny
 
     weights = build_tiny(tempfile.mkdtemp(prefix="rollq-bench-weights-"))
     handles = [await serve(ReferenceBackend(ReferenceConfig(model="tiny")), EngineServerConfig(host="127.0.0.1", port=0,

@@ -20,9 +20,9 @@ import sys
 import time
 from typing import Any
 
-from engine.backend import GenState
-from engine.reference import ReferenceBackend, ReferenceConfig
-from engine.types import SamplingParams
+from rollq.engine.server.backend import GenState
+from rollq.engine.server.reference import ReferenceBackend, ReferenceConfig
+from rollq.engine.types import SamplingParams
 
 QUESTIONS = [
     "What is 2 + 2?",

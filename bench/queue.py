@@ -53,12 +53,12 @@ import msgspec
 from redis.exceptions import RedisError
 
 from bench.workflows import TOKENS, FixedTrajectory, make_trajectory
-from producer.producer import JobRequest, Producer
-from protocol.codec import Codec
-from protocol.connection import redis_client
-from protocol.keys import RunKeys
-from protocol.messages import Job, Trajectory
-from workers.outputs import to_sequences
+from rollq.producer.producer import JobRequest, Producer
+from rollq.protocol.codec import Codec
+from rollq.redis_client import redis_client
+from rollq.protocol.keys import RunKeys
+from rollq.protocol.messages import Job, Trajectory
+from rollq.workers.outputs import to_sequences
 
 REPO = Path(__file__).resolve().parent.parent
 WORKFLOW = "bench.workflows:FixedTrajectory"
@@ -198,7 +198,7 @@ def cpu_us_per_item(before: dict[str, float | None], after: dict[str, float | No
 
 async def start_worker(procs: Procs, redis: Any, url: str, run: str, *args: str) -> subprocess.Popen:
     """A `rollq worker` subprocess for `run`, returned once it registered (or BenchError with its log)."""
-    worker = procs.start("rollq-worker", [*rollq_argv(), "worker", "--redis", url, "--run", run, "--log-level",
+    worker = procs.start("rollq-worker", [*rollq_argv(), "worker", "--redis", url, "--run", run, "--allow", "bench", "--log-level",
                                           "WARNING", *args], env=bench_env())
     deadline = time.monotonic() + 30
     while not await redis.zcard(RunKeys(run).workers):

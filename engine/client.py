@@ -13,10 +13,8 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from engine.types import FinishReason, GenerateResult, PauseMode, SamplingParams
+from rollq.engine.types import FinishReason, GenerateResult, PauseMode, ProgressCallback, SamplingParams
 
-# Called with each batch of newly generated (token ids, logprobs) while a streamed request runs.
-ProgressCallback = Callable[[list[int], list[float]], None]
 
 
 class EngineError(Exception):

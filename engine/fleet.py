@@ -10,9 +10,9 @@ from typing import Any
 
 import msgspec
 
-from engine.client import EngineError, EngineUnavailable, SGLangClient
-from engine.pool import EngineMember, EnginePool
-from engine.types import PauseMode
+from rollq.engine.client import EngineError, EngineUnavailable, SGLangClient
+from rollq.engine.pool import EngineMember, EnginePool
+from rollq.engine.types import PauseMode
 
 log = logging.getLogger("rollq.engine")
 

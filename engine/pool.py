@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 import msgspec
 
-from engine.client import EngineError, EngineUnavailable, ProgressCallback, SGLangClient
-from engine.http import shared_http_session
-from engine.types import GenerateResult, ModelRequest, ModelResponse
+from rollq.engine.client import EngineError, EngineUnavailable, SGLangClient
+from rollq.engine.http import shared_http_session
+from rollq.engine.types import GenerateResult, ModelRequest, ModelResponse, ProgressCallback
 
 if TYPE_CHECKING:
-    from engine.registry import EngineRegistry
+    from rollq.engine.registry import EngineRegistry
 
 log = logging.getLogger("rollq.engine")
 

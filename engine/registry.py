@@ -8,8 +8,8 @@ import time
 
 import redis.asyncio as aioredis
 
-from protocol.connection import TRANSIENT_ERRORS
-from protocol.keys import RunKeys
+from rollq.redis_client import TRANSIENT_ERRORS
+from rollq.protocol.keys import RunKeys
 
 log = logging.getLogger("rollq.engine")
 

@@ -3,7 +3,8 @@ ModelRequest/ModelResponse handed to workflows."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from collections.abc import Callable
+from typing import Any, Literal, Protocol
 
 import msgspec
 
@@ -84,3 +85,15 @@ class ModelResponse(msgspec.Struct, kw_only=True):
     engine: str = ""  # URL of the engine that finished it
     resubmissions: int = 0  # times it was resubmitted after an abort (pause) or a dead engine
     latency_s: float = 0.0
+
+
+# Called with each batch of newly generated (token ids, logprobs) while a streamed request runs.
+ProgressCallback = Callable[[list[int], list[float]], None]
+
+
+class InferenceEngine(Protocol):
+    """What a workflow gets as `engine` (the EnginePool, or anything that generates the same way)."""
+
+    async def agenerate(self, req: ModelRequest, on_tokens: ProgressCallback | None = None) -> ModelResponse:
+        """Generate up to `req.sampling.max_new_tokens` tokens after `req.input_ids`."""
+        ...

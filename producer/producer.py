@@ -11,12 +11,12 @@ from typing import Any
 import msgspec
 import redis.asyncio as aioredis
 
-from producer.results import ResultConsumer
-from protocol import scripts
-from protocol.codec import Codec
-from protocol.connection import ensure_group
-from protocol.keys import WORKER_GROUP, RunKeys, inflight_key
-from protocol.messages import AgentOptions, Job, Trajectory
+from rollq.producer.results import ResultConsumer
+from rollq.protocol import scripts
+from rollq.protocol.codec import Codec
+from rollq.redis_client import ensure_group
+from rollq.protocol.keys import WORKER_GROUP, RunKeys, inflight_key
+from rollq.protocol.messages import AgentOptions, Job, Trajectory
 
 DEFAULT_SEEN_TTL_S = 7 * 24 * 3600
 

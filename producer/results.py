@@ -11,11 +11,11 @@ import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
-from protocol import scripts
-from protocol.codec import Codec, CodecError
-from protocol.connection import ensure_group, is_nogroup
-from protocol.keys import DEFAULT_RESULTS_GROUP, PAYLOAD_FIELD, consumed_key, inflight_key
-from protocol.messages import Trajectory
+from rollq.protocol import scripts
+from rollq.protocol.codec import Codec, CodecError
+from rollq.redis_client import ensure_group, is_nogroup
+from rollq.protocol.keys import DEFAULT_RESULTS_GROUP, PAYLOAD_FIELD, consumed_key, inflight_key
+from rollq.protocol.messages import Trajectory
 
 DEFAULT_DEDUP_TTL_S = 7 * 24 * 3600
 

@@ -10,8 +10,8 @@ import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
-from protocol.codec import Codec, CodecError
-from protocol.keys import PAYLOAD_FIELD, RunKeys, inflight_key
+from rollq.protocol.codec import Codec, CodecError
+from rollq.protocol.keys import PAYLOAD_FIELD, RunKeys, inflight_key
 
 WORKER_TTL_S = 15.0  # a worker that has not sent a heartbeat for this long is reported dead
 

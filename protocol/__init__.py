@@ -1,9 +1,9 @@
 """rollq's wire contract: messages, key names, codec and atomic scripts. No I/O."""
 
-from protocol.arrays import Float32Array, Int32Array, UInt8Array
-from protocol.codec import Codec, CodecError
-from protocol.keys import DEFAULT_RESULTS_GROUP, WORKER_GROUP, RunKeys
-from protocol.messages import SCHEMA_VERSION, AgentOptions, DeadLetter, ErrorRecord, Job, Sequence, Trajectory
+from rollq.protocol.arrays import Float32Array, Int32Array, UInt8Array
+from rollq.protocol.codec import Codec, CodecError
+from rollq.protocol.keys import DEFAULT_RESULTS_GROUP, WORKER_GROUP, RunKeys
+from rollq.protocol.messages import SCHEMA_VERSION, AgentOptions, DeadLetter, ErrorRecord, Job, Sequence, Trajectory
 
 __all__ = [
     "AgentOptions",

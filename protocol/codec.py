@@ -6,8 +6,8 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from protocol.arrays import ARRAY_BY_EXT_CODE, ARRAY_TYPES
-from protocol.messages import DeadLetter, Job, Trajectory
+from rollq.protocol.arrays import ARRAY_BY_EXT_CODE, ARRAY_TYPES
+from rollq.protocol.messages import DeadLetter, Job, Trajectory
 
 T = TypeVar("T")
 

@@ -68,6 +68,11 @@ class RunKeys(msgspec.Struct, frozen=True):
         """Hash: group (job) id -> samples it holds in the staleness ledger (0 once given back)."""
         return f"{self.prefix}:ledger:groups"
 
+    @property
+    def rewards(self) -> str:
+        """The arq queue of remote reward calls (`rollq reward-worker` serves it)."""
+        return f"{self.prefix}:rewards"
+
     def reply_stream(self, name: str) -> str:
         """A private results stream, e.g. for one `rollq enqueue --wait` or one external service."""
         validate_run_name(name)

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from protocol.arrays import Float32Array, Int32Array, UInt8Array
+from rollq.protocol.arrays import Float32Array, Int32Array, UInt8Array
 
 SCHEMA_VERSION = 1
 

@@ -1,108 +1,249 @@
-"""`rollq` console script. Each service registers its own subcommands; this module only wires them together and
-turns an unreachable Redis into one clear line."""
+"""The `rollq` command. Every subcommand's options come from its service's settings Struct (rollq.config): this
+module only lists the commands, builds their flags from those Structs, layers file < environment < flags into typed
+settings, and hands them to the service's entry function. An unreachable Redis becomes one clear line.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
+import os
 import sys
-from collections.abc import Callable, Sequence
+import typing
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal
 
+import msgspec
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from protocol.config import ConfigError, read_document
-from protocol.connection import DEFAULT_REDIS_URL, REDIS_URL_ENV
-from rollq import settings
+from rollq.config import (
+    ConfigError,
+    SettingField,
+    Settings,
+    build,
+    check_document,
+    fields_of,
+    overrides,
+    read_document,
+    section_values,
+)
+from rollq.engine.server.config import EngineConfig
+from rollq.producer.config import EnqueueConfig, StatusConfig
+from rollq.trainer.config import TrainConfig, UpConfig
+from rollq.workers.config import WorkerConfig
+from rollq.workers.rewards.config import RewardWorkerConfig
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+class Section(msgspec.Struct, frozen=True):
+    name: str  # the config file's section (and ROLLQ_<NAME>_<KEY>)
+    settings: type[Settings]
+
+
+class Command(msgspec.Struct, frozen=True):
+    name: str
+    help: str
+    entry: str  # "module:function", called with one settings object per section, in order
+    sections: tuple[Section, ...]
+    key_values: str = ""  # a section whose settings may also be given as KEY=VALUE arguments
+
+
+TRAINER = Section("trainer", TrainConfig)
+COMMANDS = (
+    Command("worker", "run a rollout worker (scale by starting more)", "rollq.workers.commands:worker",
+            (Section("worker", WorkerConfig),)),
+    Command("reward-worker", "run a reward worker for reward_mode=remote workflows (scale by starting more)",
+            "rollq.workers.rewards.commands:reward_worker", (Section("reward_worker", RewardWorkerConfig),)),
+    Command("enqueue", "submit one job per JSONL line", "rollq.producer.commands:enqueue",
+            (Section("enqueue", EnqueueConfig),)),
+    Command("status", "queue lengths, pending work, dead letters, live workers, the trainer's ledger",
+            "rollq.producer.commands:status", (Section("status", StatusConfig),)),
+    Command("engine", "serve an inference engine speaking SGLang's HTTP protocol",
+            "rollq.engine.server.commands:engine", (Section("engine", EngineConfig),)),
+    Command("train", "train against a running stack (Redis, engines, workers)", "rollq.trainer.commands:train",
+            (TRAINER,), key_values="trainer"),
+    Command("up", "everything on this machine: Redis (if none answers), reference engines, workers and the trainer "
+            "on the toy task (the default command)", "rollq.trainer.commands:up",
+            (Section("up", UpConfig), TRAINER), key_values="trainer"),
+)
+COMMANDS_BY_NAME = {c.name: c for c in COMMANDS}
+SECTIONS = tuple(dict.fromkeys(s.name for c in COMMANDS for s in c.sections))
+
+
+class Invocation(msgspec.Struct, frozen=True):
+    """A parsed command line: the command and its typed settings, one per section."""
+
+    command: Command
+    settings: tuple[Any, ...]
+    log_level: str = "INFO"
+
+    def run(self) -> int:
+        module, _, function = self.command.entry.partition(":")
+        entry: Callable[..., int] = getattr(importlib.import_module(module), function)
+        return entry(*self.settings)
 
 
 def redis_hint(url: str, reason: str) -> str:
     port = url.rsplit(":", 1)[-1].split("/")[0] if url.count(":") >= 2 else "6379"
     return (
         f"rollq: cannot reach Redis at {url} ({reason}). Start one with `redis-server --port {port} --daemonize yes` "
-        f"or point --redis / {REDIS_URL_ENV} at a running server."
+        f"or point --redis / ROLLQ_REDIS_URL at a running server."
     )
+
+
+def command_fields(command: Command) -> list[tuple[Section, SettingField]]:
+    """Every setting of a command, each once (a shared key such as redis_url belongs to all its sections)."""
+    seen: dict[str, str] = {}
+    out = []
+    for section in command.sections:
+        for field in fields_of(section.settings):
+            owner = seen.get(field.name)
+            if owner is not None and not field.shared:
+                raise TypeError(f"rollq {command.name}: setting {field.name!r} is in sections {owner} and "
+                                f"{section.name}")
+            if owner is None:
+                seen[field.name] = section.name
+                out.append((section, field))
+    return out
+
+
+def describe_default(field: SettingField) -> str:
+    if field.required:
+        return "required"
+    if field.shared:
+        return "" if field.default is None else f"${field.env('')} or {field.default}"
+    if field.default in ("", None, [], {}):
+        return ""
+    if isinstance(field.default, bool):
+        return "on" if field.default else "off"
+    return str(field.default)
+
+
+def field_help(field: SettingField, section: str) -> str:
+    default = describe_default(field)
+    parts = [field.doc]
+    if default:
+        parts.append(f"({'required' if field.required else 'default: ' + default})")
+    parts.append(f"[{'' if field.shared else section + '.'}{field.name}, {field.env(section)}]")
+    return " ".join(parts).replace("%", "%%")
+
+
+_METAVARS: dict[Any, str] = {int: "N", float: "X", dict: "MAPPING"}
+
+
+def _base(tp: Any) -> Any:
+    return typing.get_origin(tp) or tp
+
+
+def _choices(tp: Any) -> list[Any] | None:
+    return list(typing.get_args(tp)) if typing.get_origin(tp) is Literal else None
+
+
+def _add_option(parser: argparse._ActionsContainer, section: Section, field: SettingField) -> None:
+    kwargs: dict[str, Any] = {"dest": field.name, "default": argparse.SUPPRESS, "help": field_help(field, section.name)}
+    tp = field.type
+    kwargs["metavar"] = field.extra.get("metavar") or _METAVARS.get(_base(tp), field.name.upper())
+    if field.positional:
+        del kwargs["dest"]
+        parser.add_argument(field.name, nargs="?", **kwargs)
+        return
+    if tp is bool:
+        kwargs["action"] = argparse.BooleanOptionalAction
+        del kwargs["metavar"]
+    elif typing.get_origin(tp) is list:
+        kwargs["action"] = "append"
+    else:
+        choices = _choices(tp)
+        if choices is not None:
+            kwargs["choices"] = choices
+            del kwargs["metavar"]
+    parser.add_argument(field.flag, **kwargs)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from engine import cli as engine_cli
-    from producer import cli as producer_cli
-    from trainer import cli as trainer_cli
-    from workers import cli as workers_cli
-    from workers import reward_cli
-
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument(
-        "--redis",
-        default=None,
-        metavar="URL",
-        help=f"Redis URL (default: ${REDIS_URL_ENV} or {DEFAULT_REDIS_URL})",
-    )
-    common.add_argument("--run", default=None,
-                        help="run name; namespaces every stream and key (default: $ROLLQ_RUN, the config's, or default)")
-    common.add_argument("--config", default=None, metavar="FILE",
-                        help="YAML config shared by every service (its section for this command; ROLLQ_* variables "
-                        "and flags override it)")
-    common.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     parser = argparse.ArgumentParser(
         prog="rollq",
-        description="Distributed rollouts for RL of LLMs and agents over Redis streams.",
+        description="Distributed rollouts for RL of LLMs and agents over Redis streams. Every setting comes from "
+        "the config file's section, a ROLLQ_* variable or a flag, each over the one before (docs/config.md).",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    workers_cli.register(sub, common)
-    reward_cli.register(sub, common)
-    producer_cli.register(sub, common)
-    engine_cli.register(sub, common)
-    trainer_cli.register(sub, common)
+    for command in COMMANDS:
+        p = sub.add_parser(command.name, help=command.help, description=command.help)
+        p.add_argument("--config", default=None, metavar="FILE",
+                       help="YAML config shared by every service (its section for this command; ROLLQ_* variables "
+                       "and flags override it)")
+        p.add_argument("--log-level", default="INFO", choices=LOG_LEVELS)
+        groups: dict[str, argparse._ArgumentGroup] = {}
+        for section, field in command_fields(command):
+            group_name = field.extra.get("group")
+            if group_name and len(command.sections) == 1:
+                container: argparse._ActionsContainer = groups.setdefault(group_name, p.add_argument_group(group_name))
+            elif len(command.sections) > 1:
+                title = f"{section.name} settings" + (f" ({group_name})" if group_name else "")
+                container = groups.setdefault(title, p.add_argument_group(title))
+            else:
+                container = p
+            _add_option(container, section, field)
+        if command.key_values:
+            p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                           help=f"{command.key_values} settings, e.g. steps=200 lr=1e-4 (the same as their flags)")
     return parser
 
 
-def _config_path(argv: list[str]) -> str | None:
-    """--config's value, found before parsing (the file supplies defaults, required options included)."""
-    for i, arg in enumerate(argv):
-        if arg == "--config" and i + 1 < len(argv):
-            return argv[i + 1]
-        if arg.startswith("--config="):
-            return arg.split("=", 1)[1]
-    return None
+def _given(namespace: argparse.Namespace, section: Section) -> dict[str, Any]:
+    """What the command line gave for this section's settings (flag text read by each field's rule; a repeatable
+    flag's items as they are)."""
+    given: dict[str, Any] = {}
+    for field in fields_of(section.settings):
+        value = getattr(namespace, field.name, None)
+        if value is not None:
+            given[field.name] = field.parse(value) if isinstance(value, str) else value
+    return given
 
 
-def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """The command line over the config file's section and the ROLLQ_* variables. Plain `rollq` is `rollq up`."""
+def parse(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> Invocation:
+    """The command line over the config file's sections and the ROLLQ_* variables. Plain `rollq` is `rollq up`.
+    Exits 2 with one line naming the setting when something can't be used."""
+    env = os.environ if env is None else env
     parser = build_parser()
-    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or (argv[0] not in subparsers and argv[0] not in ("-h", "--help")):
+    if not argv or (argv[0] not in COMMANDS_BY_NAME and argv[0] not in ("-h", "--help")):
         argv = ["up", *argv]  # plain `rollq [KEY=VALUE ...]`: the embedded default run (`rollq --help` lists all)
-    if argv[0] in ("-h", "--help"):
-        parser.parse_args(argv)  # prints the help and exits
-    command = argv[0]
+    namespace = parser.parse_args(argv)
+    command = COMMANDS_BY_NAME[namespace.command]
     try:
-        document = read_document(_config_path(argv))
-        settings.apply(parser, subparsers, command, document)
+        document = read_document(namespace.config)
+        check_document(document, SECTIONS)
+        settings = []
+        for section in command.sections:
+            values = section_values(section.settings, section.name, document, env)
+            values.update(_given(namespace, section))
+            if section.name == command.key_values:
+                values.update(overrides(section.settings, namespace.overrides))
+            settings.append(build(section.settings, section.name, values))
     except ConfigError as exc:
-        parser.exit(2, f"rollq {command}: {exc}\n")
-    args = parser.parse_args(argv)
-    try:
-        settings.shared(args, document)
-    except ConfigError as exc:
-        parser.exit(2, f"rollq {command}: {exc}\n")
-    return args
+        parser.exit(2, f"rollq {command.name}: {exc}\n")
+    return Invocation(command=command, settings=tuple(settings), log_level=namespace.log_level)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse(argv)
-    handler: Callable[[argparse.Namespace], int] = args.handler
-    logging.basicConfig(
-        level=getattr(logging, args.log_level), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
-    )
+    invocation = parse(argv)
+    logging.basicConfig(level=getattr(logging, invocation.log_level),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:
-        return handler(args)
+        return invocation.run()
     except (RedisConnectionError, RedisTimeoutError) as exc:
-        print(redis_hint(args.redis, str(exc) or type(exc).__name__), file=sys.stderr)
+        url = next((s.redis_url for s in invocation.settings if getattr(s, "redis_url", None)), "")
+        print(redis_hint(url, str(exc) or type(exc).__name__), file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+__all__ = ["COMMANDS", "Command", "Invocation", "Section", "build_parser", "main", "parse", "redis_hint"]
 
 
 if __name__ == "__main__":

@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from protocol.connection import redis_client
+from rollq.redis_client import redis_client
 from tests.redis_server import RedisServer, free_port
-from workers import Worker, WorkerConfig
+from rollq.workers.config import WorkerConfig
+from rollq.workers.worker import Worker
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -66,6 +67,7 @@ async def wait_until(predicate: Callable, timeout_s: float = 10.0, interval_s: f
 
 @asynccontextmanager
 async def running_worker(redis_url: str, run: str, engine=None, **config) -> AsyncIterator[Worker]:
+    config.setdefault("allow", ["tests"])  # the test suite's workflows, rewards, agents and tools
     worker = Worker(WorkerConfig(redis_url=redis_url, run=run, **config), engine=engine)
     task = asyncio.create_task(worker.run())
     ready = asyncio.create_task(worker.ready.wait())
@@ -87,7 +89,8 @@ class WorkerProcess:
     def __init__(self, redis_url: str, run: str, *args: str, name: str, env: dict | None = None, log: Path) -> None:
         self.name = name
         self.log = log
-        cmd = [sys.executable, "-m", "rollq", "worker", "--redis", redis_url, "--run", run, "--name", name, *args]
+        cmd = [sys.executable, "-m", "rollq", "worker", "--redis", redis_url, "--run", run, "--name", name,
+               "--allow", "tests", *args]
         self._log_file = open(log, "w")
         self.proc = subprocess.Popen(
             cmd, cwd=REPO_ROOT, env={**os.environ, **(env or {})}, stdout=self._log_file, stderr=subprocess.STDOUT
@@ -138,7 +141,7 @@ async def engine_healthy(url: str) -> bool:
 
 
 async def wait_registered(redis, run: str, name: str, timeout_s: float = 15.0) -> None:
-    from protocol.keys import RunKeys
+    from rollq.protocol.keys import RunKeys
 
     key = RunKeys(run).workers
     await wait_until(lambda: redis.zscore(key, name), timeout_s, what=f"worker {name} to register")
@@ -146,7 +149,7 @@ async def wait_registered(redis, run: str, name: str, timeout_s: float = 15.0) -
 
 @pytest.fixture
 async def engine_process(tmp_path):
-    """`await engine_process(*args)` runs `python -m engine --backend synthetic --port P *args` and waits for
+    """`await engine_process(*args)` runs `python -m rollq.engine --backend synthetic --port P *args` and waits for
     /health; returns (Popen, url). Killed at teardown."""
     procs: list[subprocess.Popen] = []
 
@@ -154,7 +157,7 @@ async def engine_process(tmp_path):
         port = free_port()
         log = open(tmp_path / f"engine-{port}.log", "w")
         proc = subprocess.Popen(
-            [sys.executable, "-m", "engine", "--backend", "synthetic", "--port", str(port), *args],
+            [sys.executable, "-m", "rollq.engine", "--backend", "synthetic", "--port", str(port), *args],
             cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
         )
         procs.append(proc)

@@ -8,8 +8,8 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from engine.server import EngineServerConfig, ServerHandle, serve
-from engine.synthetic import SyntheticBackend, SyntheticConfig, load_tokenizer
+from rollq.engine.server.app import EngineServerConfig, ServerHandle, serve
+from rollq.engine.server.synthetic import SyntheticBackend, SyntheticConfig, load_tokenizer
 
 
 @asynccontextmanager

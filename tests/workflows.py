@@ -83,7 +83,7 @@ class Generate:
     """A RolloutWorkflow that generates through the engine pool (token in, token out)."""
 
     async def arun_episode(self, engine, data):
-        from engine.types import ModelRequest, SamplingParams
+        from rollq.engine.types import ModelRequest, SamplingParams
 
         prompt = list(data["prompt_ids"])
         resp = await engine.agenerate(ModelRequest(
@@ -106,7 +106,7 @@ class ContextProbe:
     """Returns a trajectory whose reward is the id of the worker's shared httpx client (so a test can compare)."""
 
     async def arun_episode(self, engine, data):
-        from workers.context import workflow_context
+        from rollq.workers.context import workflow_context
 
         return {**trajectory(4), "reward": float(id(workflow_context().http_client()) % 1_000_003)}
 

@@ -1,1 +1,1 @@
-"""The consumer side of RL: staleness ledger, batching, losses, weight-update cycle (see the trainer issue)."""
+"""The consumer side of RL: staleness ledger, batching, losses, the weight-update cycle, checkpoints, `rollq up`."""

@@ -8,7 +8,7 @@ import msgspec
 import numpy as np
 import torch
 
-from protocol.messages import Sequence, Trajectory
+from rollq.protocol.messages import Sequence, Trajectory
 
 
 def _column(values, dtype: str) -> np.ndarray:

@@ -15,9 +15,9 @@ from collections.abc import Callable
 
 import msgspec
 
-from producer.results import Delivered, ResultConsumer
-from trainer.batch import Group, model_tokens
-from trainer.ledger import StalenessLedger
+from rollq.producer.results import Delivered, ResultConsumer
+from rollq.trainer.batch import Group, model_tokens
+from rollq.trainer.ledger import StalenessLedger
 
 log = logging.getLogger("rollq.trainer")
 

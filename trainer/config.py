@@ -1,68 +1,61 @@
-"""The trainer's settings: the `trainer` section of the shared config (protocol.config), then `ROLLQ_TRAINER_*`
-variables, then `KEY=VALUE` overrides from the command line, each over the one before."""
+"""The trainer's settings (`rollq train`, `rollq up`): the `trainer` section, ROLLQ_TRAINER_<KEY>, `--key` flags or
+`KEY=VALUE` overrides; and `rollq up`'s own (the `up` section)."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
-from protocol.config import ConfigError, parse_value, read_document, section_settings, shared_value
-from protocol.connection import DEFAULT_REDIS_URL
-from protocol.keys import validate_run_name
+from rollq.config import RunSettings, Settings, setting
 
-SECTION = "trainer"
-SHARED = ("redis_url", "run")  # come from the file's top level / --redis / --run, not the trainer section
+WHERE, WHAT, HOW_MUCH, OPTIM, UPDATES = "where", "what", "how much", "optimisation", "weight updates"
 
 
-class TrainConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    # where
-    redis_url: str = DEFAULT_REDIS_URL
-    run: str = "default"
-    run_dir: str = "runs/latest"  # metrics.jsonl, plot.png, checkpoint.pt
-    weights_dir: str = ""  # where engines read new weights (a directory they share); "" = RUN_DIR/weights
-    engines: list[str] = []  # static engine URLs; engines registered for the run are used too
-    # what
-    model: str = "tiny"  # "tiny" (the offline model) or an HF model directory
-    dataset: str = "toy:digits"  # JSONL, Parquet, a `datasets` directory saved to disk, or toy:digits
-    workflow: str = "rlvr"  # a built-in loop's name or an import path
-    workflow_kwargs: dict[str, Any] = msgspec.field(
-        default_factory=lambda: {"reward_fn": "trainer.toy:digits_reward", "max_new_tokens": 8})
-    # how much
-    steps: int = 200
-    group_size: int = 8  # samples per prompt (GRPO group)
-    groups_per_step: int = 8  # a step trains on group_size * groups_per_step samples (B)
-    max_staleness: int = 2  # eta: a trained token is at most this many versions older than the policy trained
-    # optimisation
-    lr: float = 5e-4
-    weight_decay: float = 0.0
-    clip_eps: float = 0.2  # PPO clip of pi_theta / pi_prox
-    behav_imp_cap: float = 5.0  # tokens whose pi_prox / pi_behaviour exceeds this are left out (decoupled PPO)
-    ppo_minibatches: int = 1  # optimizer steps per training step
-    max_tokens_per_microbatch: int = 4096  # padded tokens per forward/backward (length-sorted micro-batches)
-    grad_clip: float = 1.0
-    seed: int = 0
-    device: str = "cpu"
-    # weight updates
-    pause_mode: Literal["abort", "retract", "in_place"] = "retract"  # retract/in_place keep in-flight work
-    checkpoint_every: int = 1  # steps; 1 makes a restart exact (nothing trained is lost or trained twice)
+def _toy_workflow_kwargs() -> dict[str, Any]:
+    return {"reward_fn": "rollq.trainer.toy:digits_reward", "max_new_tokens": 8}
 
-    def __post_init__(self) -> None:
-        for name in ("steps", "group_size", "groups_per_step", "ppo_minibatches", "checkpoint_every",
-                     "max_tokens_per_microbatch"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_staleness < 0:
-            raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
-        if not self.lr > 0:
-            raise ValueError(f"lr must be > 0, got {self.lr}")
-        if not 0 < self.clip_eps < 1:
-            raise ValueError(f"clip_eps must be in (0, 1), got {self.clip_eps}")
-        if not self.behav_imp_cap > 1:
-            raise ValueError(f"behav_imp_cap must be > 1, got {self.behav_imp_cap}")
-        validate_run_name(self.run)
+
+class TrainConfig(RunSettings, kw_only=True):
+    """The trainer: feeds prompts through the staleness ledger, trains on fresh groups, updates every engine."""
+
+    run_dir: Annotated[str, setting("metrics.jsonl, plot.png, checkpoint.pt go here ('' = runs/RUN)", metavar="DIR",
+                                    group=WHERE)] = ""
+    weights_dir: Annotated[str, setting("where engines read new weights, a directory they share ('' = "
+                                        "RUN_DIR/weights)", metavar="DIR", group=WHERE)] = ""
+    engine: Annotated[list[str], setting("static engine URL (repeatable); engines registered for the run are used "
+                                         "too", metavar="URL", group=WHERE)] = []
+    model: Annotated[str, setting("`tiny` (the offline model) or an HF model directory; engines must serve the same "
+                                  "model", group=WHAT)] = "tiny"
+    dataset: Annotated[str, setting("prompts: JSONL, Parquet, a `datasets` directory saved to disk, or toy:digits",
+                                    group=WHAT)] = "toy:digits"
+    workflow: Annotated[str, setting("a built-in loop's name or an import path (workers must allow it)",
+                                     group=WHAT)] = "rlvr"
+    workflow_kwargs: Annotated[dict[str, Any], setting("the workflow's arguments (a mapping)", metavar="MAPPING",
+                                                       group=WHAT)] = msgspec.field(default_factory=_toy_workflow_kwargs)
+    steps: Annotated[int, setting("training steps", ge=1, group=HOW_MUCH)] = 200
+    group_size: Annotated[int, setting("samples per prompt (GRPO group)", ge=1, group=HOW_MUCH)] = 8
+    groups_per_step: Annotated[int, setting("a step trains on group_size * groups_per_step samples (B)", ge=1,
+                                            group=HOW_MUCH)] = 8
+    max_staleness: Annotated[int, setting("eta: a trained token is at most this many versions older than the policy "
+                                          "trained", ge=0, group=HOW_MUCH)] = 2
+    lr: Annotated[float, setting("learning rate (AdamW)", gt=0, group=OPTIM)] = 5e-4
+    weight_decay: Annotated[float, setting("AdamW weight decay", ge=0, group=OPTIM)] = 0.0
+    clip_eps: Annotated[float, setting("PPO clip of pi_theta / pi_prox", gt=0, lt=1, group=OPTIM)] = 0.2
+    behav_imp_cap: Annotated[float, setting("tokens whose pi_prox / pi_behaviour exceeds this are left out "
+                                            "(decoupled PPO)", gt=1, group=OPTIM)] = 5.0
+    ppo_minibatches: Annotated[int, setting("optimizer steps per training step", ge=1, group=OPTIM)] = 1
+    max_tokens_per_microbatch: Annotated[int, setting("padded tokens per forward/backward (length-sorted "
+                                                      "micro-batches)", ge=1, group=OPTIM)] = 4096
+    grad_clip: Annotated[float, setting("gradient norm clip", gt=0, group=OPTIM)] = 1.0
+    seed: Annotated[int, setting("random seed of the trainer", group=OPTIM)] = 0
+    device: Annotated[str, setting("torch device of the trainer (and of `rollq up`'s engines)", group=OPTIM)] = "cpu"
+    pause_mode: Annotated[Literal["abort", "retract", "in_place"], setting(
+        "how engines pause for a weight update: retract / in_place keep in-flight work, abort returns partial "
+        "output (the pool resubmits it)", group=UPDATES)] = "retract"
+    checkpoint_every: Annotated[int, setting("steps between checkpoints; 1 makes a restart exact (nothing trained is "
+                                             "lost or trained twice)", ge=1, group=UPDATES)] = 1
 
     @property
     def batch_samples(self) -> int:
@@ -70,35 +63,25 @@ class TrainConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         return self.group_size * self.groups_per_step
 
     @property
+    def directory(self) -> str:
+        """The run directory: run_dir, or runs/RUN."""
+        return self.run_dir or os.path.join("runs", self.run)
+
+    @property
     def weights_root(self) -> str:
-        return self.weights_dir or os.path.join(self.run_dir, "weights")
+        return self.weights_dir or os.path.join(self.directory, "weights")
 
 
-SECTION_KEYS = [k for k in TrainConfig.__struct_fields__ if k not in SHARED]
+class UpConfig(Settings, kw_only=True):
+    """`rollq up`: the whole stack on this machine (the trainer's settings are the `trainer` section's)."""
+
+    redis_url: Annotated[str | None, setting("Redis URL; none given: the default one if it answers, else a private "
+                                             "redis-server", flag="--redis", metavar="URL", shared=True)] = None
+    engines: Annotated[int, setting("reference engines to start", metavar="N", ge=1)] = 1
+    workers: Annotated[int, setting("rollout worker processes to start", metavar="N", ge=1)] = 1
+    concurrency: Annotated[int, setting("jobs each worker runs at once", metavar="N", ge=1)] = 64
+    allow: Annotated[list[str], setting("import paths the workers may import besides rollq's built-ins and the "
+                                        "trainer's workflow (repeatable)", metavar="PATTERN")] = []
 
 
-def load_config(path: str | os.PathLike[str] | None = None, *, overrides: Sequence[str] = (),
-                env: Mapping[str, str] | None = None, redis_url: str | None = None, run: str | None = None,
-                defaults: Mapping[str, Any] | None = None) -> TrainConfig:
-    """defaults < the file's `trainer` section < ROLLQ_TRAINER_* < `KEY=VALUE` overrides. `redis_url` / `run`:
-    given, else ROLLQ_REDIS_URL / ROLLQ_RUN, else the file's top level. Raises ConfigError naming what is wrong."""
-    document = read_document(path)
-    fields: dict[str, Any] = dict(defaults or {})
-    fields.update(section_settings(document, SECTION, SECTION_KEYS, env))
-    for item in overrides:
-        key, sep, raw = item.partition("=")
-        key = key.strip()
-        if not sep or key not in SECTION_KEYS:
-            raise ConfigError(f"override {item!r} must be KEY=VALUE with KEY one of: {', '.join(SECTION_KEYS)}")
-        fields[key] = parse_value(raw)
-    for key, given in (("redis_url", redis_url), ("run", run)):
-        value = given or shared_value(key, document, env)
-        if value:
-            fields[key] = value
-    try:
-        return msgspec.convert(fields, TrainConfig, strict=False)
-    except (msgspec.ValidationError, ValueError) as exc:
-        raise ConfigError(f"bad trainer config: {exc}") from None
-
-
-__all__ = ["SECTION", "SECTION_KEYS", "TrainConfig", "load_config"]
+__all__ = ["TrainConfig", "UpConfig"]

@@ -7,7 +7,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-from producer.jsonl import JsonlError, json_objects
+from rollq.producer.jsonl import JsonlError, json_objects
 
 
 class DatasetError(ValueError):
@@ -16,7 +16,7 @@ class DatasetError(ValueError):
 
 def load_prompts(spec: str) -> list[dict[str, Any]]:
     if spec.startswith("toy:"):
-        from trainer import toy
+        from rollq.trainer import toy
 
         if spec != "toy:digits":
             raise DatasetError(f"unknown toy task {spec!r} (toy:digits)")

@@ -6,9 +6,9 @@ import asyncio
 import logging
 from typing import Any
 
-from producer.producer import JobRequest, Producer
-from trainer.data import PromptOrder
-from trainer.ledger import StalenessLedger
+from rollq.producer.producer import JobRequest, Producer
+from rollq.trainer.data import PromptOrder
+from rollq.trainer.ledger import StalenessLedger
 
 log = logging.getLogger("rollq.trainer")
 

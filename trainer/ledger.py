@@ -12,7 +12,7 @@ from __future__ import annotations
 import msgspec
 import redis.asyncio as aioredis
 
-from protocol.keys import RunKeys
+from rollq.protocol.keys import RunKeys
 
 # KEYS: ledger, groups. ARGV: group id, samples, B, eta. -> {admitted 1/0, version, samples admitted, limit}
 _ADMIT = """

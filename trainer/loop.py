@@ -24,20 +24,20 @@ from typing import TextIO
 
 import redis.asyncio as aioredis
 
-from engine.fleet import FleetController
-from engine.pool import EnginePool
-from producer.producer import Producer
-from producer.results import Delivered, ResultConsumer
-from trainer import checkpoint
-from trainer.batch import build_batch
-from trainer.checkpoint import TrainerState
-from trainer.collector import GroupCollector
-from trainer.config import TrainConfig
-from trainer.data import PromptOrder, load_prompts
-from trainer.feeder import GroupFeeder
-from trainer.ledger import StalenessLedger
-from trainer.metrics import MetricsLog, RateWindow, StepRecord, plot
-from trainer.policy import Policy
+from rollq.engine.fleet import FleetController
+from rollq.engine.pool import EnginePool
+from rollq.producer.producer import Producer
+from rollq.producer.results import Delivered, ResultConsumer
+from rollq.trainer import checkpoint
+from rollq.trainer.batch import build_batch
+from rollq.trainer.checkpoint import TrainerState
+from rollq.trainer.collector import GroupCollector
+from rollq.trainer.config import TrainConfig
+from rollq.trainer.data import PromptOrder, load_prompts
+from rollq.trainer.feeder import GroupFeeder
+from rollq.trainer.ledger import StalenessLedger
+from rollq.trainer.metrics import MetricsLog, RateWindow, StepRecord, plot
+from rollq.trainer.policy import Policy
 
 log = logging.getLogger("rollq.trainer")
 
@@ -55,7 +55,7 @@ class Trainer:
         self.redis = redis
         self.pool = pool
         self.fleet = FleetController(pool)
-        self.run_dir = Path(config.run_dir)
+        self.run_dir = Path(config.directory)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.weights_root = Path(config.weights_root)
         self.metrics = MetricsLog(self.run_dir, progress)

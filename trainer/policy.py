@@ -10,11 +10,11 @@ from typing import Any
 
 import torch
 
-from engine.tiny_model import model_dir
-from trainer.batch import Batch, micro_batches
-from trainer.config import TrainConfig
-from trainer.loss import LossSums, decoupled_ppo_loss
-from trainer.metrics import TrainStats
+from rollq.engine.tiny_model import model_dir
+from rollq.trainer.batch import Batch, micro_batches
+from rollq.trainer.config import TrainConfig
+from rollq.trainer.loss import LossSums, decoupled_ppo_loss
+from rollq.trainer.metrics import TrainStats
 
 
 class Policy:

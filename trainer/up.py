@@ -17,9 +17,10 @@ from pathlib import Path
 
 import msgspec
 
-from protocol.connection import TRANSIENT_ERRORS, redis_client
-from trainer.config import TrainConfig
-from trainer.metrics import StepRecord
+from rollq.config import DEFAULT_REDIS_URL
+from rollq.redis_client import TRANSIENT_ERRORS, redis_client
+from rollq.trainer.config import TrainConfig, UpConfig
+from rollq.trainer.metrics import StepRecord
 
 log = logging.getLogger("rollq.up")
 
@@ -118,8 +119,6 @@ async def wait_for(ready: Callable[[], Awaitable[bool]], stack: LocalStack, what
 async def start_redis(stack: LocalStack, url: str | None) -> str:
     """`url` if given (it must answer); else the default Redis if one answers; else a private redis-server on a
     free port in a temporary directory, stopped on exit."""
-    from protocol.connection import DEFAULT_REDIS_URL
-
     if url is not None:
         if not await redis_answers(url):
             raise StackError(f"no Redis answers at {url} (leave --redis/ROLLQ_REDIS_URL unset to start one)")
@@ -138,34 +137,43 @@ async def start_redis(stack: LocalStack, url: str | None) -> str:
     return local
 
 
-async def up(cfg: TrainConfig, *, engines: int, workers: int, concurrency: int = 64,
-             redis_url: str | None = None) -> list[StepRecord]:
+def worker_allowlist(cfg: TrainConfig, stack: UpConfig) -> list[str]:
+    """What the stack's workers may import: the operator's patterns and the trainer's own workflow (both named by
+    whoever runs `rollq up`); rollq's built-ins are allowed anyway."""
+    allow = list(stack.allow)
+    if ":" in cfg.workflow or "." in cfg.workflow:  # an import path, not a built-in loop's short name
+        allow.append(cfg.workflow)
+    return allow
+
+
+async def run_stack(cfg: TrainConfig, stack_cfg: UpConfig) -> list[StepRecord]:
     """Start the stack, train `cfg`, stop everything. Returns the metrics records."""
-    from engine.pool import EnginePool, PoolConfig
-    from trainer.loop import Trainer
+    from rollq.engine.pool import EnginePool, PoolConfig
+    from rollq.trainer.loop import Trainer
 
     # SIGTERM (docker stop, kill) ends the run like Ctrl-C: cancelled, so every child is stopped below.
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
-    run_dir = Path(cfg.run_dir)
+    run_dir = Path(cfg.directory)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     stack = LocalStack(run_dir / "logs")
     rollq = [sys.executable, "-m", "rollq"]
     try:
-        url = await start_redis(stack, redis_url)
+        url = await start_redis(stack, stack_cfg.redis_url)
         log.info("redis at %s, run %r; child logs in %s", url, cfg.run, stack.log_dir)
         urls = []
-        for i in range(engines):
+        for i in range(stack_cfg.engines):
             port = free_port()
             urls.append(f"http://127.0.0.1:{port}")
             stack.spawn(f"engine-{i}", [*rollq, "engine", "--backend", "reference", "--model", cfg.model,
                                         "--port", str(port), "--weight-version", "0", "--device", cfg.device])
-        for i in range(workers):
+        allow = [a for p in worker_allowlist(cfg, stack_cfg) for a in ("--allow", p)]
+        for i in range(stack_cfg.workers):
             stack.spawn(f"worker-{i}", [*rollq, "worker", "--redis", url, "--run", cfg.run, "--concurrency",
-                                        str(concurrency), "--wait-redis", "30",
+                                        str(stack_cfg.concurrency), "--wait-redis", "30", *allow,
                                         *[a for u in urls for a in ("--engine", u)]])
         for u in urls:
             await wait_for(lambda u=u: engine_healthy(u), stack, f"engine {u}", 300)
-        cfg = msgspec.structs.replace(cfg, redis_url=url, engines=urls)
+        cfg = msgspec.structs.replace(cfg, redis_url=url, engine=urls)
         redis = redis_client(url)
         pool = EnginePool(PoolConfig(urls=urls))
         try:
@@ -194,4 +202,4 @@ async def _watch(stack: LocalStack) -> None:
         stack.check()
 
 
-__all__ = ["LocalStack", "StackError", "start_redis", "up"]
+__all__ = ["LocalStack", "StackError", "run_stack", "start_redis", "worker_allowlist"]

@@ -1,6 +1,2 @@
-"""The worker process: queue loop, workflow runtime (agent proxy, tool loop and rewards come with later issues)."""
-
-from workers.config import WorkerConfig
-from workers.worker import Worker, WorkerStats
-
-__all__ = ["Worker", "WorkerConfig", "WorkerStats"]
+"""The worker process: queue loop, workflow runtime (resolver and allowlist, built-in loops), agents and their
+recording proxy, tool calls and rewards. `rollq.workers.worker.Worker` is the process's core."""

@@ -9,8 +9,8 @@ from typing import Any, NamedTuple
 import redis.asyncio as aioredis
 from redis.commands.core import AsyncScript
 
-from protocol.connection import TRANSIENT_ERRORS
-from protocol.keys import PAYLOAD_FIELD
+from rollq.redis_client import TRANSIENT_ERRORS
+from rollq.protocol.keys import PAYLOAD_FIELD
 
 log = logging.getLogger("rollq.worker")
 

@@ -1,37 +1,56 @@
+"""`rollq worker`'s settings: the `worker` section, ROLLQ_WORKER_<KEY>, and the command's flags."""
+
 from __future__ import annotations
 
-import msgspec
+from typing import Annotated
+
+from rollq.config import RunSettings, setting
+
+AGENTS = "agent workflows"
 
 
-class WorkerConfig(msgspec.Struct, kw_only=True):
-    """Settings of one worker process."""
+class WorkerConfig(RunSettings, kw_only=True):
+    """A rollout worker: pulls jobs, runs their workflows against the engines, publishes trajectories."""
 
-    redis_url: str
-    run: str = "default"
-    name: str = ""  # consumer name; "" = host-pid-random
-    concurrency: int = 64  # jobs run at once
-    engine_urls: list[str] = []
-    max_attempts: int = 3  # runs of a job (crashes included) before it is dead-lettered
-    lease_idle_ms: int = 60_000  # a pending job idle this long belongs to a dead worker and may be reclaimed
-    lease_refresh_ms: int = 0  # how often live jobs' leases are refreshed; 0 = lease_idle_ms / 6
-    reclaim_interval_ms: int = 0  # how often dead workers' jobs are looked for; 0 = lease_idle_ms / 4
-    heartbeat_ms: int = 2_000
-    block_ms: int = 500  # longest blocking read; bounds how fast a stop is noticed
-    drain_grace_s: float = 30.0  # on SIGTERM, how long in-flight jobs may take to finish
-    publish_batch: int = 256
-    tokenizer: str = "tiny"  # the agent proxy's tokenizer + chat template: "tiny" or the engine model's directory
-    agent_processes: int = 4  # subproc-mode agents running at once
-    proxy_host: str = "127.0.0.1"  # where the agent proxy listens (subproc agents and inline agents reach it here)
-    proxy_port: int = 0  # 0: a free port
+    concurrency: Annotated[int, setting("jobs run at once", metavar="N", ge=1)] = 64
+    name: Annotated[str, setting("consumer name (default host-pid-random); reuse it to resume its pending jobs")] = ""
+    engine: Annotated[list[str], setting("inference engine URL (repeatable); engines registered for the run are used "
+                                         "too", metavar="URL")] = []
+    allow: Annotated[list[str], setting("import paths jobs may name besides rollq's built-ins (repeatable): shell "
+                                        "patterns over dotted names, `my_pkg` covers everything in it",
+                                        metavar="PATTERN")] = []
+    max_attempts: Annotated[int, setting("runs of a job (crashes included) before it is dead-lettered", metavar="N",
+                                         ge=1)] = 3
+    lease_ms: Annotated[int, setting("a pending job idle this long belongs to a dead worker and may be reclaimed",
+                                     metavar="MS", ge=100)] = 60_000
+    lease_refresh_ms: Annotated[int, setting("how often live jobs' leases are refreshed; 0 = lease_ms / 6",
+                                             metavar="MS", ge=0)] = 0
+    reclaim_interval_ms: Annotated[int, setting("how often dead workers' jobs are looked for; 0 = lease_ms / 4",
+                                                metavar="MS", ge=0)] = 0
+    heartbeat_ms: Annotated[int, setting("how often the worker reports itself alive", metavar="MS", ge=1)] = 2_000
+    block_ms: Annotated[int, setting("longest blocking read; bounds how fast a stop is noticed", metavar="MS",
+                                     ge=1)] = 500
+    drain_grace: Annotated[float, setting("seconds in-flight jobs get to finish on SIGTERM", metavar="S", ge=0)] = 30.0
+    wait_redis: Annotated[float, setting("wait up to S seconds for Redis at start", metavar="S", ge=0)] = 0.0
+    publish_batch: Annotated[int, setting("trajectories published per Redis round trip at most", metavar="N",
+                                          ge=1)] = 256
+    tokenizer: Annotated[str, setting("tokenizer + chat template of the agents' proxy: `tiny` or the served model's "
+                                      "directory", group=AGENTS)] = "tiny"
+    agent_processes: Annotated[int, setting("subproc-mode agents running at once", metavar="N", ge=1,
+                                            group=AGENTS)] = 4
+    proxy_host: Annotated[str, setting("where the agents' OpenAI-compatible proxy listens", group=AGENTS)] = (
+        "127.0.0.1"
+    )
+    proxy_port: Annotated[int, setting("its port (0: a free one)", ge=0, le=65535, group=AGENTS)] = 0
 
     def __post_init__(self) -> None:
-        if self.concurrency < 1:
-            raise ValueError("concurrency must be >= 1")
-        if self.max_attempts < 1:
-            raise ValueError("max_attempts must be >= 1")
+        super().__post_init__()
         if not self.lease_refresh_ms:
-            self.lease_refresh_ms = max(50, self.lease_idle_ms // 6)
+            self.lease_refresh_ms = max(50, self.lease_ms // 6)
         if not self.reclaim_interval_ms:
-            self.reclaim_interval_ms = max(50, self.lease_idle_ms // 4)
-        if self.lease_refresh_ms * 2 > self.lease_idle_ms:
-            raise ValueError("lease_refresh_ms must be well below lease_idle_ms (at most half)")
+            self.reclaim_interval_ms = max(50, self.lease_ms // 4)
+        if self.lease_refresh_ms * 2 > self.lease_ms:
+            raise ValueError("lease_refresh_ms must be well below lease_ms (at most half)")
+
+
+__all__ = ["WorkerConfig"]

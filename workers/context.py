@@ -16,7 +16,8 @@ import httpx
 import msgspec
 from httpx_aiohttp import HttpxAiohttpClient
 
-from workers.proxy.server import ProxyConfig, RecordingProxy
+from rollq.config import DEFAULT_REDIS_URL
+from rollq.workers.proxy.server import ProxyConfig, RecordingProxy
 
 
 class ContextConfig(msgspec.Struct, kw_only=True, frozen=True):
@@ -24,6 +25,7 @@ class ContextConfig(msgspec.Struct, kw_only=True, frozen=True):
     proxy: ProxyConfig = ProxyConfig()
     agent_processes: int = 4  # subproc-mode agents running at once
     http_max_connections: int = 1024
+    redis_url: str = DEFAULT_REDIS_URL  # the worker's Redis (remote rewards reach their reward workers through it)
 
 
 _CURRENT: contextvars.ContextVar[WorkflowContext] = contextvars.ContextVar("rollq_workflow_context")
@@ -69,7 +71,7 @@ class WorkflowContext:
             self._proxy_lock = self._proxy_lock or asyncio.Lock()
             async with self._proxy_lock:
                 if self._proxy is None:
-                    from workers.builtin.rlvr import load_tokenizer
+                    from rollq.workers.chat_template import load_tokenizer
 
                     tokenizer = await asyncio.to_thread(load_tokenizer, self.config.tokenizer)
                     self._proxy = await RecordingProxy(engine, tokenizer, self.config.proxy).start()

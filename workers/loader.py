@@ -1,46 +1,20 @@
-"""Resolves a job's workflow import path to a workflow object, once per (path, kwargs) per process."""
+"""A job's workflow name -> a ready workflow object, built once per (path, kwargs, agent options) per process.
+
+Imports go through `rollq.workers.resolver` (the allowlist)."""
 
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 import json
 import logging
 from typing import Any
 
-from protocol.messages import AgentOptions
-from workers.builtin import BUILTIN_WORKFLOWS, resolve_agent_name
+from rollq.protocol.messages import AgentOptions
+from rollq.workers.builtin import BUILTIN_WORKFLOWS, resolve_agent_name
+from rollq.workers.resolver import ImportNotAllowed, WorkflowLoadError, resolve
 
 log = logging.getLogger("rollq.worker")
-
-
-class WorkflowLoadError(Exception):
-    """The import path does not name a usable workflow. Deterministic: the job is dead-lettered at once."""
-
-
-def split_import_path(path: str) -> tuple[str, str]:
-    if ":" in path:
-        module, _, attr = path.partition(":")
-    else:
-        module, _, attr = path.rpartition(".")
-    if not module or not attr:
-        raise WorkflowLoadError(f"workflow {path!r} is not an import path like 'package.module:Class' or 'package.module.Class'")
-    return module, attr
-
-
-def resolve(path: str) -> Any:
-    module_name, attr_path = split_import_path(path)
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except Exception as exc:  # an import can raise anything
-        raise WorkflowLoadError(f"cannot import module {module_name!r} for workflow {path!r}: {type(exc).__name__}: {exc}") from None
-    for part in attr_path.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            raise WorkflowLoadError(f"module {module_name!r} has no attribute {attr_path!r} (workflow {path!r})") from None
-    return obj
 
 
 def workflow_path(workflow: str, data: Any) -> str:
@@ -87,7 +61,7 @@ class WorkflowCache:
 
     @staticmethod
     def _build(path: str, kwargs: dict[str, Any], agent: AgentOptions | None) -> Any:
-        from workers.agents.runner import AgentWorkflow, is_agent  # the agent stack loads only when used
+        from rollq.workers.agents.runner import AgentWorkflow, is_agent  # the agent stack loads only when used
 
         obj = resolve(path)
         if is_agent(obj):
@@ -113,5 +87,7 @@ class WorkflowCache:
 def _construct(cls: Any, path: str, kwargs: dict[str, Any]) -> Any:
     try:
         return cls(**kwargs)
+    except ImportNotAllowed:
+        raise  # a kwarg named a path outside the allowlist: say so as it is
     except Exception as exc:
         raise WorkflowLoadError(f"cannot construct workflow {path!r}: {type(exc).__name__}: {exc}") from None

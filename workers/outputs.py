@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from protocol.arrays import Float32Array, Int32Array, UInt8Array
-from protocol.messages import Sequence
+from rollq.protocol.arrays import Float32Array, Int32Array, UInt8Array
+from rollq.protocol.messages import Sequence
 
 
 class WorkflowOutputError(ValueError):

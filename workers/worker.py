@@ -21,17 +21,19 @@ import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
-from protocol import scripts
-from protocol.codec import Codec, CodecError
-from protocol.connection import TRANSIENT_ERRORS, ensure_group, is_nogroup, redis_client
-from protocol.keys import PAYLOAD_FIELD, WORKER_GROUP, RunKeys
-from protocol.messages import SCHEMA_VERSION, DeadLetter, ErrorRecord, Job, Trajectory
-from workers.batcher import WriteBatcher
-from workers.config import WorkerConfig
-from workers.context import ContextConfig, WorkflowContext
-from workers.loader import WorkflowCache, WorkflowLoadError, workflow_path
-from workers.outputs import to_sequences
-from workers.proxy.server import ProxyConfig
+from rollq.protocol import scripts
+from rollq.protocol.codec import Codec, CodecError
+from rollq.redis_client import TRANSIENT_ERRORS, ensure_group, is_nogroup, redis_client
+from rollq.protocol.keys import PAYLOAD_FIELD, WORKER_GROUP, RunKeys
+from rollq.engine.types import InferenceEngine
+from rollq.protocol.messages import SCHEMA_VERSION, DeadLetter, ErrorRecord, Job, Trajectory
+from rollq.workers.batcher import WriteBatcher
+from rollq.workers.config import WorkerConfig
+from rollq.workers.context import ContextConfig, WorkflowContext
+from rollq.workers.loader import WorkflowCache, workflow_path
+from rollq.workers.resolver import Allowlist, WorkflowLoadError, enforcing
+from rollq.workers.outputs import to_sequences
+from rollq.workers.proxy.server import ProxyConfig
 
 log = logging.getLogger("rollq.worker")
 
@@ -80,7 +82,8 @@ def default_worker_name() -> str:
 
 
 class Worker:
-    def __init__(self, config: WorkerConfig, *, engine: Any = None, redis: aioredis.Redis | None = None) -> None:
+    def __init__(self, config: WorkerConfig, *, engine: InferenceEngine | None = None,
+                 redis: aioredis.Redis | None = None) -> None:
         self.cfg = config
         self.keys = RunKeys(config.run)
         self.name = config.name or default_worker_name()
@@ -90,7 +93,11 @@ class Worker:
         self.workflows = WorkflowCache()
         # Shared by this worker's workflows (HTTP clients, the agents' recording proxy); closed when it stops.
         self.context = WorkflowContext(ContextConfig(tokenizer=config.tokenizer, agent_processes=config.agent_processes,
-                                                     proxy=ProxyConfig(host=config.proxy_host, port=config.proxy_port)))
+                                                     proxy=ProxyConfig(host=config.proxy_host, port=config.proxy_port),
+                                                     redis_url=config.redis_url))
+        # What jobs may import (workflows, reward functions, tools), checked before anything is imported.
+        self.allowlist = Allowlist(patterns=tuple(config.allow),
+                                   setting="--allow PATTERN (worker.allow, ROLLQ_WORKER_ALLOW)")
         self.stats = WorkerStats()
         self._finish = self.redis.register_script(scripts.FINISH)
         self._requeue = self.redis.register_script(scripts.REQUEUE)
@@ -103,7 +110,7 @@ class Worker:
     # -- lifecycle -----------------------------------------------------------------------------------------------
 
     def request_stop(self) -> None:
-        """Stop reading new jobs; in-flight jobs get `drain_grace_s` to finish (SIGTERM does this)."""
+        """Stop reading new jobs; in-flight jobs get `drain_grace` to finish (SIGTERM does this)."""
         self._stop.set()
         self._slot_free.set()
 
@@ -116,12 +123,14 @@ class Worker:
         ]
         log.info("worker %s serving run %r (concurrency %d)", self.name, self.cfg.run, self.cfg.concurrency)
         try:
-            async with self.context:  # job tasks started below inherit it: workflow_context() finds it
-                try:
-                    await self._consume_loop()
-                    await self._drain()
-                finally:
-                    await self.workflows.close()
+            # Job tasks started below inherit both: workflow_context() finds the context, resolve() the allowlist.
+            with enforcing(self.allowlist):
+                async with self.context:
+                    try:
+                        await self._consume_loop()
+                        await self._drain()
+                    finally:
+                        await self.workflows.close()
         finally:
             for task in background:
                 task.cancel()
@@ -133,9 +142,9 @@ class Worker:
     async def _drain(self) -> None:
         if not self._running:
             return
-        log.info("draining %d in-flight jobs (grace %.1fs)", len(self._running), self.cfg.drain_grace_s)
+        log.info("draining %d in-flight jobs (grace %.1fs)", len(self._running), self.cfg.drain_grace)
         tasks = [r.task for r in self._running.values()]
-        _, unfinished = await asyncio.wait(tasks, timeout=self.cfg.drain_grace_s)
+        _, unfinished = await asyncio.wait(tasks, timeout=self.cfg.drain_grace)
         if not unfinished:
             return
         left = {eid: r.payload for eid, r in self._running.items() if r.task in unfinished}
@@ -219,7 +228,7 @@ class Worker:
     async def _reclaim(self, count: int) -> bool:
         """Take over jobs whose worker stopped refreshing their lease (it died)."""
         reply = await self.redis.xautoclaim(
-            self.keys.jobs, WORKER_GROUP, self.name, self.cfg.lease_idle_ms, "0-0", count=count
+            self.keys.jobs, WORKER_GROUP, self.name, self.cfg.lease_ms, "0-0", count=count
         )
         entries = [e for e in reply[1] if e[0].decode() not in self._running]
         if not entries:
@@ -273,7 +282,7 @@ class Worker:
             "host": socket.gethostname(),
             "pid": os.getpid(),
             "concurrency": self.cfg.concurrency,
-            "engines": self.cfg.engine_urls,
+            "engines": self.cfg.engine,
             "started_at": time.time(),
         }
         while True:
@@ -311,7 +320,7 @@ class Worker:
             try:
                 workflow = self.workflows.get(workflow_path(job.workflow, job.data), job.workflow_kwargs, job.agent)
             except WorkflowLoadError as exc:
-                raise _Fatal(self._error("WorkflowLoadError", str(exc), runs)) from None
+                raise _Fatal(self._error(type(exc).__name__, str(exc), runs)) from None
             try:
                 sequences = to_sequences(await workflow.arun_episode(self.engine, job.data))
             except asyncio.CancelledError:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from engine.server import EngineServerConfig, ServerHandle, serve
-from engine.synthetic import SyntheticBackend, SyntheticConfig
+from rollq.engine.server.app import EngineServerConfig, ServerHandle, serve
+from rollq.engine.server.synthetic import SyntheticBackend, SyntheticConfig
 
 
 @pytest.fixture

@@ -6,11 +6,11 @@ import signal
 
 import pytest
 
-from engine.fleet import FleetController
-from engine.pool import EnginePool, PoolConfig, version_number
-from engine.server import EngineServerConfig, serve
-from engine.synthetic import SyntheticBackend, SyntheticConfig
-from engine.types import ModelRequest, SamplingParams
+from rollq.engine.fleet import FleetController
+from rollq.engine.pool import EnginePool, PoolConfig, version_number
+from rollq.engine.server.app import EngineServerConfig, serve
+from rollq.engine.server.synthetic import SyntheticBackend, SyntheticConfig
+from rollq.engine.types import ModelRequest, SamplingParams
 from tests.conftest import wait_until
 from tests.redis_server import free_port
 

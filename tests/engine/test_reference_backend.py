@@ -16,11 +16,11 @@ pytest.importorskip("transformers")
 from safetensors.torch import save_file  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig  # noqa: E402
 
-from engine.backend import GenState  # noqa: E402
-from engine.reference import ReferenceBackend, ReferenceConfig  # noqa: E402
-from engine.sampler import RowSpec, request_generator, sample  # noqa: E402
-from engine.tiny_model import SPEC_FILE, TOOL_TOKENS, build_tiny  # noqa: E402
-from engine.types import SamplingParams  # noqa: E402
+from rollq.engine.server.backend import GenState  # noqa: E402
+from rollq.engine.server.reference import ReferenceBackend, ReferenceConfig  # noqa: E402
+from rollq.engine.server.sampler import RowSpec, request_generator, sample  # noqa: E402
+from rollq.engine.tiny_model import SPEC_FILE, TOOL_TOKENS, build_tiny  # noqa: E402
+from rollq.engine.types import SamplingParams  # noqa: E402
 
 TEXTS = [
     "What is 2 + 2?",

@@ -1,5 +1,5 @@
-from engine.pool import EnginePool, PoolConfig
-from engine.registry import EngineRegistry
+from rollq.engine.pool import EnginePool, PoolConfig
+from rollq.engine.registry import EngineRegistry
 
 
 async def test_engines_join_and_leave_the_pool_through_the_registry(redis, run_name):

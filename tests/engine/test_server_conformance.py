@@ -10,8 +10,8 @@ import signal
 import httpx
 import pytest
 
-from engine.server import ServerHandle
-from engine.synthetic import LengthDist
+from rollq.engine.server.app import ServerHandle
+from rollq.engine.server.synthetic import LengthDist
 from tests.conftest import wait_until
 
 PROMPT = [5, 6, 7, 8]

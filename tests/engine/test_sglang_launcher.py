@@ -1,7 +1,7 @@
 import subprocess
 import sys
 
-from engine.sglang_launcher import SGLangLaunch, sglang_installed
+from rollq.engine.server.sglang_launcher import SGLangLaunch, sglang_installed
 from tests.conftest import REPO_ROOT
 
 

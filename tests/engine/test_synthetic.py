@@ -12,10 +12,10 @@ import time
 
 import pytest
 
-from engine.backend import GenState
-from engine.synthetic import LengthDist, SyntheticBackend, SyntheticConfig
-from engine.tiny_model import build_tiny, default_cache_dir
-from engine.types import SamplingParams
+from rollq.engine.server.backend import GenState
+from rollq.engine.server.synthetic import LengthDist, SyntheticBackend, SyntheticConfig
+from rollq.engine.tiny_model import build_tiny, default_cache_dir
+from rollq.engine.types import SamplingParams
 from tests.conftest import REPO_ROOT, wait_until
 from tests.scripted import scripted_engine, tiny_tokenizer
 
@@ -187,7 +187,7 @@ def test_cli_replies_file_errors_exit_2(tmp_path):
     bad = tmp_path / "replies.json"
     bad.write_text('{"not": "a list"}')
     for path in (bad, tmp_path / "missing.json"):
-        proc = subprocess.run([sys.executable, "-m", "engine", "--backend", "synthetic", "--port", "0",
+        proc = subprocess.run([sys.executable, "-m", "rollq.engine", "--backend", "synthetic", "--port", "0",
                                "--replies-file", str(path)], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
         assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
         assert "--replies-file" in proc.stderr

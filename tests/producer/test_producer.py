@@ -2,8 +2,8 @@ import asyncio
 
 import pytest
 
-from producer import BackpressureError, JobRequest, Producer
-from protocol.keys import RunKeys, inflight_key
+from rollq.producer import BackpressureError, JobRequest, Producer
+from rollq.protocol.keys import RunKeys, inflight_key
 from tests.conftest import running_worker, wait_until
 
 

@@ -1,6 +1,6 @@
-from producer import Producer, ResultConsumer
-from protocol import Codec, Trajectory
-from protocol.keys import PAYLOAD_FIELD, RunKeys
+from rollq.producer import Producer, ResultConsumer
+from rollq.protocol import Codec, Trajectory
+from rollq.protocol.keys import PAYLOAD_FIELD, RunKeys
 from tests.conftest import running_worker, wait_until
 
 

@@ -1,8 +1,8 @@
 import msgspec
 import pytest
 
-from protocol import Codec, CodecError, Float32Array, Int32Array, Job, Sequence, Trajectory, UInt8Array
-from protocol.messages import ErrorRecord
+from rollq.protocol import Codec, CodecError, Float32Array, Int32Array, Job, Sequence, Trajectory, UInt8Array
+from rollq.protocol.messages import ErrorRecord
 
 
 def make_traj(length: int = 6) -> Trajectory:

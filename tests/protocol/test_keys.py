@@ -1,6 +1,6 @@
 import pytest
 
-from protocol.keys import RunKeys, consumed_key, inflight_key
+from rollq.protocol.keys import RunKeys, consumed_key, inflight_key
 
 
 def test_every_key_of_a_run_shares_one_hash_tag():

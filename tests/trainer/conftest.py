@@ -8,15 +8,15 @@ from collections import defaultdict
 
 import pytest
 
-from producer.results import ResultConsumer
-from protocol.keys import RunKeys
-from protocol.messages import Trajectory
-from trainer.batch import trained_versions
+from rollq.producer.results import ResultConsumer
+from rollq.protocol.keys import RunKeys
+from rollq.protocol.messages import Trajectory
+from rollq.trainer.batch import trained_versions
 
 # Heavy-ish tails and real queueing: lognormal lengths, a decode step every 2 ms, 8 slots per engine.
 ENGINE_ARGS = ("--tokenizer", "tiny", "--sampled", "--length-dist", "lognormal:10:1.0", "--token-latency", "0.002",
                "--max-running", "8")
-WORKFLOW_KWARGS = {"reward_fn": "trainer.toy:digits_reward", "max_new_tokens": 48}
+WORKFLOW_KWARGS = {"reward_fn": "rollq.trainer.toy:digits_reward", "max_new_tokens": 48}
 
 
 @pytest.fixture

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from protocol.codec import Codec
-from protocol.messages import Sequence, Trajectory
-from trainer.batch import Group, build_batch, grpo_advantages, micro_batches
+from rollq.protocol.codec import Codec
+from rollq.protocol.messages import Sequence, Trajectory
+from rollq.trainer.batch import Group, build_batch, grpo_advantages, micro_batches
 
 
 def traj(job_id: str, index: int, ids: list[int], mask: list[int], versions: list[int], reward: float,

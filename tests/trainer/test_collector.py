@@ -5,12 +5,12 @@ import asyncio
 
 import pytest
 
-from producer.results import ResultConsumer
-from protocol.codec import Codec
-from protocol.keys import PAYLOAD_FIELD, RunKeys
-from protocol.messages import Sequence, Trajectory
-from trainer.collector import GroupCollector
-from trainer.ledger import StalenessLedger
+from rollq.producer.results import ResultConsumer
+from rollq.protocol.codec import Codec
+from rollq.protocol.keys import PAYLOAD_FIELD, RunKeys
+from rollq.protocol.messages import Sequence, Trajectory
+from rollq.trainer.collector import GroupCollector
+from rollq.trainer.ledger import StalenessLedger
 
 PREFIX = "run1-g"
 
@@ -90,8 +90,8 @@ async def test_groups_trained_before_a_restart_are_acked_not_trained_again(redis
 
 
 async def test_a_run_where_everything_fails_stops_with_the_first_error(redis, run_name):
-    from protocol.messages import ErrorRecord
-    from trainer.collector import NothingTrains
+    from rollq.protocol.messages import ErrorRecord
+    from rollq.trainer.collector import NothingTrains
 
     ledger, consumer, collector = await setup(redis, run_name)
     collector.give_up_after_failed = 4

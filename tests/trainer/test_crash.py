@@ -30,9 +30,9 @@ async def test_a_trainer_killed_twice_resumes_exactly(redis_url, run_name, tmp_p
     config = tmp_path / "rollq.yaml"
     config.write_text(json.dumps({  # YAML is a superset of JSON
         "redis_url": redis_url, "run": run_name,
-        "trainer": {"run_dir": str(run_dir), "engines": urls, "steps": STEPS, "group_size": GROUP,
+        "trainer": {"run_dir": str(run_dir), "engine": urls, "steps": STEPS, "group_size": GROUP,
                     "groups_per_step": GROUPS, "max_staleness": ETA, "workflow_kwargs": WORKFLOW_KWARGS}}))
-    log = tmp_path / "trainer.log"
+    log = tmp_path / "rollq.trainer.log"
     metrics = run_dir / "metrics.jsonl"
     for kill_after in (3, 6):
         trainer = start_trainer(config, log)

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from trainer.data import DatasetError, PromptOrder, load_prompts
+from rollq.trainer.data import DatasetError, PromptOrder, load_prompts
 
 ROWS = [{"prompt": f"question {i}", "answer": str(i)} for i in range(5)]
 

@@ -2,7 +2,7 @@
 
 import asyncio
 
-from trainer.ledger import StalenessLedger
+from rollq.trainer.ledger import StalenessLedger
 
 
 async def test_the_bound_is_exact_under_concurrent_admission(redis, run_name):
@@ -57,7 +57,7 @@ async def test_a_ledger_lost_with_redis_is_rebuilt_from_the_checkpoint(redis, ru
 
 
 async def test_rollq_status_shows_the_ledger(redis, run_name):
-    from producer.status import format_status, gather_status
+    from rollq.producer.status import format_status, gather_status
 
     assert (await gather_status(redis, run_name)).trainer is None  # no trainer yet
     ledger = StalenessLedger(redis, run_name, batch_samples=8, max_staleness=2)

@@ -2,7 +2,7 @@
 
 import torch
 
-from trainer.loss import decoupled_ppo_loss
+from rollq.trainer.loss import decoupled_ppo_loss
 
 KW = {"clip_eps": 0.2, "behav_imp_cap": 5.0}
 

@@ -4,9 +4,9 @@ import msgspec
 import torch
 
 from tests.trainer.test_batch import traj
-from trainer.batch import Group, build_batch
-from trainer.config import TrainConfig
-from trainer.policy import Policy
+from rollq.trainer.batch import Group, build_batch
+from rollq.trainer.config import TrainConfig
+from rollq.trainer.policy import Policy
 
 
 def batch_of_two(policy: Policy):

@@ -7,12 +7,12 @@ import msgspec
 
 import pytest
 
-from engine.pool import EnginePool, PoolConfig
+from rollq.engine.pool import EnginePool, PoolConfig
 from tests.conftest import wait_until
 from tests.trainer.conftest import WORKFLOW_KWARGS
-from trainer.config import TrainConfig
-from trainer.ledger import StalenessLedger
-from trainer.loop import Trainer
+from rollq.trainer.config import TrainConfig
+from rollq.trainer.ledger import StalenessLedger
+from rollq.trainer.loop import Trainer
 
 
 @pytest.mark.parametrize("eta", [0, 1])
@@ -20,7 +20,7 @@ async def test_no_trained_token_is_older_than_the_bound_and_groups_stay_whole(re
                                                                              stack, auditor, eta):
     urls = await stack(run_name)
     audit = await auditor(run_name)
-    cfg = TrainConfig(redis_url=redis_url, run=run_name, run_dir=str(tmp_path / "run"), engines=urls, steps=8,
+    cfg = TrainConfig(redis_url=redis_url, run=run_name, run_dir=str(tmp_path / "run"), engine=urls, steps=8,
                       group_size=4, groups_per_step=3, max_staleness=eta, workflow_kwargs=WORKFLOW_KWARGS)
     pool = EnginePool(PoolConfig(urls=urls))
     try:

@@ -52,7 +52,7 @@ def test_rollq_up_against_a_redis_that_does_not_answer_says_so(unused_redis_url,
 def test_rollq_up_refuses_a_bad_setting_before_starting_anything(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "rollq", "up", "steps=0", f"run_dir={tmp_path / 'run'}"],
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and "steps must be >= 1" in proc.stderr
+    assert proc.returncode == 2 and "steps: expected `int` >= 1" in proc.stderr
     assert not (tmp_path / "run").exists()
 
 

@@ -8,17 +8,18 @@ import asyncio
 
 import pytest
 
-from engine.backend import Backend, GenState, stop_check
-from engine.pool import EnginePool, PoolConfig
-from engine.reference import ReferenceBackend, ReferenceConfig
-from engine.server import EngineServerConfig, serve
-from engine.types import ModelRequest, SamplingParams
-from workers.builtin import BUILTIN_WORKFLOWS, resolve_agent_name
-from workers.builtin.multi_turn import MultiTurnWorkflow
-from workers.builtin.rlvr import RLVRWorkflow, encode, load_tokenizer
-from workers.builtin.tool_agent import ToolAgentWorkflow
-from workers.loader import WorkflowCache
-from workers.tool_calls import ToolRegistry
+from rollq.engine.server.backend import Backend, GenState, stop_check
+from rollq.engine.pool import EnginePool, PoolConfig
+from rollq.engine.server.reference import ReferenceBackend, ReferenceConfig
+from rollq.engine.server.app import EngineServerConfig, serve
+from rollq.engine.types import ModelRequest, SamplingParams
+from rollq.workers.builtin import BUILTIN_WORKFLOWS, resolve_agent_name
+from rollq.workers.builtin.multi_turn import MultiTurnWorkflow
+from rollq.workers.builtin.rlvr import RLVRWorkflow
+from rollq.workers.chat_template import encode, load_tokenizer
+from rollq.workers.builtin.tool_agent import ToolAgentWorkflow
+from rollq.workers.loader import WorkflowCache
+from rollq.workers.tool_calls import ToolRegistry
 
 VERSION = 7
 
@@ -64,7 +65,7 @@ async def greedy(pool: EnginePool, ids: list[int], n: int):
 
 
 def test_agent_names():
-    assert resolve_agent_name("rlvr") == "workers.builtin.rlvr:RLVRWorkflow"
+    assert resolve_agent_name("rlvr") == "rollq.workers.builtin.rlvr:RLVRWorkflow"
     assert set(BUILTIN_WORKFLOWS) == {"rlvr", "multi_turn", "tool_agent"}
     with pytest.raises(ValueError, match="known: multi_turn, rlvr, tool_agent"):
         resolve_agent_name("nope")
@@ -323,7 +324,7 @@ async def test_rlvr_reward_mode_process_runs_the_reward_in_a_child(ref_pool, tok
 
 
 async def test_process_mode_timeout_raises_instead_of_a_zero_reward(ref_pool):
-    from workers.rewards import RewardTimeout
+    from rollq.workers.rewards.processes import RewardTimeout
 
     wf = MultiTurnWorkflow(reward_fn="tests.reward_fns:hang_forever", max_new_tokens=2, reward_mode="process",
                            reward_timeout=0.3)

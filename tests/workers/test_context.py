@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from producer.producer import JobRequest, Producer
+from rollq.producer.producer import JobRequest, Producer
 from tests.conftest import running_worker
-from workers.context import WorkflowContext, workflow_context
+from rollq.workers.context import WorkflowContext, workflow_context
 
 
 async def test_context_is_shared_and_closed():

@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from producer import JobRequest, Producer
-from protocol.connection import redis_client
-from protocol.keys import WORKER_GROUP, RunKeys
+from rollq.producer import JobRequest, Producer
+from rollq.redis_client import redis_client
+from rollq.protocol.keys import WORKER_GROUP, RunKeys
 from tests.conftest import wait_registered, wait_until
 from tests.redis_server import RedisServer
 

@@ -7,8 +7,8 @@ import subprocess
 import sys
 
 
-from engine.registry import EngineRegistry
-from producer import JobRequest, Producer
+from rollq.engine.registry import EngineRegistry
+from rollq.producer import JobRequest, Producer
 from tests.conftest import REPO_ROOT, engine_healthy, wait_registered, wait_until
 from tests.redis_server import free_port
 

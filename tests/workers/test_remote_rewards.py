@@ -16,8 +16,9 @@ import pytest
 import redis as sync_redis
 
 from tests.conftest import REPO_ROOT
-from workers.remote_rewards import NoRewardWorker, RemoteReward, reward_queue
-from workers.rewards import RewardError, RewardNotANumber, RewardTimeout
+from rollq.protocol.keys import RunKeys
+from rollq.workers.rewards.remote import NoRewardWorker, RemoteReward
+from rollq.workers.rewards.processes import RewardError, RewardNotANumber, RewardTimeout
 
 READY_TIMEOUT_S = 20.0
 
@@ -25,13 +26,13 @@ READY_TIMEOUT_S = 20.0
 @contextmanager
 def reward_worker(redis_url: str, run: str, log: Path, *args: str) -> Iterator[subprocess.Popen]:
     """`rollq reward-worker` as a subprocess, ready once arq has written its health-check key; SIGKILLed after."""
-    cmd = [sys.executable, "-m", "rollq.cli", "reward-worker", "--redis", redis_url, "--run", run, *args]
+    cmd = [sys.executable, "-m", "rollq", "reward-worker", "--redis", redis_url, "--run", run, "--allow", "tests", *args]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT)
         client = sync_redis.Redis.from_url(redis_url)
         try:
             deadline = time.monotonic() + READY_TIMEOUT_S
-            while not client.exists(reward_queue(run) + ":health-check"):  # bounded poll: no event to await
+            while not client.exists(RunKeys(run).rewards + ":health-check"):  # bounded poll: no event to await
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise AssertionError(f"reward worker did not start:\n{log.read_text()}")
                 time.sleep(0.05)
@@ -124,11 +125,11 @@ async def test_no_reward_worker_is_a_timeout_that_says_so(redis_url, run_name, r
             await rr("42")
         assert time.monotonic() - start < 2.0
     assert isinstance(info.value, RewardTimeout)
-    assert await redis.zcard(reward_queue(run_name)) == 0  # withdrawn: a worker starting later won't run it
+    assert await redis.zcard(RunKeys(run_name).rewards) == 0  # withdrawn: a worker starting later won't run it
 
 
 def test_unreachable_redis_is_one_line(unused_redis_url):
-    proc = subprocess.run([sys.executable, "-m", "rollq.cli", "reward-worker", "--redis", unused_redis_url],
+    proc = subprocess.run([sys.executable, "-m", "rollq", "reward-worker", "--redis", unused_redis_url],
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=30)
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "cannot reach Redis" in proc.stderr

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from tests import reward_fns
-from workers.rewards import AsyncRewardWrapper, RewardError, RewardNotANumber, RewardTimeout
+from rollq.workers.rewards.processes import AsyncRewardWrapper, RewardError, RewardNotANumber, RewardTimeout
 
 
 def _pid_alive(pid: int) -> bool:

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from workers.tool_calls import ToolCall, ToolRegistry, ToolSpec, parse_tool_calls
+from rollq.workers.tool_calls import ToolCall, ToolRegistry, ToolSpec, parse_tool_calls
 
 
 def schema(name: str, **props: str) -> dict:

@@ -1,8 +1,8 @@
 import asyncio
 
-from producer import JobRequest, Producer
-from protocol import Codec
-from protocol.keys import PAYLOAD_FIELD, WORKER_GROUP, RunKeys
+from rollq.producer import JobRequest, Producer
+from rollq.protocol import Codec
+from rollq.protocol.keys import PAYLOAD_FIELD, WORKER_GROUP, RunKeys
 from tests.conftest import running_worker
 
 
@@ -33,7 +33,8 @@ async def test_bad_input_is_dead_lettered_while_good_jobs_complete(redis, redis_
     keys = RunKeys(run_name)
     producer = Producer(redis, run_name)
     codec = Codec()
-    async with running_worker(redis_url, run_name, concurrency=4, max_attempts=2) as worker:
+    async with running_worker(redis_url, run_name, concurrency=4, max_attempts=2,
+                              allow=["tests", "no_such_module"]) as worker:
         await redis.xadd(keys.jobs, {PAYLOAD_FIELD: b"\xc1 definitely not msgpack"})
         await redis.xadd(keys.jobs, {b"something": b"else"})
         await redis.xadd(keys.jobs, {PAYLOAD_FIELD: b'{"job_id": "typed-wrong", "workflow": 7}'})
@@ -94,7 +95,7 @@ async def test_rejected_samples_multi_sequence_kwargs_and_functions(redis, redis
 async def test_a_long_job_is_not_stolen_while_its_worker_lives(redis, redis_url, run_name):
     """The job runs 6x the lease; a second worker scanning for dead workers' jobs must not take it."""
     producer = Producer(redis, run_name)
-    lease = dict(lease_idle_ms=300, lease_refresh_ms=50, reclaim_interval_ms=50)
+    lease = dict(lease_ms=300, lease_refresh_ms=50, reclaim_interval_ms=50)
     async with running_worker(redis_url, run_name, name="owner", **lease) as owner:
         await producer.submit("tests.workflows:Echo", {"sleep": 1.8}, job_id="long")
         await asyncio.wait_for(_until_running(owner), 10)
@@ -112,7 +113,7 @@ async def _until_running(worker):
 async def test_unfinished_jobs_are_handed_back_when_the_drain_grace_expires(redis, redis_url, run_name):
     producer = Producer(redis, run_name)
     keys = RunKeys(run_name)
-    async with running_worker(redis_url, run_name, name="leaver", drain_grace_s=0.2) as leaver:
+    async with running_worker(redis_url, run_name, name="leaver", drain_grace=0.2) as leaver:
         await producer.submit("tests.workflows:Echo", {"sleep": 30}, job_id="slow")
         await asyncio.wait_for(_until_running(leaver), 10)
     # The drain requeued it: back in the stream, pending for nobody, and not counted as a failed attempt.
@@ -123,10 +124,10 @@ async def test_unfinished_jobs_are_handed_back_when_the_drain_grace_expires(redi
 
 
 async def test_agent_name_picks_a_builtin_loop_and_an_unknown_one_is_dead_lettered(redis, redis_url, run_name):
-    from workers.loader import workflow_path
+    from rollq.workers.loader import workflow_path
 
-    assert workflow_path("tests.workflows:Echo", {"agent_name": "tool_agent"}) == "workers.builtin.tool_agent:ToolAgentWorkflow"
-    assert workflow_path("rlvr", {}) == "workers.builtin.rlvr:RLVRWorkflow"
+    assert workflow_path("tests.workflows:Echo", {"agent_name": "tool_agent"}) == "rollq.workers.builtin.tool_agent:ToolAgentWorkflow"
+    assert workflow_path("rlvr", {}) == "rollq.workers.builtin.rlvr:RLVRWorkflow"
     assert workflow_path("tests.workflows:Echo", {"q": 1}) == "tests.workflows:Echo"
     producer = Producer(redis, run_name)
     async with running_worker(redis_url, run_name):

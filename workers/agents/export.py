@@ -8,12 +8,11 @@ sub-agents or abandoned branches don't discount each other.
 
 from __future__ import annotations
 
-import math
-import numbers
 from collections.abc import Mapping
 from typing import Any
 
-from workers.proxy.sessions import CompletionRecord
+from rollq.workers.proxy.sessions import CompletionRecord
+from rollq.workers.rewards.values import as_reward
 
 
 class AgentOutputError(ValueError):
@@ -21,9 +20,10 @@ class AgentOutputError(ValueError):
 
 
 def _number(value: Any, what: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
+    reward = as_reward(value)
+    if reward is None:
         raise AgentOutputError(f"{what} must be a finite number, got {type(value).__name__} {value!r:.80}")
-    return float(value)
+    return reward
 
 
 def assign_rewards(records: list[CompletionRecord], result: Any) -> None:

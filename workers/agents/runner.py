@@ -12,11 +12,12 @@ import inspect
 import json
 from typing import Any
 
-from protocol.messages import AgentOptions
-from workers.agents.export import AgentOutputError, assign_rewards, export
-from workers.agents.subproc import agent_result, extra_kwargs_for, run_agent
-from workers.context import workflow_context
-from workers.rewards import AsyncRewardWrapper, RewardError, RewardNotANumber, RewardTimeout
+from rollq.protocol.messages import AgentOptions
+from rollq.workers.agents.export import AgentOutputError, assign_rewards, export
+from rollq.workers.agents.subproc import agent_result, extra_kwargs_for, run_agent
+from rollq.workers.context import workflow_context
+from rollq.workers.resolver import active_allowlist
+from rollq.workers.rewards.processes import AsyncRewardWrapper, RewardError, RewardNotANumber, RewardTimeout
 
 
 class AgentTimeout(Exception):
@@ -75,7 +76,8 @@ class AgentWorkflow:
             what="agent", expected="a reward or a {completion_id: reward} mapping",
         ))
         try:
-            kind, value = await pool(self.path, json.dumps(self.kwargs, sort_keys=True), data, urls, key)
+            kind, value = await pool(self.path, json.dumps(self.kwargs, sort_keys=True), data, urls, key,
+                                     active_allowlist())
         except RewardTimeout as exc:
             raise AgentTimeout(f"agent {self.path}: {exc}") from None
         except RewardNotANumber as exc:

@@ -11,17 +11,16 @@ import asyncio
 import functools
 import inspect
 import json
-import math
-import numbers
 import os
 from typing import Any
 
+from rollq.workers.resolver import Allowlist, resolve
+from rollq.workers.rewards.values import as_reward
+
 
 @functools.lru_cache(maxsize=32)
-def _agent(path: str, kwargs_json: str) -> Any:
-    from workers.loader import resolve  # imported in the child, after the pool started it
-
-    obj = resolve(path)
+def _agent(path: str, kwargs_json: str, allowlist: Allowlist | None) -> Any:
+    obj = resolve(path, allowlist=allowlist)  # the worker's allowlist, checked again in the child
     return obj(**json.loads(kwargs_json)) if inspect.isclass(obj) else obj
 
 
@@ -37,12 +36,13 @@ def extra_kwargs_for(run: Any, offered: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in offered.items() if k in names}
 
 
-def run_agent(path: str, kwargs_json: str, data: Any, urls: dict[str, str], api_key: str) -> Any:
+def run_agent(path: str, kwargs_json: str, data: Any, urls: dict[str, str], api_key: str,
+              allowlist: Allowlist | None = None) -> Any:
     os.environ.update({
         "OPENAI_BASE_URL": urls["base_url"], "OPENAI_API_KEY": api_key,
         "ANTHROPIC_BASE_URL": urls["anthropic_base_url"], "ANTHROPIC_API_KEY": api_key,
     })
-    agent = _agent(path, kwargs_json)
+    agent = _agent(path, kwargs_json, allowlist)
     offered = {"base_url": urls["base_url"], "anthropic_base_url": urls["anthropic_base_url"], "api_key": api_key}
     result = agent.run(data, **extra_kwargs_for(agent.run, offered))
     if inspect.isawaitable(result):
@@ -59,15 +59,10 @@ def agent_result(value: Any) -> tuple[str, Any] | None:
     if value is None:
         return ("none", None)
     if isinstance(value, dict):
-        out = {}
-        for k, v in value.items():
-            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(float(v)):
-                return None
-            out[str(k)] = float(v)
-        return ("rewards", out)
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
-        return None
-    return ("reward", float(value))
+        out = {str(k): as_reward(v) for k, v in value.items()}
+        return None if None in out.values() else ("rewards", out)
+    reward = as_reward(value)
+    return None if reward is None else ("reward", reward)
 
 
 __all__ = ["agent_result", "extra_kwargs_for", "run_agent"]

@@ -6,9 +6,9 @@ from types import MappingProxyType
 
 # Read-only: the name table is configuration, not state.
 BUILTIN_WORKFLOWS = MappingProxyType({
-    "rlvr": "workers.builtin.rlvr:RLVRWorkflow",
-    "multi_turn": "workers.builtin.multi_turn:MultiTurnWorkflow",
-    "tool_agent": "workers.builtin.tool_agent:ToolAgentWorkflow",
+    "rlvr": "rollq.workers.builtin.rlvr:RLVRWorkflow",
+    "multi_turn": "rollq.workers.builtin.multi_turn:MultiTurnWorkflow",
+    "tool_agent": "rollq.workers.builtin.tool_agent:ToolAgentWorkflow",
 })
 
 

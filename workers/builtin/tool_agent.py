@@ -12,11 +12,12 @@ from typing import Any
 
 import msgspec
 
-from engine.types import ModelRequest, SamplingParams
-from workers.builtin.multi_turn import continuation_ids
-from workers.builtin.rlvr import LazyTokenizer, TokenSequence, encode, prompt_ids, reward_caller
-from workers.loader import resolve
-from workers.tool_calls import ToolRegistry, parse_tool_calls
+from rollq.engine.types import InferenceEngine, ModelRequest, SamplingParams
+from rollq.workers.builtin.episode import TokenSequence, group_affinity
+from rollq.workers.chat_template import LazyTokenizer, continuation_ids, encode, prompt_ids
+from rollq.workers.resolver import resolve
+from rollq.workers.rewards.call import RewardedWorkflow
+from rollq.workers.tool_calls import ToolRegistry, parse_tool_calls
 
 
 class ToolAgentConfig(msgspec.Struct, kw_only=True, frozen=True):
@@ -42,23 +43,17 @@ def truncate_tokens(tokenizer: Any, text: str, limit: int) -> str:
     return text if len(ids) <= limit else tokenizer.decode(ids[:limit])
 
 
-class ToolAgentWorkflow:
+class ToolAgentWorkflow(RewardedWorkflow):
+    reward_required = False  # without a reward_fn an episode's reward is 0
+
     def __init__(self, tools: str | ToolRegistry | list, tokenizer: str = "tiny", max_turns: int = 4,
                  max_response_tokens: int = 256, max_tool_response_tokens: int = 64, reward_fn: Any = None,
-                 temperature: float = 1.0, reward_mode: str = "inline", reward_timeout: float = 15.0,
-                 reward_workers: int = 2, reward_run: str = "default") -> None:
+                 temperature: float = 1.0, **reward_options: Any) -> None:
+        super().__init__(reward_fn, **reward_options)  # reward_mode, reward_timeout, ...: see RewardedWorkflow
         self.registry = load_tools(tools)
         self.tokenizer = LazyTokenizer(tokenizer)
         self.config = ToolAgentConfig(max_turns=max_turns, max_response_tokens=max_response_tokens,
                                       max_tool_response_tokens=max_tool_response_tokens, temperature=temperature)
-        # None without a reward_fn (the episode's reward is then 0); the mode is validated either way.
-        self.reward = reward_caller(reward_fn, reward_mode, reward_timeout, reward_workers, reward_run)
-        self.reward_fn = self.reward.fn if self.reward is not None else None
-
-    async def aclose(self) -> None:
-        """Stops reward child processes / connections (process and remote modes)."""
-        if self.reward is not None:
-            await self.reward.close()
 
     async def _tool_messages(self, tok: Any, text: str) -> list[dict[str, Any]]:
         _, calls, errors = parse_tool_calls(text)
@@ -66,7 +61,7 @@ class ToolAgentWorkflow:
         limit = self.config.max_tool_response_tokens
         return [{"role": "tool", "content": truncate_tokens(tok, r, limit)} for r in [*results, *errors]]
 
-    async def arun_episode(self, engine: Any, data: dict[str, Any]) -> dict[str, Any] | None:
+    async def arun_episode(self, engine: InferenceEngine, data: dict[str, Any]) -> dict[str, Any] | None:
         c = self.config
         tok = await self.tokenizer.get()
         prompt = prompt_ids(tok, data, tools=self.registry.schemas)
@@ -78,7 +73,7 @@ class ToolAgentWorkflow:
             resp = await engine.agenerate(ModelRequest(
                 input_ids=list(seq.input_ids),
                 sampling=SamplingParams(max_new_tokens=budget, temperature=c.temperature),
-                affinity=str(data.get("group_id") or ""),
+                affinity=group_affinity(data),
             ))
             seq.add_generated(resp)
             completion_ids += resp.output_tokens
@@ -93,10 +88,8 @@ class ToolAgentWorkflow:
             if len(seq) - len(prompt) + len(suffix) >= c.max_response_tokens:
                 break
             seq.add_context(suffix)
-        reward = 0.0
-        if self.reward is not None:
-            reward = await self.reward(tok.decode(prompt), tok.decode(completion_ids, skip_special_tokens=True),
-                                       prompt, completion_ids, data)
+        reward = await self.score(tok.decode(prompt), tok.decode(completion_ids, skip_special_tokens=True),
+                                  prompt, completion_ids, data)
         return seq.trajectory(reward)
 
 

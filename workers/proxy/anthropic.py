@@ -11,7 +11,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from workers.proxy.chat import BadRequest, ChoiceOut, GenerationParams, integer, number, stop_list
+from rollq.workers.proxy.chat import BadRequest, ChoiceOut, GenerationParams, integer, number, stop_list
 
 
 def _blocks(content: Any, where: str) -> list[dict[str, Any]]:

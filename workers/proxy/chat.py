@@ -15,7 +15,7 @@ from typing import Any
 
 import msgspec
 
-from workers.tool_calls import parse_tool_calls
+from rollq.workers.tool_calls import parse_tool_calls
 
 
 class BadRequest(Exception):

@@ -13,8 +13,7 @@ import re
 from collections import OrderedDict
 from typing import Any
 
-from workers.builtin.multi_turn import anchor_text, continuation_ids
-from workers.builtin.rlvr import encode, render
+from rollq.workers.chat_template import anchor_text, continuation_ids, encode, render
 
 _PROBE = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": " Hi  there\n"},
           {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "2 + 2 = ?"}]
@@ -41,7 +40,7 @@ class PromptEncoder:
         return self.encode(render(self.tokenizer, messages, tools=tools, add_generation_prompt=True))
 
     def continuation(self, last_output: list[int], messages: list[dict[str, Any]]) -> list[int]:
-        """The new turns after a recorded completion (see multi_turn.continuation_ids)."""
+        """The new turns after a recorded completion (see chat_template.continuation_ids)."""
         return continuation_ids(self.tokenizer, last_output, messages, base=self._anchor)
 
     def _encode_pieces(self, text: str) -> list[int]:

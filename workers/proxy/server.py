@@ -16,9 +16,9 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from engine.types import ModelRequest, SamplingParams
-from workers.proxy import anthropic
-from workers.proxy.chat import (
+from rollq.engine.types import ModelRequest, SamplingParams
+from rollq.workers.proxy import anthropic
+from rollq.workers.proxy.chat import (
     BadRequest,
     ChoiceOut,
     GenerationParams,
@@ -33,9 +33,9 @@ from workers.proxy.chat import (
     tool_choice_allows_calls,
     trim_stop,
 )
-from workers.proxy.prompt_encoder import PromptEncoder
-from workers.proxy.sessions import CompletionRecord, Session, SessionClosed, SessionStore
-from workers.proxy.streaming import TextStream, stream_deltas
+from rollq.workers.proxy.prompt_encoder import PromptEncoder
+from rollq.workers.proxy.sessions import CompletionRecord, Session, SessionClosed, SessionStore
+from rollq.workers.proxy.streaming import TextStream, stream_deltas
 
 log = logging.getLogger("rollq.proxy")
 

@@ -13,8 +13,8 @@ from typing import Any
 
 import msgspec
 
-from workers.proxy.chat import ChoiceOut, ParsedReply
-from workers.tool_calls import TOOL_CALL_OPEN
+from rollq.workers.proxy.chat import ChoiceOut, ParsedReply
+from rollq.workers.tool_calls import TOOL_CALL_OPEN
 
 
 def _held_suffix(text: str, marker: str) -> int:

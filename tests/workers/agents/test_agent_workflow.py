@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.pool import EnginePool, PoolConfig
-from producer.producer import JobRequest, Producer
-from protocol.messages import AgentOptions
+from rollq.engine.pool import EnginePool, PoolConfig
+from rollq.producer.producer import JobRequest, Producer
+from rollq.protocol.messages import AgentOptions
 from tests.agents import CALL_ADD, SCRIPT
 from tests.conftest import running_worker
 from tests.scripted import tiny_tokenizer

@@ -11,7 +11,7 @@ import textwrap
 
 import httpx
 
-from engine.client import parse_generate
+from rollq.engine.client import parse_generate
 from tests.agents import SCRIPT
 from tests.conftest import engine_healthy, wait_registered, wait_until
 from tests.redis_server import free_port
@@ -53,7 +53,7 @@ async def test_enqueue_wait_runs_an_openai_sdk_agent_token_exactly(tmp_path, red
     procs = [
         subprocess.Popen([*rollq, "engine", "--backend", "synthetic", "--tokenizer", "tiny", "--replies-file",
                           "replies.json", "--port", str(port)], cwd=tmp_path, stdout=logs[0], stderr=subprocess.STDOUT),
-        subprocess.Popen([*rollq, "worker", "--redis", redis_url, "--run", run_name, "--name", "w-cli", "--engine",
+        subprocess.Popen([*rollq, "worker", "--redis", redis_url, "--run", run_name, "--name", "w-cli", "--allow", "my_module", "--engine",
                           engine_url], cwd=tmp_path, stdout=logs[1], stderr=subprocess.STDOUT),
     ]
     try:

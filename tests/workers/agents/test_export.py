@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from workers.agents.export import AgentOutputError, assign_rewards, export, tree_rewards
-from workers.proxy.sessions import CompletionRecord
+from rollq.workers.agents.export import AgentOutputError, assign_rewards, export, tree_rewards
+from rollq.workers.proxy.sessions import CompletionRecord
 
 
 def rec(rid: str, order: int, parent: str | None, prompt: list[int], out: list[int], choice: int = 0) -> CompletionRecord:

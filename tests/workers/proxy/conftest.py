@@ -8,12 +8,12 @@ from contextlib import asynccontextmanager
 import msgspec
 import pytest
 
-from engine.client import parse_generate
-from engine.pool import EnginePool, PoolConfig
+from rollq.engine.client import parse_generate
+from rollq.engine.pool import EnginePool, PoolConfig
 from tests.agents import SCRIPT
 from tests.scripted import scripted_engine
-from workers.context import WorkflowContext
-from workers.proxy.server import RecordingProxy
+from rollq.workers.context import WorkflowContext
+from rollq.workers.proxy.server import RecordingProxy
 
 
 class Stack(msgspec.Struct):

@@ -8,7 +8,7 @@ import pytest
 
 from tests.agents import ANSWER, CALL_ADD
 from tests.scripted import tiny_tokenizer
-from workers.agents.export import assign_rewards, export
+from rollq.workers.agents.export import assign_rewards, export
 
 QUESTION = "What is 2 + 3?"
 SYSTEM = "You are a careful calculator. Use the add tool."

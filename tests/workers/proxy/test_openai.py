@@ -11,7 +11,7 @@ import pytest
 
 from tests.agents import ADD_TOOL, ANSWER, CALL_ADD, run_tools
 from tests.scripted import tiny_tokenizer
-from workers.agents.export import assign_rewards, export
+from rollq.workers.agents.export import assign_rewards, export
 
 QUESTION = [{"role": "user", "content": "What is 2 + 3?"}]
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from tests.agents import ADD_TOOL
 from tests.scripted import tiny_tokenizer
-from workers.builtin.rlvr import encode, render
-from workers.proxy.prompt_encoder import PromptEncoder
+from rollq.workers.chat_template import encode, render
+from rollq.workers.proxy.prompt_encoder import PromptEncoder
 
 CONVERSATIONS = [
     [{"role": "user", "content": "What is 2 + 3?"}],

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from tests.agents import CALL_ADD
 from tests.scripted import tiny_tokenizer
-from workers.proxy.chat import parse_reply, trim_stop
-from workers.proxy.streaming import TextStream
+from rollq.workers.proxy.chat import parse_reply, trim_stop
+from rollq.workers.proxy.streaming import TextStream
 
 
 def feed_one_by_one(stream: TextStream, text: str) -> list[str]:

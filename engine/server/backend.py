@@ -19,7 +19,7 @@ import abc
 import time
 from typing import Any
 
-from engine.types import FinishReason, PauseMode, SamplingParams
+from rollq.engine.types import FinishReason, PauseMode, SamplingParams
 
 
 class GenState:

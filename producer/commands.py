@@ -1,8 +1,7 @@
-"""`rollq enqueue` and `rollq status`."""
+"""`rollq enqueue` and `rollq status`, given their typed settings (rollq.producer.config)."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import uuid
@@ -11,38 +10,14 @@ from typing import IO, Any
 import msgspec
 import uvloop
 
-from producer.jsonl import JsonlError, json_objects
-from producer.producer import JobRequest, Producer
-from producer.status import format_status, gather_status
-from protocol.codec import Codec
-from protocol.connection import redis_client
-from protocol.keys import RunKeys, inflight_key
-from protocol.messages import AgentOptions
-
-
-def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
-    p = sub.add_parser("enqueue", parents=[common], help="submit one job per JSONL line")
-    p.add_argument("file", help="JSONL file, one job's data per line ('-' = stdin); a 'job_id' key makes it idempotent")
-    p.add_argument("--workflow", required=True, help="workflow import path, e.g. my_module:MyWorkflow")
-    p.add_argument("--n", type=int, default=1, help="samples per line (default 1)")
-    p.add_argument("--wait", action="store_true", help="wait for the trajectories and write them as JSON lines")
-    p.add_argument("--output", default=None, help="where --wait writes trajectories (default stdout)")
-    p.add_argument("--timeout", type=float, default=None, metavar="S", help="give up waiting after S seconds")
-    p.add_argument("--max-inflight", type=int, default=0, help="backpressure: samples admitted but not consumed")
-    p.add_argument("--kwargs", default=None, metavar="JSON", help="workflow_kwargs: the workflow class's arguments")
-    a = p.add_argument_group("agent workflows (a class with `async def run(self, data, **extra_kwargs)`)")
-    a.add_argument("--agent-mode", choices=["inline", "subproc"], default="inline",
-                   help="inline: in the worker's event loop; subproc: in a process pool, OPENAI_BASE_URL/OPENAI_API_KEY set")
-    a.add_argument("--export", choices=["individual", "concat"], default="individual",
-                   help="a sequence per completion, or per conversation branch (default individual)")
-    a.add_argument("--turn-discount", type=float, default=1.0, help="reward discount per turn up the conversation tree")
-    a.add_argument("--agent-timeout", type=float, default=600.0, metavar="S", help="an episode's time limit")
-    a.add_argument("--max-tokens", type=int, default=0, help="default max_tokens of the agent's requests")
-    p.set_defaults(handler=run_enqueue)
-
-    s = sub.add_parser("status", parents=[common], help="queue lengths, pending work, dead letters, live workers")
-    s.add_argument("--json", action="store_true", help="machine-readable output")
-    s.set_defaults(handler=run_status)
+from rollq.producer.config import EnqueueConfig, StatusConfig
+from rollq.producer.jsonl import JsonlError, json_objects
+from rollq.producer.producer import JobRequest, Producer
+from rollq.producer.status import format_status, gather_status
+from rollq.protocol.codec import Codec
+from rollq.redis_client import redis_client
+from rollq.protocol.keys import RunKeys, inflight_key
+from rollq.protocol.messages import AgentOptions
 
 
 class InputError(JsonlError):
@@ -69,8 +44,8 @@ def trajectory_record(codec: Codec, traj: Any) -> dict[str, Any]:
     return record
 
 
-async def _enqueue(args: argparse.Namespace, requests: list[JobRequest]) -> int:
-    redis = redis_client(args.redis)
+async def _enqueue(args: EnqueueConfig, requests: list[JobRequest]) -> int:
+    redis = redis_client(args.redis_url)
     keys = RunKeys(args.run)
     reply_to = keys.reply_stream(f"enqueue-{uuid.uuid4().hex[:12]}") if args.wait else keys.results
     producer = Producer(redis, args.run, reply_to=reply_to, max_inflight=args.max_inflight)
@@ -95,7 +70,7 @@ async def _enqueue(args: argparse.Namespace, requests: list[JobRequest]) -> int:
         counts = {"ok": 0, "rejected": 0, "error": 0}
         try:
             expected = {r.job_id: args.n for r in admitted}
-            async for traj in producer.wait_for(expected, timeout_s=args.timeout, consumer=consumer):
+            async for traj in producer.wait_for(expected, timeout_s=args.timeout or None, consumer=consumer):
                 out.write(json.dumps(trajectory_record(codec, traj)) + "\n")
                 out.flush()
                 counts[traj.status] += 1
@@ -112,12 +87,9 @@ async def _enqueue(args: argparse.Namespace, requests: list[JobRequest]) -> int:
         await redis.aclose()
 
 
-def run_enqueue(args: argparse.Namespace) -> int:
+def enqueue(args: EnqueueConfig) -> int:
+    options = {"workflow_kwargs": args.kwargs, "agent": _agent_options(args)}
     try:
-        RunKeys(args.run)
-        if args.n < 1:
-            raise InputError(f"--n must be >= 1, got {args.n}")
-        options = {"workflow_kwargs": _workflow_kwargs(args.kwargs), "agent": _agent_options(args)}
         if args.file == "-":
             requests = read_jobs(sys.stdin, "<stdin>", args.workflow, args.n, **options)
         else:
@@ -132,26 +104,14 @@ def run_enqueue(args: argparse.Namespace) -> int:
     return uvloop.run(_enqueue(args, requests))
 
 
-def _workflow_kwargs(raw: str | None) -> dict[str, Any] | None:
-    if raw is None:
-        return None
-    try:
-        value = json.loads(raw)
-    except json.JSONDecodeError as exc:
-        raise InputError(f"--kwargs is not valid JSON: {exc.msg}") from None
-    if not isinstance(value, dict):
-        raise InputError("--kwargs must be a JSON object")
-    return value
-
-
-def _agent_options(args: argparse.Namespace) -> AgentOptions | None:
+def _agent_options(args: EnqueueConfig) -> AgentOptions | None:
     options = AgentOptions(mode=args.agent_mode, export=args.export, turn_discount=args.turn_discount,
                            timeout_seconds=args.agent_timeout, max_tokens=args.max_tokens)
     return None if options == AgentOptions() else options  # defaults travel as nothing
 
 
-async def _status(args: argparse.Namespace) -> int:
-    redis = redis_client(args.redis, retries=0)
+async def _status(args: StatusConfig) -> int:
+    redis = redis_client(args.redis_url, retries=0)
     try:
         st = await gather_status(redis, args.run)
     finally:
@@ -160,10 +120,5 @@ async def _status(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_status(args: argparse.Namespace) -> int:
-    try:
-        RunKeys(args.run)
-    except ValueError as exc:
-        print(f"rollq status: {exc}", file=sys.stderr)
-        return 2
+def status(args: StatusConfig) -> int:
     return uvloop.run(_status(args))

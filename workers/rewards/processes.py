@@ -14,9 +14,7 @@ under one.
 from __future__ import annotations
 
 import asyncio
-import math
 import multiprocessing
-import numbers
 import signal
 import traceback
 from collections.abc import Callable
@@ -25,6 +23,8 @@ from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import msgspec
+
+from rollq.workers.rewards.values import as_reward
 
 STARTUP_TIMEOUT_S = 60.0  # a new child must be importing-done and ready within this; not part of the call timeout
 JOIN_TIMEOUT_S = 5.0  # how long close() lets an idle child exit on its own before killing it
@@ -68,15 +68,7 @@ _RAISED = "raised"  # (_RAISED, exception type name, str(exc), formatted traceba
 _NOT_A_NUMBER = "nan"  # (_NOT_A_NUMBER, type name, repr)
 
 
-def _as_reward(value: Any) -> float | None:
-    # numbers.Real also admits numpy scalars; bool is an int subclass but almost always a bug in a reward function.
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        return None
-    result = float(value)
-    return result if math.isfinite(result) else None
-
-
-def _child_main(fn: Callable[..., Any], conn: Connection, accept: Callable[[Any], Any] = _as_reward) -> None:
+def _child_main(fn: Callable[..., Any], conn: Connection, accept: Callable[[Any], Any] = as_reward) -> None:
     """Child loop: one (args, kwargs) in, one tagged result out, until the parent says stop or goes away."""
     # Ctrl-C reaches the whole process group; the parent decides when children stop, so don't die mid-reply.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -119,7 +111,7 @@ class AsyncRewardWrapper:
         max_workers: int = 4,
         *,
         start_method: str = "forkserver",
-        accept: Callable[[Any], Any] = _as_reward,
+        accept: Callable[[Any], Any] = as_reward,
         what: str = "reward function",
         expected: str = "a finite number",
     ) -> None:

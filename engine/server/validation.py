@@ -8,7 +8,7 @@ from typing import Any
 
 import msgspec
 
-from engine.types import SamplingParams
+from rollq.engine.types import SamplingParams
 
 
 class BadRequest(Exception):

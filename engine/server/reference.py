@@ -22,12 +22,12 @@ import msgspec
 import torch  # ImportError here tells `rollq engine --backend reference` that torch/transformers are missing
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from engine.backend import Backend, GenState, stop_check
-from engine.kv_batch import KVBatch, prefill
-from engine.sampler import RowSpec, request_generator, sample
-from engine.tiny_model import model_dir
-from engine.types import FinishReason, PauseMode
-from engine.weights import load_into
+from rollq.engine.server.backend import Backend, GenState, stop_check
+from rollq.engine.server.kv_batch import KVBatch, prefill
+from rollq.engine.server.sampler import RowSpec, request_generator, sample
+from rollq.engine.tiny_model import model_dir
+from rollq.engine.types import FinishReason, PauseMode
+from rollq.engine.server.weights import load_into
 
 log = logging.getLogger(__name__)
 

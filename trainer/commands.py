@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import statistics
@@ -12,29 +11,11 @@ from typing import Any
 
 import msgspec
 
-from protocol.config import ConfigError
-from trainer.config import SECTION_KEYS, TrainConfig, load_config
-from trainer.metrics import StepRecord
+from rollq.trainer.config import TrainConfig, UpConfig
+from rollq.trainer.metrics import StepRecord
 
 GOAL_LAST10 = 0.8  # the toy task's goal: mean reward of the last 10 steps ...
 GOAL_RATIO = 3.0  # ... and that many times the first 10
-
-
-def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
-    keys = ", ".join(SECTION_KEYS)
-    t = sub.add_parser("train", parents=[common], help="train against a running stack (Redis, engines, workers)",
-                       epilog=f"settings (the config's `trainer` section, ROLLQ_TRAINER_<KEY>, KEY=VALUE): {keys}")
-    t.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="trainer settings, e.g. steps=200 lr=1e-4")
-    t.set_defaults(handler=run_train)
-
-    u = sub.add_parser("up", parents=[common], help="everything on this machine: Redis (if none answers), reference "
-                       "engines, workers and the trainer on the toy task (the default command)",
-                       epilog=f"trainer settings (KEY=VALUE): {keys}")
-    u.add_argument("--engines", type=int, default=1, help="reference engines (default 1)")
-    u.add_argument("--workers", type=int, default=1, help="rollout worker processes (default 1)")
-    u.add_argument("--concurrency", type=int, default=64, help="jobs each worker runs at once (default 64)")
-    u.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="trainer settings, e.g. steps=50")
-    u.set_defaults(handler=run_up)
 
 
 def summarize(records: list[StepRecord]) -> dict[str, Any]:
@@ -66,16 +47,13 @@ def _fail(command: str, message: str) -> int:
     return 2
 
 
-def run_train(args: argparse.Namespace) -> int:
+def train(cfg: TrainConfig) -> int:
+    """`rollq train`: the trainer against a running stack; prints a JSON summary line."""
     import uvloop
 
-    try:
-        cfg = load_config(args.config, overrides=args.overrides, redis_url=args.redis, run=args.run)
-    except ConfigError as exc:
-        return _fail("train", str(exc))
     _quiet_libraries()
     try:
-        records = uvloop.run(train(cfg))
+        records = uvloop.run(run_trainer(cfg))
     except (ValueError, RuntimeError) as exc:  # a dataset that can't be read, no engine to update, ...
         return _fail("train", str(exc))
     summary = summarize(records)
@@ -85,17 +63,17 @@ def run_train(args: argparse.Namespace) -> int:
     return 0
 
 
-async def train(cfg: TrainConfig) -> list[StepRecord]:
+async def run_trainer(cfg: TrainConfig) -> list[StepRecord]:
     """The trainer against an existing stack: engines from the config and the run's registry."""
-    from engine.pool import EnginePool, PoolConfig
-    from engine.registry import EngineRegistry
-    from protocol.connection import redis_client
-    from trainer.loop import Trainer
+    from rollq.engine.pool import EnginePool, PoolConfig
+    from rollq.engine.registry import EngineRegistry
+    from rollq.redis_client import redis_client
+    from rollq.trainer.loop import Trainer
 
     redis = redis_client(cfg.redis_url)
     await redis.ping()  # fail now, in one line, when Redis is unreachable
     registry_client = redis_client(cfg.redis_url)
-    pool = EnginePool(PoolConfig(urls=cfg.engines))
+    pool = EnginePool(PoolConfig(urls=cfg.engine))
     pool.follow(EngineRegistry(registry_client, cfg.run))
     try:
         return await Trainer(cfg, redis, pool).run()
@@ -105,29 +83,21 @@ async def train(cfg: TrainConfig) -> list[StepRecord]:
         await registry_client.aclose()
 
 
-def run_up(args: argparse.Namespace) -> int:
+def up(stack: UpConfig, cfg: TrainConfig) -> int:
+    """`rollq up` (and plain `rollq`): the whole stack on this machine, training `cfg`."""
     import uvloop
 
-    from trainer.up import StackError, up
+    from rollq.trainer.up import StackError, run_stack
 
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    run = args.run if args.run != "default" else f"up-{stamp}"  # a fresh run: repeated `up`s never share keys
-    try:
-        cfg = load_config(args.config, overrides=args.overrides, redis_url=args.redis, run=run,
-                          defaults={"run_dir": f"runs/up-{stamp}"})
-    except ConfigError as exc:
-        return _fail("up", str(exc))
-    for name in ("engines", "workers", "concurrency"):
-        if getattr(args, name) < 1:
-            return _fail("up", f"--{name} must be >= 1")
+    if cfg.run == "default":  # a fresh run: repeated `up`s never share keys
+        cfg = msgspec.structs.replace(cfg, run=f"up-{time.strftime('%Y%m%d-%H%M%S')}")
     print(f"rollq up: training {cfg.dataset} with the {cfg.model} model for {cfg.steps} steps "
           f"({cfg.groups_per_step} groups x {cfg.group_size} samples, max staleness {cfg.max_staleness}); "
-          f"run directory {cfg.run_dir}", file=sys.stderr)
+          f"run directory {cfg.directory}", file=sys.stderr)
     started = time.monotonic()
     _quiet_libraries()
     try:
-        records = uvloop.run(up(cfg, engines=args.engines, workers=args.workers, concurrency=args.concurrency,
-                                redis_url=args.redis if args.redis_given else None))
+        records = uvloop.run(run_stack(cfg, stack))
     except (StackError, RuntimeError, ValueError) as exc:  # StackError: a part died; RuntimeError: nothing trains
         return _fail("up", str(exc))
     except (KeyboardInterrupt, asyncio.CancelledError):  # Ctrl-C / SIGTERM: the stack was stopped on the way out
@@ -135,14 +105,14 @@ def run_up(args: argparse.Namespace) -> int:
         return 130
     summary = summarize(records)
     summary["seconds"] = round(time.monotonic() - started, 1)
-    summary["run_dir"] = cfg.run_dir
+    summary["run_dir"] = cfg.directory
     toy = cfg.dataset.startswith("toy:")
     goal = ("; toy goal " + ("met" if summary["goal_met"] else "NOT met")) if toy else ""
     print(f"rollq up: mean reward {summary['reward_first10']:.3f} (first 10 steps) -> {summary['reward_last10']:.3f} "
-          f"(last 10) in {summary['seconds']:.0f} s{goal}. Wrote {cfg.run_dir}/metrics.jsonl and "
-          f"{cfg.run_dir}/plot.png", file=sys.stderr)
+          f"(last 10) in {summary['seconds']:.0f} s{goal}. Wrote {cfg.directory}/metrics.jsonl and "
+          f"{cfg.directory}/plot.png", file=sys.stderr)
     print(msgspec.json.encode(summary).decode())
     return 0
 
 
-__all__ = ["register", "run_train", "run_up", "summarize", "train"]
+__all__ = ["run_trainer", "summarize", "train", "up"]

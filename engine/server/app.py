@@ -16,9 +16,9 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from engine.backend import Backend, GenState
-from engine.types import FinishReason, PauseMode, SamplingParams
-from engine.validation import BadRequest, EngineValueError, GenerateCall, parse_generate
+from rollq.engine.server.backend import Backend, GenState
+from rollq.engine.types import FinishReason, PauseMode, SamplingParams
+from rollq.engine.server.validation import BadRequest, EngineValueError, GenerateCall, parse_generate
 
 log = logging.getLogger("rollq.engine")
 

@@ -1,4 +1,5 @@
-"""Reward functions run by separate reward workers (`rollq reward-worker`), reached through an arq queue in Redis.
+"""The client side of remote rewards: run a reward function on the run's reward workers (`rollq reward-worker`,
+rollq.workers.rewards.worker), reached through an arq queue in Redis.
 
 Graders that need their own machine (a GPU verifier, a sandbox farm, heavy dependencies) should not live in every
 rollout worker. A rollout worker enqueues `compute_reward(fn_path, args, kwargs)` on the run's reward queue; a reward
@@ -21,12 +22,11 @@ from arq.connections import ArqRedis, RedisSettings, create_pool
 from arq.constants import abort_jobs_ss, in_progress_key_prefix, job_key_prefix, result_key_prefix
 from arq.jobs import Job, JobResult, JobStatus
 from arq.utils import timestamp_ms
-from arq.worker import func
 from redis.exceptions import WatchError
 
-from protocol.keys import RunKeys
-from workers.loader import resolve, split_import_path
-from workers.rewards import STARTUP_TIMEOUT_S, AsyncRewardWrapper, RewardError, RewardNotANumber, RewardTimeout
+from rollq.protocol.keys import RunKeys
+from rollq.workers.resolver import split_import_path
+from rollq.workers.rewards.processes import RewardError, RewardNotANumber, RewardTimeout
 
 COMPUTE_REWARD = "compute_reward"  # the arq function name, shared by both sides
 RUN_MARGIN_S = 5.0  # client-side slack past the reward timeout once a worker has the job (Redis round trips)
@@ -44,11 +44,6 @@ _ERRORS: dict[str, type[Exception]] = {
 
 class NoRewardWorker(RewardTimeout):
     """No reward worker took the call within the pickup window; it was withdrawn from the queue unrun."""
-
-
-def reward_queue(run: str) -> str:
-    """The run's reward queue; shares the run's hash tag like every other key of the run."""
-    return f"{RunKeys(run).prefix}:rewards"
 
 
 class RemoteRewardConfig(msgspec.Struct, kw_only=True, frozen=True):
@@ -76,7 +71,7 @@ class RemoteReward:
                  pickup_timeout_seconds: float = 30.0) -> None:
         self.config = RemoteRewardConfig(fn=fn, redis_url=redis_url, run=run, timeout_seconds=timeout_seconds,
                                          pickup_timeout_seconds=pickup_timeout_seconds)
-        self.queue = reward_queue(run)
+        self.queue = RunKeys(run).rewards
         self._pool: ArqRedis | None = None
         self._pool_lock: asyncio.Lock | None = None  # created inside the running loop, like the pool
 
@@ -196,99 +191,4 @@ async def _abort(pool: ArqRedis, job_id: str) -> None:
         await pool.zadd(abort_jobs_ss, {job_id: timestamp_ms()})
 
 
-# --- the reward worker side ---------------------------------------------------------------------------------------
-
-
-class RewardWorkerConfig(msgspec.Struct, kw_only=True, frozen=True):
-    redis_url: str
-    run: str = "default"
-    max_workers: int = 2  # child processes per reward function
-    timeout_seconds: float = 15.0  # per reward call; the child is killed past it
-    # Jobs taken at once. Defaults to max_workers: a job taken but waiting for a child would spend its caller's
-    # timeout, while one left in Redis can go to another reward worker.
-    max_jobs: int | None = None
-
-    def __post_init__(self) -> None:
-        RunKeys(self.run)
-        if self.max_workers < 1 or (self.max_jobs is not None and self.max_jobs < 1):
-            raise ValueError("max_workers and max_jobs must be >= 1")
-        if not self.timeout_seconds > 0:
-            raise ValueError("timeout_seconds must be > 0")
-
-
-class RewardFunctions:
-    """One AsyncRewardWrapper per reward function import path, created on first use (lives in the arq ctx)."""
-
-    def __init__(self, max_workers: int, timeout_seconds: float) -> None:
-        self.max_workers = max_workers
-        self.timeout_seconds = timeout_seconds
-        self._wrappers: dict[str, AsyncRewardWrapper] = {}
-
-    def get(self, fn_path: str) -> AsyncRewardWrapper:
-        wrapper = self._wrappers.get(fn_path)
-        if wrapper is None:
-            try:
-                fn = resolve(fn_path)
-            except Exception as exc:  # WorkflowLoadError, or anything a module import raises
-                raise RewardError(f"cannot load reward function {fn_path!r}: {exc}") from None
-            if not callable(fn):
-                raise RewardError(f"reward function {fn_path!r} is not callable (got {type(fn).__name__})")
-            try:
-                wrapper = AsyncRewardWrapper(fn, timeout_seconds=self.timeout_seconds, max_workers=self.max_workers)
-            except TypeError as exc:  # not picklable by reference
-                raise RewardError(str(exc)) from None
-            self._wrappers[fn_path] = wrapper
-        return wrapper
-
-    async def close(self) -> None:
-        wrappers, self._wrappers = list(self._wrappers.values()), {}
-        await asyncio.gather(*(w.close() for w in wrappers))
-
-
-async def compute_reward(ctx: dict[str, Any], fn_path: str, args: list[Any], kwargs: dict[str, Any]) -> dict:
-    """The arq job: a tagged result, never an exception for a reward failure (so arq does not retry it)."""
-    try:
-        value = await ctx["rewards"].get(fn_path)(*args, **kwargs)
-    except (RewardTimeout, RewardNotANumber, RewardError) as exc:
-        return {"error": type(exc).__name__, "message": str(exc), "traceback": getattr(exc, "remote_traceback", "")}
-    return {"ok": value}
-
-
-def worker_settings(cfg: RewardWorkerConfig) -> dict[str, Any]:
-    """Keyword arguments for arq.worker.Worker serving run `cfg.run`."""
-
-    async def on_startup(ctx: dict[str, Any]) -> None:
-        ctx["rewards"] = RewardFunctions(cfg.max_workers, cfg.timeout_seconds)
-
-    async def on_shutdown(ctx: dict[str, Any]) -> None:
-        await ctx["rewards"].close()
-
-    redis_settings = RedisSettings.from_dsn(cfg.redis_url)
-    redis_settings.conn_retries = 0  # unreachable Redis at start: fail at once with rollq's one-line hint
-    return {
-        # arq's timeout is only a backstop behind the wrapper's (which also excludes the child's start-up).
-        "functions": [func(compute_reward, name=COMPUTE_REWARD, max_tries=MAX_TRIES,
-                           timeout=cfg.timeout_seconds + STARTUP_TIMEOUT_S + RUN_MARGIN_S)],
-        "queue_name": reward_queue(cfg.run),
-        "redis_settings": redis_settings,
-        "on_startup": on_startup,
-        "on_shutdown": on_shutdown,
-        "max_jobs": cfg.max_jobs or cfg.max_workers,
-        "keep_result": RESULT_TTL_S,
-        "poll_delay": WORKER_POLL_S,
-        "allow_abort_jobs": True,
-        "log_results": False,  # rewards are one number each; the job log line says enough
-    }
-
-
-__all__ = [
-    "COMPUTE_REWARD",
-    "NoRewardWorker",
-    "RemoteReward",
-    "RemoteRewardConfig",
-    "RewardFunctions",
-    "RewardWorkerConfig",
-    "compute_reward",
-    "reward_queue",
-    "worker_settings",
-]
+__all__ = ["COMPUTE_REWARD", "RUN_MARGIN_S", "NoRewardWorker", "RemoteReward", "RemoteRewardConfig"]

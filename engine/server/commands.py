@@ -2,61 +2,22 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import signal
 import sys
 
-from engine.backend import Backend
-from engine.server import EngineServerConfig, serve
+from rollq.engine.server.backend import Backend
+from rollq.engine.server.app import EngineServerConfig, serve
+from rollq.engine.server.config import EngineConfig
 
 log = logging.getLogger("rollq.engine")
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--backend", choices=["synthetic", "reference", "sglang"], default="synthetic")
-    p.add_argument("--model", default="tiny", help="model: `tiny` or a path (reference/sglang backends)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` (not on /health*, /metrics)")
-    p.add_argument("--weight-version", default="default")
-    p.add_argument("--skip-tokenizer-init", action="store_true", help="token ids only: no `text` in or out")
-    p.add_argument("--device", default="cpu", help="torch device of the reference backend (default cpu)")
-    p.add_argument("--max-running", type=int, default=0, help="batch slots (0 = the backend's default)")
-    p.add_argument("--tp-size", type=int, default=1, help="sglang backend: tensor parallel size")
-    p.add_argument("--ready-timeout", type=float, default=1800.0, help="sglang backend: seconds to wait for start-up")
-    p.add_argument("--register", action="store_true",
-                   help="register in the run's Redis engine registry (--redis, --run) so workers find this engine")
-    p.add_argument("--advertise-url", default=None, metavar="URL",
-                   help="URL workers should use (default: http://HOST:PORT; set it when binding 0.0.0.0)")
-    g = p.add_argument_group("synthetic backend")
-    g.add_argument("--token-latency", type=float, default=0.0, metavar="S", help="seconds per decode step")
-    g.add_argument("--request-latency", type=float, default=0.0, metavar="S", help="seconds of prefill per request")
-    g.add_argument("--length-dist", default="fixed", metavar="SPEC",
-                   help="output lengths: fixed[:N] | uniform:LOW:HIGH | lognormal:MEDIAN:SIGMA | pareto:XMIN:ALPHA")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--sampled", action="store_true",
-                   help="sample like a model at temperature > 0: the n samples of a prompt differ in tokens and length "
-                   "(default: greedy-like, the same prompt always gets the same output)")
-    g.add_argument("--tokenizer", default="", metavar="NAME",
-                   help="`tiny` (the offline ChatML tokenizer) or an HF tokenizer directory (default: UTF-8 bytes)")
-    g.add_argument("--replies-file", default=None, metavar="PATH",
-                   help="JSON list of strings: scripted replies, one per assistant turn (the last one repeats)")
-    g.add_argument("--turn-marker", default="<|im_start|>assistant", metavar="TEXT",
-                   help="text whose occurrences in the prompt count the assistant turns (with --replies-file)")
-
-
-def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
-    p = sub.add_parser("engine", parents=[common], help="serve an inference engine speaking SGLang's HTTP protocol")
-    add_arguments(p)
-    p.set_defaults(handler=run_engine)
-
-
-def build_backend(args: argparse.Namespace) -> Backend:
+def build_backend(args: EngineConfig) -> Backend:
     """Raises SystemExit(2) with a one-line message when the backend is unavailable."""
     if args.backend == "synthetic":
-        from engine.synthetic import LengthDist, SyntheticBackend, SyntheticConfig
+        from rollq.engine.server.synthetic import LengthDist, SyntheticBackend, SyntheticConfig
 
         try:
             length = LengthDist.parse(args.length_dist)
@@ -90,12 +51,9 @@ def build_backend(args: argparse.Namespace) -> Backend:
             raise _usage_exit(f"synthetic backend: {exc}".splitlines()[0]) from None
     if args.backend == "reference":
         try:
-            from engine import reference
+            from rollq.engine.server import reference
         except ImportError as exc:
             raise _usage_exit(f"the reference backend is unavailable: {exc}") from None
-        build = getattr(reference, "build_backend", None)  # reference.py may own its own args -> Backend mapping
-        if build is not None:
-            return build(args)
         fields: dict = {"model": args.model, "device": args.device, "seed": args.seed}
         if args.max_running:
             fields["max_running"] = args.max_running
@@ -108,19 +66,18 @@ def _usage_exit(message: str) -> SystemExit:
     return SystemExit(2)
 
 
-async def _register(args: argparse.Namespace, url: str) -> asyncio.Task | None:
+async def _register(args: EngineConfig, url: str) -> asyncio.Task | None:
     """With --register: keep `url` in the run's engine registry until the returned task is cancelled."""
-    if not getattr(args, "register", False):
+    if not args.register:
         return None
-    from engine.registry import EngineRegistry
-    from protocol.connection import redis_client, redis_url_from_env
+    from rollq.engine.registry import EngineRegistry
+    from rollq.redis_client import redis_client
 
-    redis = redis_client(redis_url_from_env(getattr(args, "redis", None)))
+    redis = redis_client(args.redis_url)
     await redis.ping()  # fail now, in one clear line, if Redis is unreachable
     url = args.advertise_url or url
-    run = getattr(args, "run", "default")
-    log.info("registered as %s in run %r", url, run)
-    return asyncio.create_task(EngineRegistry(redis, run).keep_registered(url))
+    log.info("registered as %s in run %r", url, args.run)
+    return asyncio.create_task(EngineRegistry(redis, args.run).keep_registered(url))
 
 
 async def _unregister(task: asyncio.Task | None) -> None:
@@ -137,7 +94,7 @@ def _stop_event() -> asyncio.Event:
     return stop
 
 
-async def _serve(backend: Backend, config: EngineServerConfig, args: argparse.Namespace) -> int:
+async def _serve(backend: Backend, config: EngineServerConfig, args: EngineConfig) -> int:
     stop = _stop_event()
     handle = await serve(backend, config)
     log.info("engine (%s) serving on %s, weight version %s", type(backend).__name__, handle.url,
@@ -150,8 +107,8 @@ async def _serve(backend: Backend, config: EngineServerConfig, args: argparse.Na
     return 0
 
 
-async def _run_sglang(args: argparse.Namespace) -> int:
-    from engine.sglang_launcher import SGLangLaunch, wait_ready
+async def _run_sglang(args: EngineConfig) -> int:
+    from rollq.engine.server.sglang_launcher import SGLangLaunch, wait_ready
 
     launch = SGLangLaunch(model_path=args.model, host=args.host, port=args.port, tp_size=args.tp_size,
                           weight_version=args.weight_version, api_key=args.api_key,
@@ -188,9 +145,9 @@ def _run(coro) -> int:
         return asyncio.run(coro)
 
 
-def run_engine(args: argparse.Namespace) -> int:
+def engine(args: EngineConfig) -> int:
     if args.backend == "sglang":
-        from engine.sglang_launcher import sglang_installed
+        from rollq.engine.server.sglang_launcher import sglang_installed
 
         if not sglang_installed():
             print("rollq engine: sglang is not installed here; on a GPU machine: pip install 'rollq[sglang]'",

@@ -1,4 +1,6 @@
-"""How every rollq process builds its Redis client (no I/O happens until the client is used)."""
+"""How every rollq process builds its Redis client and waits for Redis (no I/O happens until a client is used).
+
+A leaf module shared by every service (it imports no service and not the CLI)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,8 @@ from redis.backoff import ExponentialBackoff
 from redis.exceptions import BusyLoadingError, ConnectionError, TimeoutError
 from redis.retry import Retry
 
-DEFAULT_REDIS_URL = "redis://localhost:6379/0"
+from rollq.config import DEFAULT_REDIS_URL
+
 REDIS_URL_ENV = "ROLLQ_REDIS_URL"
 
 # Errors after which a call is worth repeating once Redis answers again (restart, failover, AOF loading).
@@ -46,3 +49,22 @@ async def ensure_group(client: aioredis.Redis, stream: str, group: str) -> None:
 def is_nogroup(exc: BaseException) -> bool:
     """Redis lost the consumer group (restarted without persistence, or the stream was deleted)."""
     return "NOGROUP" in str(exc)
+
+
+async def wait_for_redis(url: str, wait_s: float) -> None:
+    """Return once Redis at `url` answers; after `wait_s` seconds of failures, raise the last connection error."""
+    import asyncio
+
+    client = redis_client(url, retries=0)
+    deadline = asyncio.get_running_loop().time() + wait_s
+    try:
+        while True:
+            try:
+                await client.ping()
+                return
+            except TRANSIENT_ERRORS:
+                if asyncio.get_running_loop().time() >= deadline:
+                    raise
+                await asyncio.sleep(0.5)
+    finally:
+        await client.aclose()

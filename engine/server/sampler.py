@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.types import SamplingParams
+from rollq.engine.types import SamplingParams
 
 GREEDY_BELOW = 1e-6
 

@@ -13,17 +13,17 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import math
-import numbers
 from collections.abc import Callable
 from typing import Any
 
 import msgspec
 
-from protocol.connection import redis_url_from_env
-from workers.loader import resolve
-from workers.remote_rewards import RemoteReward
-from workers.rewards import AsyncRewardWrapper
+from rollq.redis_client import redis_url_from_env
+from rollq.workers.context import workflow_context
+from rollq.workers.resolver import resolve
+from rollq.workers.rewards.processes import AsyncRewardWrapper
+from rollq.workers.rewards.remote import RemoteReward
+from rollq.workers.rewards.values import as_reward
 
 REWARD_MODES = ("inline", "process", "remote")
 
@@ -65,9 +65,10 @@ async def call_reward(fn: Callable[..., Any], prompt_text: str, completion_text:
         value = await asyncio.to_thread(fn, *args, **kwargs)  # graders can be slow; keep the loop free
         if inspect.isawaitable(value):
             value = await value
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
+    reward = as_reward(value)
+    if reward is None:
         raise TypeError(f"reward function returned {value!r}, not a finite number")
-    return float(value)
+    return reward
 
 
 class RewardCallConfig(msgspec.Struct, kw_only=True, frozen=True):
@@ -96,6 +97,14 @@ def import_path(fn: str | Callable[..., Any]) -> str:
     return f"{module}:{qualname}"
 
 
+def _redis_url() -> str:
+    """The running worker's Redis; outside a worker, ROLLQ_REDIS_URL or the default."""
+    try:
+        return workflow_context().config.redis_url
+    except RuntimeError:
+        return redis_url_from_env()
+
+
 class RewardCaller:
     """`await caller(prompt_text, completion_text, input_ids, output_ids, data) -> float`, in the configured mode."""
 
@@ -110,7 +119,7 @@ class RewardCaller:
                 self.fn = load_callable(fn)
             except Exception:
                 self.fn = None
-            self._runner = RemoteReward(path, redis_url=redis_url_from_env(None), run=config.run,
+            self._runner = RemoteReward(path, redis_url=_redis_url(), run=config.run,
                                         timeout_seconds=config.timeout_seconds)
             return
         self.fn = load_callable(fn)  # resolved now: a bad path fails at construction (dead-letter)
@@ -132,12 +141,37 @@ class RewardCaller:
             await self._runner.close()
 
 
-def reward_caller(fn: str | Callable[..., Any] | None, mode: str = "inline", timeout: float = 15.0, workers: int = 2,
-                  run: str = "default") -> RewardCaller | None:
-    """The workflows' constructor options -> a RewardCaller (None without a reward function)."""
-    config = RewardCallConfig(mode=mode, timeout_seconds=timeout, workers=workers, run=run)  # validates even then
-    return None if fn is None else RewardCaller(fn, config)
+class RewardedWorkflow:
+    """Base of the built-in loops: the reward parameters they all take (as workflow kwargs), in one place.
+
+    `reward_fn`: import path or callable, `fn(prompt_text, completion_text, input_ids, output_ids, **data)`;
+    `reward_mode`: inline | process | remote; `reward_timeout`: seconds per call (process / remote);
+    `reward_workers`: child processes (process); `reward_run`: the run whose reward workers serve it (remote)."""
+
+    reward_required = True  # a loop that can do without a reward (0) says so
+
+    def __init__(self, reward_fn: str | Callable[..., Any] | None = None, *, reward_mode: str = "inline",
+                 reward_timeout: float = 15.0, reward_workers: int = 2, reward_run: str = "default") -> None:
+        # Validated and resolved now: a bad mode or path fails at construction (the job is dead-lettered).
+        config = RewardCallConfig(mode=reward_mode, timeout_seconds=reward_timeout, workers=reward_workers,
+                                  run=reward_run)
+        if reward_fn is None and self.reward_required:
+            raise ValueError(f"{type(self).__name__} needs a reward_fn")
+        self.reward = None if reward_fn is None else RewardCaller(reward_fn, config)
+        self.reward_fn = None if self.reward is None else self.reward.fn
+
+    async def score(self, prompt_text: str, completion_text: str, input_ids: list[int], output_ids: list[int],
+                    data: dict[str, Any]) -> float:
+        """The reward of one completion (0 without a reward function)."""
+        if self.reward is None:
+            return 0.0
+        return await self.reward(prompt_text, completion_text, input_ids, output_ids, data)
+
+    async def aclose(self) -> None:
+        """Stops reward child processes / connections (process and remote modes)."""
+        if self.reward is not None:
+            await self.reward.close()
 
 
-__all__ = ["REWARD_MODES", "RewardCallConfig", "RewardCaller", "call_reward", "import_path", "load_callable",
-           "reward_caller", "reward_kwargs"]
+__all__ = ["REWARD_MODES", "RewardCallConfig", "RewardCaller", "RewardedWorkflow", "call_reward", "import_path",
+           "load_callable", "reward_kwargs"]

@@ -26,8 +26,8 @@ from typing import Any, Literal
 
 import msgspec
 
-from engine.backend import Backend, GenState, stop_check
-from engine.types import FinishReason, PauseMode
+from rollq.engine.server.backend import Backend, GenState, stop_check
+from rollq.engine.types import FinishReason, PauseMode
 
 _MASK = (1 << 64) - 1
 _MUL = 0x9E3779B97F4A7C15  # odd: the rolling hash is a bijection of the previous state for a fixed token
@@ -118,7 +118,7 @@ def load_tokenizer(name: str) -> tuple[Any, Path]:
     """(HF tokenizer, its directory) for `name`: "tiny" (built offline on first use) or a tokenizer directory."""
     from transformers import AutoTokenizer  # heavy: imported only when a tokenizer is asked for
 
-    from engine.tiny_model import model_dir
+    from rollq.engine.tiny_model import model_dir
 
     path = model_dir(name)
     return AutoTokenizer.from_pretrained(path, local_files_only=True), path

@@ -1,0 +1,99 @@
+"""Tokenizer and chat-template plumbing shared by the built-in workflows and the agents' recording proxy.
+
+Token fidelity: generated tokens are never re-tokenized. A conversation grows by appending the engine's output ids
+verbatim and tokenizing only the new turns' text (`continuation_ids`), rendered by the model's own chat template.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+# A stand-in conversation: the template's rendering of new turns after an assistant turn is the difference between
+# rendering it with and without them (the template renders turns independently of their neighbours' content).
+_ANCHOR = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
+
+
+def load_tokenizer(name: str) -> Any:
+    """"tiny" (the offline test model, built into the cache on first use) or an HF tokenizer directory."""
+    from transformers import AutoTokenizer  # heavy import: only when a workflow or the proxy needs it
+
+    from rollq.engine.tiny_model import model_dir
+
+    return AutoTokenizer.from_pretrained(model_dir(name))
+
+
+class LazyTokenizer:
+    """Loads once per workflow instance (the worker builds one instance per process), off the event loop."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._tokenizer: Any = None
+        self._lock: asyncio.Lock | None = None  # created inside the running loop
+
+    async def get(self) -> Any:
+        if self._tokenizer is None:
+            self._lock = self._lock or asyncio.Lock()
+            async with self._lock:
+                if self._tokenizer is None:
+                    self._tokenizer = await asyncio.to_thread(load_tokenizer, self.name)
+        return self._tokenizer
+
+
+def encode(tokenizer: Any, text: str) -> list[int]:
+    # The chat template already wrote every special token; don't let the tokenizer add a BOS of its own.
+    backend = getattr(tokenizer, "backend_tokenizer", None)  # a fast tokenizer: skip ~50 µs of Python wrapping
+    if backend is not None:
+        return list(backend.encode(text, add_special_tokens=False).ids)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def render(tokenizer: Any, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
+           add_generation_prompt: bool = False) -> str:
+    text: str = tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
+                                              add_generation_prompt=add_generation_prompt)
+    return text
+
+
+def prompt_ids(tokenizer: Any, data: dict[str, Any], *, tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """The episode's prompt tokens from `data`: `messages` (chat), `prompt` (a user message) or `input_ids`."""
+    if data.get("input_ids") is not None:
+        return [int(t) for t in data["input_ids"]]
+    if data.get("messages") is not None:
+        messages = list(data["messages"])
+    elif data.get("prompt") is not None:
+        messages = [{"role": "user", "content": str(data["prompt"])}]
+    else:
+        raise ValueError("data needs 'messages', 'prompt' or 'input_ids'")
+    return encode(tokenizer, render(tokenizer, messages, tools=tools, add_generation_prompt=True))
+
+
+def anchor_text(tokenizer: Any) -> str:
+    """The stand-in conversation rendered (callers on a hot path compute it once and pass it as `base`)."""
+    return render(tokenizer, _ANCHOR)
+
+
+def continuation_ids(tokenizer: Any, last_output: list[int], messages: list[dict[str, Any]],
+                     base: str | None = None) -> list[int]:
+    """Tokens that close the assistant turn ending in `last_output` and add `messages`, then open the next
+    assistant turn (the generation prompt)."""
+    base = base if base is not None else anchor_text(tokenizer)
+    full = render(tokenizer, _ANCHOR + messages, add_generation_prompt=True)
+    if not full.startswith(base):
+        raise ValueError("the chat template does not render new turns as a suffix of the conversation")
+    closing = base[base.rindex("a") + 1:]  # what the template writes after assistant content, e.g. "<|im_end|>\n"
+    # A turn that stopped on the end-of-turn token already holds that token: add only the rest of the closing text.
+    # A turn cut off by length gets the whole closing text (masked: the model did not write it).
+    if last_output and last_output[-1] in _eos_ids(tokenizer):
+        eos_text = tokenizer.decode([last_output[-1]])
+        if closing.startswith(eos_text):
+            closing = closing[len(eos_text):]
+    return encode(tokenizer, closing + full[len(base):])
+
+
+def _eos_ids(tokenizer: Any) -> set[int]:
+    ids = tokenizer.eos_token_id
+    return set(ids) if isinstance(ids, list) else {ids} if ids is not None else set()
+
+
+__all__ = ["LazyTokenizer", "anchor_text", "continuation_ids", "encode", "load_tokenizer", "prompt_ids", "render"]
