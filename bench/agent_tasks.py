@@ -11,9 +11,14 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-WAIT_TOOL = {"type": "function", "function": {
-    "name": "wait", "description": "Run one environment step (takes a while).",
-    "parameters": {"type": "object", "properties": {}}}}
+WAIT_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "wait",
+        "description": "Run one environment step (takes a while).",
+        "parameters": {"type": "object", "properties": {}},
+    },
+}
 CALL_WAIT = '<tool_call>\n{"name": "wait", "arguments": {}}\n</tool_call>'
 ANSWER = "All three steps finished without errors, so the task is complete. The final answer is 42."
 SCRIPT = [CALL_WAIT, CALL_WAIT, CALL_WAIT, ANSWER]
@@ -40,8 +45,9 @@ class WaitAgent:
         client = AsyncOpenAI(base_url=base_url, api_key=api_key, http_client=http_client, max_retries=0)
         messages: list[dict[str, Any]] = [{"role": "user", "content": data.get("question", QUESTION)}]
         for _ in range(self.max_turns):
-            resp = await client.chat.completions.create(model="policy", messages=messages, tools=[WAIT_TOOL],
-                                                        max_tokens=self.max_tokens)
+            resp = await client.chat.completions.create(
+                model="policy", messages=messages, tools=[WAIT_TOOL], max_tokens=self.max_tokens
+            )
             message = resp.choices[0].message
             messages.append(message.model_dump(exclude_none=True))
             if not message.tool_calls:
@@ -79,5 +85,15 @@ class RawWaitAgent(WaitAgent):
         return 0.0
 
 
-__all__ = ["ANSWER", "CALL_WAIT", "MODEL_TURNS", "QUESTION", "SCRIPT", "TOOL_RESULT", "WAIT_TOOL", "RawWaitAgent", "WaitAgent",
-           "reward"]
+__all__ = [
+    "ANSWER",
+    "CALL_WAIT",
+    "MODEL_TURNS",
+    "QUESTION",
+    "SCRIPT",
+    "TOOL_RESULT",
+    "WAIT_TOOL",
+    "RawWaitAgent",
+    "WaitAgent",
+    "reward",
+]

@@ -57,11 +57,10 @@ from rollq.engine.server.app import EngineServerConfig, serve
 from rollq.engine.server.synthetic import SyntheticBackend, SyntheticConfig
 from rollq.engine.types import ModelRequest, SamplingParams
 from rollq.producer.producer import JobRequest, Producer
-from rollq.redis_client import redis_client
 from rollq.protocol.keys import RunKeys
 from rollq.protocol.messages import AgentOptions
-from rollq.workers.chat_template import continuation_ids
-from rollq.workers.chat_template import encode, render
+from rollq.redis_client import redis_client
+from rollq.workers.chat_template import continuation_ids, encode, render
 from rollq.workers.context import ContextConfig, WorkflowContext
 
 AGENT = "bench.agent_tasks:WaitAgent"
@@ -123,15 +122,21 @@ async def bench_proxy_overhead(conversations: int, rounds: int, warmup: int) -> 
             sdk = AsyncOpenAI(base_url=proxy.base_url, api_key=session.key, http_client=sdk_http, max_retries=0)
             r1 = await sdk.chat.completions.create(model="policy", messages=first_messages, tools=tools, max_tokens=64)
             m1 = r1.choices[0].message
-            second_messages = [*first_messages, m1.model_dump(exclude_none=True),
-                               {"role": "tool", "tool_call_id": m1.tool_calls[0].id, "content": TOOL_RESULT}]
-            r2 = await sdk.chat.completions.create(model="policy", messages=second_messages, tools=tools,
-                                                   max_tokens=64)
+            second_messages = [
+                *first_messages,
+                m1.model_dump(exclude_none=True),
+                {"role": "tool", "tool_call_id": m1.tool_calls[0].id, "content": TOOL_RESULT},
+            ]
+            r2 = await sdk.chat.completions.create(model="policy", messages=second_messages, tools=tools, max_tokens=64)
             proxy.sessions.close(session)
             proxy.engine = pool
             recs = session.ordered()
-            if (len(recs) != 2 or recs[0].parent is not None or recs[1].parent != recs[0].key
-                    or r2.choices[0].message.content != ANSWER):
+            if (
+                len(recs) != 2
+                or recs[0].parent is not None
+                or recs[1].parent != recs[0].key
+                or r2.choices[0].message.content != ANSWER
+            ):
                 raise BenchError("proxy: the second turn was not matched to the first as its parent")
             req1, req2 = capture.requests
             out_tokens = [len(recs[0].output_ids), len(recs[1].output_ids)]
@@ -150,11 +155,13 @@ async def bench_proxy_overhead(conversations: int, rounds: int, warmup: int) -> 
 
             async def pooled() -> tuple[float, float]:
                 t0 = time.perf_counter()
-                a = await pool.agenerate(ModelRequest(input_ids=req1.input_ids, sampling=req1.sampling,
-                                                      affinity="bench"))
+                a = await pool.agenerate(
+                    ModelRequest(input_ids=req1.input_ids, sampling=req1.sampling, affinity="bench")
+                )
                 t1 = time.perf_counter()
-                b = await pool.agenerate(ModelRequest(input_ids=req2.input_ids, sampling=req2.sampling,
-                                                      affinity="bench"))
+                b = await pool.agenerate(
+                    ModelRequest(input_ids=req2.input_ids, sampling=req2.sampling, affinity="bench")
+                )
                 t2 = time.perf_counter()
                 assert len(a.output_tokens) == out_tokens[0] and len(b.output_tokens) == out_tokens[1]
                 return t1 - t0, t2 - t1
@@ -177,9 +184,16 @@ async def bench_proxy_overhead(conversations: int, rounds: int, warmup: int) -> 
                         one = await resp.json()
                     t1 = time.perf_counter()
                     msg = one["choices"][0]["message"]
-                    body = {"model": "policy", "tools": tools, "max_tokens": 64, "messages": [
-                        *first_messages, msg,
-                        {"role": "tool", "tool_call_id": msg["tool_calls"][0]["id"], "content": TOOL_RESULT}]}
+                    body = {
+                        "model": "policy",
+                        "tools": tools,
+                        "max_tokens": 64,
+                        "messages": [
+                            *first_messages,
+                            msg,
+                            {"role": "tool", "tool_call_id": msg["tool_calls"][0]["id"], "content": TOOL_RESULT},
+                        ],
+                    }
                     t2 = time.perf_counter()
                     async with raw_http.post(url, json=body, headers=headers) as resp:
                         two = await resp.json()
@@ -195,12 +209,16 @@ async def bench_proxy_overhead(conversations: int, rounds: int, warmup: int) -> 
                 try:
                     c = AsyncOpenAI(base_url=proxy.base_url, api_key=s.key, http_client=sdk_http, max_retries=0)
                     t0 = time.perf_counter()
-                    one = await c.chat.completions.create(model="policy", messages=first_messages, tools=tools,
-                                                          max_tokens=64)
+                    one = await c.chat.completions.create(
+                        model="policy", messages=first_messages, tools=tools, max_tokens=64
+                    )
                     t1 = time.perf_counter()
                     m = one.choices[0].message
-                    msgs = [*first_messages, m.model_dump(exclude_none=True),
-                            {"role": "tool", "tool_call_id": m.tool_calls[0].id, "content": TOOL_RESULT}]
+                    msgs = [
+                        *first_messages,
+                        m.model_dump(exclude_none=True),
+                        {"role": "tool", "tool_call_id": m.tool_calls[0].id, "content": TOOL_RESULT},
+                    ]
                     t2 = time.perf_counter()
                     two = await c.chat.completions.create(model="policy", messages=msgs, tools=tools, max_tokens=64)
                     t3 = time.perf_counter()
@@ -217,7 +235,7 @@ async def bench_proxy_overhead(conversations: int, rounds: int, warmup: int) -> 
             per_round = max(1, conversations // rounds)
             t_start = time.perf_counter()
             for r in range(rounds):
-                order = VARIANTS[r % len(VARIANTS):] + VARIANTS[:r % len(VARIANTS)]
+                order = VARIANTS[r % len(VARIANTS) :] + VARIANTS[: r % len(VARIANTS)]
                 for name in order:
                     call, out = calls[name], lat[name]
                     for _ in range(per_round):
@@ -236,8 +254,14 @@ async def bench_proxy_overhead(conversations: int, rounds: int, warmup: int) -> 
 
     rows: dict[str, dict[str, dict[str, float]]] = {}
     for name in VARIANTS:
-        rows[name] = {t: {"p50_ms": _ms(statistics.median(lat[name][t])), "p90_ms": _ms(_pct(lat[name][t], 0.9)),
-                          "mean_ms": _ms(statistics.fmean(lat[name][t]))} for t in TURNS}
+        rows[name] = {
+            t: {
+                "p50_ms": _ms(statistics.median(lat[name][t])),
+                "p90_ms": _ms(_pct(lat[name][t], 0.9)),
+                "mean_ms": _ms(statistics.fmean(lat[name][t])),
+            }
+            for t in TURNS
+        }
     overhead = {}
     for t in TURNS:
         d = rows["direct"][t]["p50_ms"]
@@ -248,14 +272,23 @@ async def bench_proxy_overhead(conversations: int, rounds: int, warmup: int) -> 
             "sdk_vs_proxy_ms": round(rows["sdk"][t]["p50_ms"] - rows["aiohttp"][t]["p50_ms"], 3),  # SDK + httpx
             "pool_vs_direct_ms": round(rows["pool"][t]["p50_ms"] - d, 3),
         }
-    return {"conversations_per_variant": per_round * rounds, "breakdown": breakdown, "rounds": rounds, "warmup": warmup,
-            "prompt_tokens": prompt_tokens, "output_tokens": out_tokens, "seconds": round(seconds, 2),
-            "latency": rows, "overhead": overhead,
-            "proxy_overhead_p50_ms": max(overhead[t]["proxy_vs_direct_ms"] for t in TURNS)}
+    return {
+        "conversations_per_variant": per_round * rounds,
+        "breakdown": breakdown,
+        "rounds": rounds,
+        "warmup": warmup,
+        "prompt_tokens": prompt_tokens,
+        "output_tokens": out_tokens,
+        "seconds": round(seconds, 2),
+        "latency": rows,
+        "overhead": overhead,
+        "proxy_overhead_p50_ms": max(overhead[t]["proxy_vs_direct_ms"] for t in TURNS),
+    }
 
 
-async def _proxy_breakdown(proxy: Any, http: aiohttp.ClientSession, first_messages: list[dict[str, Any]],
-                           tools: list[dict[str, Any]], n: int) -> dict[str, float]:
+async def _proxy_breakdown(
+    proxy: Any, http: aiohttp.ClientSession, first_messages: list[dict[str, Any]], tools: list[dict[str, Any]], n: int
+) -> dict[str, float]:
     """Where the proxy's time goes (p50s, ms): an empty HTTP round trip to it (GET /health: aiohttp client + server
     + loopback, the hop the proxy adds), and its prompt building for each turn (message/tool normalization, then
     the chat template + tokenizer for a new conversation, or parent match + continuation tokens for a later turn)."""
@@ -269,12 +302,17 @@ async def _proxy_breakdown(proxy: Any, http: aiohttp.ClientSession, first_messag
         hop.append(time.perf_counter() - t)
     s = proxy.sessions.open()
     try:
-        async with http.post(proxy.base_url + "/chat/completions", headers={"Authorization": f"Bearer {s.key}"},
-                             json={"model": "policy", "messages": first_messages, "tools": tools,
-                                   "max_tokens": 64}) as resp:
+        async with http.post(
+            proxy.base_url + "/chat/completions",
+            headers={"Authorization": f"Bearer {s.key}"},
+            json={"model": "policy", "messages": first_messages, "tools": tools, "max_tokens": 64},
+        ) as resp:
             msg = (await resp.json())["choices"][0]["message"]
-        second = [*first_messages, msg, {"role": "tool", "tool_call_id": msg["tool_calls"][0]["id"],
-                                         "content": TOOL_RESULT}]
+        second = [
+            *first_messages,
+            msg,
+            {"role": "tool", "tool_call_id": msg["tool_calls"][0]["id"], "content": TOOL_RESULT},
+        ]
         times: dict[str, list[float]] = {"first": [], "continuation": []}
         for _ in range(n):
             for turn, messages in (("first", first_messages), ("continuation", second)):
@@ -285,9 +323,11 @@ async def _proxy_breakdown(proxy: Any, http: aiohttp.ClientSession, first_messag
                     raise BenchError(f"proxy breakdown: unexpected parent match for the {turn} turn")
     finally:
         proxy.sessions.close(s)
-    return {"http_hop_p50_ms": _ms(statistics.median(hop)),
-            "prompt_first_p50_ms": _ms(statistics.median(times["first"])),
-            "prompt_continuation_p50_ms": _ms(statistics.median(times["continuation"]))}
+    return {
+        "http_hop_p50_ms": _ms(statistics.median(hop)),
+        "prompt_first_p50_ms": _ms(statistics.median(times["first"])),
+        "prompt_continuation_p50_ms": _ms(statistics.median(times["continuation"])),
+    }
 
 
 # -- part 2: agent workload ----------------------------------------------------------------------------------------
@@ -303,11 +343,11 @@ def _check_trajectory(t: Any, tool_ids: list[int], answer_ids: list[int]) -> str
     prev: list[int] = []
     for k, seq in enumerate(t.sequences):
         ids, mask = list(seq.input_ids), list(seq.loss_mask)
-        if ids[:len(prev)] != prev:
+        if ids[: len(prev)] != prev:
             return f"turn {k + 1} does not extend turn {k}"
-        trained = [i for i, m in zip(ids, mask) if m]
+        trained = [i for i, m in zip(ids, mask, strict=True) if m]
         want = answer_ids if k == MODEL_TURNS - 1 else tool_ids
-        if trained[:len(want)] != want:
+        if trained[: len(want)] != want:
             return f"turn {k + 1}: trained tokens are not the scripted reply"
         prev = ids
     if t.sequences[-1].reward != 1.0:
@@ -315,8 +355,18 @@ def _check_trajectory(t: Any, tool_ids: list[int], answer_ids: list[int]) -> str
     return None
 
 
-async def bench_rollq_agents(url: str, procs: Procs, engine_url: str, episodes: int, concurrency: int,
-                             warmup: int, tool_s: float, timeout_s: float, tok: Any, agent: str = AGENT) -> dict[str, Any]:
+async def bench_rollq_agents(
+    url: str,
+    procs: Procs,
+    engine_url: str,
+    episodes: int,
+    concurrency: int,
+    warmup: int,
+    tool_s: float,
+    timeout_s: float,
+    tok: Any,
+    agent: str = AGENT,
+) -> dict[str, Any]:
     run = f"bench-agents-{uuid.uuid4().hex[:10]}"
     keys = RunKeys(run)
     redis = redis_client(url)
@@ -324,16 +374,25 @@ async def bench_rollq_agents(url: str, procs: Procs, engine_url: str, episodes: 
     answer_ids = tok.encode(ANSWER, add_special_tokens=False)
     options = AgentOptions(mode="inline", export="individual", timeout_seconds=max(60.0, timeout_s))
     kwargs = {"tool_s": tool_s}
-    worker = await start_worker(procs, redis, url, run, "--concurrency", str(concurrency), "--engine", engine_url,
-                                "--max-attempts", "1")  # run_bench stops it on failure
+    worker = await start_worker(
+        procs, redis, url, run, "--concurrency", str(concurrency), "--engine", engine_url, "--max-attempts", "1"
+    )  # run_bench stops it on failure
     try:
         producer = Producer(redis, run)
         consumer = producer.consumer(group="trainer", name="bench")
         await consumer.setup()
 
         async def episodes_run(prefix: str, n: int) -> tuple[float, list[Any], dict[str, float | None]]:
-            reqs = [JobRequest(workflow=agent, data={"question": f"{QUESTION} #{i}", "i": i}, job_id=f"{prefix}{i}",
-                               workflow_kwargs=kwargs, agent=options) for i in range(n)]
+            reqs = [
+                JobRequest(
+                    workflow=agent,
+                    data={"question": f"{QUESTION} #{i}", "i": i},
+                    job_id=f"{prefix}{i}",
+                    workflow_kwargs=kwargs,
+                    agent=options,
+                )
+                for i in range(n)
+            ]
             got: dict[str, Any] = {}
             cpu0 = {"worker": proc_cpu_s(worker.pid), "bench_process": time.process_time()}
             t0 = time.perf_counter()
@@ -367,12 +426,20 @@ async def bench_rollq_agents(url: str, procs: Procs, engine_url: str, episodes: 
         if bad:
             raise BenchError(f"rollq: {len(bad)} of {episodes} trajectories are not ok 4-turn episodes, e.g. {bad[0]}")
         durations = sorted(t.finished_at - t.started_at for t in trajs)
-        return {"agent": agent, "episodes": episodes, "seconds": round(elapsed, 3),
-                "episodes_per_s": round(episodes / elapsed, 2), "trajectories_ok": len(trajs), "episode_s_p50": round(statistics.median(durations), 3),
-                "episode_s_max": round(durations[-1], 3), "cpu_s": cpu,
-                # the worker's CPU per model request (agent SDK + httpx, proxy, pool client, Redis, export)
-                "worker_cpu_ms_per_request": None if cpu["worker"] is None else
-                round(1000 * cpu["worker"] / (episodes * MODEL_TURNS), 2)}
+        return {
+            "agent": agent,
+            "episodes": episodes,
+            "seconds": round(elapsed, 3),
+            "episodes_per_s": round(episodes / elapsed, 2),
+            "trajectories_ok": len(trajs),
+            "episode_s_p50": round(statistics.median(durations), 3),
+            "episode_s_max": round(durations[-1], 3),
+            "cpu_s": cpu,
+            # the worker's CPU per model request (agent SDK + httpx, proxy, pool client, Redis, export)
+            "worker_cpu_ms_per_request": None
+            if cpu["worker"] is None
+            else round(1000 * cpu["worker"] / (episodes * MODEL_TURNS), 2),
+        }
     finally:
         procs.stop(worker, grace_s=10)
         with contextlib.suppress(Exception):
@@ -380,12 +447,20 @@ async def bench_rollq_agents(url: str, procs: Procs, engine_url: str, episodes: 
         await redis.aclose()
 
 
-async def bench_batch_loop(pool: EnginePool, tok: Any, episodes: int, batch_size: int, tool_s: float,
-                           concurrent_tools: bool, max_turns: int = 8) -> dict[str, Any]:
+async def bench_batch_loop(
+    pool: EnginePool,
+    tok: Any,
+    episodes: int,
+    batch_size: int,
+    tool_s: float,
+    concurrent_tools: bool,
+    max_turns: int = 8,
+) -> dict[str, Any]:
     """The naive loop: per batch, per turn, generate for every live episode at once, wait for all, then run the
     tools (sequentially: time.sleep; or concurrently), and go on with the next turn."""
-    base = encode(tok, render(tok, [{"role": "user", "content": QUESTION}], tools=[WAIT_TOOL],
-                              add_generation_prompt=True))
+    base = encode(
+        tok, render(tok, [{"role": "user", "content": QUESTION}], tools=[WAIT_TOOL], add_generation_prompt=True)
+    )
     sampling = SamplingParams(max_new_tokens=128)
     turns_done: list[int] = []
     rewards: list[float] = []
@@ -400,18 +475,25 @@ async def bench_batch_loop(pool: EnginePool, tok: Any, episodes: int, batch_size
             if not live:
                 break
             tg = time.perf_counter()
-            resps = await asyncio.gather(*(pool.agenerate(ModelRequest(input_ids=prompts[i], sampling=sampling,
-                                                                       affinity=f"b{start}-{i}")) for i in live))
+            resps = await asyncio.gather(
+                *(
+                    pool.agenerate(ModelRequest(input_ids=prompts[i], sampling=sampling, affinity=f"b{start}-{i}"))
+                    for i in live
+                )
+            )
             tt = time.perf_counter()
             gen_s += tt - tg
             calls = []
-            for i, r in zip(live, resps):
+            for i, r in zip(live, resps, strict=True):
                 turns[i] += 1
                 text = tok.decode(r.output_tokens, skip_special_tokens=True)
                 if "<tool_call>" in text:
                     calls.append(i)
-                    prompts[i] = prompts[i] + r.output_tokens + continuation_ids(
-                        tok, r.output_tokens, [{"role": "tool", "content": TOOL_RESULT}])
+                    prompts[i] = (
+                        prompts[i]
+                        + r.output_tokens
+                        + continuation_ids(tok, r.output_tokens, [{"role": "tool", "content": TOOL_RESULT}])
+                    )
                 else:
                     rewards.append(1.0 if "42" in text else 0.0)
             if concurrent_tools:
@@ -424,36 +506,73 @@ async def bench_batch_loop(pool: EnginePool, tok: Any, episodes: int, batch_size
         turns_done += turns.values()
     elapsed = time.perf_counter() - t0
     if turns_done.count(MODEL_TURNS) != episodes or sum(rewards) != episodes:
-        raise BenchError(f"batch loop: {episodes - turns_done.count(MODEL_TURNS)} episodes without {MODEL_TURNS} "
-                         f"turns, {episodes - sum(rewards):g} without the answer")
-    return {"episodes": episodes, "seconds": round(elapsed, 3), "episodes_per_s": round(episodes / elapsed, 2),
-            "generate_s": round(gen_s, 3), "tools_s": round(tool_wall_s, 3)}
+        raise BenchError(
+            f"batch loop: {episodes - turns_done.count(MODEL_TURNS)} episodes without {MODEL_TURNS} "
+            f"turns, {episodes - sum(rewards):g} without the answer"
+        )
+    return {
+        "episodes": episodes,
+        "seconds": round(elapsed, 3),
+        "episodes_per_s": round(episodes / elapsed, 2),
+        "generate_s": round(gen_s, 3),
+        "tools_s": round(tool_wall_s, 3),
+    }
 
 
 async def bench_agent_workload(url: str, procs: Procs, args: argparse.Namespace) -> dict[str, Any]:
-    backend = SyntheticBackend(SyntheticConfig(tokenizer="tiny", replies=SCRIPT,
-                                               per_token_latency_s=args.token_ms / 1000,
-                                               per_request_latency_s=args.prefill_ms / 1000))
+    backend = SyntheticBackend(
+        SyntheticConfig(
+            tokenizer="tiny",
+            replies=SCRIPT,
+            per_token_latency_s=args.token_ms / 1000,
+            per_request_latency_s=args.prefill_ms / 1000,
+        )
+    )
     tok = backend._tok
     engine = await serve(backend, EngineServerConfig(host="127.0.0.1", port=0))
     pool = EnginePool(PoolConfig(urls=[engine.url]))
-    out: dict[str, Any] = {"episodes": args.episodes, "concurrency": args.concurrency, "tool_s": args.tool_s,
-                           "token_ms": args.token_ms, "prefill_ms": args.prefill_ms,
-                           "reply_tokens": [len(tok.encode(r, add_special_tokens=False)) + 1 for r in SCRIPT]}
+    out: dict[str, Any] = {
+        "episodes": args.episodes,
+        "concurrency": args.concurrency,
+        "tool_s": args.tool_s,
+        "token_ms": args.token_ms,
+        "prefill_ms": args.prefill_ms,
+        "reply_tokens": [len(tok.encode(r, add_special_tokens=False)) + 1 for r in SCRIPT],
+    }
     try:
         await pool.start()
         # warm the engine and the pool's connections
         await bench_batch_loop(pool, tok, min(8, args.concurrency), args.concurrency, 0.0, True)
-        out["A_rollq"] = await bench_rollq_agents(url, procs, engine.url, args.episodes, args.concurrency,
-                                                  args.warmup_episodes, args.tool_s, args.timeout, tok)
+        out["A_rollq"] = await bench_rollq_agents(
+            url,
+            procs,
+            engine.url,
+            args.episodes,
+            args.concurrency,
+            args.warmup_episodes,
+            args.tool_s,
+            args.timeout,
+            tok,
+        )
         if not args.no_raw_agent:
-            out["A_rollq_raw_agent"] = await bench_rollq_agents(url, procs, engine.url, args.episodes,
-                                                                args.concurrency, args.warmup_episodes, args.tool_s,
-                                                                args.timeout, tok, RAW_AGENT)
-        out["B_batch_sequential_tools"] = await bench_batch_loop(pool, tok, args.episodes, args.concurrency,
-                                                                 args.tool_s, False)
-        out["B2_batch_concurrent_tools"] = await bench_batch_loop(pool, tok, args.episodes, args.concurrency,
-                                                                  args.tool_s, True)
+            out["A_rollq_raw_agent"] = await bench_rollq_agents(
+                url,
+                procs,
+                engine.url,
+                args.episodes,
+                args.concurrency,
+                args.warmup_episodes,
+                args.tool_s,
+                args.timeout,
+                tok,
+                RAW_AGENT,
+            )
+        out["B_batch_sequential_tools"] = await bench_batch_loop(
+            pool, tok, args.episodes, args.concurrency, args.tool_s, False
+        )
+        out["B2_batch_concurrent_tools"] = await bench_batch_loop(
+            pool, tok, args.episodes, args.concurrency, args.tool_s, True
+        )
     finally:
         await pool.close()
         await engine.close()
@@ -473,55 +592,79 @@ async def bench_agent_workload(url: str, procs: Procs, args: argparse.Namespace)
 def print_report(summary: dict[str, Any]) -> None:
     p1 = summary.get("proxy_overhead")
     if p1:
-        print(f"\nPart 1 - proxy overhead: one request at a time, {p1['conversations_per_variant']} two-turn "
-              f"conversations per variant in {p1['rounds']} interleaved rounds (prompt {p1['prompt_tokens']} tokens, "
-              f"output {p1['output_tokens']} tokens, zero-latency engine)")
+        print(
+            f"\nPart 1 - proxy overhead: one request at a time, {p1['conversations_per_variant']} two-turn "
+            f"conversations per variant in {p1['rounds']} interleaved rounds (prompt {p1['prompt_tokens']} tokens, "
+            f"output {p1['output_tokens']} tokens, zero-latency engine)"
+        )
         print(f"  {'variant':<44} {'turn 1 p50':>10} {'p90':>8} {'turn 2 p50':>11} {'p90':>8}   (ms)")
-        label = {"direct": "(a)  SGLangClient -> engine /generate",
-                 "pool": "(a') EnginePool.agenerate -> engine",
-                 "aiohttp": "(b') aiohttp POST -> proxy -> pool -> engine",
-                 "sdk": "(b)  AsyncOpenAI(httpx) -> proxy -> ... engine"}
+        label = {
+            "direct": "(a)  SGLangClient -> engine /generate",
+            "pool": "(a') EnginePool.agenerate -> engine",
+            "aiohttp": "(b') aiohttp POST -> proxy -> pool -> engine",
+            "sdk": "(b)  AsyncOpenAI(httpx) -> proxy -> ... engine",
+        }
         for v in VARIANTS:
             f, c = p1["latency"][v]["first"], p1["latency"][v]["continuation"]
             print(f"  {label[v]:<44} {f['p50_ms']:>10.3f} {f['p90_ms']:>8.3f} {c['p50_ms']:>11.3f} {c['p90_ms']:>8.3f}")
         o = p1["overhead"]
-        print(f"  proxy's own overhead p50 (b' - a): turn 1 {o['first']['proxy_vs_direct_ms']:+.3f} ms, turn 2 "
-              f"(parent match) {o['continuation']['proxy_vs_direct_ms']:+.3f} ms  -> target <= "
-              f"{TARGET_PROXY_OVERHEAD_MS} ms: {'met' if summary['targets']['proxy_overhead_p50_ms<=1.5'] else 'NOT met'}")
-        print(f"  with the OpenAI SDK + httpx (b - a):   turn 1 {o['first']['sdk_vs_direct_ms']:+.3f} ms, turn 2 "
-              f"{o['continuation']['sdk_vs_direct_ms']:+.3f} ms  (SDK + httpx alone, b - b': "
-              f"{o['first']['sdk_vs_proxy_ms']:+.3f} / {o['continuation']['sdk_vs_proxy_ms']:+.3f} ms; pool vs bare "
-              f"client: {o['first']['pool_vs_direct_ms']:+.3f} / {o['continuation']['pool_vs_direct_ms']:+.3f} ms)")
+        print(
+            f"  proxy's own overhead p50 (b' - a): turn 1 {o['first']['proxy_vs_direct_ms']:+.3f} ms, turn 2 "
+            f"(parent match) {o['continuation']['proxy_vs_direct_ms']:+.3f} ms  -> target <= "
+            f"{TARGET_PROXY_OVERHEAD_MS} ms: {'met' if summary['targets']['proxy_overhead_p50_ms<=1.5'] else 'NOT met'}"
+        )
+        print(
+            f"  with the OpenAI SDK + httpx (b - a):   turn 1 {o['first']['sdk_vs_direct_ms']:+.3f} ms, turn 2 "
+            f"{o['continuation']['sdk_vs_direct_ms']:+.3f} ms  (SDK + httpx alone, b - b': "
+            f"{o['first']['sdk_vs_proxy_ms']:+.3f} / {o['continuation']['sdk_vs_proxy_ms']:+.3f} ms; pool vs bare "
+            f"client: {o['first']['pool_vs_direct_ms']:+.3f} / {o['continuation']['pool_vs_direct_ms']:+.3f} ms)"
+        )
         b = p1["breakdown"]
-        print(f"  where the proxy's time goes (p50): an empty HTTP hop to it (GET /health) {b['http_hop_p50_ms']:.3f} ms; "
-              f"prompt building {b['prompt_first_p50_ms']:.3f} ms for turn 1 (chat template + tokenizer), "
-              f"{b['prompt_continuation_p50_ms']:.3f} ms for turn 2 (parent match + continuation tokens)")
+        print(
+            f"  where the proxy's time goes (p50): an empty HTTP hop to it (GET /health) "
+            f"{b['http_hop_p50_ms']:.3f} ms; "
+            f"prompt building {b['prompt_first_p50_ms']:.3f} ms for turn 1 (chat template + tokenizer), "
+            f"{b['prompt_continuation_p50_ms']:.3f} ms for turn 2 (parent match + continuation tokens)"
+        )
     p2 = summary.get("agent_workload")
     if p2:
-        print(f"\nPart 2 - agent episodes: {p2['episodes']} episodes each, concurrency / batch {p2['concurrency']}, "
-              f"4 model turns (reply tokens {p2['reply_tokens']}, {p2['token_ms']:g} ms per decode step) + 3 tool "
-              f"calls of {p2['tool_s'] * 1000:.0f} ms; episode floor {p2['episode_floor_s']:.3f} s "
-              f"(ideal {p2['ideal_episodes_per_s']:.1f} episodes/s at this concurrency)")
+        print(
+            f"\nPart 2 - agent episodes: {p2['episodes']} episodes each, concurrency / batch {p2['concurrency']}, "
+            f"4 model turns (reply tokens {p2['reply_tokens']}, {p2['token_ms']:g} ms per decode step) + 3 tool "
+            f"calls of {p2['tool_s'] * 1000:.0f} ms; episode floor {p2['episode_floor_s']:.3f} s "
+            f"(ideal {p2['ideal_episodes_per_s']:.1f} episodes/s at this concurrency)"
+        )
         print(f"  {'system':<58} {'episodes/s':>10} {'seconds':>8}")
-        rows = [("(A)  rollq: Producer -> Redis -> worker (proxy, OpenAI SDK)", p2["A_rollq"]),
-                *([("     (A) with a raw-aiohttp agent (diagnostic: no SDK/httpx)", p2["A_rollq_raw_agent"])]
-                  if "A_rollq_raw_agent" in p2 else []),
-                ("(B)  batch loop, tools one after another", p2["B_batch_sequential_tools"]),
-                ("(B') batch loop, tools concurrent (per-turn barriers)", p2["B2_batch_concurrent_tools"])]
+        rows = [
+            ("(A)  rollq: Producer -> Redis -> worker (proxy, OpenAI SDK)", p2["A_rollq"]),
+            *(
+                [("     (A) with a raw-aiohttp agent (diagnostic: no SDK/httpx)", p2["A_rollq_raw_agent"])]
+                if "A_rollq_raw_agent" in p2
+                else []
+            ),
+            ("(B)  batch loop, tools one after another", p2["B_batch_sequential_tools"]),
+            ("(B') batch loop, tools concurrent (per-turn barriers)", p2["B2_batch_concurrent_tools"]),
+        ]
         for name, r in rows:
             print(f"  {name:<58} {r['episodes_per_s']:>10.2f} {r['seconds']:>8.2f}")
         a = p2["A_rollq"]
-        print(f"  A/B = {p2['A_vs_B']:.1f}x (target >= {TARGET_A_VS_B:g}x: "
-              f"{'met' if summary['targets']['A_vs_B>=4'] else 'NOT met'}), A/B' = {p2['A_vs_B2']:.2f}x; rollq "
-              f"episode p50 {a['episode_s_p50']:.3f} s (max {a['episode_s_max']:.3f}); all {a['trajectories_ok']} "
-              f"trajectories ok with {MODEL_TURNS} turns")
-        print(f"  rollq CPU: worker {a['cpu_s']['worker']} s ({a['worker_cpu_ms_per_request']} ms per model request), "
-              f"bench process (engine, producer, consumer) {a['cpu_s']['bench_process']} s")
+        print(
+            f"  A/B = {p2['A_vs_B']:.1f}x (target >= {TARGET_A_VS_B:g}x: "
+            f"{'met' if summary['targets']['A_vs_B>=4'] else 'NOT met'}), A/B' = {p2['A_vs_B2']:.2f}x; rollq "
+            f"episode p50 {a['episode_s_p50']:.3f} s (max {a['episode_s_max']:.3f}); all {a['trajectories_ok']} "
+            f"trajectories ok with {MODEL_TURNS} turns"
+        )
+        print(
+            f"  rollq CPU: worker {a['cpu_s']['worker']} s ({a['worker_cpu_ms_per_request']} ms per model request), "
+            f"bench process (engine, producer, consumer) {a['cpu_s']['bench_process']} s"
+        )
         raw = p2.get("A_rollq_raw_agent")
         if raw:
-            print(f"  diagnostic: with the agent on raw aiohttp the same worker runs {raw['episodes_per_s']:.2f} "
-                  f"episodes/s at {raw['worker_cpu_ms_per_request']} ms worker CPU per request (episode p50 "
-                  f"{raw['episode_s_p50']:.3f} s): the rest is the OpenAI SDK + the shared httpx client")
+            print(
+                f"  diagnostic: with the agent on raw aiohttp the same worker runs {raw['episodes_per_s']:.2f} "
+                f"episodes/s at {raw['worker_cpu_ms_per_request']} ms worker CPU per request (episode p50 "
+                f"{raw['episode_s_p50']:.3f} s): the rest is the OpenAI SDK + the shared httpx client"
+            )
 
 
 async def amain(args: argparse.Namespace, procs: Procs) -> dict[str, Any]:
@@ -546,8 +689,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--redis", metavar="URL", help="use this Redis instead of starting a redis-server")
     p.add_argument("--skip", default="", help="comma-separated parts to skip: 1,2")
     g = p.add_argument_group("part 1")
-    g.add_argument("--conversations", type=int, default=1500,
-                   help="2-turn conversations per variant (default 1500: 3000 requests)")
+    g.add_argument(
+        "--conversations", type=int, default=1500, help="2-turn conversations per variant (default 1500: 3000 requests)"
+    )
     g.add_argument("--rounds", type=int, default=10, help="interleaved rounds (default 10)")
     g.add_argument("--warmup", type=int, default=100, help="warm-up conversations per variant (default 100)")
     g = p.add_argument_group("part 2")

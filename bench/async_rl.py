@@ -27,7 +27,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from bench.queue import BenchError, Procs, free_port, rollq_argv, run_bench, start_redis, start_worker, bench_env
+from bench.queue import BenchError, Procs, bench_env, free_port, rollq_argv, run_bench, start_redis, start_worker
 from rollq.engine.pool import EnginePool, PoolConfig
 from rollq.redis_client import redis_client
 from rollq.trainer.config import TrainConfig
@@ -44,10 +44,29 @@ async def start_engines(procs: Procs, args: argparse.Namespace) -> list[str]:
     urls = []
     for _ in range(args.engines):
         port = free_port()
-        proc = procs.start("engine", [*rollq_argv(), "engine", "--backend", "synthetic", "--tokenizer", "tiny", "--sampled",
-                                      "--port", str(port), "--length-dist", f"pareto:{args.xmin}:{args.alpha}",
-                                      "--token-latency", str(args.token_latency), "--max-running",
-                                      str(args.max_running), "--log-level", "WARNING"], env=bench_env())
+        proc = procs.start(
+            "engine",
+            [
+                *rollq_argv(),
+                "engine",
+                "--backend",
+                "synthetic",
+                "--tokenizer",
+                "tiny",
+                "--sampled",
+                "--port",
+                str(port),
+                "--length-dist",
+                f"pareto:{args.xmin}:{args.alpha}",
+                "--token-latency",
+                str(args.token_latency),
+                "--max-running",
+                str(args.max_running),
+                "--log-level",
+                "WARNING",
+            ],
+            env=bench_env(),
+        )
         url = f"http://127.0.0.1:{port}"
         async with httpx.AsyncClient(timeout=1) as http:
             for _ in range(300):
@@ -71,21 +90,40 @@ def throughput(records: list[StepRecord]) -> float:
     return (b.trained_samples - a.trained_samples) / (b.elapsed_s - a.elapsed_s)
 
 
-async def run_variant(url: str, procs: Procs, engines: list[str], tmp: Path, eta: int,
-                      args: argparse.Namespace) -> dict[str, Any]:
+async def run_variant(
+    url: str, procs: Procs, engines: list[str], tmp: Path, eta: int, args: argparse.Namespace
+) -> dict[str, Any]:
     run = f"bench-eta{eta}-{uuid.uuid4().hex[:8]}"
     redis = redis_client(url)
     workers = []
     try:
         for _ in range(args.workers):
-            workers.append(await start_worker(procs, redis, url, run, "--concurrency", str(args.concurrency),
-                                              *[a for e in engines for a in ("--engine", e)]))
+            workers.append(
+                await start_worker(
+                    procs,
+                    redis,
+                    url,
+                    run,
+                    "--concurrency",
+                    str(args.concurrency),
+                    *[a for e in engines for a in ("--engine", e)],
+                )
+            )
         cfg = TrainConfig(
-            redis_url=url, run=run, run_dir=str(tmp / run), engine=engines, model="tiny", dataset="toy:digits",
-            workflow="rlvr", workflow_kwargs={"reward_fn": "rollq.trainer.toy:digits_reward",
-                                              "max_new_tokens": args.max_new_tokens},
-            steps=args.steps, group_size=args.group_size, groups_per_step=args.groups, max_staleness=eta,
-            lr=1e-4, seed=0,
+            redis_url=url,
+            run=run,
+            run_dir=str(tmp / run),
+            engine=engines,
+            model="tiny",
+            dataset="toy:digits",
+            workflow="rlvr",
+            workflow_kwargs={"reward_fn": "rollq.trainer.toy:digits_reward", "max_new_tokens": args.max_new_tokens},
+            steps=args.steps,
+            group_size=args.group_size,
+            groups_per_step=args.groups,
+            max_staleness=eta,
+            lr=1e-4,
+            seed=0,
         )
         pool = EnginePool(PoolConfig(urls=engines))
         try:
@@ -117,16 +155,23 @@ async def run_variant(url: str, procs: Procs, engines: list[str], tmp: Path, eta
 
 def print_report(rounds: list[dict[int, dict[str, Any]]], summary: dict[str, Any]) -> None:
     print(f"\nasync vs sync RL, long-tail workload ({summary['workload']})")
-    print("| variant | trained samples/s | step s (median) | train s | wait for batch s | pause ms | staleness of trained samples | dropped |")
+    print(
+        "| variant | trained samples/s | step s (median) | train s | wait for batch s | pause ms "
+        "| staleness of trained samples | dropped |"
+    )
     print("|---|---:|---:|---:|---:|---:|---|---|")
     for eta in (2, 0):
         for i, r in enumerate(rnd[eta] for rnd in rounds):
             label = f"eta={eta} ({'async' if eta else 'sync'}), round {i + 1}"
-            print(f"| {label} | {r['samples_per_s']:.1f} | {r['step_s_median']:.2f} | {r['train_s_median']:.2f} | "
-                  f"{r['collect_s_median']:.2f} | {r['pause_ms_median']:.0f} | {r['staleness_hist']} | "
-                  f"{r['dropped'] or 0} |")
-    print(f"\nspeedup eta=2 / eta=0 (median of rounds): {summary['speedup']:.2f}x (target >= {TARGET_SPEEDUP}x); "
-          f"per round: {', '.join(f'{s:.2f}x' for s in summary['speedup_per_round'])}")
+            print(
+                f"| {label} | {r['samples_per_s']:.1f} | {r['step_s_median']:.2f} | {r['train_s_median']:.2f} | "
+                f"{r['collect_s_median']:.2f} | {r['pause_ms_median']:.0f} | {r['staleness_hist']} | "
+                f"{r['dropped'] or 0} |"
+            )
+    print(
+        f"\nspeedup eta=2 / eta=0 (median of rounds): {summary['speedup']:.2f}x (target >= {TARGET_SPEEDUP}x); "
+        f"per round: {', '.join(f'{s:.2f}x' for s in summary['speedup_per_round'])}"
+    )
 
 
 async def amain(args: argparse.Namespace, procs: Procs, tmp: Path) -> dict[str, Any]:
@@ -143,10 +188,12 @@ async def amain(args: argparse.Namespace, procs: Procs, tmp: Path) -> dict[str, 
         rounds.append(results)
     per_round = [r[2]["samples_per_s"] / r[0]["samples_per_s"] for r in rounds]
     summary = {
-        "workload": (f"{args.engines} synthetic engines x {args.max_running} slots, {args.token_latency * 1000:g} ms per "
-                     f"decode step, Pareto({args.xmin:g}, {args.alpha:g}) output lengths capped at "
-                     f"{args.max_new_tokens}; {args.workers} workers; B = {args.groups} groups x {args.group_size}; "
-                     f"{args.steps} steps"),
+        "workload": (
+            f"{args.engines} synthetic engines x {args.max_running} slots, {args.token_latency * 1000:g} ms per "
+            f"decode step, Pareto({args.xmin:g}, {args.alpha:g}) output lengths capped at "
+            f"{args.max_new_tokens}; {args.workers} workers; B = {args.groups} groups x {args.group_size}; "
+            f"{args.steps} steps"
+        ),
         "async_samples_per_s": statistics.median(r[2]["samples_per_s"] for r in rounds),
         "sync_samples_per_s": statistics.median(r[0]["samples_per_s"] for r in rounds),
         "speedup": statistics.median(per_round),

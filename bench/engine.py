@@ -1,12 +1,12 @@
 """Engine-layer benchmarks (JSON summary as the last line):
 
-  (a) reference engine continuous batching vs sequential `model.generate` at concurrency 32 (tokens/s ratio, >= 5x);
-  (b) EnginePool overhead vs a bare SGLangClient on the synthetic engine (<= 5% at >= 1,000 requests/s): p50
-      latency of both at a fixed 1,000 requests/s (open loop), plus saturation throughput and client CPU per request;
-  (c) pause -> update_weights -> resume across 4 reference engines under load: milliseconds of control time excluding
-      the weight load itself (<= 50 ms), and requests lost (0).
+(a) reference engine continuous batching vs sequential `model.generate` at concurrency 32 (tokens/s ratio, >= 5x);
+(b) EnginePool overhead vs a bare SGLangClient on the synthetic engine (<= 5% at >= 1,000 requests/s): p50
+    latency of both at a fixed 1,000 requests/s (open loop), plus saturation throughput and client CPU per request;
+(c) pause -> update_weights -> resume across 4 reference engines under load: milliseconds of control time excluding
+    the weight load itself (<= 50 ms), and requests lost (0).
 
-    python -m bench.engine [--quick] [--skip a,b,c]
+  python -m bench.engine [--quick] [--skip a,b,c]
 """
 
 from __future__ import annotations
@@ -67,8 +67,11 @@ async def bench_pool_overhead(requests: int, concurrency: int, rounds: int, rate
     """Saturation throughput (closed loop, `concurrency` lanes) and latency at a fixed `rate` (open loop)."""
     # The engine runs in its own process, as in production, so the client side is what is compared.
     port = free_port()
-    engine = subprocess.Popen([sys.executable, "-m", "rollq.engine", "--backend", "synthetic", "--port", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    engine = subprocess.Popen(
+        [sys.executable, "-m", "rollq.engine", "--backend", "synthetic", "--port", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     url = f"http://127.0.0.1:{port}"
     http = shared_http_session()
     client = SGLangClient(url, http)
@@ -81,6 +84,7 @@ async def bench_pool_overhead(requests: int, concurrency: int, rounds: int, rate
         await asyncio.sleep(0.1)
     params = SamplingParams(max_new_tokens=16, ignore_eos=True)
     try:
+
         async def bare(i: int) -> None:
             await client.generate([1, 2, 3, i % 1000], params)
 
@@ -108,15 +112,23 @@ async def bench_pool_overhead(requests: int, concurrency: int, rounds: int, rate
     # client-side CPU per request is the steadier measure of what the pool adds.
     bare_p50, pool_p50 = statistics.median(bare_lat), statistics.median(pool_lat)
     bare_mean, pool_mean = statistics.fmean(bare_lat), statistics.fmean(pool_lat)
-    return {"rate_rps": rate, "bare_p50_ms": round(1000 * bare_p50, 3), "pool_p50_ms": round(1000 * pool_p50, 3),
-            "bare_mean_ms": round(1000 * bare_mean, 3), "pool_mean_ms": round(1000 * pool_mean, 3),
-            "latency_overhead_pct": round(100 * (pool_p50 / bare_p50 - 1), 2),
-            "bare_rps": round(bare_rps, 1), "pool_rps": round(pool_rps, 1),
-            "throughput_overhead_pct": round(100 * (bare_rps / pool_rps - 1), 2),
-            "bare_cpu_us": round(bare_cpu, 1), "pool_cpu_us": round(pool_cpu, 1),
-            "pool_added_cpu_us": round(pool_cpu - bare_cpu, 1),
-            "overhead_pct": round(100 * (pool_cpu - bare_cpu) * bare_rps / 1e6, 2),
-            "requests": requests, "concurrency": concurrency}
+    return {
+        "rate_rps": rate,
+        "bare_p50_ms": round(1000 * bare_p50, 3),
+        "pool_p50_ms": round(1000 * pool_p50, 3),
+        "bare_mean_ms": round(1000 * bare_mean, 3),
+        "pool_mean_ms": round(1000 * pool_mean, 3),
+        "latency_overhead_pct": round(100 * (pool_p50 / bare_p50 - 1), 2),
+        "bare_rps": round(bare_rps, 1),
+        "pool_rps": round(pool_rps, 1),
+        "throughput_overhead_pct": round(100 * (bare_rps / pool_rps - 1), 2),
+        "bare_cpu_us": round(bare_cpu, 1),
+        "pool_cpu_us": round(pool_cpu, 1),
+        "pool_added_cpu_us": round(pool_cpu - bare_cpu, 1),
+        "overhead_pct": round(100 * (pool_cpu - bare_cpu) * bare_rps / 1e6, 2),
+        "requests": requests,
+        "concurrency": concurrency,
+    }
 
 
 async def bench_fleet_cycle(engines: int, cycles: int, load_per_engine: int, max_new: int) -> dict[str, Any]:
@@ -124,9 +136,13 @@ async def bench_fleet_cycle(engines: int, cycles: int, load_per_engine: int, max
     from rollq.engine.tiny_model import build_tiny
 
     weights = build_tiny(tempfile.mkdtemp(prefix="rollq-bench-weights-"))
-    handles = [await serve(ReferenceBackend(ReferenceConfig(model="tiny")), EngineServerConfig(host="127.0.0.1", port=0,
-                                                                                               weight_version="0"))
-               for _ in range(engines)]
+    handles = [
+        await serve(
+            ReferenceBackend(ReferenceConfig(model="tiny")),
+            EngineServerConfig(host="127.0.0.1", port=0, weight_version="0"),
+        )
+        for _ in range(engines)
+    ]
     pool = EnginePool(PoolConfig(urls=[h.url for h in handles]))
     fleet = FleetController(pool)
     stop = asyncio.Event()
@@ -137,15 +153,16 @@ async def bench_fleet_cycle(engines: int, cycles: int, load_per_engine: int, max
         nonlocal done, lost, rid
         while not stop.is_set():
             rid += 1
-            req = ModelRequest(input_ids=[5, 6, 7, rid % 97], sampling=SamplingParams(max_new_tokens=max_new,
-                                                                                      ignore_eos=True))
+            req = ModelRequest(
+                input_ids=[5, 6, 7, rid % 97], sampling=SamplingParams(max_new_tokens=max_new, ignore_eos=True)
+            )
             try:
                 resp = await pool.agenerate(req)
                 if len(resp.output_tokens) == max_new:
                     done += 1
                 else:
                     lost += 1
-            except Exception:  # noqa: BLE001 - a failed request is what we count
+            except Exception:
                 lost += 1
 
     runners = [asyncio.create_task(load()) for _ in range(engines * load_per_engine)]
@@ -163,11 +180,16 @@ async def bench_fleet_cycle(engines: int, cycles: int, load_per_engine: int, max
         for h in handles:
             await h.close()
     control_ms = [1000 * r["control_s"] for r in results]
-    return {"engines": engines, "cycles": cycles, "control_ms_median": round(statistics.median(control_ms), 2),
-            "control_ms_max": round(max(control_ms), 2),
-            "load_ms_median": round(1000 * statistics.median(r["load_s"] for r in results), 2),
-            "total_ms_median": round(1000 * statistics.median(r["total_s"] for r in results), 2),
-            "requests_completed": done, "requests_lost": lost}
+    return {
+        "engines": engines,
+        "cycles": cycles,
+        "control_ms_median": round(statistics.median(control_ms), 2),
+        "control_ms_max": round(max(control_ms), 2),
+        "load_ms_median": round(1000 * statistics.median(r["load_s"] for r in results), 2),
+        "total_ms_median": round(1000 * statistics.median(r["total_s"] for r in results), 2),
+        "requests_completed": done,
+        "requests_lost": lost,
+    }
 
 
 async def bench_batching(quick: bool) -> dict[str, Any]:
@@ -201,17 +223,24 @@ def main() -> int:
         print(f"(a) continuous batching vs sequential generate: {json.dumps(a)[:300]}")
     if "b_pool_overhead" in out:
         b = out["b_pool_overhead"]
-        print(f"(b) at {b['rate_rps']:,.0f} req/s: p50 latency bare {b['bare_p50_ms']:.3f} ms, pool "
-              f"{b['pool_p50_ms']:.3f} ms -> overhead {b['latency_overhead_pct']:+.1f}% (target <= 5%)")
-        print(f"    saturation: bare client {b['bare_rps']:,.0f} req/s, {b['bare_cpu_us']:.0f} µs CPU/req | pool "
-              f"{b['pool_rps']:,.0f} req/s, {b['pool_cpu_us']:.0f} µs CPU/req | pool adds {b['pool_added_cpu_us']:.1f} µs "
-              f"= {b['overhead_pct']:.1f}% of the bare request time (throughput ratio "
-              f"{b['throughput_overhead_pct']:+.1f}%)")
+        print(
+            f"(b) at {b['rate_rps']:,.0f} req/s: p50 latency bare {b['bare_p50_ms']:.3f} ms, pool "
+            f"{b['pool_p50_ms']:.3f} ms -> overhead {b['latency_overhead_pct']:+.1f}% (target <= 5%)"
+        )
+        print(
+            f"    saturation: bare client {b['bare_rps']:,.0f} req/s, {b['bare_cpu_us']:.0f} µs CPU/req | pool "
+            f"{b['pool_rps']:,.0f} req/s, {b['pool_cpu_us']:.0f} µs CPU/req | "
+            f"pool adds {b['pool_added_cpu_us']:.1f} µs "
+            f"= {b['overhead_pct']:.1f}% of the bare request time (throughput ratio "
+            f"{b['throughput_overhead_pct']:+.1f}%)"
+        )
     if "c_fleet_cycle" in out:
         c = out["c_fleet_cycle"]
-        print(f"(c) pause->update->resume on {c['engines']} engines: control {c['control_ms_median']:.1f} ms median "
-              f"(max {c['control_ms_max']:.1f}), load {c['load_ms_median']:.1f} ms, lost {c['requests_lost']} of "
-              f"{c['requests_completed'] + c['requests_lost']} (targets <= 50 ms, 0 lost)")
+        print(
+            f"(c) pause->update->resume on {c['engines']} engines: control {c['control_ms_median']:.1f} ms median "
+            f"(max {c['control_ms_max']:.1f}), load {c['load_ms_median']:.1f} ms, lost {c['requests_lost']} of "
+            f"{c['requests_completed'] + c['requests_lost']} (targets <= 50 ms, 0 lost)"
+        )
     targets = {}
     if "b_pool_overhead" in out:
         targets["pool_latency_overhead_at_1000rps<=5%"] = out["b_pool_overhead"]["latency_overhead_pct"] <= 5

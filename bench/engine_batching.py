@@ -39,14 +39,17 @@ def make_prompts(backend: ReferenceBackend, n: int) -> list[list[int]]:
     prompts = []
     for i in range(n):
         question = " ".join([QUESTIONS[i % len(QUESTIONS)]] * (1 + i % 4))  # lengths vary ~4x
-        messages = [{"role": "system", "content": "You are a helpful assistant."},
-                    {"role": "user", "content": question}]
+        messages = [
+            {"role": "system", "content": "You are a helpful assistant."},
+            {"role": "user", "content": question},
+        ]
         prompts.append(list(tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)["input_ids"]))
     return prompts
 
 
-async def run_batched(backend: ReferenceBackend, prompts: list[list[int]], max_new: int,
-                      temperature: float) -> tuple[float, list[list[int]]]:
+async def run_batched(
+    backend: ReferenceBackend, prompts: list[list[int]], max_new: int, temperature: float
+) -> tuple[float, list[list[int]]]:
     params = SamplingParams(max_new_tokens=max_new, temperature=temperature, ignore_eos=True)
     states = [GenState(f"bench-{i}", p, params) for i, p in enumerate(prompts)]
     t0 = time.perf_counter()
@@ -54,8 +57,9 @@ async def run_batched(backend: ReferenceBackend, prompts: list[list[int]], max_n
     return time.perf_counter() - t0, [s.output_ids for s in states]
 
 
-def run_sequential(model: Any, prompts: list[list[int]], max_new: int,
-                   temperature: float) -> tuple[float, list[list[int]]]:
+def run_sequential(
+    model: Any, prompts: list[list[int]], max_new: int, temperature: float
+) -> tuple[float, list[list[int]]]:
     import torch
     from transformers import GenerationConfig
 
@@ -69,15 +73,16 @@ def run_sequential(model: Any, prompts: list[list[int]], max_new: int,
         with torch.inference_mode():
             for p in prompts:
                 out = model.generate(torch.tensor([p]), generation_config=gen)
-                outputs.append(out[0, len(p):].tolist())
+                outputs.append(out[0, len(p) :].tolist())
         return time.perf_counter() - t0, outputs
     finally:
         model.generation_config.eos_token_id = saved
 
 
 async def amain(args: argparse.Namespace) -> dict[str, Any]:
-    backend = ReferenceBackend(ReferenceConfig(model=args.model, max_running=max(64, args.concurrency),
-                                               torch_threads=args.threads))
+    backend = ReferenceBackend(
+        ReferenceConfig(model=args.model, max_running=max(64, args.concurrency), torch_threads=args.threads)
+    )
     await backend.start()
     try:
         import torch
@@ -94,10 +99,12 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
             sequential.append(sum(map(len, out_s)) / ts)
             ratios.append(batched[-1] / sequential[-1])
             same = sum(a == b for a, b in zip(out_b, out_s, strict=True))
-            print(f"batched {batched[-1]:,.0f} tok/s ({tb:.2f} s)  "
-                  f"sequential {sequential[-1]:,.0f} tok/s ({ts:.2f} s)  "
-                  f"ratio {ratios[-1]:.2f}" + (f"  greedy outputs equal {same}/{len(prompts)}" if temp == 0 else ""),
-                  file=sys.stderr)
+            print(
+                f"batched {batched[-1]:,.0f} tok/s ({tb:.2f} s)  "
+                f"sequential {sequential[-1]:,.0f} tok/s ({ts:.2f} s)  "
+                f"ratio {ratios[-1]:.2f}" + (f"  greedy outputs equal {same}/{len(prompts)}" if temp == 0 else ""),
+                file=sys.stderr,
+            )
         b, s = statistics.median(batched), statistics.median(sequential)
         return {
             "bench": "engine_batching",

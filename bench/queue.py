@@ -44,8 +44,8 @@ import subprocess
 import tempfile
 import time
 import uuid
-from pathlib import Path
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -55,9 +55,9 @@ from redis.exceptions import RedisError
 from bench.workflows import TOKENS, FixedTrajectory, make_trajectory
 from rollq.producer.producer import JobRequest, Producer
 from rollq.protocol.codec import Codec
-from rollq.redis_client import redis_client
 from rollq.protocol.keys import RunKeys
 from rollq.protocol.messages import Job, Trajectory
+from rollq.redis_client import redis_client
 from rollq.workers.outputs import to_sequences
 
 REPO = Path(__file__).resolve().parent.parent
@@ -81,10 +81,19 @@ class Procs:
         self.log_dir = log_dir
         self._procs: list[tuple[str, subprocess.Popen, Any]] = []
 
-    def start(self, name: str, argv: list[str], *, env: dict[str, str] | None = None, cwd: Path = REPO) -> subprocess.Popen:
+    def start(
+        self, name: str, argv: list[str], *, env: dict[str, str] | None = None, cwd: Path = REPO
+    ) -> subprocess.Popen:
         log = open(self.log_dir / f"{name}-{len(self._procs)}.log", "wb")
-        proc = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            argv,
+            cwd=cwd,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         self._procs.append((name, proc, log))
         return proc
 
@@ -125,8 +134,24 @@ def start_redis(procs: Procs, data_dir: Path, timeout_s: float = 15.0) -> str:
         raise BenchError("redis-server is not on PATH (or pass --redis URL)")
     for _ in range(5):
         port = free_port()
-        proc = procs.start("redis", [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                                     "--dir", str(data_dir), "--protected-mode", "no"])
+        proc = procs.start(
+            "redis",
+            [
+                exe,
+                "--port",
+                str(port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(data_dir),
+                "--protected-mode",
+                "no",
+            ],
+        )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline and proc.poll() is None:
             try:
@@ -172,7 +197,7 @@ async def redis_cpu_s(redis: Any) -> float | None:
     try:
         info = await redis.info("cpu")
         return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
-    except Exception:  # noqa: BLE001 - diagnostics only (e.g. INFO disabled on a managed Redis)
+    except Exception:
         return None
 
 
@@ -189,8 +214,10 @@ async def delete_matching(redis: Any, pattern: str) -> None:
 
 
 def cpu_us_per_item(before: dict[str, float | None], after: dict[str, float | None], n: int) -> dict[str, float | None]:
-    return {k: (None if before[k] is None or after.get(k) is None else round((after[k] - before[k]) / n * 1e6, 1))
-            for k in before}
+    return {
+        k: (None if before[k] is None or after.get(k) is None else round((after[k] - before[k]) / n * 1e6, 1))
+        for k in before
+    }
 
 
 # -- (a) rollq -----------------------------------------------------------------------------------------------------
@@ -198,8 +225,11 @@ def cpu_us_per_item(before: dict[str, float | None], after: dict[str, float | No
 
 async def start_worker(procs: Procs, redis: Any, url: str, run: str, *args: str) -> subprocess.Popen:
     """A `rollq worker` subprocess for `run`, returned once it registered (or BenchError with its log)."""
-    worker = procs.start("rollq-worker", [*rollq_argv(), "worker", "--redis", url, "--run", run, "--allow", "bench", "--log-level",
-                                          "WARNING", *args], env=bench_env())
+    worker = procs.start(
+        "rollq-worker",
+        [*rollq_argv(), "worker", "--redis", url, "--run", run, "--allow", "bench", "--log-level", "WARNING", *args],
+        env=bench_env(),
+    )
     deadline = time.monotonic() + 30
     while not await redis.zcard(RunKeys(run).workers):
         if worker.poll() is not None:
@@ -214,9 +244,10 @@ async def bench_rollq(url: str, procs: Procs, jobs: int, concurrency: int, timeo
     run = f"bench-{uuid.uuid4().hex[:10]}"
     keys = RunKeys(run)
     redis = redis_client(url)
-    worker = await start_worker(procs, redis, url, run, "--concurrency", str(concurrency))  # run_bench stops it on failure
+    worker = await start_worker(
+        procs, redis, url, run, "--concurrency", str(concurrency)
+    )  # run_bench stops it on failure
     try:
-
         producer = Producer(redis, run)
         consumer = producer.consumer(group="trainer", name="bench")
         await consumer.setup()
@@ -245,7 +276,11 @@ async def bench_rollq(url: str, procs: Procs, jobs: int, concurrency: int, timeo
             t_consumed = time.perf_counter()
 
         run_deadline = time.monotonic() + timeout_s
-        cpu0 = {"worker": proc_cpu_s(worker.pid), "bench_process": time.process_time(), "redis": await redis_cpu_s(redis)}
+        cpu0 = {
+            "worker": proc_cpu_s(worker.pid),
+            "bench_process": time.process_time(),
+            "redis": await redis_cpu_s(redis),
+        }
         t0 = time.perf_counter()
         t_submitted = t_consumed = t0
 
@@ -263,22 +298,30 @@ async def bench_rollq(url: str, procs: Procs, jobs: int, concurrency: int, timeo
             for task in done:
                 task.result()  # raises the first failure
             if len(done) < 2:
-                raise BenchError(f"rollq: still {'submitting' if not submit_task.done() else 'consuming'} after "
-                                 f"{timeout_s:g} s ({len(seen)} of {jobs} trajectories arrived)")
+                raise BenchError(
+                    f"rollq: still {'submitting' if not submit_task.done() else 'consuming'} after "
+                    f"{timeout_s:g} s ({len(seen)} of {jobs} trajectories arrived)"
+                )
         finally:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
         submitted = submit_task.result()
         elapsed = t_consumed - t0
-        cpu1 = {"worker": proc_cpu_s(worker.pid), "bench_process": time.process_time(), "redis": await redis_cpu_s(redis)}
+        cpu1 = {
+            "worker": proc_cpu_s(worker.pid),
+            "bench_process": time.process_time(),
+            "redis": await redis_cpu_s(redis),
+        }
 
         expected = {(f"j{i}", 0) for i in range(jobs)}
         if not all(s.admitted for s in submitted) or len(submitted) != jobs:
             raise BenchError("rollq: not every job was admitted")
         if seen != expected or duplicates or bad:
-            raise BenchError(f"rollq: {len(expected - seen)} missing, {len(seen - expected)} unexpected, {duplicates} "
-                             f"duplicates, {bad} malformed trajectories")
+            raise BenchError(
+                f"rollq: {len(expected - seen)} missing, {len(seen - expected)} unexpected, {duplicates} "
+                f"duplicates, {bad} malformed trajectories"
+            )
         return {
             "jobs": jobs,
             "seconds": elapsed,
@@ -325,8 +368,12 @@ async def bench_arq(url: str, procs: Procs, jobs: int, timeout_s: float, *, stoc
         t0 = time.perf_counter()
         for start in range(0, jobs, ARQ_ENQUEUE_BATCH):
             chunk = await asyncio.wait_for(
-                asyncio.gather(*[pool.enqueue_job("fixed_trajectory", {"i": i})
-                                 for i in range(start, min(jobs, start + ARQ_ENQUEUE_BATCH))]),
+                asyncio.gather(
+                    *[
+                        pool.enqueue_job("fixed_trajectory", {"i": i})
+                        for i in range(start, min(jobs, start + ARQ_ENQUEUE_BATCH))
+                    ]
+                ),
                 max(0.1, run_deadline - time.monotonic()),
             )
             arq_jobs.extend(chunk)
@@ -343,9 +390,9 @@ async def bench_arq(url: str, procs: Procs, jobs: int, timeout_s: float, *, stoc
             ids = list(pending)
             got = 0
             for start in range(0, len(ids), 1024):
-                part = ids[start:start + 1024]
+                part = ids[start : start + 1024]
                 values = await pool.mget([f"arq:result:{i}" for i in part])
-                for job_id, raw in zip(part, values):
+                for job_id, raw in zip(part, values, strict=True):
                     if raw is None:
                         continue
                     info = deserialize_result(raw)
@@ -359,8 +406,13 @@ async def bench_arq(url: str, procs: Procs, jobs: int, timeout_s: float, *, stoc
         elapsed = time.perf_counter() - t0
         if bad:
             raise BenchError(f"arq: {bad} results failed or were malformed")
-        return {"jobs": jobs, "seconds": elapsed, "traj_per_s": jobs / elapsed, "submit_seconds": t_submitted - t0,
-                "worker": "stock arq (asyncio loop, INFO logs)" if stock else "arq on uvloop, WARNING logs"}
+        return {
+            "jobs": jobs,
+            "seconds": elapsed,
+            "traj_per_s": jobs / elapsed,
+            "submit_seconds": t_submitted - t0,
+            "worker": "stock arq (asyncio loop, INFO logs)" if stock else "arq on uvloop, WARNING logs",
+        }
     finally:
         procs.stop(worker, grace_s=10)
         with contextlib.suppress(Exception):  # only this measurement's keys
@@ -369,7 +421,7 @@ async def bench_arq(url: str, procs: Procs, jobs: int, timeout_s: float, *, stoc
                 if job is not None:
                     keys += [f"arq:{kind}:{job.job_id}" for kind in ("job", "result", "in-progress", "retry")]
             for start in range(0, len(keys), 5000):
-                await asyncio.wait_for(pool.unlink(*keys[start:start + 5000]), 30)
+                await asyncio.wait_for(pool.unlink(*keys[start : start + 5000]), 30)
         await pool.aclose()
 
 
@@ -399,9 +451,19 @@ async def bench_asyncio_queue(jobs: int, concurrency: int, timeout_s: float) -> 
             started = time.time()
             job = codec.decode_job(payload)
             sequences = to_sequences(await workflow.arun_episode(None, job.data))
-            traj = Trajectory(job_id=job.job_id, sample_index=job.sample_index, n=job.n, status="ok",
-                              sequences=sequences or [], worker_id=worker_name, workflow=job.workflow, attempt=1,
-                              submitted_at=job.submitted_at, started_at=started, finished_at=time.time())
+            traj = Trajectory(
+                job_id=job.job_id,
+                sample_index=job.sample_index,
+                n=job.n,
+                status="ok",
+                sequences=sequences or [],
+                worker_id=worker_name,
+                workflow=job.workflow,
+                attempt=1,
+                submitted_at=job.submitted_at,
+                started_at=started,
+                finished_at=time.time(),
+            )
             await q_out.put(codec.encode(traj))
 
     async def consume() -> set[tuple[str, int]]:
@@ -482,7 +544,9 @@ def _best_us(fn: Any, min_time_s: float, repeats: int) -> float:
     return best * 1e6
 
 
-def bench_encodings(lengths: tuple[int, ...], min_time_s: float, repeats: int) -> dict[str, dict[str, dict[str, float]]]:
+def bench_encodings(
+    lengths: tuple[int, ...], min_time_s: float, repeats: int
+) -> dict[str, dict[str, dict[str, float]]]:
     codec = Codec()
     list_enc = msgspec.msgpack.Encoder()
     list_dec = msgspec.msgpack.Decoder(ListTrajectory)
@@ -490,17 +554,28 @@ def bench_encodings(lengths: tuple[int, ...], min_time_s: float, repeats: int) -
     now = time.time()
     for length in lengths:
         raw = make_trajectory(length)
-        meta = dict(job_id=uuid.uuid4().hex, sample_index=0, n=1, status="ok", worker_id="host-1234-abcdef",
-                    workflow=WORKFLOW, attempt=1, submitted_at=now, started_at=now, finished_at=now)
+        meta = dict(
+            job_id=uuid.uuid4().hex,
+            sample_index=0,
+            n=1,
+            status="ok",
+            worker_id="host-1234-abcdef",
+            workflow=WORKFLOW,
+            attempt=1,
+            submitted_at=now,
+            started_at=now,
+            finished_at=now,
+        )
         traj = Trajectory(sequences=to_sequences(raw), **meta)
         list_traj = ListTrajectory(sequences=[ListSequence(**raw)], **meta)
         as_dict = {**meta, "sequences": [dict(raw)], "schema": 1}
+        # Default arguments bind this iteration's values: the closures are timed after the loop moved on.
         cases: dict[str, tuple[Any, Any]] = {
-            "msgspec_msgpack_lists": (lambda: list_enc.encode(list_traj), list_dec.decode),
-            "rollq_codec_packed": (lambda: codec.encode(traj), codec.decode_trajectory),
-            "rollq_json": (lambda: codec.encode_json(traj), lambda b: codec.decode_json(b, Trajectory)),
-            "pickle_lists": (lambda: pickle.dumps(as_dict, protocol=pickle.HIGHEST_PROTOCOL), pickle.loads),
-            "json_stdlib_lists": (lambda: json.dumps(as_dict).encode(), json.loads),
+            "msgspec_msgpack_lists": (lambda t=list_traj: list_enc.encode(t), list_dec.decode),
+            "rollq_codec_packed": (lambda t=traj: codec.encode(t), codec.decode_trajectory),
+            "rollq_json": (lambda t=traj: codec.encode_json(t), lambda b: codec.decode_json(b, Trajectory)),
+            "pickle_lists": (lambda d=as_dict: pickle.dumps(d, protocol=pickle.HIGHEST_PROTOCOL), pickle.loads),
+            "json_stdlib_lists": (lambda d=as_dict: json.dumps(d).encode(), json.loads),
         }
         for name, (enc, dec) in cases.items():
             payload = enc()
@@ -512,7 +587,7 @@ def bench_encodings(lengths: tuple[int, ...], min_time_s: float, repeats: int) -
             out.setdefault(name, {})[str(length)] = {
                 "bytes": len(payload),
                 "encode_us": round(_best_us(enc, min_time_s, repeats), 2),
-                "decode_us": round(_best_us(lambda: dec(payload), min_time_s, repeats), 2),
+                "decode_us": round(_best_us(lambda d=dec, p=payload: d(p), min_time_s, repeats), 2),
             }
     return out
 
@@ -567,7 +642,7 @@ async def check_redis(url: str, timeout_s: float = 10.0) -> None:
     client = redis_client(url, retries=0)
     try:
         await asyncio.wait_for(client.ping(), timeout_s)
-    except Exception as exc:  # noqa: BLE001 - any failure here means: no usable Redis at this URL
+    except Exception as exc:
         raise BenchError(f"cannot reach Redis at {url}: {type(exc).__name__}: {exc}") from None
     finally:
         await client.aclose()
@@ -575,20 +650,25 @@ async def check_redis(url: str, timeout_s: float = 10.0) -> None:
 
 async def amain(args: argparse.Namespace, url: str, procs: Procs) -> dict[str, Any]:
     await check_redis(url)
-    encodings = bench_encodings((TOKENS, 4 * TOKENS), min_time_s=0.02 if args.quick else 0.1, repeats=3 if args.quick else 5)
+    encodings = bench_encodings(
+        (TOKENS, 4 * TOKENS), min_time_s=0.02 if args.quick else 0.1, repeats=3 if args.quick else 5
+    )
 
     systems: dict[str, dict[str, Any] | None] = {}
     rollq_runs = []
     for _ in range(args.repeat):
-        rollq_runs.append(await bench_rollq(url, procs, args.jobs, args.concurrency, args.timeout or max(120.0, args.jobs / 100)))
+        rollq_runs.append(
+            await bench_rollq(url, procs, args.jobs, args.concurrency, args.timeout or max(120.0, args.jobs / 100))
+        )
     rollq = sorted(rollq_runs, key=lambda r: r["traj_per_s"])[len(rollq_runs) // 2]  # the median run
     if len(rollq_runs) > 1:
         rollq["all_traj_per_s"] = [round(r["traj_per_s"], 1) for r in rollq_runs]
     systems["rollq"] = rollq
     if args.arq_jobs > 0:
         arq_url = url if args.arq_db is None else with_db(url, args.arq_db)
-        systems["arq"] = await bench_arq(arq_url, procs, args.arq_jobs, args.timeout or max(120.0, args.arq_jobs / 10),
-                                         stock=args.arq_stock)
+        systems["arq"] = await bench_arq(
+            arq_url, procs, args.arq_jobs, args.timeout or max(120.0, args.arq_jobs / 10), stock=args.arq_stock
+        )
     else:
         systems["arq"] = None
     systems["asyncio.Queue"] = await bench_asyncio_queue(args.jobs, args.concurrency, args.timeout or 300.0)
@@ -611,8 +691,10 @@ async def amain(args: argparse.Namespace, url: str, procs: Procs) -> dict[str, A
             f"rollq_traj_per_s>={TARGET_RATE:.0f}": rate >= TARGET_RATE,
             f"rollq_vs_arq>={TARGET_VS_ARQ:.0f}": None if vs_arq is None else vs_arq >= TARGET_VS_ARQ,
         },
-        "systems": {k: ({kk: (round(vv, 4) if isinstance(vv, float) else vv) for kk, vv in v.items()} if v else None)
-                    for k, v in systems.items()},
+        "systems": {
+            k: ({kk: (round(vv, 4) if isinstance(vv, float) else vv) for kk, vv in v.items()} if v else None)
+            for k, v in systems.items()
+        },
         "encodings": encodings,
     }
     print_report(systems, encodings, summary)
@@ -625,11 +707,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--jobs", type=int, default=20_000, help="trajectories for rollq and asyncio.Queue (default 20000)")
     p.add_argument("--arq-jobs", type=int, default=2_000, help="trajectories for arq (default 2000; 0 skips arq)")
     p.add_argument("--arq-db", type=int, default=1, help="Redis database for arq (default 1)")
-    p.add_argument("--arq-stock", action="store_true",
-                   help="run the arq worker as shipped (asyncio loop, per-job INFO logs) instead of on uvloop, quiet")
+    p.add_argument(
+        "--arq-stock",
+        action="store_true",
+        help="run the arq worker as shipped (asyncio loop, per-job INFO logs) instead of on uvloop, quiet",
+    )
     p.add_argument("--concurrency", type=int, default=256, help="worker concurrency / worker coroutines (default 256)")
     p.add_argument("--repeat", type=int, default=1, help="rollq measurements (fresh run each; the median is reported)")
-    p.add_argument("--timeout", type=float, default=0.0, help="seconds per measurement before giving up (default: by N)")
+    p.add_argument(
+        "--timeout", type=float, default=0.0, help="seconds per measurement before giving up (default: by N)"
+    )
     p.add_argument("--quick", action="store_true", help="smoke run: 1000 jobs, 200 arq jobs, short encoding timings")
     args = p.parse_args(argv)
     if args.quick:
@@ -658,9 +745,11 @@ def run_bench(run: Callable[[Procs, Path], Awaitable[Any]], prefix: str) -> int:
         else:
             uvloop.run(run(procs, tmp))
         return 0
-    except (BenchError, RedisError, asyncio.TimeoutError) as exc:
-        print(f"bench failed: {type(exc).__name__}: {exc}" if not isinstance(exc, BenchError) else f"bench failed: {exc}",
-              file=sys.stderr)
+    except (TimeoutError, BenchError, RedisError) as exc:
+        print(
+            f"bench failed: {type(exc).__name__}: {exc}" if not isinstance(exc, BenchError) else f"bench failed: {exc}",
+            file=sys.stderr,
+        )
         return 1
     finally:
         procs.stop_all()

@@ -5,16 +5,13 @@ shared keep-alive `aiohttp.ClientSession` per process (see `engine.http.shared_h
 
 from __future__ import annotations
 
-import asyncio
 import json as jsonlib
-from collections.abc import Callable
 from typing import Any
 
 import aiohttp
 import msgspec
 
 from rollq.engine.types import FinishReason, GenerateResult, PauseMode, ProgressCallback, SamplingParams
-
 
 
 class EngineError(Exception):
@@ -49,8 +46,6 @@ def error_message(body: Any) -> str:
     return str(body)[:500]
 
 
-
-
 def parse_generate(body: dict[str, Any]) -> GenerateResult:
     meta = body.get("meta_info") or {}
     finish = meta.get("finish_reason")
@@ -67,7 +62,7 @@ def parse_generate(body: dict[str, Any]) -> GenerateResult:
     )
 
 
-def _json_or_text(reply: "_Reply") -> Any:
+def _json_or_text(reply: _Reply) -> Any:
     try:
         return reply.json()
     except ValueError:
@@ -98,11 +93,14 @@ class SGLangClient:
     async def _request(self, method: str, path: str, *, json: Any = None, timeout: float | None = 30.0) -> _Reply:
         try:
             async with self.http.request(
-                method, self.url + path, json=json, headers=self.headers,
+                method,
+                self.url + path,
+                json=json,
+                headers=self.headers,
                 timeout=aiohttp.ClientTimeout(total=timeout, connect=5.0),
             ) as resp:
                 reply = _Reply(resp.status, await resp.read())
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             raise EngineUnavailable(self.url, f"{type(exc).__name__}: {exc}") from None
         if reply.status >= 500:
             raise EngineUnavailable(self.url, f"HTTP {reply.status}: {reply.text[:200]}")
@@ -143,16 +141,21 @@ class SGLangClient:
             body = body[0]
         return parse_generate(body)
 
-    async def _generate_stream(self, payload: dict[str, Any], timeout: float | None,
-                               on_progress: ProgressCallback) -> GenerateResult:
+    async def _generate_stream(
+        self, payload: dict[str, Any], timeout: float | None, on_progress: ProgressCallback
+    ) -> GenerateResult:
         """`stream: true`: chunks carry the cumulative output_ids and logprobs (SGLang 0.5.23 and rollq's engines;
         0.5.5 sends deltas and may drop chunks — stream only against the former). The last chunk is the result."""
         payload = {**payload, "stream": True}
         last: dict[str, Any] | None = None
         seen = 0
         try:
-            async with self.http.post(self.url + "/generate", json=payload, headers=self.headers,
-                                      timeout=aiohttp.ClientTimeout(total=timeout, connect=5.0)) as resp:
+            async with self.http.post(
+                self.url + "/generate",
+                json=payload,
+                headers=self.headers,
+                timeout=aiohttp.ClientTimeout(total=timeout, connect=5.0),
+            ) as resp:
                 if resp.status >= 400:
                     reply = _Reply(resp.status, await resp.read())
                     if resp.status >= 500:
@@ -172,11 +175,11 @@ class SGLangClient:
                         ids = chunk.get("output_ids") or []
                         if len(ids) > seen:
                             entries = (chunk.get("meta_info") or {}).get("output_token_logprobs") or []
-                            lps = [float(e[0]) if e[0] is not None else 0.0 for e in entries[seen:len(ids)]]
+                            lps = [float(e[0]) if e[0] is not None else 0.0 for e in entries[seen : len(ids)]]
                             on_progress(ids[seen:], lps + [0.0] * (len(ids) - seen - len(lps)))
                             seen = len(ids)
                         last = chunk
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as exc:
+        except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as exc:
             raise EngineUnavailable(self.url, f"stream broke: {type(exc).__name__}: {exc}") from None
         if last is None or (last.get("meta_info") or {}).get("finish_reason") is None:
             raise EngineUnavailable(self.url, "stream ended before the request finished")
@@ -190,8 +193,13 @@ class SGLangClient:
         await self._json("POST", "/continue_generation", json={})
 
     async def update_weights_from_disk(
-        self, model_path: str, *, weight_version: str | None = None, abort_all_requests: bool = False,
-        flush_cache: bool | None = None, timeout: float | None = None,
+        self,
+        model_path: str,
+        *,
+        weight_version: str | None = None,
+        abort_all_requests: bool = False,
+        flush_cache: bool | None = None,
+        timeout: float | None = None,
     ) -> dict[str, Any]:
         payload: dict[str, Any] = {"model_path": model_path, "abort_all_requests": abort_all_requests}
         if weight_version is not None:

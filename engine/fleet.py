@@ -59,8 +59,8 @@ class FleetController:
 
         errors = await asyncio.gather(*(one(m) for m in members))
         result = FleetResult(
-            ok=[m.url for m, e in zip(members, errors) if e is None],
-            failed={m.url: e for m, e in zip(members, errors) if e is not None},
+            ok=[m.url for m, e in zip(members, errors, strict=True) if e is None],
+            failed={m.url: e for m, e in zip(members, errors, strict=True) if e is not None},
             seconds=time.monotonic() - started,
             load_seconds=max(loads, default=0.0),
         )
@@ -120,5 +120,11 @@ class FleetController:
         t2 = time.monotonic()
         await self.resume()
         t3 = time.monotonic()
-        return {"pause_s": t1 - t0, "update_s": t2 - t1, "resume_s": t3 - t2, "total_s": t3 - t0,
-                "load_s": update.load_seconds, "control_s": t3 - t0 - update.load_seconds}
+        return {
+            "pause_s": t1 - t0,
+            "update_s": t2 - t1,
+            "resume_s": t3 - t2,
+            "total_s": t3 - t0,
+            "load_s": update.load_seconds,
+            "control_s": t3 - t0 - update.load_seconds,
+        }

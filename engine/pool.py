@@ -121,7 +121,9 @@ class EnginePool:
         url = url.rstrip("/")
         member = self.members.get(url)
         if member is None:
-            member = self.members[url] = EngineMember(url, SGLangClient(url, self._session(), api_key=self.config.api_key))
+            member = self.members[url] = EngineMember(
+                url, SGLangClient(url, self._session(), api_key=self.config.api_key)
+            )
             log.info("engine %s joined the pool", url)
             self._signal()
         return member
@@ -138,18 +140,18 @@ class EnginePool:
         if self._health_task is None:
             self._health_task = asyncio.create_task(self._health_loop(), name="engine-health")
 
-    def follow(self, registry: "EngineRegistry", interval_s: float = 1.0) -> None:
+    def follow(self, registry: EngineRegistry, interval_s: float = 1.0) -> None:
         """Keep membership in step with a Redis engine registry (engines join and leave live)."""
         self._registry_task = asyncio.create_task(self._follow(registry, interval_s), name="engine-registry")
 
-    async def sync_registry(self, registry: "EngineRegistry") -> None:
+    async def sync_registry(self, registry: EngineRegistry) -> None:
         live = set(await registry.live())
         for url in live - set(self.members):
             self.add(url)
         for url in set(self.members) - live - self.static_urls:
             self.remove(url)
 
-    async def _follow(self, registry: "EngineRegistry", interval_s: float) -> None:
+    async def _follow(self, registry: EngineRegistry, interval_s: float) -> None:
         while True:
             try:
                 await self.sync_registry(registry)
@@ -167,7 +169,7 @@ class EnginePool:
             await self.http.close()
             self.http = None
 
-    async def __aenter__(self) -> "EnginePool":
+    async def __aenter__(self) -> EnginePool:
         await self.start()
         return self
 
@@ -180,8 +182,8 @@ class EnginePool:
             *(m.client.health_generate(timeout=self.config.health_timeout_s) for m in members)
         )
         if self.target_version is not None:
-            await self._check_versions([m for m, ok in zip(members, results) if ok])
-        for member, ok in zip(members, results):
+            await self._check_versions([m for m, ok in zip(members, results, strict=True) if ok])
+        for member, ok in zip(members, results, strict=True):
             if ok:
                 if not member.healthy:
                     log.info("engine %s is healthy again", member.url)
@@ -200,13 +202,18 @@ class EnginePool:
         versions = await asyncio.gather(*(m.client.weight_version() for m in members), return_exceptions=True)
         if self.updating or self.target_version != target:  # an update began or ended meanwhile: look next time
             return
-        for member, version in zip(members, versions):
+        for member, version in zip(members, versions, strict=True):
             if isinstance(version, str):
                 member.weight_version = version
                 stale = version != self.target_version
                 if stale != member.stale:
-                    log.info("engine %s is %s (version %s, fleet at %s)", member.url,
-                             "stale" if stale else "current again", version, self.target_version)
+                    log.info(
+                        "engine %s is %s (version %s, fleet at %s)",
+                        member.url,
+                        "stale" if stale else "current again",
+                        version,
+                        self.target_version,
+                    )
                     member.stale = stale
                     if not stale:
                         self._signal()
@@ -261,10 +268,12 @@ class EnginePool:
                 return member
             left = deadline - time.monotonic()
             if left <= 0:
-                raise NoEngineAvailable(f"no healthy engine among {len(self.members)} for {self.config.no_engine_timeout_s}s")
+                raise NoEngineAvailable(
+                    f"no healthy engine among {len(self.members)} for {self.config.no_engine_timeout_s}s"
+                )
             try:
                 await asyncio.wait_for(self._changed.wait(), min(left, self.config.health_interval_s))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 if self._health_task is None:
                     await self.check_health()
 
@@ -305,14 +314,19 @@ class EnginePool:
             streamed: tuple[list[int], list[float]] = ([], [])
             progress = None
             if on_tokens is not None:
+
                 def progress(ids: list[int], lps: list[float], streamed=streamed) -> None:
                     streamed[0].extend(ids)
                     streamed[1].extend(lps)
                     on_tokens(ids, lps)
+
             try:
                 result = await member.client.generate(
-                    req.input_ids + tokens if tokens else req.input_ids, sampling, rid=f"{rid}-{segments}",
-                    return_logprob=True, on_progress=progress,
+                    req.input_ids + tokens if tokens else req.input_ids,
+                    sampling,
+                    rid=f"{rid}-{segments}",
+                    return_logprob=True,
+                    on_progress=progress,
                 )
             except asyncio.CancelledError:
                 # The caller gave up: free the engine's slot too (a closed connection alone may not abort it).
@@ -326,8 +340,7 @@ class EnginePool:
                     logprobs += streamed[1]
                     versions += [version_number(member.weight_version)] * len(streamed[0])
                     if len(tokens) >= budget:
-                        return self._response(req, rid, tokens, logprobs, versions, "length", member, segments,
-                                              started)
+                        return self._response(req, rid, tokens, logprobs, versions, "length", member, segments, started)
                 failed.add(member.url)
                 self._evict(member, exc.reason)
                 if len(failed) > self.config.max_failovers:
@@ -356,8 +369,17 @@ class EnginePool:
             return self._response(req, rid, tokens, logprobs, versions, reason, member, segments, started)
 
     @staticmethod
-    def _response(req: ModelRequest, rid: str, tokens: list[int], logprobs: list[float], versions: list[int],
-                  reason: str, member: EngineMember, segments: int, started: float) -> ModelResponse:
+    def _response(
+        req: ModelRequest,
+        rid: str,
+        tokens: list[int],
+        logprobs: list[float],
+        versions: list[int],
+        reason: str,
+        member: EngineMember,
+        segments: int,
+        started: float,
+    ) -> ModelResponse:
         return ModelResponse(
             input_tokens=req.input_ids,
             output_tokens=tokens,

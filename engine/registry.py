@@ -8,8 +8,8 @@ import time
 
 import redis.asyncio as aioredis
 
-from rollq.redis_client import TRANSIENT_ERRORS
 from rollq.protocol.keys import RunKeys
+from rollq.redis_client import TRANSIENT_ERRORS
 
 log = logging.getLogger("rollq.engine")
 

@@ -24,7 +24,8 @@ ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 # Qwen keeps the tool tags as added but non-special tokens, so they survive skip_special_tokens for tool parsers.
 TOOL_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
 QWEN2_PRETOKENIZE_REGEX = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
 
 
@@ -163,10 +164,12 @@ def build_tokenizer(spec: TinySpec):
     raw = Tokenizer(models.BPE())
     # Qwen2's normalizer and pre-tokenizer: AutoTokenizer loads this directory as Qwen2Tokenizer, which sets them.
     raw.normalizer = normalizers.NFC()
-    raw.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    raw.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     raw.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=spec.bpe_vocab_size,

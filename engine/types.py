@@ -32,7 +32,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 
 class FinishReason(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """`{"type": "stop", "matched": id|str}` | `{"type": "length", "length": N}` | `{"type": "abort", "message": ...}`."""
+    """`{"type": "stop", "matched": id|str}` | `{"type": "length", "length": N}` |
+    `{"type": "abort", "message": ...}`."""
 
     type: Literal["stop", "length", "abort"]
     matched: int | str | None = None

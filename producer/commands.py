@@ -15,25 +15,33 @@ from rollq.producer.jsonl import JsonlError, json_objects
 from rollq.producer.producer import JobRequest, Producer
 from rollq.producer.status import format_status, gather_status
 from rollq.protocol.codec import Codec
-from rollq.redis_client import redis_client
 from rollq.protocol.keys import RunKeys, inflight_key
 from rollq.protocol.messages import AgentOptions
+from rollq.redis_client import redis_client
 
 
 class InputError(JsonlError):
     pass
 
 
-def read_jobs(stream: IO[str], name: str, workflow: str, n: int, *, workflow_kwargs: dict[str, Any] | None = None,
-              agent: AgentOptions | None = None) -> list[JobRequest]:
+def read_jobs(
+    stream: IO[str],
+    name: str,
+    workflow: str,
+    n: int,
+    *,
+    workflow_kwargs: dict[str, Any] | None = None,
+    agent: AgentOptions | None = None,
+) -> list[JobRequest]:
     """Parse every line first, so a bad line stops the command before anything is submitted."""
     requests: list[JobRequest] = []
     for lineno, data in json_objects(stream, name):
         job_id = data.get("job_id")
         if job_id is not None and (not isinstance(job_id, str) or not job_id):
             raise InputError(f"{name}:{lineno}: job_id must be a non-empty string, got {job_id!r}")
-        requests.append(JobRequest(workflow=workflow, data=data, n=n, job_id=job_id, workflow_kwargs=workflow_kwargs,
-                                   agent=agent))
+        requests.append(
+            JobRequest(workflow=workflow, data=data, n=n, job_id=job_id, workflow_kwargs=workflow_kwargs, agent=agent)
+        )
     return requests
 
 
@@ -80,7 +88,10 @@ async def _enqueue(args: EnqueueConfig, requests: list[JobRequest]) -> int:
         finally:
             if out is not sys.stdout:
                 out.close()
-        print(f"rollq enqueue: {counts['ok']} ok, {counts['rejected']} rejected, {counts['error']} errors", file=sys.stderr)
+        print(
+            f"rollq enqueue: {counts['ok']} ok, {counts['rejected']} rejected, {counts['error']} errors",
+            file=sys.stderr,
+        )
         await redis.delete(reply_to, inflight_key(reply_to))
         return 0 if counts["error"] == 0 else 1
     finally:
@@ -105,8 +116,13 @@ def enqueue(args: EnqueueConfig) -> int:
 
 
 def _agent_options(args: EnqueueConfig) -> AgentOptions | None:
-    options = AgentOptions(mode=args.agent_mode, export=args.export, turn_discount=args.turn_discount,
-                           timeout_seconds=args.agent_timeout, max_tokens=args.max_tokens)
+    options = AgentOptions(
+        mode=args.agent_mode,
+        export=args.export,
+        turn_discount=args.turn_discount,
+        timeout_seconds=args.agent_timeout,
+        max_tokens=args.max_tokens,
+    )
     return None if options == AgentOptions() else options  # defaults travel as nothing
 
 

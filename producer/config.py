@@ -13,29 +13,46 @@ AGENTS = "agent workflows (a class with `async def run(self, data, **extra_kwarg
 class EnqueueConfig(RunSettings, kw_only=True):
     """Submit one job per JSONL line, and optionally wait for the trajectories."""
 
-    file: Annotated[str, setting("JSONL file, one job's data per line ('-' = stdin); a 'job_id' key makes a line "
-                                 "idempotent", positional=True)]
-    workflow: Annotated[str, setting("workflow: a built-in loop's name or an import path, e.g. my_module:MyWorkflow",
-                                     metavar="IMPORT_PATH")]
+    file: Annotated[
+        str,
+        setting(
+            "JSONL file, one job's data per line ('-' = stdin); a 'job_id' key makes a line idempotent", positional=True
+        ),
+    ]
+    workflow: Annotated[
+        str,
+        setting("workflow: a built-in loop's name or an import path, e.g. my_module:MyWorkflow", metavar="IMPORT_PATH"),
+    ]
     n: Annotated[int, setting("samples per line", metavar="N", ge=1)] = 1
     wait: Annotated[bool, setting("wait for the trajectories and write them as JSON lines")] = False
     output: Annotated[str | None, setting("where --wait writes trajectories (default stdout)", metavar="FILE")] = None
-    timeout: Annotated[float, setting("give up waiting after S seconds (0 = wait as long as it takes)", metavar="S",
-                                      ge=0)] = 0.0
-    max_inflight: Annotated[int, setting("backpressure: samples admitted but not consumed (0 = no bound)",
-                                         metavar="N", ge=0)] = 0
-    kwargs: Annotated[dict[str, Any] | None, setting("workflow_kwargs: the workflow class's arguments (a JSON or "
-                                                     "YAML mapping)", metavar="JSON")] = None
-    agent_mode: Annotated[Literal["inline", "subproc"], setting(
-        "inline: in the worker's event loop; subproc: in a process pool, OPENAI_BASE_URL/OPENAI_API_KEY set",
-        group=AGENTS)] = "inline"
-    export: Annotated[Literal["individual", "concat"], setting(
-        "a sequence per completion, or per conversation branch", group=AGENTS)] = "individual"
-    turn_discount: Annotated[float, setting("reward discount per turn up the conversation tree", ge=0, le=1,
-                                            group=AGENTS)] = 1.0
+    timeout: Annotated[
+        float, setting("give up waiting after S seconds (0 = wait as long as it takes)", metavar="S", ge=0)
+    ] = 0.0
+    max_inflight: Annotated[
+        int, setting("backpressure: samples admitted but not consumed (0 = no bound)", metavar="N", ge=0)
+    ] = 0
+    kwargs: Annotated[
+        dict[str, Any] | None,
+        setting("workflow_kwargs: the workflow class's arguments (a JSON or YAML mapping)", metavar="JSON"),
+    ] = None
+    agent_mode: Annotated[
+        Literal["inline", "subproc"],
+        setting(
+            "inline: in the worker's event loop; subproc: in a process pool, OPENAI_BASE_URL/OPENAI_API_KEY set",
+            group=AGENTS,
+        ),
+    ] = "inline"
+    export: Annotated[
+        Literal["individual", "concat"], setting("a sequence per completion, or per conversation branch", group=AGENTS)
+    ] = "individual"
+    turn_discount: Annotated[
+        float, setting("reward discount per turn up the conversation tree", ge=0, le=1, group=AGENTS)
+    ] = 1.0
     agent_timeout: Annotated[float, setting("an episode's time limit", metavar="S", gt=0, group=AGENTS)] = 600.0
-    max_tokens: Annotated[int, setting("default max_tokens of the agent's requests (0 = the proxy's)", metavar="N",
-                                       ge=0, group=AGENTS)] = 0
+    max_tokens: Annotated[
+        int, setting("default max_tokens of the agent's requests (0 = the proxy's)", metavar="N", ge=0, group=AGENTS)
+    ] = 0
 
 
 class StatusConfig(RunSettings, kw_only=True):

@@ -14,9 +14,9 @@ import redis.asyncio as aioredis
 from rollq.producer.results import ResultConsumer
 from rollq.protocol import scripts
 from rollq.protocol.codec import Codec
-from rollq.redis_client import ensure_group
 from rollq.protocol.keys import WORKER_GROUP, RunKeys, inflight_key
 from rollq.protocol.messages import AgentOptions, Job, Trajectory
+from rollq.redis_client import ensure_group
 
 DEFAULT_SEEN_TTL_S = 7 * 24 * 3600
 
@@ -64,7 +64,9 @@ class Producer:
         self.keys = RunKeys(run)
         self.reply_to = reply_to or self.keys.results
         if not self.keys.owns(self.reply_to):
-            raise ValueError(f"reply stream {self.reply_to!r} is not in run {run!r} (must start with {self.keys.prefix}:)")
+            raise ValueError(
+                f"reply stream {self.reply_to!r} is not in run {run!r} (must start with {self.keys.prefix}:)"
+            )
         self.max_inflight = max_inflight
         self.seen_ttl_s = seen_ttl_s
         self.chunk_size = chunk_size
@@ -89,7 +91,8 @@ class Producer:
         return (await self.submit_many([req]))[0]
 
     async def submit_many(self, requests: Iterable[JobRequest]) -> list[SubmitResult]:
-        """Submit in chunks (one atomic SUBMIT call each), in order; waits (backpressure) where the in-flight bound is reached."""
+        """Submit in chunks (one atomic SUBMIT call each), in order; waits (backpressure) where the in-flight bound
+        is reached."""
         reqs = list(requests)
         for req in reqs:
             self._check(req)
@@ -102,7 +105,7 @@ class Producer:
             chunk = pending[: self.chunk_size]
             replies = await self._submit_chunk(chunk)
             done = 0
-            for (req, job_id), status, info in zip(chunk, replies[0::2], replies[1::2]):
+            for (_, job_id), status, info in zip(chunk, replies[0::2], replies[1::2], strict=True):
                 status = int(status)
                 if status == -1:  # full: this job and the later ones wait, so order is kept
                     break
@@ -157,7 +160,9 @@ class Producer:
 
     def consumer(self, *, group: str = "producer", name: str | None = None, **kwargs: Any) -> ResultConsumer:
         """A consumer of this producer's reply stream."""
-        return ResultConsumer(self.redis, self.reply_to, group=group, name=name or f"producer-{uuid.uuid4().hex[:8]}", **kwargs)
+        return ResultConsumer(
+            self.redis, self.reply_to, group=group, name=name or f"producer-{uuid.uuid4().hex[:8]}", **kwargs
+        )
 
     async def wait_for(
         self, expected: dict[str, int], *, timeout_s: float | None = None, consumer: ResultConsumer | None = None

@@ -13,9 +13,9 @@ from redis.exceptions import ResponseError
 
 from rollq.protocol import scripts
 from rollq.protocol.codec import Codec, CodecError
-from rollq.redis_client import ensure_group, is_nogroup
 from rollq.protocol.keys import DEFAULT_RESULTS_GROUP, PAYLOAD_FIELD, consumed_key, inflight_key
 from rollq.protocol.messages import Trajectory
+from rollq.redis_client import ensure_group, is_nogroup
 
 DEFAULT_DEDUP_TTL_S = 7 * 24 * 3600
 
@@ -128,7 +128,7 @@ class ResultConsumer:
             )
             out: list[Delivered] = []
             seen_now: set[tuple[str, int]] = set()
-            for d, seen in zip(decoded, seen_before):
+            for d, seen in zip(decoded, seen_before, strict=True):
                 key = (d.trajectory.job_id, d.trajectory.sample_index)
                 if seen or key in seen_now:
                     self.duplicates_dropped += 1

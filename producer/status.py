@@ -108,9 +108,11 @@ async def gather_status(redis: aioredis.Redis, run: str, *, recent: int = 5) -> 
     for eid, fields in await redis.xrevrange(keys.dead, count=recent):
         try:
             letter = codec.decode_dead_letter(fields.get(PAYLOAD_FIELD, b""))
-            recent_dead.append(DeadLetterSummary(
-                eid.decode(), letter.job.job_id if letter.job else None, letter.error.type, letter.error.message
-            ))
+            recent_dead.append(
+                DeadLetterSummary(
+                    eid.decode(), letter.job.job_id if letter.job else None, letter.error.type, letter.error.message
+                )
+            )
         except CodecError as exc:
             recent_dead.append(DeadLetterSummary(eid.decode(), None, "Undecodable", str(exc)))
     now = time.time()
@@ -163,6 +165,8 @@ def format_status(st: RunStatus) -> str:
     if st.trainer is not None:
         t = st.trainer
         bound = f" of at most {t.bound}" if t.bound is not None else ""
-        lines.append(f"trainer: policy version {t.version}; {t.admitted} samples admitted{bound}, "
-                     f"{t.released} given back by dropped groups")
+        lines.append(
+            f"trainer: policy version {t.version}; {t.admitted} samples admitted{bound}, "
+            f"{t.released} given back by dropped groups"
+        )
     return "\n".join(lines)

@@ -25,11 +25,11 @@ class _TypedArray(array.array):
     typecode_: ClassVar[str]
     ext_code: ClassVar[int]
 
-    def __new__(cls, data: Any = ()):  # noqa: D102 - array.array's constructor with the type code fixed
+    def __new__(cls, data: Any = ()):
         return super().__new__(cls, cls.typecode_, data)
 
     @classmethod
-    def from_bytes(cls, data: bytes | memoryview) -> "_TypedArray":
+    def from_bytes(cls, data: bytes | memoryview) -> _TypedArray:
         out = cls()
         out.frombytes(data)
         if not _LITTLE_ENDIAN:
@@ -44,7 +44,7 @@ class _TypedArray(array.array):
         return swapped.tobytes()
 
     @classmethod
-    def coerce(cls, value: Any, field: str) -> "_TypedArray":
+    def coerce(cls, value: Any, field: str) -> _TypedArray:
         """Build from a list/tuple, another array, a numpy array or a 1-D (or [1, L]) torch tensor."""
         if isinstance(value, cls):
             return value

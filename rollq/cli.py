@@ -53,21 +53,51 @@ class Command(msgspec.Struct, frozen=True):
 
 TRAINER = Section("trainer", TrainConfig)
 COMMANDS = (
-    Command("worker", "run a rollout worker (scale by starting more)", "rollq.workers.commands:worker",
-            (Section("worker", WorkerConfig),)),
-    Command("reward-worker", "run a reward worker for reward_mode=remote workflows (scale by starting more)",
-            "rollq.workers.rewards.commands:reward_worker", (Section("reward_worker", RewardWorkerConfig),)),
-    Command("enqueue", "submit one job per JSONL line", "rollq.producer.commands:enqueue",
-            (Section("enqueue", EnqueueConfig),)),
-    Command("status", "queue lengths, pending work, dead letters, live workers, the trainer's ledger",
-            "rollq.producer.commands:status", (Section("status", StatusConfig),)),
-    Command("engine", "serve an inference engine speaking SGLang's HTTP protocol",
-            "rollq.engine.server.commands:engine", (Section("engine", EngineConfig),)),
-    Command("train", "train against a running stack (Redis, engines, workers)", "rollq.trainer.commands:train",
-            (TRAINER,), key_values="trainer"),
-    Command("up", "everything on this machine: Redis (if none answers), reference engines, workers and the trainer "
-            "on the toy task (the default command)", "rollq.trainer.commands:up",
-            (Section("up", UpConfig), TRAINER), key_values="trainer"),
+    Command(
+        "worker",
+        "run a rollout worker (scale by starting more)",
+        "rollq.workers.commands:worker",
+        (Section("worker", WorkerConfig),),
+    ),
+    Command(
+        "reward-worker",
+        "run a reward worker for reward_mode=remote workflows (scale by starting more)",
+        "rollq.workers.rewards.commands:reward_worker",
+        (Section("reward_worker", RewardWorkerConfig),),
+    ),
+    Command(
+        "enqueue",
+        "submit one job per JSONL line",
+        "rollq.producer.commands:enqueue",
+        (Section("enqueue", EnqueueConfig),),
+    ),
+    Command(
+        "status",
+        "queue lengths, pending work, dead letters, live workers, the trainer's ledger",
+        "rollq.producer.commands:status",
+        (Section("status", StatusConfig),),
+    ),
+    Command(
+        "engine",
+        "serve an inference engine speaking SGLang's HTTP protocol",
+        "rollq.engine.server.commands:engine",
+        (Section("engine", EngineConfig),),
+    ),
+    Command(
+        "train",
+        "train against a running stack (Redis, engines, workers)",
+        "rollq.trainer.commands:train",
+        (TRAINER,),
+        key_values="trainer",
+    ),
+    Command(
+        "up",
+        "everything on this machine: Redis (if none answers), reference engines, workers and the trainer "
+        "on the toy task (the default command)",
+        "rollq.trainer.commands:up",
+        (Section("up", UpConfig), TRAINER),
+        key_values="trainer",
+    ),
 )
 COMMANDS_BY_NAME = {c.name: c for c in COMMANDS}
 SECTIONS = tuple(dict.fromkeys(s.name for c in COMMANDS for s in c.sections))
@@ -102,8 +132,9 @@ def command_fields(command: Command) -> list[tuple[Section, SettingField]]:
         for field in fields_of(section.settings):
             owner = seen.get(field.name)
             if owner is not None and not field.shared:
-                raise TypeError(f"rollq {command.name}: setting {field.name!r} is in sections {owner} and "
-                                f"{section.name}")
+                raise TypeError(
+                    f"rollq {command.name}: setting {field.name!r} is in sections {owner} and {section.name}"
+                )
             if owner is None:
                 seen[field.name] = section.name
                 out.append((section, field))
@@ -172,9 +203,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for command in COMMANDS:
         p = sub.add_parser(command.name, help=command.help, description=command.help)
-        p.add_argument("--config", default=None, metavar="FILE",
-                       help="YAML config shared by every service (its section for this command; ROLLQ_* variables "
-                       "and flags override it)")
+        p.add_argument(
+            "--config",
+            default=None,
+            metavar="FILE",
+            help="YAML config shared by every service (its section for this command; ROLLQ_* variables "
+            "and flags override it)",
+        )
         p.add_argument("--log-level", default="INFO", choices=LOG_LEVELS)
         groups: dict[str, argparse._ArgumentGroup] = {}
         for section, field in command_fields(command):
@@ -188,8 +223,12 @@ def build_parser() -> argparse.ArgumentParser:
                 container = p
             _add_option(container, section, field)
         if command.key_values:
-            p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
-                           help=f"{command.key_values} settings, e.g. steps=200 lr=1e-4 (the same as their flags)")
+            p.add_argument(
+                "overrides",
+                nargs="*",
+                metavar="KEY=VALUE",
+                help=f"{command.key_values} settings, e.g. steps=200 lr=1e-4 (the same as their flags)",
+            )
     return parser
 
 
@@ -231,8 +270,11 @@ def parse(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = Non
 
 def main(argv: Sequence[str] | None = None) -> int:
     invocation = parse(argv)
-    logging.basicConfig(level=getattr(logging, invocation.log_level),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.basicConfig(
+        level=getattr(logging, invocation.log_level),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
     try:
         return invocation.run()
     except (RedisConnectionError, RedisTimeoutError) as exc:

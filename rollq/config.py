@@ -38,8 +38,16 @@ class ConfigError(ValueError):
     """A config file, variable, flag or override that can't be used; the message names it."""
 
 
-def setting(description: str, *, flag: str | None = None, metavar: str | None = None, group: str | None = None,
-            positional: bool = False, shared: bool = False, **constraints: Any) -> msgspec.Meta:
+def setting(
+    description: str,
+    *,
+    flag: str | None = None,
+    metavar: str | None = None,
+    group: str | None = None,
+    positional: bool = False,
+    shared: bool = False,
+    **constraints: Any,
+) -> msgspec.Meta:
     """A setting's metadata for `Annotated[type, setting(...)]`: its one-line doc, msgspec constraints (`ge=1`,
     `gt=0`, `pattern=...`) and how the command line shows it (`flag` when not `--<name>`, `metavar`, the help
     `group`, `positional`). `shared`: a top-level key of the file (redis_url, run) rather than a section key."""
@@ -135,8 +143,15 @@ def fields_of(cls: type[Settings]) -> list[SettingField]:
         default = field.default
         if default is msgspec.NODEFAULT and field.default_factory is not msgspec.NODEFAULT:
             default = field.default_factory()
-        out.append(SettingField(name=field.name, type=hints[field.name], default=default,
-                                doc=(meta.description if meta else "") or "", extra=dict((meta.extra if meta else None) or {})))
+        out.append(
+            SettingField(
+                name=field.name,
+                type=hints[field.name],
+                default=default,
+                doc=(meta.description if meta else "") or "",
+                extra=dict((meta.extra if meta else None) or {}),
+            )
+        )
     return out
 
 
@@ -196,8 +211,9 @@ def check_document(document: Mapping[str, Any], sections: Iterable[str]) -> None
             raise ConfigError(f"config section {name!r} must be a mapping of settings")
 
 
-def section_values(cls: type[Settings], section: str, document: Mapping[str, Any],
-                   env: Mapping[str, str] | None = None) -> dict[str, Any]:
+def section_values(
+    cls: type[Settings], section: str, document: Mapping[str, Any], env: Mapping[str, str] | None = None
+) -> dict[str, Any]:
     """The settings of `cls` that the file (its section, and the shared top-level keys) and the environment give."""
     env = os.environ if env is None else env
     fields = {f.name: f for f in fields_of(cls)}
@@ -214,11 +230,12 @@ def section_values(cls: type[Settings], section: str, document: Mapping[str, Any
     prefix = f"{ENV_PREFIX}{section.upper()}_"
     for var, raw in env.items():
         if var.startswith(prefix):
-            key = var[len(prefix):].lower()
+            key = var[len(prefix) :].lower()
             if key not in fields or fields[key].shared:
                 known = sorted(n for n, f in fields.items() if not f.shared)
-                raise ConfigError(f"environment variable {var} names no setting of {section!r}; "
-                                  f"known: {', '.join(known)}")
+                raise ConfigError(
+                    f"environment variable {var} names no setting of {section!r}; known: {', '.join(known)}"
+                )
             values[key] = fields[key].parse(raw)
     for field in fields.values():
         if field.shared and env.get(field.env(section)):
@@ -242,21 +259,30 @@ def overrides(cls: type[Settings], items: Iterable[str]) -> dict[str, Any]:
 def build(cls: type[Settings], section: str, values: Mapping[str, Any]) -> Any:
     """`cls` from layered values (text from flags and variables converted to the fields' types)."""
     try:
-        return msgspec.convert(dict(values), cls, strict=False)
+        return msgspec.convert(dict(values), cls, strict=True)
     except msgspec.ValidationError as exc:
         message = readable(exc)
         missing = re.match(r"^Object missing required field `(\w+)`$", str(exc))
         if missing:
             field = next(f for f in fields_of(cls) if f.name == missing.group(1))
             given = "the positional argument" if field.positional else field.flag
-            message = f"{field.name} is required: give {given}, `{field.name}:` in section {section!r} or {field.env(section)}"
+            message = (
+                f"{field.name} is required: give {given}, `{field.name}:` in section {section!r} "
+                f"or {field.env(section)}"
+            )
         raise ConfigError(f"section {section!r}: {message}") from None
     except ValueError as exc:  # a check across settings in __post_init__
         raise ConfigError(f"section {section!r}: {exc}") from None
 
 
-def load(cls: type[Settings], section: str, path: str | os.PathLike[str] | None = None, *,
-         env: Mapping[str, str] | None = None, given: Mapping[str, Any] | None = None) -> Any:
+def load(
+    cls: type[Settings],
+    section: str,
+    path: str | os.PathLike[str] | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    given: Mapping[str, Any] | None = None,
+) -> Any:
     """`cls` from the config file `path` (its `section`), the environment and `given` values (flags), in that order."""
     values = section_values(cls, section, read_document(path), env)
     values.update(given or {})

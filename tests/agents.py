@@ -7,10 +7,18 @@ import json
 import os
 from typing import Any
 
-ADD_TOOL = {"type": "function", "function": {
-    "name": "add", "description": "Add two integers.",
-    "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-                   "required": ["a", "b"]}}}
+ADD_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "description": "Add two integers.",
+        "parameters": {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "required": ["a", "b"],
+        },
+    },
+}
 # What a scripted engine answers: a tool call, then the final answer.
 CALL_ADD = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
 ANSWER = "The answer is 5."
@@ -38,12 +46,14 @@ class CalculatorAgent:
     async def run(self, data: dict, **extra_kwargs: Any) -> float:
         from openai import AsyncOpenAI
 
-        client = AsyncOpenAI(base_url=extra_kwargs["base_url"], api_key=extra_kwargs["api_key"],
-                             http_client=extra_kwargs["http_client"])
+        client = AsyncOpenAI(
+            base_url=extra_kwargs["base_url"], api_key=extra_kwargs["api_key"], http_client=extra_kwargs["http_client"]
+        )
         messages: list[dict[str, Any]] = [{"role": "user", "content": data["question"]}]
         for _ in range(self.max_turns):
-            resp = await client.chat.completions.create(model="policy", messages=messages, tools=[ADD_TOOL],
-                                                        max_tokens=64, logprobs=True)
+            resp = await client.chat.completions.create(
+                model="policy", messages=messages, tools=[ADD_TOOL], max_tokens=64, logprobs=True
+            )
             message = resp.choices[0].message
             messages.append(message.model_dump(exclude_none=True))
             if not message.tool_calls:

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from rollq.redis_client import redis_client
-from tests.redis_server import RedisServer, free_port
 from rollq.workers.config import WorkerConfig
 from rollq.workers.worker import Worker
+from tests.redis_server import RedisServer, free_port
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -89,8 +89,21 @@ class WorkerProcess:
     def __init__(self, redis_url: str, run: str, *args: str, name: str, env: dict | None = None, log: Path) -> None:
         self.name = name
         self.log = log
-        cmd = [sys.executable, "-m", "rollq", "worker", "--redis", redis_url, "--run", run, "--name", name,
-               "--allow", "tests", *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "rollq",
+            "worker",
+            "--redis",
+            redis_url,
+            "--run",
+            run,
+            "--name",
+            name,
+            "--allow",
+            "tests",
+            *args,
+        ]
         self._log_file = open(log, "w")
         self.proc = subprocess.Popen(
             cmd, cwd=REPO_ROOT, env={**os.environ, **(env or {})}, stdout=self._log_file, stderr=subprocess.STDOUT
@@ -158,7 +171,9 @@ async def engine_process(tmp_path):
         log = open(tmp_path / f"engine-{port}.log", "w")
         proc = subprocess.Popen(
             [sys.executable, "-m", "rollq.engine", "--backend", "synthetic", "--port", str(port), *args],
-            cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
+            cwd=REPO_ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
         )
         procs.append(proc)
         url = f"http://127.0.0.1:{port}"

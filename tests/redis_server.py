@@ -28,7 +28,7 @@ class RedisServer:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
-    def start(self, timeout_s: float = 10.0) -> "RedisServer":
+    def start(self, timeout_s: float = 10.0) -> RedisServer:
         exe = shutil.which("redis-server")
         if exe is None:
             raise RuntimeError("redis-server is not installed (apt-get install -y redis-server)")

@@ -86,12 +86,17 @@ class Generate:
         from rollq.engine.types import ModelRequest, SamplingParams
 
         prompt = list(data["prompt_ids"])
-        resp = await engine.agenerate(ModelRequest(
-            input_ids=prompt,
-            sampling=SamplingParams(max_new_tokens=data.get("max_new_tokens", 16), ignore_eos=True,
-                                    temperature=data.get("temperature", 1.0)),
-            affinity=data.get("group", ""),
-        ))
+        resp = await engine.agenerate(
+            ModelRequest(
+                input_ids=prompt,
+                sampling=SamplingParams(
+                    max_new_tokens=data.get("max_new_tokens", 16),
+                    ignore_eos=True,
+                    temperature=data.get("temperature", 1.0),
+                ),
+                affinity=data.get("group", ""),
+            )
+        )
         n_out = len(resp.output_tokens)
         return {
             "input_ids": prompt + resp.output_tokens,

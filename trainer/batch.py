@@ -127,10 +127,15 @@ def build_batch(groups: list[Group], pad_id: int = 0) -> Batch:
         behav[i, :k] = torch.from_numpy(_column(s.logprobs, "<f4").copy())
         versions[i, :k] = torch.from_numpy(_column(s.versions, "<i4").astype(np.int64))
     # Token t is predicted at position t-1: the per-token columns drop their first entry.
-    return Batch(input_ids=input_ids, attention_mask=attention, loss_mask=mask[:, 1:], behav_logprobs=behav[:, 1:],
-                 versions=versions[:, 1:], advantages=torch.cat(advantages),
-                 rewards=torch.tensor([s.reward for s in seqs], dtype=torch.float32))
+    return Batch(
+        input_ids=input_ids,
+        attention_mask=attention,
+        loss_mask=mask[:, 1:],
+        behav_logprobs=behav[:, 1:],
+        versions=versions[:, 1:],
+        advantages=torch.cat(advantages),
+        rewards=torch.tensor([s.reward for s in seqs], dtype=torch.float32),
+    )
 
 
-__all__ = ["Batch", "Group", "build_batch", "grpo_advantages", "micro_batches", "model_tokens",
-           "trained_versions"]
+__all__ = ["Batch", "Group", "build_batch", "grpo_advantages", "micro_batches", "model_tokens", "trained_versions"]

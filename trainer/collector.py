@@ -47,9 +47,17 @@ class NothingTrains(RuntimeError):
 class GroupCollector:
     """Reads a results stream, assembles groups by job id and hands out the ones fit to train."""
 
-    def __init__(self, consumer: ResultConsumer, ledger: StalenessLedger, *, group_prefix: str,
-                 max_staleness: int, vocab_size: int, on_release: Callable[[], None] = lambda: None,
-                 give_up_after_failed: int = 0) -> None:
+    def __init__(
+        self,
+        consumer: ResultConsumer,
+        ledger: StalenessLedger,
+        *,
+        group_prefix: str,
+        max_staleness: int,
+        vocab_size: int,
+        on_release: Callable[[], None] = lambda: None,
+        give_up_after_failed: int = 0,
+    ) -> None:
         self.consumer = consumer
         self.ledger = ledger
         self.group_prefix = group_prefix  # this trainer's job ids; anything else is left from an earlier run
@@ -112,14 +120,16 @@ class GroupCollector:
             self.on_release()
         detail = ""
         if reason == "failed":
-            errors = [f"{t.error.type}: {t.error.message}" if t.error else t.status
-                      for t in (d.trajectory for d in items) if t.status != "ok"]
+            errors = [
+                f"{t.error.type}: {t.error.message}" if t.error else t.status
+                for t in (d.trajectory for d in items)
+                if t.status != "ok"
+            ]
             detail = f" ({errors[0]})" if errors else ""
             self.failed_samples += len(items)
             self.first_error = self.first_error or detail.strip(" ()")
         log.info("dropped group %s (%d samples): %s%s", job_id, len(items), reason, detail)
-        if (self.give_up_after_failed and not self.good_groups
-                and self.failed_samples >= self.give_up_after_failed):
+        if self.give_up_after_failed and not self.good_groups and self.failed_samples >= self.give_up_after_failed:
             raise NothingTrains(f"the first {self.failed_samples} samples all failed, e.g. {self.first_error}")
 
     async def collect(self, groups_needed: int, version: int, *, block_ms: int = 500) -> Collected:
@@ -139,8 +149,12 @@ class GroupCollector:
                 break
             if time.monotonic() - self._last_report > REPORT_EVERY_S:
                 self._last_report = time.monotonic()
-                log.info("waiting for groups: %d of %d fit to train, %d samples of unfinished groups here",
-                         len(fit), groups_needed, sum(map(len, self._partial.values())))
+                log.info(
+                    "waiting for groups: %d of %d fit to train, %d samples of unfinished groups here",
+                    len(fit),
+                    groups_needed,
+                    sum(map(len, self._partial.values())),
+                )
             for d in await self.consumer.read(count=512, block_ms=block_ms):
                 traj = d.trajectory
                 if not traj.job_id.startswith(self.group_prefix):

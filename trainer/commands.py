@@ -27,7 +27,9 @@ def summarize(records: list[StepRecord]) -> dict[str, Any]:
         for k, n in r.staleness_hist.items():
             staleness[k] = staleness.get(k, 0) + n
     return {
-        "steps": len(records), "reward_first10": round(first, 4), "reward_last10": round(last, 4),
+        "steps": len(records),
+        "reward_first10": round(first, 4),
+        "reward_last10": round(last, 4),
         "goal_met": bool(rewards) and last >= GOAL_LAST10 and last >= GOAL_RATIO * first,
         "trained_samples": records[-1].trained_samples if records else 0,
         "dropped": records[-1].dropped if records else {},
@@ -91,9 +93,12 @@ def up(stack: UpConfig, cfg: TrainConfig) -> int:
 
     if cfg.run == "default":  # a fresh run: repeated `up`s never share keys
         cfg = msgspec.structs.replace(cfg, run=f"up-{time.strftime('%Y%m%d-%H%M%S')}")
-    print(f"rollq up: training {cfg.dataset} with the {cfg.model} model for {cfg.steps} steps "
-          f"({cfg.groups_per_step} groups x {cfg.group_size} samples, max staleness {cfg.max_staleness}); "
-          f"run directory {cfg.directory}", file=sys.stderr)
+    print(
+        f"rollq up: training {cfg.dataset} with the {cfg.model} model for {cfg.steps} steps "
+        f"({cfg.groups_per_step} groups x {cfg.group_size} samples, max staleness {cfg.max_staleness}); "
+        f"run directory {cfg.directory}",
+        file=sys.stderr,
+    )
     started = time.monotonic()
     _quiet_libraries()
     try:
@@ -108,9 +113,12 @@ def up(stack: UpConfig, cfg: TrainConfig) -> int:
     summary["run_dir"] = cfg.directory
     toy = cfg.dataset.startswith("toy:")
     goal = ("; toy goal " + ("met" if summary["goal_met"] else "NOT met")) if toy else ""
-    print(f"rollq up: mean reward {summary['reward_first10']:.3f} (first 10 steps) -> {summary['reward_last10']:.3f} "
-          f"(last 10) in {summary['seconds']:.0f} s{goal}. Wrote {cfg.directory}/metrics.jsonl and "
-          f"{cfg.directory}/plot.png", file=sys.stderr)
+    print(
+        f"rollq up: mean reward {summary['reward_first10']:.3f} (first 10 steps) -> {summary['reward_last10']:.3f} "
+        f"(last 10) in {summary['seconds']:.0f} s{goal}. Wrote {cfg.directory}/metrics.jsonl and "
+        f"{cfg.directory}/plot.png",
+        file=sys.stderr,
+    )
     print(msgspec.json.encode(summary).decode())
     return 0
 

@@ -20,42 +20,75 @@ def _toy_workflow_kwargs() -> dict[str, Any]:
 class TrainConfig(RunSettings, kw_only=True):
     """The trainer: feeds prompts through the staleness ledger, trains on fresh groups, updates every engine."""
 
-    run_dir: Annotated[str, setting("metrics.jsonl, plot.png, checkpoint.pt go here ('' = runs/RUN)", metavar="DIR",
-                                    group=WHERE)] = ""
-    weights_dir: Annotated[str, setting("where engines read new weights, a directory they share ('' = "
-                                        "RUN_DIR/weights)", metavar="DIR", group=WHERE)] = ""
-    engine: Annotated[list[str], setting("static engine URL (repeatable); engines registered for the run are used "
-                                         "too", metavar="URL", group=WHERE)] = []
-    model: Annotated[str, setting("`tiny` (the offline model) or an HF model directory; engines must serve the same "
-                                  "model", group=WHAT)] = "tiny"
-    dataset: Annotated[str, setting("prompts: JSONL, Parquet, a `datasets` directory saved to disk, or toy:digits",
-                                    group=WHAT)] = "toy:digits"
-    workflow: Annotated[str, setting("a built-in loop's name or an import path (workers must allow it)",
-                                     group=WHAT)] = "rlvr"
-    workflow_kwargs: Annotated[dict[str, Any], setting("the workflow's arguments (a mapping)", metavar="MAPPING",
-                                                       group=WHAT)] = msgspec.field(default_factory=_toy_workflow_kwargs)
+    run_dir: Annotated[
+        str, setting("metrics.jsonl, plot.png, checkpoint.pt go here ('' = runs/RUN)", metavar="DIR", group=WHERE)
+    ] = ""
+    weights_dir: Annotated[
+        str,
+        setting(
+            "where engines read new weights, a directory they share ('' = RUN_DIR/weights)", metavar="DIR", group=WHERE
+        ),
+    ] = ""
+    engine: Annotated[
+        list[str],
+        setting(
+            "static engine URL (repeatable); engines registered for the run are used too", metavar="URL", group=WHERE
+        ),
+    ] = []
+    model: Annotated[
+        str,
+        setting("`tiny` (the offline model) or an HF model directory; engines must serve the same model", group=WHAT),
+    ] = "tiny"
+    dataset: Annotated[
+        str, setting("prompts: JSONL, Parquet, a `datasets` directory saved to disk, or toy:digits", group=WHAT)
+    ] = "toy:digits"
+    workflow: Annotated[
+        str, setting("a built-in loop's name or an import path (workers must allow it)", group=WHAT)
+    ] = "rlvr"
+    workflow_kwargs: Annotated[
+        dict[str, Any], setting("the workflow's arguments (a mapping)", metavar="MAPPING", group=WHAT)
+    ] = msgspec.field(default_factory=_toy_workflow_kwargs)
     steps: Annotated[int, setting("training steps", ge=1, group=HOW_MUCH)] = 200
     group_size: Annotated[int, setting("samples per prompt (GRPO group)", ge=1, group=HOW_MUCH)] = 8
-    groups_per_step: Annotated[int, setting("a step trains on group_size * groups_per_step samples (B)", ge=1,
-                                            group=HOW_MUCH)] = 8
-    max_staleness: Annotated[int, setting("eta: a trained token is at most this many versions older than the policy "
-                                          "trained", ge=0, group=HOW_MUCH)] = 2
+    groups_per_step: Annotated[
+        int, setting("a step trains on group_size * groups_per_step samples (B)", ge=1, group=HOW_MUCH)
+    ] = 8
+    max_staleness: Annotated[
+        int,
+        setting(
+            "eta: a trained token is at most this many versions older than the policy trained", ge=0, group=HOW_MUCH
+        ),
+    ] = 2
     lr: Annotated[float, setting("learning rate (AdamW)", gt=0, group=OPTIM)] = 5e-4
     weight_decay: Annotated[float, setting("AdamW weight decay", ge=0, group=OPTIM)] = 0.0
     clip_eps: Annotated[float, setting("PPO clip of pi_theta / pi_prox", gt=0, lt=1, group=OPTIM)] = 0.2
-    behav_imp_cap: Annotated[float, setting("tokens whose pi_prox / pi_behaviour exceeds this are left out "
-                                            "(decoupled PPO)", gt=1, group=OPTIM)] = 5.0
+    behav_imp_cap: Annotated[
+        float,
+        setting("tokens whose pi_prox / pi_behaviour exceeds this are left out (decoupled PPO)", gt=1, group=OPTIM),
+    ] = 5.0
     ppo_minibatches: Annotated[int, setting("optimizer steps per training step", ge=1, group=OPTIM)] = 1
-    max_tokens_per_microbatch: Annotated[int, setting("padded tokens per forward/backward (length-sorted "
-                                                      "micro-batches)", ge=1, group=OPTIM)] = 4096
+    max_tokens_per_microbatch: Annotated[
+        int, setting("padded tokens per forward/backward (length-sorted micro-batches)", ge=1, group=OPTIM)
+    ] = 4096
     grad_clip: Annotated[float, setting("gradient norm clip", gt=0, group=OPTIM)] = 1.0
     seed: Annotated[int, setting("random seed of the trainer", group=OPTIM)] = 0
     device: Annotated[str, setting("torch device of the trainer (and of `rollq up`'s engines)", group=OPTIM)] = "cpu"
-    pause_mode: Annotated[Literal["abort", "retract", "in_place"], setting(
-        "how engines pause for a weight update: retract / in_place keep in-flight work, abort returns partial "
-        "output (the pool resubmits it)", group=UPDATES)] = "retract"
-    checkpoint_every: Annotated[int, setting("steps between checkpoints; 1 makes a restart exact (nothing trained is "
-                                             "lost or trained twice)", ge=1, group=UPDATES)] = 1
+    pause_mode: Annotated[
+        Literal["abort", "retract", "in_place"],
+        setting(
+            "how engines pause for a weight update: retract / in_place keep in-flight work, abort returns partial "
+            "output (the pool resubmits it)",
+            group=UPDATES,
+        ),
+    ] = "retract"
+    checkpoint_every: Annotated[
+        int,
+        setting(
+            "steps between checkpoints; 1 makes a restart exact (nothing trained is lost or trained twice)",
+            ge=1,
+            group=UPDATES,
+        ),
+    ] = 1
 
     @property
     def batch_samples(self) -> int:
@@ -75,13 +108,25 @@ class TrainConfig(RunSettings, kw_only=True):
 class UpConfig(Settings, kw_only=True):
     """`rollq up`: the whole stack on this machine (the trainer's settings are the `trainer` section's)."""
 
-    redis_url: Annotated[str | None, setting("Redis URL; none given: the default one if it answers, else a private "
-                                             "redis-server", flag="--redis", metavar="URL", shared=True)] = None
+    redis_url: Annotated[
+        str | None,
+        setting(
+            "Redis URL; none given: the default one if it answers, else a private redis-server",
+            flag="--redis",
+            metavar="URL",
+            shared=True,
+        ),
+    ] = None
     engines: Annotated[int, setting("reference engines to start", metavar="N", ge=1)] = 1
     workers: Annotated[int, setting("rollout worker processes to start", metavar="N", ge=1)] = 1
     concurrency: Annotated[int, setting("jobs each worker runs at once", metavar="N", ge=1)] = 64
-    allow: Annotated[list[str], setting("import paths the workers may import besides rollq's built-ins and the "
-                                        "trainer's workflow (repeatable)", metavar="PATTERN")] = []
+    allow: Annotated[
+        list[str],
+        setting(
+            "import paths the workers may import besides rollq's built-ins and the trainer's workflow (repeatable)",
+            metavar="PATTERN",
+        ),
+    ] = []
 
 
 __all__ = ["TrainConfig", "UpConfig"]

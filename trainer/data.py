@@ -23,7 +23,9 @@ def load_prompts(spec: str) -> list[dict[str, Any]]:
         return toy.prompts()
     path = Path(spec).expanduser()
     if not path.exists():
-        raise DatasetError(f"dataset {spec!r} does not exist (a .jsonl/.parquet file, a datasets directory or toy:digits)")
+        raise DatasetError(
+            f"dataset {spec!r} does not exist (a .jsonl/.parquet file, a datasets directory or toy:digits)"
+        )
     if path.is_dir():
         try:
             import datasets

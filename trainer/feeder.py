@@ -17,9 +17,19 @@ class GroupFeeder:
     """Keeps the queue as full as the ledger allows. Group i is job `{prefix}{i}` with prompt `prompts[i]`, so a
     restarted feeder re-offers the same groups: the ledger counts each once and the producer queues each once."""
 
-    def __init__(self, producer: Producer, ledger: StalenessLedger, prompts: PromptOrder, *, prefix: str,
-                 group_size: int, workflow: str, workflow_kwargs: dict[str, Any] | None, next_index: int = 0,
-                 recheck_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        producer: Producer,
+        ledger: StalenessLedger,
+        prompts: PromptOrder,
+        *,
+        prefix: str,
+        group_size: int,
+        workflow: str,
+        workflow_kwargs: dict[str, Any] | None,
+        next_index: int = 0,
+        recheck_s: float = 1.0,
+    ) -> None:
         self.producer = producer
         self.ledger = ledger
         self.prompts = prompts
@@ -58,9 +68,17 @@ class GroupFeeder:
                     pass
                 continue
             data = {**self.prompts[self.next_index], "group_id": job_id}
-            await self.producer.submit_many([JobRequest(
-                workflow=self.workflow, data=data, n=self.group_size, job_id=job_id,
-                workflow_kwargs=self.workflow_kwargs)])
+            await self.producer.submit_many(
+                [
+                    JobRequest(
+                        workflow=self.workflow,
+                        data=data,
+                        n=self.group_size,
+                        job_id=job_id,
+                        workflow_kwargs=self.workflow_kwargs,
+                    )
+                ]
+            )
             self.next_index += 1
 
 

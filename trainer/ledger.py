@@ -94,7 +94,8 @@ class StalenessLedger:
         """Admit a whole group or nothing. A group admitted before is admitted again without counting."""
         ok, version, admitted, limit = await self._admit(
             keys=[self.keys.ledger, self.keys.ledger_groups],
-            args=[group_id, samples, self.batch_samples, self.max_staleness])
+            args=[group_id, samples, self.batch_samples, self.max_staleness],
+        )
         return Admission(bool(ok), int(version), int(admitted), int(limit))
 
     async def release(self, group_id: str) -> int:
@@ -107,19 +108,34 @@ class StalenessLedger:
     async def restore(self, version: int, trained_samples: int) -> bool:
         """A restarted trainer's version (from its checkpoint). If Redis lost the ledger, it is rebuilt from what
         the checkpoint knows (the samples trained so far); returns True then."""
-        return bool(await self._restore(keys=[self.keys.ledger, self.keys.ledger_groups],
-                                        args=[version, trained_samples, self.batch_samples, self.max_staleness]))
+        return bool(
+            await self._restore(
+                keys=[self.keys.ledger, self.keys.ledger_groups],
+                args=[version, trained_samples, self.batch_samples, self.max_staleness],
+            )
+        )
 
     async def state(self) -> LedgerState:
         raw = await self.redis.hgetall(self.keys.ledger)
-        return LedgerState(version=int(raw.get(b"version", 0)), admitted=int(raw.get(b"admitted", 0)),
-                           released=int(raw.get(b"released", 0)))
+        return LedgerState(
+            version=int(raw.get(b"version", 0)),
+            admitted=int(raw.get(b"admitted", 0)),
+            released=int(raw.get(b"released", 0)),
+        )
 
     async def reset(self) -> None:
         """A fresh run: version 0, nothing admitted."""
         await self.redis.delete(self.keys.ledger_groups)
-        await self.redis.hset(self.keys.ledger, mapping={"version": 0, "admitted": 0, "released": 0,
-                                                         "batch": self.batch_samples, "eta": self.max_staleness})
+        await self.redis.hset(
+            self.keys.ledger,
+            mapping={
+                "version": 0,
+                "admitted": 0,
+                "released": 0,
+                "batch": self.batch_samples,
+                "eta": self.max_staleness,
+            },
+        )
 
 
 __all__ = ["Admission", "LedgerState", "StalenessLedger"]

@@ -49,8 +49,15 @@ RATE_WINDOW_S = 10.0  # throughput figures average over at least this long (read
 
 
 class Trainer:
-    def __init__(self, config: TrainConfig, redis: aioredis.Redis, pool: EnginePool, *,
-                 progress: TextIO | None = None, policy: Policy | None = None) -> None:
+    def __init__(
+        self,
+        config: TrainConfig,
+        redis: aioredis.Redis,
+        pool: EnginePool,
+        *,
+        progress: TextIO | None = None,
+        policy: Policy | None = None,
+    ) -> None:
         self.cfg = config
         self.redis = redis
         self.pool = pool
@@ -118,16 +125,33 @@ class Trainer:
         await self.consumer.setup()
         await self._publish_weights(self.state.version)  # engines start from the trainer's weights
         prefix = f"{self.state.run_id}-g"
-        self.feeder = GroupFeeder(self.producer, self.ledger, self.prompts, prefix=prefix,
-                                  group_size=cfg.group_size, workflow=cfg.workflow,
-                                  workflow_kwargs=cfg.workflow_kwargs, next_index=self.state.next_group)
-        self.collector = GroupCollector(self.consumer, self.ledger, group_prefix=prefix,
-                                        max_staleness=cfg.max_staleness, vocab_size=self.policy.vocab_size,
-                                        on_release=self.feeder.notify,
-                                        give_up_after_failed=0 if resumed else 2 * cfg.batch_samples)
+        self.feeder = GroupFeeder(
+            self.producer,
+            self.ledger,
+            self.prompts,
+            prefix=prefix,
+            group_size=cfg.group_size,
+            workflow=cfg.workflow,
+            workflow_kwargs=cfg.workflow_kwargs,
+            next_index=self.state.next_group,
+        )
+        self.collector = GroupCollector(
+            self.consumer,
+            self.ledger,
+            group_prefix=prefix,
+            max_staleness=cfg.max_staleness,
+            vocab_size=self.policy.vocab_size,
+            on_release=self.feeder.notify,
+            give_up_after_failed=0 if resumed else 2 * cfg.batch_samples,
+        )
         self.collector.skip = set(self.state.unacked_groups)
-        log.info("%s at step %d (policy version %d); %d steps to go", "resumed" if resumed else "starting",
-                 self.state.step, self.state.version, cfg.steps - self.state.step)
+        log.info(
+            "%s at step %d (policy version %d); %d steps to go",
+            "resumed" if resumed else "starting",
+            self.state.step,
+            self.state.version,
+            cfg.steps - self.state.step,
+        )
         self._started = time.monotonic()
         self._rates = RateWindow(RATE_WINDOW_S, self._started)
         feeding = asyncio.create_task(self.feeder.run(), name="feeder")
@@ -174,25 +198,41 @@ class Trainer:
         self._unacked += got.deliveries
         ledger = await self.ledger.state()
         trained = sum(got.staleness.values())
-        samples_per_s, tokens_per_s = self._rates.rates(t3, self.collector.samples_read,
-                                                        self.collector.model_tokens_read)
-        self.metrics.write(StepRecord(
-            step=state.step, version=state.version,
-            reward_mean=float(batch.rewards.mean()), reward_max=float(batch.rewards.max()),
-            reward_min=float(batch.rewards.min()),
-            samples=len(got.deliveries), trained_samples=state.trained_samples,
-            groups=[g.job_id for g in got.groups],
-            dropped=dict(state.dropped), dropped_this_step=got.dropped,
-            staleness_mean=sum(k * n for k, n in got.staleness.items()) / max(1, trained),
-            staleness_max=max(got.staleness, default=0),
-            staleness_hist={str(k): n for k, n in sorted(got.staleness.items())},
-            trained_tokens=batch.tokens, gen_tokens_per_s=tokens_per_s, samples_per_s=samples_per_s,
-            collect_s=t1 - t0, train_s=t2 - t1, step_s=t3 - t0,
-            pause_s=phases["total_s"], weight_load_s=phases["load_s"],
-            ledger_version=ledger.version, ledger_admitted=ledger.admitted,
-            ledger_limit=self.ledger.limit(ledger.version),
-            elapsed_s=time.monotonic() - self._started, time=time.time(), train=stats,
-        ), cfg.steps)
+        samples_per_s, tokens_per_s = self._rates.rates(
+            t3, self.collector.samples_read, self.collector.model_tokens_read
+        )
+        self.metrics.write(
+            StepRecord(
+                step=state.step,
+                version=state.version,
+                reward_mean=float(batch.rewards.mean()),
+                reward_max=float(batch.rewards.max()),
+                reward_min=float(batch.rewards.min()),
+                samples=len(got.deliveries),
+                trained_samples=state.trained_samples,
+                groups=[g.job_id for g in got.groups],
+                dropped=dict(state.dropped),
+                dropped_this_step=got.dropped,
+                staleness_mean=sum(k * n for k, n in got.staleness.items()) / max(1, trained),
+                staleness_max=max(got.staleness, default=0),
+                staleness_hist={str(k): n for k, n in sorted(got.staleness.items())},
+                trained_tokens=batch.tokens,
+                gen_tokens_per_s=tokens_per_s,
+                samples_per_s=samples_per_s,
+                collect_s=t1 - t0,
+                train_s=t2 - t1,
+                step_s=t3 - t0,
+                pause_s=phases["total_s"],
+                weight_load_s=phases["load_s"],
+                ledger_version=ledger.version,
+                ledger_admitted=ledger.admitted,
+                ledger_limit=self.ledger.limit(ledger.version),
+                elapsed_s=time.monotonic() - self._started,
+                time=time.time(),
+                train=stats,
+            ),
+            cfg.steps,
+        )
         if state.step % cfg.checkpoint_every == 0 or state.step == cfg.steps:
             await asyncio.to_thread(checkpoint.save, self.checkpoint_path, self.policy.state(), state)
             await self.consumer.commit(self._unacked)  # the checkpoint holds them now

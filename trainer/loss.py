@@ -19,14 +19,22 @@ class LossSums(msgspec.Struct, kw_only=True):
     capped: float = 0.0  # tokens left out for an importance weight above the cap
     importance: float = 0.0  # sum of pi_prox / pi_behav
 
-    def add(self, other: "LossSums") -> None:
+    def add(self, other: LossSums) -> None:
         for name in self.__struct_fields__:
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
 
-def decoupled_ppo_loss(logprobs: torch.Tensor, prox_logprobs: torch.Tensor, behav_logprobs: torch.Tensor,
-                       advantages: torch.Tensor, mask: torch.Tensor, *, clip_eps: float, behav_imp_cap: float,
-                       denominator: float | torch.Tensor | None = None) -> tuple[torch.Tensor, LossSums]:
+def decoupled_ppo_loss(
+    logprobs: torch.Tensor,
+    prox_logprobs: torch.Tensor,
+    behav_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_eps: float,
+    behav_imp_cap: float,
+    denominator: float | torch.Tensor | None = None,
+) -> tuple[torch.Tensor, LossSums]:
     """Per-token tensors are [N, T], advantages [N]; mask is 1 on trained tokens. The loss is the sum over trained
     tokens divided by `denominator` (default: their count), so micro-batches of one minibatch add up to its mean."""
     adv = advantages.unsqueeze(1)
@@ -41,8 +49,12 @@ def decoupled_ppo_loss(logprobs: torch.Tensor, prox_logprobs: torch.Tensor, beha
     loss = (pg * kept_weight).sum() / denominator
     with torch.no_grad():
         was_clipped = ((ratio - clipped).abs() > 1e-8).to(mask.dtype) * mask
-        sums = LossSums(tokens=float(mask.sum()), clipped=float(was_clipped.sum()), capped=float((mask - keep).sum()),
-                        importance=float(kept_weight.sum()))
+        sums = LossSums(
+            tokens=float(mask.sum()),
+            clipped=float(was_clipped.sum()),
+            capped=float((mask - keep).sum()),
+            importance=float(kept_weight.sum()),
+        )
     return loss, sums
 
 

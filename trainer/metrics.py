@@ -95,15 +95,17 @@ class RateWindow:
         t0, first = self._marks[0]
         first = first or (0,) * len(counters)  # the start mark: every counter at 0
         span = max(now - t0, 1e-9)
-        return tuple((c - f) / span for c, f in zip(counters, first))
+        return tuple((c - f) / span for c, f in zip(counters, first, strict=True))
 
 
 def progress_line(r: StepRecord, total_steps: int | None = None) -> str:
     of = f"/{total_steps}" if total_steps else ""
-    return (f"step {r.step:>4}{of}  reward {r.reward_mean:.3f}  accepted {r.trained_samples:>6}"
-            f"  dropped {sum(r.dropped.values()):>4}  staleness {r.staleness_mean:.2f} (max {r.staleness_max})"
-            f"  {r.gen_tokens_per_s:>7.0f} tok/s  {r.samples_per_s:>6.1f} samples/s"
-            f"  pause {r.pause_s * 1000:.0f} ms  {r.elapsed_s:.0f}s")
+    return (
+        f"step {r.step:>4}{of}  reward {r.reward_mean:.3f}  accepted {r.trained_samples:>6}"
+        f"  dropped {sum(r.dropped.values()):>4}  staleness {r.staleness_mean:.2f} (max {r.staleness_max})"
+        f"  {r.gen_tokens_per_s:>7.0f} tok/s  {r.samples_per_s:>6.1f} samples/s"
+        f"  pause {r.pause_s * 1000:.0f} ms  {r.elapsed_s:.0f}s"
+    )
 
 
 def plot(records: list[StepRecord], path: Path, title: str = "rollq run") -> Path:

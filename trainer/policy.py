@@ -66,8 +66,15 @@ class Policy:
             for mb in micro_batches(lengths, part, c.max_tokens_per_microbatch):
                 w = max(lengths[i] for i in mb)
                 loss, s = decoupled_ppo_loss(
-                    self._logprobs_of(ids, attn, mb, w), prox[mb, : w - 1], behav[mb, : w - 1], adv[mb],
-                    mask[mb, : w - 1], clip_eps=c.clip_eps, behav_imp_cap=c.behav_imp_cap, denominator=denominator)
+                    self._logprobs_of(ids, attn, mb, w),
+                    prox[mb, : w - 1],
+                    behav[mb, : w - 1],
+                    adv[mb],
+                    mask[mb, : w - 1],
+                    clip_eps=c.clip_eps,
+                    behav_imp_cap=c.behav_imp_cap,
+                    denominator=denominator,
+                )
                 loss.backward()
                 total += float(loss.detach())
                 sums.add(s)
@@ -75,11 +82,14 @@ class Policy:
             self.optimizer.step()
             losses.append(total)
         tokens = max(sums.tokens, 1.0)
-        return TrainStats(loss=sum(losses) / len(losses), clip_fraction=sums.clipped / tokens,
-                          capped_fraction=sums.capped / tokens,
-                          importance_mean=sums.importance / max(tokens - sums.capped, 1.0),
-                          grad_norm=sum(norms) / len(norms),
-                          behav_prox_gap=float(((prox - behav).abs() * mask).sum() / mask.sum().clamp(min=1)))
+        return TrainStats(
+            loss=sum(losses) / len(losses),
+            clip_fraction=sums.clipped / tokens,
+            capped_fraction=sums.capped / tokens,
+            importance_mean=sums.importance / max(tokens - sums.capped, 1.0),
+            grad_norm=sum(norms) / len(norms),
+            behav_prox_gap=float(((prox - behav).abs() * mask).sum() / mask.sum().clamp(min=1)),
+        )
 
     def save_weights(self, directory: Path) -> Path:
         """The weights as `model.safetensors` (+ config) in `directory`, written beside it and renamed into place."""

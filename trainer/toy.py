@@ -9,8 +9,9 @@ PROMPT = "Write a number using digits only."
 TARGET_CHARS = 8
 
 
-def digits_reward(prompt_text: str, completion_text: str, input_ids: Any = None, output_ids: Any = None,
-                  **data: Any) -> float:
+def digits_reward(
+    prompt_text: str, completion_text: str, input_ids: Any = None, output_ids: Any = None, **data: Any
+) -> float:
     """Fraction of the answer's characters that are digits, over at least 8 characters (a shorter answer scores
     less). Every character counts: a token that spells several letters costs as many, so no position of the
     answer is beyond the reward's reach (a reward on the first 8 characters let a long token push the rest out

@@ -24,8 +24,12 @@ from rollq.trainer.metrics import StepRecord
 
 log = logging.getLogger("rollq.up")
 
-QUIET_CHILD_ENV = {"TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_HUB_OFFLINE": "1",
-                   "TOKENIZERS_PARALLELISM": "false"}
+QUIET_CHILD_ENV = {
+    "TRANSFORMERS_VERBOSITY": "error",
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
 
 
 class StackError(RuntimeError):
@@ -59,9 +63,15 @@ class LocalStack:
 
     def spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
         with open(self.log_dir / f"{name}.log", "w") as out:
-            proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env={**os.environ, **QUIET_CHILD_ENV}, start_new_session=True,
-                                    preexec_fn=_die_with_parent)
+            proc = subprocess.Popen(
+                argv,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env={**os.environ, **QUIET_CHILD_ENV},
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
         self.procs.append((name, proc))
         return proc
 
@@ -130,8 +140,22 @@ async def start_redis(stack: LocalStack, url: str | None) -> str:
         raise StackError("no Redis answers and redis-server is not installed (run the README's set-up command)")
     stack.tmp = Path(tempfile.mkdtemp(prefix="rollq-up-redis-"))
     port = free_port()
-    stack.spawn("redis", [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(stack.tmp),
-                          "--save", "", "--appendonly", "no"])
+    stack.spawn(
+        "redis",
+        [
+            binary,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            str(stack.tmp),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ],
+    )
     local = f"redis://127.0.0.1:{port}/0"
     await wait_for(lambda: redis_answers(local), stack, "redis-server", 30)
     return local
@@ -164,13 +188,42 @@ async def run_stack(cfg: TrainConfig, stack_cfg: UpConfig) -> list[StepRecord]:
         for i in range(stack_cfg.engines):
             port = free_port()
             urls.append(f"http://127.0.0.1:{port}")
-            stack.spawn(f"engine-{i}", [*rollq, "engine", "--backend", "reference", "--model", cfg.model,
-                                        "--port", str(port), "--weight-version", "0", "--device", cfg.device])
+            stack.spawn(
+                f"engine-{i}",
+                [
+                    *rollq,
+                    "engine",
+                    "--backend",
+                    "reference",
+                    "--model",
+                    cfg.model,
+                    "--port",
+                    str(port),
+                    "--weight-version",
+                    "0",
+                    "--device",
+                    cfg.device,
+                ],
+            )
         allow = [a for p in worker_allowlist(cfg, stack_cfg) for a in ("--allow", p)]
         for i in range(stack_cfg.workers):
-            stack.spawn(f"worker-{i}", [*rollq, "worker", "--redis", url, "--run", cfg.run, "--concurrency",
-                                        str(stack_cfg.concurrency), "--wait-redis", "30", *allow,
-                                        *[a for u in urls for a in ("--engine", u)]])
+            stack.spawn(
+                f"worker-{i}",
+                [
+                    *rollq,
+                    "worker",
+                    "--redis",
+                    url,
+                    "--run",
+                    cfg.run,
+                    "--concurrency",
+                    str(stack_cfg.concurrency),
+                    "--wait-redis",
+                    "30",
+                    *allow,
+                    *[a for u in urls for a in ("--engine", u)],
+                ],
+            )
         for u in urls:
             await wait_for(lambda u=u: engine_healthy(u), stack, f"engine {u}", 300)
         cfg = msgspec.structs.replace(cfg, redis_url=url, engine=urls)

@@ -9,8 +9,8 @@ from typing import Any, NamedTuple
 import redis.asyncio as aioredis
 from redis.commands.core import AsyncScript
 
-from rollq.redis_client import TRANSIENT_ERRORS
 from rollq.protocol.keys import PAYLOAD_FIELD
+from rollq.redis_client import TRANSIENT_ERRORS
 
 log = logging.getLogger("rollq.worker")
 
@@ -87,14 +87,18 @@ class WriteBatcher:
                 replies = await pipe.execute(raise_on_error=False)
                 break
             except TRANSIENT_ERRORS as exc:
-                log.warning("redis unavailable while publishing %d results (%s); retrying in %.2fs", len(batch), exc, delay)
+                log.warning(
+                    "redis unavailable while publishing %d results (%s); retrying in %.2fs", len(batch), exc, delay
+                )
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
         ack_errors = {
-            key: next((r for r in replies[len(batch) + 2 * i : len(batch) + 2 * i + 2] if isinstance(r, Exception)), None)
+            key: next(
+                (r for r in replies[len(batch) + 2 * i : len(batch) + 2 * i + 2] if isinstance(r, Exception)), None
+            )
             for i, key in enumerate(acks)
         }
-        for (op, fut), reply in zip(scripts + publishes, replies):
+        for (op, fut), reply in zip(scripts + publishes, replies, strict=True):
             if fut.done():
                 continue
             if isinstance(op, _PublishOp) and not isinstance(reply, Exception):

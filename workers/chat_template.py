@@ -15,7 +15,7 @@ _ANCHOR = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a
 
 
 def load_tokenizer(name: str) -> Any:
-    """"tiny" (the offline test model, built into the cache on first use) or an HF tokenizer directory."""
+    """ "tiny" (the offline test model, built into the cache on first use) or an HF tokenizer directory."""
     from transformers import AutoTokenizer  # heavy import: only when a workflow or the proxy needs it
 
     from rollq.engine.tiny_model import model_dir
@@ -48,10 +48,16 @@ def encode(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def render(tokenizer: Any, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
-           add_generation_prompt: bool = False) -> str:
-    text: str = tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
-                                              add_generation_prompt=add_generation_prompt)
+def render(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    *,
+    tools: list[dict[str, Any]] | None = None,
+    add_generation_prompt: bool = False,
+) -> str:
+    text: str = tokenizer.apply_chat_template(
+        messages, tools=tools or None, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
     return text
 
 
@@ -73,22 +79,23 @@ def anchor_text(tokenizer: Any) -> str:
     return render(tokenizer, _ANCHOR)
 
 
-def continuation_ids(tokenizer: Any, last_output: list[int], messages: list[dict[str, Any]],
-                     base: str | None = None) -> list[int]:
+def continuation_ids(
+    tokenizer: Any, last_output: list[int], messages: list[dict[str, Any]], base: str | None = None
+) -> list[int]:
     """Tokens that close the assistant turn ending in `last_output` and add `messages`, then open the next
     assistant turn (the generation prompt)."""
     base = base if base is not None else anchor_text(tokenizer)
     full = render(tokenizer, _ANCHOR + messages, add_generation_prompt=True)
     if not full.startswith(base):
         raise ValueError("the chat template does not render new turns as a suffix of the conversation")
-    closing = base[base.rindex("a") + 1:]  # what the template writes after assistant content, e.g. "<|im_end|>\n"
+    closing = base[base.rindex("a") + 1 :]  # what the template writes after assistant content, e.g. "<|im_end|>\n"
     # A turn that stopped on the end-of-turn token already holds that token: add only the rest of the closing text.
     # A turn cut off by length gets the whole closing text (masked: the model did not write it).
     if last_output and last_output[-1] in _eos_ids(tokenizer):
         eos_text = tokenizer.decode([last_output[-1]])
         if closing.startswith(eos_text):
-            closing = closing[len(eos_text):]
-    return encode(tokenizer, closing + full[len(base):])
+            closing = closing[len(eos_text) :]
+    return encode(tokenizer, closing + full[len(base) :])
 
 
 def _eos_ids(tokenizer: Any) -> set[int]:

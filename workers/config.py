@@ -14,33 +14,45 @@ class WorkerConfig(RunSettings, kw_only=True):
 
     concurrency: Annotated[int, setting("jobs run at once", metavar="N", ge=1)] = 64
     name: Annotated[str, setting("consumer name (default host-pid-random); reuse it to resume its pending jobs")] = ""
-    engine: Annotated[list[str], setting("inference engine URL (repeatable); engines registered for the run are used "
-                                         "too", metavar="URL")] = []
-    allow: Annotated[list[str], setting("import paths jobs may name besides rollq's built-ins (repeatable): shell "
-                                        "patterns over dotted names, `my_pkg` covers everything in it",
-                                        metavar="PATTERN")] = []
-    max_attempts: Annotated[int, setting("runs of a job (crashes included) before it is dead-lettered", metavar="N",
-                                         ge=1)] = 3
-    lease_ms: Annotated[int, setting("a pending job idle this long belongs to a dead worker and may be reclaimed",
-                                     metavar="MS", ge=100)] = 60_000
-    lease_refresh_ms: Annotated[int, setting("how often live jobs' leases are refreshed; 0 = lease_ms / 6",
-                                             metavar="MS", ge=0)] = 0
-    reclaim_interval_ms: Annotated[int, setting("how often dead workers' jobs are looked for; 0 = lease_ms / 4",
-                                                metavar="MS", ge=0)] = 0
+    engine: Annotated[
+        list[str],
+        setting("inference engine URL (repeatable); engines registered for the run are used too", metavar="URL"),
+    ] = []
+    allow: Annotated[
+        list[str],
+        setting(
+            "import paths jobs may name besides rollq's built-ins (repeatable): shell "
+            "patterns over dotted names, `my_pkg` covers everything in it",
+            metavar="PATTERN",
+        ),
+    ] = []
+    max_attempts: Annotated[
+        int, setting("runs of a job (crashes included) before it is dead-lettered", metavar="N", ge=1)
+    ] = 3
+    lease_ms: Annotated[
+        int, setting("a pending job idle this long belongs to a dead worker and may be reclaimed", metavar="MS", ge=100)
+    ] = 60_000
+    lease_refresh_ms: Annotated[
+        int, setting("how often live jobs' leases are refreshed; 0 = lease_ms / 6", metavar="MS", ge=0)
+    ] = 0
+    reclaim_interval_ms: Annotated[
+        int, setting("how often dead workers' jobs are looked for; 0 = lease_ms / 4", metavar="MS", ge=0)
+    ] = 0
     heartbeat_ms: Annotated[int, setting("how often the worker reports itself alive", metavar="MS", ge=1)] = 2_000
-    block_ms: Annotated[int, setting("longest blocking read; bounds how fast a stop is noticed", metavar="MS",
-                                     ge=1)] = 500
+    block_ms: Annotated[
+        int, setting("longest blocking read; bounds how fast a stop is noticed", metavar="MS", ge=1)
+    ] = 500
     drain_grace: Annotated[float, setting("seconds in-flight jobs get to finish on SIGTERM", metavar="S", ge=0)] = 30.0
     wait_redis: Annotated[float, setting("wait up to S seconds for Redis at start", metavar="S", ge=0)] = 0.0
-    publish_batch: Annotated[int, setting("trajectories published per Redis round trip at most", metavar="N",
-                                          ge=1)] = 256
-    tokenizer: Annotated[str, setting("tokenizer + chat template of the agents' proxy: `tiny` or the served model's "
-                                      "directory", group=AGENTS)] = "tiny"
-    agent_processes: Annotated[int, setting("subproc-mode agents running at once", metavar="N", ge=1,
-                                            group=AGENTS)] = 4
-    proxy_host: Annotated[str, setting("where the agents' OpenAI-compatible proxy listens", group=AGENTS)] = (
-        "127.0.0.1"
+    publish_batch: Annotated[int, setting("trajectories published per Redis round trip at most", metavar="N", ge=1)] = (
+        256
     )
+    tokenizer: Annotated[
+        str,
+        setting("tokenizer + chat template of the agents' proxy: `tiny` or the served model's directory", group=AGENTS),
+    ] = "tiny"
+    agent_processes: Annotated[int, setting("subproc-mode agents running at once", metavar="N", ge=1, group=AGENTS)] = 4
+    proxy_host: Annotated[str, setting("where the agents' OpenAI-compatible proxy listens", group=AGENTS)] = "127.0.0.1"
     proxy_port: Annotated[int, setting("its port (0: a free one)", ge=0, le=65535, group=AGENTS)] = 0
 
     def __post_init__(self) -> None:

@@ -36,7 +36,9 @@ def workflow_context() -> WorkflowContext:
     try:
         return _CURRENT.get()
     except LookupError:
-        raise RuntimeError("no workflow context: run inside a rollq worker or `async with WorkflowContext():`") from None
+        raise RuntimeError(
+            "no workflow context: run inside a rollq worker or `async with WorkflowContext():`"
+        ) from None
 
 
 class WorkflowContext:
@@ -54,8 +56,10 @@ class WorkflowContext:
         transport: httpcore's connection pool spends milliseconds of CPU per request once dozens of agents share
         it (measured by bench/agents.py), aiohttp's does not."""
         if self._httpx is None:
-            limits = httpx.Limits(max_connections=self.config.http_max_connections,
-                                  max_keepalive_connections=self.config.http_max_connections)
+            limits = httpx.Limits(
+                max_connections=self.config.http_max_connections,
+                max_keepalive_connections=self.config.http_max_connections,
+            )
             self._httpx = HttpxAiohttpClient(limits=limits, timeout=httpx.Timeout(600.0, connect=30.0))
         return self._httpx
 

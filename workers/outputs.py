@@ -30,10 +30,14 @@ def _reward(item: Mapping[str, Any]) -> float:
 
 def to_sequence(item: Any) -> Sequence:
     if not isinstance(item, Mapping):
-        raise WorkflowOutputError(f"a trajectory must be a mapping with input_ids/loss_mask/logprobs, got {type(item).__name__}")
+        raise WorkflowOutputError(
+            f"a trajectory must be a mapping with input_ids/loss_mask/logprobs, got {type(item).__name__}"
+        )
     missing = [k for k in ("input_ids", "loss_mask", "logprobs") if k not in item]
     if missing:
-        raise WorkflowOutputError(f"trajectory lacks {', '.join(missing)} (has {', '.join(map(str, item)) or 'no keys'})")
+        raise WorkflowOutputError(
+            f"trajectory lacks {', '.join(missing)} (has {', '.join(map(str, item)) or 'no keys'})"
+        )
     try:
         input_ids = Int32Array.coerce(item["input_ids"], "input_ids")
         loss_mask = UInt8Array.coerce(item["loss_mask"], "loss_mask")
@@ -43,7 +47,9 @@ def to_sequence(item: Any) -> Sequence:
             if item.get("versions") is not None
             else Int32Array([-1] * len(input_ids))
         )
-        return Sequence(input_ids=input_ids, loss_mask=loss_mask, logprobs=logprobs, versions=versions, reward=_reward(item))
+        return Sequence(
+            input_ids=input_ids, loss_mask=loss_mask, logprobs=logprobs, versions=versions, reward=_reward(item)
+        )
     except ValueError as exc:
         raise WorkflowOutputError(str(exc)) from None
 
@@ -58,4 +64,6 @@ def to_sequences(output: Any) -> list[Sequence] | None:
         if not output:
             raise WorkflowOutputError("the workflow returned an empty list (return None to reject a sample)")
         return [to_sequence(item) for item in output]
-    raise WorkflowOutputError(f"arun_episode must return a mapping, a list of mappings or None, got {type(output).__name__}")
+    raise WorkflowOutputError(
+        f"arun_episode must return a mapping, a list of mappings or None, got {type(output).__name__}"
+    )

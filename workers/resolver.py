@@ -107,9 +107,7 @@ def split_import_path(path: str) -> tuple[str, str]:
     else:
         module, _, attr = path.rpartition(".")
     if not module or not attr:
-        raise WorkflowLoadError(
-            f"{path!r} is not an import path like 'package.module:Class' or 'package.module.Class'"
-        )
+        raise WorkflowLoadError(f"{path!r} is not an import path like 'package.module:Class' or 'package.module.Class'")
     return module, attr
 
 
@@ -136,8 +134,9 @@ def resolve(path: str, *, allowlist: Allowlist | None = None) -> Any:
     try:
         obj: Any = importlib.import_module(module_name)
     except Exception as exc:  # an import can raise anything
-        raise WorkflowLoadError(f"cannot import module {module_name!r} for {path!r}: {type(exc).__name__}: {exc}"
-                                f"{_moved_hint(module_name)}") from None
+        raise WorkflowLoadError(
+            f"cannot import module {module_name!r} for {path!r}: {type(exc).__name__}: {exc}{_moved_hint(module_name)}"
+        ) from None
     for part in parts:
         try:
             obj = getattr(obj, part)

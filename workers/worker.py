@@ -1,8 +1,9 @@
 """The worker process: pulls jobs through the consumer group, runs workflows, publishes trajectories.
 
 Crash safety comes from the stream protocol: a job stays in the group's pending list until it is acked in the same
-atomic step (MULTI/EXEC, or the FINISH/REQUEUE scripts) that publishes its outcome. While a job runs, its lease is refreshed (XCLAIM JUSTID resets
-the idle time without counting a delivery), so only jobs of dead workers go idle long enough to be reclaimed.
+atomic step (MULTI/EXEC, or the FINISH/REQUEUE scripts) that publishes its outcome. While a job runs, its lease is
+refreshed (XCLAIM JUSTID resets the idle time without counting a delivery), so only jobs of dead workers go idle long
+enough to be reclaimed.
 """
 
 from __future__ import annotations
@@ -15,25 +16,24 @@ import socket
 import time
 import traceback
 import uuid
-from typing import Any
 
 import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
+from rollq.engine.types import InferenceEngine
 from rollq.protocol import scripts
 from rollq.protocol.codec import Codec, CodecError
-from rollq.redis_client import TRANSIENT_ERRORS, ensure_group, is_nogroup, redis_client
 from rollq.protocol.keys import PAYLOAD_FIELD, WORKER_GROUP, RunKeys
-from rollq.engine.types import InferenceEngine
 from rollq.protocol.messages import SCHEMA_VERSION, DeadLetter, ErrorRecord, Job, Trajectory
+from rollq.redis_client import TRANSIENT_ERRORS, ensure_group, is_nogroup, redis_client
 from rollq.workers.batcher import WriteBatcher
 from rollq.workers.config import WorkerConfig
 from rollq.workers.context import ContextConfig, WorkflowContext
 from rollq.workers.loader import WorkflowCache, workflow_path
-from rollq.workers.resolver import Allowlist, WorkflowLoadError, enforcing
 from rollq.workers.outputs import to_sequences
 from rollq.workers.proxy.server import ProxyConfig
+from rollq.workers.resolver import Allowlist, WorkflowLoadError, enforcing
 
 log = logging.getLogger("rollq.worker")
 
@@ -82,8 +82,9 @@ def default_worker_name() -> str:
 
 
 class Worker:
-    def __init__(self, config: WorkerConfig, *, engine: InferenceEngine | None = None,
-                 redis: aioredis.Redis | None = None) -> None:
+    def __init__(
+        self, config: WorkerConfig, *, engine: InferenceEngine | None = None, redis: aioredis.Redis | None = None
+    ) -> None:
         self.cfg = config
         self.keys = RunKeys(config.run)
         self.name = config.name or default_worker_name()
@@ -92,12 +93,18 @@ class Worker:
         self.codec = Codec()
         self.workflows = WorkflowCache()
         # Shared by this worker's workflows (HTTP clients, the agents' recording proxy); closed when it stops.
-        self.context = WorkflowContext(ContextConfig(tokenizer=config.tokenizer, agent_processes=config.agent_processes,
-                                                     proxy=ProxyConfig(host=config.proxy_host, port=config.proxy_port),
-                                                     redis_url=config.redis_url))
+        self.context = WorkflowContext(
+            ContextConfig(
+                tokenizer=config.tokenizer,
+                agent_processes=config.agent_processes,
+                proxy=ProxyConfig(host=config.proxy_host, port=config.proxy_port),
+                redis_url=config.redis_url,
+            )
+        )
         # What jobs may import (workflows, reward functions, tools), checked before anything is imported.
-        self.allowlist = Allowlist(patterns=tuple(config.allow),
-                                   setting="--allow PATTERN (worker.allow, ROLLQ_WORKER_ALLOW)")
+        self.allowlist = Allowlist(
+            patterns=tuple(config.allow), setting="--allow PATTERN (worker.allow, ROLLQ_WORKER_ALLOW)"
+        )
         self.stats = WorkerStats()
         self._finish = self.redis.register_script(scripts.FINISH)
         self._requeue = self.redis.register_script(scripts.REQUEUE)
@@ -215,14 +222,12 @@ class Worker:
                 log.warning("redis unavailable (%s); retrying in %.2fs", exc, delay)
                 try:
                     await asyncio.wait_for(self._stop.wait(), delay)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     pass
                 delay = min(delay * 2, 2.0)
 
     async def _read(self, start: str, count: int, block: int | None) -> list[tuple[bytes, dict | None]]:
-        reply = await self.redis.xreadgroup(
-            WORKER_GROUP, self.name, {self.keys.jobs: start}, count=count, block=block
-        )
+        reply = await self.redis.xreadgroup(WORKER_GROUP, self.name, {self.keys.jobs: start}, count=count, block=block)
         return reply[0][1] if reply else []
 
     async def _reclaim(self, count: int) -> bool:
@@ -246,7 +251,7 @@ class Worker:
         return [int(r[0]["times_delivered"]) if r else 1 for r in replies]
 
     async def _start(self, entries: list[tuple[bytes, dict | None]], deliveries: list[int]) -> None:
-        for (raw_id, fields), count in zip(entries, deliveries):
+        for (raw_id, fields), count in zip(entries, deliveries, strict=True):
             eid = raw_id.decode()
             if eid in self._running:
                 continue
@@ -301,7 +306,9 @@ class Worker:
     # -- one job -------------------------------------------------------------------------------------------------
 
     def _error(self, exc_type: str, message: str, attempt: int, tb: str = "") -> ErrorRecord:
-        return ErrorRecord(type=exc_type, message=message, traceback=tb, worker_id=self.name, attempt=attempt, at=time.time())
+        return ErrorRecord(
+            type=exc_type, message=message, traceback=tb, worker_id=self.name, attempt=attempt, at=time.time()
+        )
 
     async def _handle(self, eid: str, payload: bytes | None, fields: dict | None, deliveries: int) -> None:
         started = time.time()
@@ -311,12 +318,14 @@ class Worker:
             reply_to = job.reply_to or self.keys.results
             runs = job.attempt + deliveries
             if runs > self.cfg.max_attempts:
-                raise _Fatal(self._error(
-                    "TooManyAttempts",
-                    f"job {job.job_id}#{job.sample_index} was started {runs - 1} times without finishing "
-                    f"(max_attempts={self.cfg.max_attempts}); its workers died or were killed each time",
-                    runs - 1,
-                ))
+                raise _Fatal(
+                    self._error(
+                        "TooManyAttempts",
+                        f"job {job.job_id}#{job.sample_index} was started {runs - 1} times without finishing "
+                        f"(max_attempts={self.cfg.max_attempts}); its workers died or were killed each time",
+                        runs - 1,
+                    )
+                )
             try:
                 workflow = self.workflows.get(workflow_path(job.workflow, job.data), job.workflow_kwargs, job.agent)
             except WorkflowLoadError as exc:
@@ -328,10 +337,19 @@ class Worker:
             except Exception as exc:  # the workflow's own failure: retry, then dead-letter
                 error = self._error(type(exc).__name__, str(exc) or repr(exc), runs, traceback.format_exc(limit=20))
                 if runs < self.cfg.max_attempts:
-                    log.warning("job %s#%d failed (attempt %d/%d): %s: %s", job.job_id, job.sample_index, runs,
-                                self.cfg.max_attempts, error.type, error.message)
+                    log.warning(
+                        "job %s#%d failed (attempt %d/%d): %s: %s",
+                        job.job_id,
+                        job.sample_index,
+                        runs,
+                        self.cfg.max_attempts,
+                        error.type,
+                        error.message,
+                    )
                     retry = msgspec.structs.replace(job, attempt=runs)
-                    await self._batcher.script(self._requeue, [self.keys.jobs], [WORKER_GROUP, eid, self.codec.encode(retry)])
+                    await self._batcher.script(
+                        self._requeue, [self.keys.jobs], [WORKER_GROUP, eid, self.codec.encode(retry)]
+                    )
                     self.stats.requeued += 1
                     return
                 raise _Fatal(error) from None
@@ -357,7 +375,9 @@ class Worker:
                 else:
                     self.stats.completed += 1
         except _Fatal as fatal:
-            await self._dead_letter(eid, payload, job or fatal.job, fatal.error, deliveries, started, decoded=job is not None)
+            await self._dead_letter(
+                eid, payload, job or fatal.job, fatal.error, deliveries, started, decoded=job is not None
+            )
 
     def _decode(self, eid: str, payload: bytes | None, fields: dict | None) -> Job:
         if payload is None:
@@ -368,34 +388,65 @@ class Worker:
         except CodecError as exc:
             raise _Fatal(self._error("MalformedJob", str(exc), 1), salvage_job(payload)) from None
         if job.schema > SCHEMA_VERSION:
-            raise _Fatal(self._error(
-                "SchemaTooNew", f"job schema {job.schema} is newer than this worker's ({SCHEMA_VERSION}); upgrade the worker", 1
-            ), job)
+            raise _Fatal(
+                self._error(
+                    "SchemaTooNew",
+                    f"job schema {job.schema} is newer than this worker's ({SCHEMA_VERSION}); upgrade the worker",
+                    1,
+                ),
+                job,
+            )
         if job.reply_to and not self.keys.owns(job.reply_to):
-            raise _Fatal(self._error("MalformedJob", f"reply_to {job.reply_to!r} is outside run {self.cfg.run!r}", 1), job)
+            raise _Fatal(
+                self._error("MalformedJob", f"reply_to {job.reply_to!r} is outside run {self.cfg.run!r}", 1), job
+            )
         if job.n < 1 or not 0 <= job.sample_index < job.n:
-            raise _Fatal(self._error("MalformedJob", f"sample_index {job.sample_index} is not in [0, n={job.n})", 1), job)
+            raise _Fatal(
+                self._error("MalformedJob", f"sample_index {job.sample_index} is not in [0, n={job.n})", 1), job
+            )
         return job
 
     async def _dead_letter(
-        self, eid: str, payload: bytes | None, job: Job | None, error: ErrorRecord, deliveries: int, started: float,
-        *, decoded: bool,
+        self,
+        eid: str,
+        payload: bytes | None,
+        job: Job | None,
+        error: ErrorRecord,
+        deliveries: int,
+        started: float,
+        *,
+        decoded: bool,
     ) -> None:
         log.error("dead-lettering job entry %s: %s: %s", eid, error.type, error.message)
         letter = DeadLetter(
-            entry_id=eid, error=error, job=job if decoded else None, raw=None if decoded else payload, deliveries=deliveries
+            entry_id=eid,
+            error=error,
+            job=job if decoded else None,
+            raw=None if decoded else payload,
+            deliveries=deliveries,
         )
         traj_payload = b""
         reply_to = self.keys.results
         if job is not None and (not job.reply_to or self.keys.owns(job.reply_to)):
             reply_to = job.reply_to or self.keys.results
-            traj_payload = self.codec.encode(Trajectory(
-                job_id=job.job_id, sample_index=job.sample_index, n=job.n, status="error", error=error,
-                worker_id=self.name, workflow=job.workflow, attempt=error.attempt, submitted_at=job.submitted_at,
-                started_at=started, finished_at=time.time(),
-            ))
+            traj_payload = self.codec.encode(
+                Trajectory(
+                    job_id=job.job_id,
+                    sample_index=job.sample_index,
+                    n=job.n,
+                    status="error",
+                    error=error,
+                    worker_id=self.name,
+                    workflow=job.workflow,
+                    attempt=error.attempt,
+                    submitted_at=job.submitted_at,
+                    started_at=started,
+                    finished_at=time.time(),
+                )
+            )
         done = await self._batcher.script(
-            self._finish, [self.keys.jobs, reply_to, self.keys.dead],
+            self._finish,
+            [self.keys.jobs, reply_to, self.keys.dead],
             [WORKER_GROUP, eid, traj_payload, self.codec.encode(letter)],
         )
         if done:

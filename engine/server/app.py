@@ -17,8 +17,8 @@ import msgspec
 from aiohttp import web
 
 from rollq.engine.server.backend import Backend, GenState
-from rollq.engine.types import FinishReason, PauseMode, SamplingParams
 from rollq.engine.server.validation import BadRequest, EngineValueError, GenerateCall, parse_generate
+from rollq.engine.types import FinishReason, PauseMode, SamplingParams
 
 log = logging.getLogger("rollq.engine")
 
@@ -185,7 +185,8 @@ class EngineServer:
             with_text = call.return_text_in_logprobs and not self.config.skip_tokenizer_init
             meta["input_token_logprobs"] = []
             meta["output_token_logprobs"] = [
-                [lp, t, self._text([t]) if with_text else None] for lp, t in zip(state.output_logprobs, ids)
+                [lp, t, self._text([t]) if with_text else None]
+                for lp, t in zip(state.output_logprobs, ids, strict=True)
             ]
             if req.top_logprobs_num > 0:  # accepted; top alternatives are not computed
                 meta["input_top_logprobs"] = []
@@ -201,7 +202,7 @@ class EngineServer:
     @staticmethod
     def _version_ranges(req: _Req, total: int) -> list[dict[str, Any]]:
         bounds = [*(start for _, start in req.segments[1:]), total]
-        ranges = [{"version": v, "start": s, "end": e} for (v, s), e in zip(req.segments, bounds)]
+        ranges = [{"version": v, "start": s, "end": e} for (v, s), e in zip(req.segments, bounds, strict=True)]
         return [r for r in ranges if r["end"] > r["start"]] or ranges[-1:]
 
     def _trimmed_text(self, state: GenState, ids: list[int], finish: FinishReason | None) -> str:
@@ -262,7 +263,7 @@ class EngineServer:
                     await self._execute(items[0][0])
                 else:
                     await asyncio.gather(*(self._execute(req) for req, _ in items))
-            except Exception as exc:  # noqa: BLE001 - a backend failure is the engine's 500, with a message
+            except Exception as exc:
                 log.exception("generation failed")
                 for req, _ in items:
                     self._abort(req, "generation failed")
@@ -273,7 +274,9 @@ class EngineServer:
                 self.states.pop(req.state.rid, None)
         return _json(outs if call.batched else outs[0])
 
-    async def _stream(self, request: web.Request, call: GenerateCall, items: list[tuple[_Req, bool]]) -> web.StreamResponse:
+    async def _stream(
+        self, request: web.Request, call: GenerateCall, items: list[tuple[_Req, bool]]
+    ) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
         tasks = [asyncio.create_task(self._execute(req)) for req, _ in items]
@@ -281,7 +284,7 @@ class EngineServer:
         done_sent = [False] * len(items)
         try:
             while True:
-                for i, ((req, lp), task) in enumerate(zip(items, tasks)):
+                for i, ((req, lp), task) in enumerate(zip(items, tasks, strict=True)):
                     finished = task.done()
                     n = len(req.state.output_ids)
                     if done_sent[i] or (n == sent[i] and not finished) or (n == 0 and not finished):
@@ -379,9 +382,15 @@ class EngineServer:
                 try:
                     await self.backend.load_weights(path)
                     load_s = time.monotonic() - load_started
-                except Exception as exc:  # noqa: BLE001 - any load failure is the client's 400
-                    return _json({"success": False, "message": f"Failed to update weights: {exc}",
-                                  "num_paused_requests": num_paused}, 400)
+                except Exception as exc:
+                    return _json(
+                        {
+                            "success": False,
+                            "message": f"Failed to update weights: {exc}",
+                            "num_paused_requests": num_paused,
+                        },
+                        400,
+                    )
                 finally:
                     if not paused_before and not self.paused:
                         await self.backend.resume()
@@ -391,8 +400,14 @@ class EngineServer:
                 self._updating -= 1
                 self._gate_changed()
         # load_seconds is rollq's addition (clients ignore unknown keys): lets fleet timing exclude the load itself.
-        return _json({"success": True, "message": "Succeeded to update model weights.",
-                      "num_paused_requests": num_paused, "load_seconds": round(load_s, 6)})
+        return _json(
+            {
+                "success": True,
+                "message": "Succeeded to update model weights.",
+                "num_paused_requests": num_paused,
+                "load_seconds": round(load_s, 6),
+            }
+        )
 
     async def update_weight_version(self, request: web.Request) -> web.Response:
         body = await _read_json(request)
@@ -410,8 +425,10 @@ class EngineServer:
         return _json({"weight_version": self.weight_version})
 
     async def flush_cache(self, request: web.Request) -> web.Response:
-        note = ("Please check backend logs for more details. "
-                "(When there are running or waiting requests, the operation will not be performed.)\n")
+        note = (
+            "Please check backend logs for more details. "
+            "(When there are running or waiting requests, the operation will not be performed.)\n"
+        )
         if self.states:
             return web.Response(text="Cache not flushed.\n" + note, status=400)
         return web.Response(text="Cache flushed.\n" + note)
@@ -435,7 +452,7 @@ class EngineServer:
                     await asyncio.wait([task], timeout=1.0)
                     return web.Response(status=200 if healthy else 503)
             task.result()
-        except Exception:  # noqa: BLE001 - a failing backend is unhealthy, not a server error
+        except Exception:
             return web.Response(status=503)
         return web.Response(status=200)
 
@@ -446,17 +463,19 @@ class EngineServer:
         return self.config.served_model_name or self.backend.model_path
 
     async def model_info(self, request: web.Request) -> web.Response:
-        return _json({
-            "model_path": self.backend.model_path,
-            "tokenizer_path": self.config.tokenizer_path or self.backend.model_path,
-            "is_generation": True,
-            "preferred_sampling_params": None,
-            "weight_version": self.weight_version,
-            "has_image_understanding": False,
-            "has_audio_understanding": False,
-            "model_type": type(self.backend).__name__,
-            "architectures": None,
-        })
+        return _json(
+            {
+                "model_path": self.backend.model_path,
+                "tokenizer_path": self.config.tokenizer_path or self.backend.model_path,
+                "is_generation": True,
+                "preferred_sampling_params": None,
+                "weight_version": self.weight_version,
+                "has_image_understanding": False,
+                "has_audio_understanding": False,
+                "model_type": type(self.backend).__name__,
+                "architectures": None,
+            }
+        )
 
     async def server_info(self, request: web.Request) -> web.Response:
         stats = self.gauges()
@@ -473,24 +492,37 @@ class EngineServer:
             "tp_size": 1,
             "dp_size": 1,
             "backend": type(self.backend).__name__,
-            "internal_states": [{
-                "last_gen_throughput": stats["gen_throughput"],
-                "num_running_reqs": stats["num_running_reqs"],
-                "num_queue_reqs": stats["num_queue_reqs"],
-                "token_usage": stats["token_usage"],
-                "paused": self.paused,
-                "pause_mode": self.pause_mode,
-            }],
+            "internal_states": [
+                {
+                    "last_gen_throughput": stats["gen_throughput"],
+                    "num_running_reqs": stats["num_running_reqs"],
+                    "num_queue_reqs": stats["num_queue_reqs"],
+                    "token_usage": stats["token_usage"],
+                    "paused": self.paused,
+                    "pause_mode": self.pause_mode,
+                }
+            ],
             "version": PROTOCOL_VERSION,
         }
         return _json(info)
 
     async def models(self, request: web.Request) -> web.Response:
         name = self.model_name()
-        return _json({"object": "list", "data": [{
-            "id": name, "object": "model", "created": int(self.started_at), "owned_by": "sglang", "root": name,
-            "max_model_len": self.backend.context_length,
-        }]})
+        return _json(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": name,
+                        "object": "model",
+                        "created": int(self.started_at),
+                        "owned_by": "sglang",
+                        "root": name,
+                        "max_model_len": self.backend.context_length,
+                    }
+                ],
+            }
+        )
 
     def gauges(self) -> dict[str, float]:
         stats = self.backend.stats()
@@ -510,13 +542,23 @@ class EngineServer:
         labels = f'{{model_name="{self.model_name()}",engine_type="unified"}}'
         lines: list[str] = []
         for name, value in self.gauges().items():
-            lines += [f"# HELP sglang:{name} {name.replace('_', ' ')}.", f"# TYPE sglang:{name} gauge",
-                      f"sglang:{name}{labels} {float(value)}"]
+            lines += [
+                f"# HELP sglang:{name} {name.replace('_', ' ')}.",
+                f"# TYPE sglang:{name} gauge",
+                f"sglang:{name}{labels} {float(value)}",
+            ]
         for name, value in self.counters.items():
-            lines += [f"# HELP sglang:{name}_total {name.replace('_', ' ')}.", f"# TYPE sglang:{name}_total counter",
-                      f"sglang:{name}_total{labels} {float(value)}"]
-        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain", charset="utf-8",
-                            headers={"X-Content-Type-Options": "nosniff"})
+            lines += [
+                f"# HELP sglang:{name}_total {name.replace('_', ' ')}.",
+                f"# TYPE sglang:{name}_total counter",
+                f"sglang:{name}_total{labels} {float(value)}",
+            ]
+        return web.Response(
+            text="\n".join(lines) + "\n",
+            content_type="text/plain",
+            charset="utf-8",
+            headers={"X-Content-Type-Options": "nosniff"},
+        )
 
     # --- lifecycle ---
 
@@ -570,8 +612,9 @@ SERVER_KEY = web.AppKey("engine_server", EngineServer)
 
 def build_app(backend: Backend, config: EngineServerConfig) -> web.Application:
     server = EngineServer(backend, config)
-    app = web.Application(middlewares=[_auth_middleware(config.api_key)] if config.api_key else [],
-                          client_max_size=256 * 1024 * 1024)
+    app = web.Application(
+        middlewares=[_auth_middleware(config.api_key)] if config.api_key else [], client_max_size=256 * 1024 * 1024
+    )
     app[SERVER_KEY] = server
     s = server
     r = app.router

@@ -25,8 +25,19 @@ from rollq.engine.types import FinishReason, PauseMode, SamplingParams
 class GenState:
     """One sample being generated. Mutable; shared by the server and the backend (same event loop)."""
 
-    __slots__ = ("rid", "input_ids", "params", "return_logprob", "output_ids", "output_logprobs", "finish",
-                 "abort_message", "created", "first_token_at", "weight_version_start")
+    __slots__ = (
+        "rid",
+        "input_ids",
+        "params",
+        "return_logprob",
+        "output_ids",
+        "output_logprobs",
+        "finish",
+        "abort_message",
+        "created",
+        "first_token_at",
+        "weight_version_start",
+    )
 
     def __init__(self, rid: str, input_ids: list[int], params: SamplingParams, return_logprob: bool = False) -> None:
         self.rid = rid
@@ -42,7 +53,9 @@ class GenState:
         self.weight_version_start: str | None = None
 
 
-def stop_check(state: GenState, token_id: int, eos_token_ids: frozenset[int], decode: Any = None) -> FinishReason | None:
+def stop_check(
+    state: GenState, token_id: int, eos_token_ids: frozenset[int], decode: Any = None
+) -> FinishReason | None:
     """Call after appending `token_id` to `state.output_ids`. Returns the finish reason, or None to go on.
     `decode(ids) -> str` is needed only for stop strings."""
     p = state.params

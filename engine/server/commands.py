@@ -7,8 +7,8 @@ import logging
 import signal
 import sys
 
-from rollq.engine.server.backend import Backend
 from rollq.engine.server.app import EngineServerConfig, serve
+from rollq.engine.server.backend import Backend
 from rollq.engine.server.config import EngineConfig
 
 log = logging.getLogger("rollq.engine")
@@ -35,18 +35,20 @@ def build_backend(args: EngineConfig) -> Backend:
             if not isinstance(replies, list) or not replies or not all(isinstance(r, str) for r in replies):
                 raise _usage_exit(f"--replies-file {args.replies_file} must hold a non-empty JSON list of strings")
         try:
-            return SyntheticBackend(SyntheticConfig(
-                model_path=args.model if args.model != "tiny" else "synthetic",
-                per_token_latency_s=args.token_latency,
-                per_request_latency_s=args.request_latency,
-                length=length,
-                seed=args.seed,
-                sampled=args.sampled,
-                max_running_requests=args.max_running,
-                tokenizer=args.tokenizer,
-                replies=replies,
-                turn_marker=args.turn_marker,
-            ))
+            return SyntheticBackend(
+                SyntheticConfig(
+                    model_path=args.model if args.model != "tiny" else "synthetic",
+                    per_token_latency_s=args.token_latency,
+                    per_request_latency_s=args.request_latency,
+                    length=length,
+                    seed=args.seed,
+                    sampled=args.sampled,
+                    max_running_requests=args.max_running,
+                    tokenizer=args.tokenizer,
+                    replies=replies,
+                    turn_marker=args.turn_marker,
+                )
+            )
         except (ImportError, OSError, ValueError) as exc:  # no transformers, a bad tokenizer dir, an empty marker
             raise _usage_exit(f"synthetic backend: {exc}".splitlines()[0]) from None
     if args.backend == "reference":
@@ -97,8 +99,7 @@ def _stop_event() -> asyncio.Event:
 async def _serve(backend: Backend, config: EngineServerConfig, args: EngineConfig) -> int:
     stop = _stop_event()
     handle = await serve(backend, config)
-    log.info("engine (%s) serving on %s, weight version %s", type(backend).__name__, handle.url,
-             config.weight_version)
+    log.info("engine (%s) serving on %s, weight version %s", type(backend).__name__, handle.url, config.weight_version)
     registration = await _register(args, handle.url)
     await stop.wait()
     log.info("shutting down: aborting requests in flight")
@@ -110,9 +111,15 @@ async def _serve(backend: Backend, config: EngineServerConfig, args: EngineConfi
 async def _run_sglang(args: EngineConfig) -> int:
     from rollq.engine.server.sglang_launcher import SGLangLaunch, wait_ready
 
-    launch = SGLangLaunch(model_path=args.model, host=args.host, port=args.port, tp_size=args.tp_size,
-                          weight_version=args.weight_version, api_key=args.api_key,
-                          skip_tokenizer_init=args.skip_tokenizer_init)
+    launch = SGLangLaunch(
+        model_path=args.model,
+        host=args.host,
+        port=args.port,
+        tp_size=args.tp_size,
+        weight_version=args.weight_version,
+        api_key=args.api_key,
+        skip_tokenizer_init=args.skip_tokenizer_init,
+    )
     stop = _stop_event()
     proc = await asyncio.create_subprocess_exec(*launch.command())
     url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '') else args.host}:{args.port}"
@@ -132,7 +139,7 @@ async def _run_sglang(args: EngineConfig) -> int:
             proc.terminate()
             try:
                 await asyncio.wait_for(proc.wait(), 30)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 proc.kill()
 
 
@@ -150,17 +157,26 @@ def engine(args: EngineConfig) -> int:
         from rollq.engine.server.sglang_launcher import sglang_installed
 
         if not sglang_installed():
-            print("rollq engine: sglang is not installed here; on a GPU machine: pip install 'rollq[sglang]'",
-                  file=sys.stderr)
+            print(
+                "rollq engine: sglang is not installed here; on a GPU machine: pip install 'rollq[sglang]'",
+                file=sys.stderr,
+            )
             return 2
         if args.model == "tiny":
-            print("rollq engine: --backend sglang needs --model PATH (an HF model directory or hub id)", file=sys.stderr)
+            print(
+                "rollq engine: --backend sglang needs --model PATH (an HF model directory or hub id)", file=sys.stderr
+            )
             return 2
         return _run(_run_sglang(args))
     try:
         backend = build_backend(args)
     except SystemExit as exc:
         return int(exc.code or 2)
-    config = EngineServerConfig(host=args.host, port=args.port, api_key=args.api_key,
-                                weight_version=args.weight_version, skip_tokenizer_init=args.skip_tokenizer_init)
+    config = EngineServerConfig(
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        weight_version=args.weight_version,
+        skip_tokenizer_init=args.skip_tokenizer_init,
+    )
     return _run(_serve(backend, config, args))

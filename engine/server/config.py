@@ -12,38 +12,77 @@ SYNTHETIC = "synthetic backend"
 class EngineConfig(RunSettings, kw_only=True):
     """An inference engine speaking SGLang's HTTP protocol (redis_url / run matter with --register)."""
 
-    backend: Annotated[Literal["synthetic", "reference", "sglang"], setting(
-        "synthetic: scripted/timed tokens; reference: a transformers model; sglang: launch real SGLang")] = "synthetic"
+    backend: Annotated[
+        Literal["synthetic", "reference", "sglang"],
+        setting("synthetic: scripted/timed tokens; reference: a transformers model; sglang: launch real SGLang"),
+    ] = "synthetic"
     model: Annotated[str, setting("model: `tiny` (the offline model) or a path (reference / sglang backends)")] = "tiny"
     host: Annotated[str, setting("address to bind")] = "127.0.0.1"
     port: Annotated[int, setting("port to bind (0: a free one)", ge=0, le=65535)] = 30000
-    api_key: Annotated[str | None, setting("require `Authorization: Bearer KEY` (not on /health*, /metrics)",
-                                           metavar="KEY")] = None
+    api_key: Annotated[
+        str | None, setting("require `Authorization: Bearer KEY` (not on /health*, /metrics)", metavar="KEY")
+    ] = None
     weight_version: Annotated[str, setting("the weight version reported until the first update")] = "default"
     skip_tokenizer_init: Annotated[bool, setting("token ids only: no `text` in or out")] = False
     device: Annotated[str, setting("torch device of the reference backend")] = "cpu"
     max_running: Annotated[int, setting("batch slots (0 = the backend's default)", metavar="N", ge=0)] = 0
     tp_size: Annotated[int, setting("sglang backend: tensor parallel size", metavar="N", ge=1)] = 1
     ready_timeout: Annotated[float, setting("sglang backend: seconds to wait for start-up", metavar="S", gt=0)] = 1800.0
-    register: Annotated[bool, setting("register in the run's Redis engine registry (--redis, --run) so workers and "
-                                      "the trainer find this engine")] = False
-    advertise_url: Annotated[str | None, setting("URL workers should use (default: http://HOST:PORT; set it when "
-                                                 "binding 0.0.0.0)", metavar="URL")] = None
+    register: Annotated[
+        bool,
+        setting(
+            "register in the run's Redis engine registry (--redis, --run) so workers and the trainer find this engine"
+        ),
+    ] = False
+    advertise_url: Annotated[
+        str | None,
+        setting("URL workers should use (default: http://HOST:PORT; set it when binding 0.0.0.0)", metavar="URL"),
+    ] = None
     token_latency: Annotated[float, setting("seconds per decode step", metavar="S", ge=0, group=SYNTHETIC)] = 0.0
-    request_latency: Annotated[float, setting("seconds of prefill per request", metavar="S", ge=0,
-                                              group=SYNTHETIC)] = 0.0
-    length_dist: Annotated[str, setting("output lengths: fixed[:N] | uniform:LOW:HIGH | lognormal:MEDIAN:SIGMA | "
-                                        "pareto:XMIN:ALPHA", metavar="SPEC", group=SYNTHETIC)] = "fixed"
+    request_latency: Annotated[float, setting("seconds of prefill per request", metavar="S", ge=0, group=SYNTHETIC)] = (
+        0.0
+    )
+    length_dist: Annotated[
+        str,
+        setting(
+            "output lengths: fixed[:N] | uniform:LOW:HIGH | lognormal:MEDIAN:SIGMA | pareto:XMIN:ALPHA",
+            metavar="SPEC",
+            group=SYNTHETIC,
+        ),
+    ] = "fixed"
     seed: Annotated[int, setting("sampling seed (synthetic and reference backends)", group=SYNTHETIC)] = 0
-    sampled: Annotated[bool, setting("sample like a model at temperature > 0: the n samples of a prompt differ in "
-                                     "tokens and length (default: the same prompt always gets the same output)",
-                                     group=SYNTHETIC)] = False
-    tokenizer: Annotated[str, setting("`tiny` (the offline ChatML tokenizer) or an HF tokenizer directory (default: "
-                                      "UTF-8 bytes)", metavar="NAME", group=SYNTHETIC)] = ""
-    replies_file: Annotated[str | None, setting("JSON list of strings: scripted replies, one per assistant turn (the "
-                                                "last one repeats)", metavar="PATH", group=SYNTHETIC)] = None
-    turn_marker: Annotated[str, setting("text whose occurrences in the prompt count the assistant turns (with "
-                                        "--replies-file)", metavar="TEXT", group=SYNTHETIC)] = "<|im_start|>assistant"
+    sampled: Annotated[
+        bool,
+        setting(
+            "sample like a model at temperature > 0: the n samples of a prompt differ in "
+            "tokens and length (default: the same prompt always gets the same output)",
+            group=SYNTHETIC,
+        ),
+    ] = False
+    tokenizer: Annotated[
+        str,
+        setting(
+            "`tiny` (the offline ChatML tokenizer) or an HF tokenizer directory (default: UTF-8 bytes)",
+            metavar="NAME",
+            group=SYNTHETIC,
+        ),
+    ] = ""
+    replies_file: Annotated[
+        str | None,
+        setting(
+            "JSON list of strings: scripted replies, one per assistant turn (the last one repeats)",
+            metavar="PATH",
+            group=SYNTHETIC,
+        ),
+    ] = None
+    turn_marker: Annotated[
+        str,
+        setting(
+            "text whose occurrences in the prompt count the assistant turns (with --replies-file)",
+            metavar="TEXT",
+            group=SYNTHETIC,
+        ),
+    ] = "<|im_start|>assistant"
 
 
 __all__ = ["EngineConfig"]

@@ -27,8 +27,12 @@ class Prefilled:
 
 def prefill(model: torch.nn.Module, ids: Sequence[int]) -> Prefilled:
     cache = DynamicCache(config=model.config)
-    out = model(input_ids=torch.tensor([list(ids)], device=model.device), past_key_values=cache, use_cache=True,
-                logits_to_keep=1)
+    out = model(
+        input_ids=torch.tensor([list(ids)], device=model.device),
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    )
     layers = [(k, v) for k, v, *_ in out.past_key_values]
     return Prefilled(layers, len(ids), out.logits[0, -1])
 
@@ -91,8 +95,14 @@ class KVBatch:
         mask = torch.cat([self._mask, torch.ones(self.size, 1, dtype=torch.long, device=self._mask.device)], dim=1)
         if self._cache is None:
             self._cache = DynamicCache(ddp_cache_data=self._layers)
-        out = model(input_ids=torch.tensor(list(tokens), device=mask.device)[:, None], attention_mask=mask,
-                    position_ids=self._lengths[:, None], past_key_values=self._cache, use_cache=True, logits_to_keep=1)
+        out = model(
+            input_ids=torch.tensor(list(tokens), device=mask.device)[:, None],
+            attention_mask=mask,
+            position_ids=self._lengths[:, None],
+            past_key_values=self._cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
         self._layers = [(k, v) for k, v, *_ in self._cache]
         self._mask = mask
         self._lengths = self._lengths + 1

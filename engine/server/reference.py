@@ -25,9 +25,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 from rollq.engine.server.backend import Backend, GenState, stop_check
 from rollq.engine.server.kv_batch import KVBatch, prefill
 from rollq.engine.server.sampler import RowSpec, request_generator, sample
+from rollq.engine.server.weights import load_into
 from rollq.engine.tiny_model import model_dir
 from rollq.engine.types import FinishReason, PauseMode
-from rollq.engine.server.weights import load_into
 
 log = logging.getLogger(__name__)
 
@@ -81,9 +81,16 @@ class ReferenceBackend(Backend):
         torch.set_num_threads(threads)
         path = model_dir(cfg.model)
         self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        self.model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=getattr(torch, cfg.dtype), local_files_only=True, attn_implementation=cfg.attn_implementation,
-        ).to(cfg.device).eval()
+        self.model = (
+            AutoModelForCausalLM.from_pretrained(
+                path,
+                dtype=getattr(torch, cfg.dtype),
+                local_files_only=True,
+                attn_implementation=cfg.attn_implementation,
+            )
+            .to(cfg.device)
+            .eval()
+        )
         self.model.requires_grad_(False)
         self.model_path = str(path)
         self.vocab_size = int(self.model.config.get_text_config().vocab_size)
@@ -130,8 +137,9 @@ class ReferenceBackend(Backend):
             raise RuntimeError("ReferenceBackend.run before start()")
         n = len(state.input_ids) + len(state.output_ids)
         if n >= self.context_length:
-            raise ValueError(f"The input ({n} tokens) is longer than the model's context length "
-                             f"({self.context_length} tokens).")
+            raise ValueError(
+                f"The input ({n} tokens) is longer than the model's context length ({self.context_length} tokens)."
+            )
         if state.params.max_new_tokens <= len(state.output_ids):
             state.finish = FinishReason(type="length", length=len(state.output_ids))
             return
@@ -219,26 +227,33 @@ class ReferenceBackend(Backend):
         # Snapshot what the thread reads, so the loop may go on mutating states meanwhile.
         decode_tokens = [r.state.output_ids[-1] for r in running]
         prefill_ids = [[*r.state.input_ids, *r.state.output_ids] for r in admit]
-        rows = [RowSpec(r.state.params, list(r.state.output_ids), r.generator, self._min_new_stop_ids(r.state))
-                for r in (*running, *admit)]
+        rows = [
+            RowSpec(r.state.params, list(r.state.output_ids), r.generator, self._min_new_stop_ids(r.state))
+            for r in (*running, *admit)
+        ]
         self._running = running + admit
         if not self._running:  # everything finished: only free the batch
             self._batch.clear()
             return
         try:
             tokens, logprobs = await asyncio.to_thread(self._step, keep, decode_tokens, prefill_ids, rows)
-        except Exception as e:  # noqa: BLE001 - a failed step must not kill the scheduler and hang every caller
+        except Exception as e:
             log.exception("reference engine step failed; aborting the running batch")
             for req in self._running:
-                self._finish(req, FinishReason(type="abort", message=f"engine error: {e!r}", status_code=500,
-                                               err_type=type(e).__name__))
+                self._finish(
+                    req,
+                    FinishReason(
+                        type="abort", message=f"engine error: {e!r}", status_code=500, err_type=type(e).__name__
+                    ),
+                )
             self._running.clear()
             self._batch.clear()
             return
         self._apply(tokens, logprobs)
 
-    def _step(self, keep: list[int], decode_tokens: list[int], prefill_ids: list[list[int]],
-              rows: list[Any]) -> tuple[list[int], list[float]]:
+    def _step(
+        self, keep: list[int], decode_tokens: list[int], prefill_ids: list[list[int]], rows: list[Any]
+    ) -> tuple[list[int], list[float]]:
         with torch.inference_mode():
             self._batch.keep(keep)
             parts = [self._batch.decode(self.model, decode_tokens)] if decode_tokens else []

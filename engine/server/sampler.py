@@ -24,8 +24,9 @@ class RowSpec:
 
     __slots__ = ("params", "output_ids", "generator", "stop_ids")
 
-    def __init__(self, params: SamplingParams, output_ids: Sequence[int], generator: torch.Generator,
-                 stop_ids: Sequence[int]) -> None:
+    def __init__(
+        self, params: SamplingParams, output_ids: Sequence[int], generator: torch.Generator, stop_ids: Sequence[int]
+    ) -> None:
         self.params = params
         self.output_ids = output_ids
         self.generator = generator

@@ -28,11 +28,24 @@ class SGLangLaunch(msgspec.Struct, kw_only=True):
 
     def command(self) -> list[str]:
         cmd = [
-            sys.executable, "-m", "sglang.launch_server",
-            "--model-path", self.model_path, "--host", self.host, "--port", str(self.port),
-            "--tp-size", str(self.tp_size), "--dp-size", str(self.dp_size),
-            "--mem-fraction-static", str(self.mem_fraction_static),
-            "--enable-metrics", "--weight-version", self.weight_version,
+            sys.executable,
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            self.model_path,
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            "--tp-size",
+            str(self.tp_size),
+            "--dp-size",
+            str(self.dp_size),
+            "--mem-fraction-static",
+            str(self.mem_fraction_static),
+            "--enable-metrics",
+            "--weight-version",
+            self.weight_version,
         ]
         if self.skip_tokenizer_init:
             cmd.append("--skip-tokenizer-init")

@@ -72,8 +72,10 @@ class LengthDist(msgspec.Struct, kw_only=True, frozen=True):
                 return cls(kind="pareto", xmin=float(args[0]), alpha=float(args[1]))
         except (IndexError, ValueError):
             pass
-        raise ValueError(f"bad length distribution {spec!r}: use fixed[:N], uniform:LOW:HIGH, lognormal:MEDIAN:SIGMA "
-                         "or pareto:XMIN:ALPHA")
+        raise ValueError(
+            f"bad length distribution {spec!r}: use fixed[:N], uniform:LOW:HIGH, lognormal:MEDIAN:SIGMA "
+            "or pareto:XMIN:ALPHA"
+        )
 
     def sample(self, rng: random.Random) -> int | None:
         if self.kind == "fixed":
@@ -149,7 +151,7 @@ def _count(ids: list[int], pattern: list[int]) -> tuple[int, int]:
             i = ids.index(first, i)
         except ValueError:
             return n, end
-        if ids[i:i + k] == pattern:
+        if ids[i : i + k] == pattern:
             n, end, i = n + 1, i + k, i + k
         else:
             i += 1
@@ -161,8 +163,9 @@ class _Seq:
 
     __slots__ = ("state", "h", "target", "done", "script", "cursor")
 
-    def __init__(self, state: GenState, h: int, target: int | None, script: list[int] | None = None,
-                 cursor: int = 0) -> None:
+    def __init__(
+        self, state: GenState, h: int, target: int | None, script: list[int] | None = None, cursor: int = 0
+    ) -> None:
         self.state = state
         self.h = h
         self.target = target
@@ -262,10 +265,10 @@ class SyntheticBackend(Backend):
             return script, 0
         tail = ids[end:]
         # The generation prompt's newline is the usual case; the unstripped reading serves a marker that ends in one.
-        skips = (len(self._newline), 0) if self._newline and tail[:len(self._newline)] == self._newline else (0,)
+        skips = (len(self._newline), 0) if self._newline and tail[: len(self._newline)] == self._newline else (0,)
         for skip in skips:
             done = tail[skip:]
-            if done[:len(script)] == script[:len(done)]:  # beyond the script: hashed tokens, consistent by design
+            if done[: len(script)] == script[: len(done)]:  # beyond the script: hashed tokens, consistent by design
                 return script, len(done)
         return script, 0
 
@@ -292,8 +295,9 @@ class SyntheticBackend(Backend):
             state.first_token_at = time.monotonic()
         seq.h = (seq.h * _MUL + token + 1) & _MASK
         self._tokens_total += 1
-        state.finish = stop_check(state, token, self.eos_token_ids,
-                                  self._decode_for_stop if state.params.stop else None)
+        state.finish = stop_check(
+            state, token, self.eos_token_ids, self._decode_for_stop if state.params.stop else None
+        )
         return state.finish is not None
 
     async def _wait_resumed(self, current: Callable[[], list[_Seq]]) -> None:

@@ -21,10 +21,20 @@ class EngineValueError(Exception):
 
 SAMPLING_FIELDS = frozenset(SamplingParams.__struct_fields__)
 # SGLang sampling keys rollq's engines accept and ignore (constrained decoding, seeds, ...): real clients send them.
-IGNORED_SAMPLING_KEYS = frozenset({
-    "stop_regex", "json_schema", "regex", "ebnf", "structural_tag", "spaces_between_special_tokens",
-    "custom_params", "stream_interval", "logit_bias", "sampling_seed",
-})
+IGNORED_SAMPLING_KEYS = frozenset(
+    {
+        "stop_regex",
+        "json_schema",
+        "regex",
+        "ebnf",
+        "structural_tag",
+        "spaces_between_special_tokens",
+        "custom_params",
+        "stream_interval",
+        "logit_bias",
+        "sampling_seed",
+    }
+)
 
 
 class Prompt(msgspec.Struct, kw_only=True):
@@ -193,9 +203,7 @@ def parse_generate(body: Any, *, encode, vocab_size: int, context_length: int, t
             raise EngineValueError(
                 f"The input ({len(ids)} tokens) is longer than the model's context length ({context_length} tokens)."
             )
-        if context_length and _explicit_max(raw_sampling, i) and (
-            p.max_new_tokens + len(ids) >= context_length
-        ):
+        if context_length and _explicit_max(raw_sampling, i) and (p.max_new_tokens + len(ids) >= context_length):
             raise EngineValueError(
                 f"Requested token count exceeds the model's maximum context length of {context_length} tokens. "
                 f"You requested a total of {p.max_new_tokens + len(ids)} tokens: {len(ids)} tokens from the input "
@@ -206,8 +214,16 @@ def parse_generate(body: Any, *, encode, vocab_size: int, context_length: int, t
             rids = [uuid.uuid4().hex for _ in range(p.n)]
         else:
             rids = [base_rids[i] or uuid.uuid4().hex]
-        prompts.append(Prompt(input_ids=ids, params=p, rids=rids, return_logprob=return_logprob[i],
-                              top_logprobs_num=top_logprobs[i], logprob_start_len=start_len[i]))
+        prompts.append(
+            Prompt(
+                input_ids=ids,
+                params=p,
+                rids=rids,
+                return_logprob=return_logprob[i],
+                top_logprobs_num=top_logprobs[i],
+                logprob_start_len=start_len[i],
+            )
+        )
     return GenerateCall(
         prompts=prompts,
         batched=batched or sum(len(p.rids) for p in prompts) > 1,

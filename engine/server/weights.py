@@ -43,15 +43,20 @@ def load_into(model: torch.nn.Module, path: str | Path) -> int:
     tensors: dict[str, torch.Tensor] = {}
     for file in safetensors_files(path):
         with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+            for name in f.keys():
                 tensors[name] = f.get_tensor(name)
     missing = sorted(set(params) - set(tensors))
     unknown = sorted(set(tensors) - set(params) - aliases)
-    bad_shape = sorted(f"{n}: {tuple(tensors[n].shape)} != {tuple(p.shape)}"
-                       for n, p in params.items() if n in tensors and tensors[n].shape != p.shape)
+    bad_shape = sorted(
+        f"{n}: {tuple(tensors[n].shape)} != {tuple(p.shape)}"
+        for n, p in params.items()
+        if n in tensors and tensors[n].shape != p.shape
+    )
     if missing or unknown or bad_shape:
-        raise ValueError(f"weights at {path} do not fit the model: missing {missing[:8]}, unknown {unknown[:8]}, "
-                         f"shape mismatch {bad_shape[:8]}")
+        raise ValueError(
+            f"weights at {path} do not fit the model: missing {missing[:8]}, unknown {unknown[:8]}, "
+            f"shape mismatch {bad_shape[:8]}"
+        )
     for name, p in params.items():
         p.copy_(tensors[name].to(dtype=p.dtype, device=p.device))
     return len(params)

@@ -46,7 +46,7 @@ async def test_affinity_keeps_a_group_on_one_engine_and_spreads_groups(engines):
         reqs = [request(i, 10, affinity=f"group-{i % 6}") for i in range(36)]
         responses = await asyncio.gather(*(pool.agenerate(r) for r in reqs))
     by_group: dict[str, set[str]] = {}
-    for r, resp in zip(reqs, responses):
+    for r, resp in zip(reqs, responses, strict=True):
         by_group.setdefault(r.affinity, set()).add(resp.engine)
         assert len(resp.output_tokens) == 10 and len(resp.output_versions) == 10
     assert all(len(urls) == 1 for urls in by_group.values())
@@ -67,7 +67,7 @@ async def test_pause_update_resume_under_load_loses_no_token_and_versions_each_o
             phases = await fleet.cycle(str(weights), version, mode=mode)
             assert phases["total_s"] < 5
             responses = await asyncio.wait_for(asyncio.gather(*running), 30)
-            for base, resp in zip(baseline, responses):
+            for base, resp in zip(baseline, responses, strict=True):
                 # Synthetic tokens depend only on prompt + position: same tokens as an uninterrupted run.
                 assert resp.output_tokens == base.output_tokens, mode
                 assert len(resp.output_versions) == 60

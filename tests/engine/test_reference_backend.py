@@ -67,7 +67,7 @@ def generate(model, prompt: list[int], max_new: int, stop_at_eos: bool = True) -
             out = model.generate(torch.tensor([prompt]), generation_config=gen)
     finally:
         model.generation_config.eos_token_id = saved
-    return out[0, len(prompt):].tolist()
+    return out[0, len(prompt) :].tolist()
 
 
 def greedy(max_new: int, **kw) -> SamplingParams:
@@ -114,10 +114,14 @@ def test_chat_template_renders_roles_and_tool_calls(tiny_dir: Path) -> None:
     messages = [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Weather in Paris and Rome?"},
-        {"role": "assistant", "content": "Checking.", "tool_calls": [
-            {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
-            {"type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}},
-        ]},
+        {
+            "role": "assistant",
+            "content": "Checking.",
+            "tool_calls": [
+                {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
+                {"type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}},
+            ],
+        },
         {"role": "tool", "content": '{"t": 21}'},
         {"role": "tool", "content": '{"t": 25}'},
         {"role": "assistant", "content": "21 and 25."},
@@ -150,12 +154,15 @@ def test_chat_template_renders_roles_and_tool_calls(tiny_dir: Path) -> None:
 # ---- sampling ------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("params", "probs"), [
-    (SamplingParams(temperature=1.0), torch.softmax(torch.tensor([2.0, 1.0, 0.0, -1.0]), 0).tolist() + [0.0]),
-    (SamplingParams(temperature=0.5, top_k=2), torch.softmax(torch.tensor([4.0, 2.0]), 0).tolist() + [0.0] * 3),
-    (SamplingParams(temperature=1.0, top_p=0.8), torch.softmax(torch.tensor([2.0, 1.0]), 0).tolist() + [0.0] * 3),
-    (SamplingParams(temperature=1.0, min_p=0.3), torch.softmax(torch.tensor([2.0, 1.0]), 0).tolist() + [0.0] * 3),
-])
+@pytest.mark.parametrize(
+    ("params", "probs"),
+    [
+        (SamplingParams(temperature=1.0), torch.softmax(torch.tensor([2.0, 1.0, 0.0, -1.0]), 0).tolist() + [0.0]),
+        (SamplingParams(temperature=0.5, top_k=2), torch.softmax(torch.tensor([4.0, 2.0]), 0).tolist() + [0.0] * 3),
+        (SamplingParams(temperature=1.0, top_p=0.8), torch.softmax(torch.tensor([2.0, 1.0]), 0).tolist() + [0.0] * 3),
+        (SamplingParams(temperature=1.0, min_p=0.3), torch.softmax(torch.tensor([2.0, 1.0]), 0).tolist() + [0.0] * 3),
+    ],
+)
 def test_sampler_follows_the_filtered_distribution(params: SamplingParams, probs: list[float]) -> None:
     n = 4000
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, float("-inf")]]).expand(n, 5)
@@ -182,8 +189,9 @@ def test_sampler_penalties_and_min_new_tokens() -> None:
 # ---- continuous batching -------------------------------------------------------------------------------------------
 
 
-async def test_continuous_batching_matches_sequential_generate(backend: ReferenceBackend, ref_model,
-                                                               prompts: list[list[int]]) -> None:
+async def test_continuous_batching_matches_sequential_generate(
+    backend: ReferenceBackend, ref_model, prompts: list[list[int]]
+) -> None:
     max_new = [8, 30, 16, 24, 12, 30]
     states = [GenState(f"cb-{i}", p, greedy(n)) for i, (p, n) in enumerate(zip(prompts, max_new, strict=True))]
     tasks = [asyncio.create_task(backend.run(states[0])), asyncio.create_task(backend.run(states[1]))]
@@ -206,18 +214,21 @@ async def test_continuous_batching_matches_sequential_generate(backend: Referenc
     assert stats["num_running_reqs"] == 0 and stats["num_queue_reqs"] == 0 and stats["gen_throughput"] > 0
 
 
-async def test_logprobs_match_a_direct_forward_pass(backend: ReferenceBackend, ref_model,
-                                                    prompts: list[list[int]]) -> None:
-    params = [SamplingParams(max_new_tokens=16, temperature=0.8, top_p=0.9, top_k=50, ignore_eos=True),
-              SamplingParams(max_new_tokens=12, temperature=1.0, min_p=0.05, ignore_eos=True),
-              greedy(10, ignore_eos=True)]
+async def test_logprobs_match_a_direct_forward_pass(
+    backend: ReferenceBackend, ref_model, prompts: list[list[int]]
+) -> None:
+    params = [
+        SamplingParams(max_new_tokens=16, temperature=0.8, top_p=0.9, top_k=50, ignore_eos=True),
+        SamplingParams(max_new_tokens=12, temperature=1.0, min_p=0.05, ignore_eos=True),
+        greedy(10, ignore_eos=True),
+    ]
     states = [GenState(f"lp-{i}", prompts[i], p, return_logprob=True) for i, p in enumerate(params)]
     await asyncio.gather(*(backend.run(s) for s in states))
     for s in states:
         assert len(s.output_logprobs) == len(s.output_ids) == s.params.max_new_tokens
         ids = torch.tensor([s.input_ids + s.output_ids])
         with torch.inference_mode():
-            logits = ref_model(ids).logits[0, len(s.input_ids) - 1:-1]
+            logits = ref_model(ids).logits[0, len(s.input_ids) - 1 : -1]
         want = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(s.output_ids)[:, None]).squeeze(1)
         assert torch.allclose(torch.tensor(s.output_logprobs), want, atol=1e-4), s.rid
     # sampling is seeded by (engine seed, rid): the same rid samples the same tokens again, another rid does not
@@ -228,8 +239,9 @@ async def test_logprobs_match_a_direct_forward_pass(backend: ReferenceBackend, r
     assert other.output_ids != states[0].output_ids
 
 
-async def test_max_new_tokens_stop_token_ids_and_stop_strings(backend: ReferenceBackend,
-                                                              prompts: list[list[int]]) -> None:
+async def test_max_new_tokens_stop_token_ids_and_stop_strings(
+    backend: ReferenceBackend, prompts: list[list[int]]
+) -> None:
     full = GenState("full", prompts[1], greedy(24, ignore_eos=True))
     short = GenState("short", prompts[1], greedy(5, ignore_eos=True))
     await asyncio.gather(backend.run(full), backend.run(short))
@@ -239,7 +251,7 @@ async def test_max_new_tokens_stop_token_ids_and_stop_strings(backend: Reference
     j = g.index(g[6])
     by_id = GenState("by-id", prompts[1], greedy(24, ignore_eos=True, stop_token_ids=[g[6]]))
     await backend.run(by_id)
-    assert by_id.output_ids == g[:j + 1]
+    assert by_id.output_ids == g[: j + 1]
     assert by_id.finish.type == "stop" and by_id.finish.matched == g[6]
 
     def raw(ids: list[int]) -> str:  # stop strings match the raw tail, special tokens included (as SGLang)
@@ -266,8 +278,9 @@ async def test_context_length_is_enforced(tiny_dir: Path, prompts: list[list[int
         await b.close()
 
 
-async def test_tiny_backend_keeps_the_event_loop_responsive(tiny_dir: Path, prompts: list[list[int]],
-                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_tiny_backend_keeps_the_event_loop_responsive(
+    tiny_dir: Path, prompts: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("ROLLQ_CACHE", str(tiny_dir.parent))  # model="tiny" finds the build there
     b = ReferenceBackend(ReferenceConfig(model="tiny", max_running=32))
     await b.start()
@@ -290,8 +303,9 @@ async def test_tiny_backend_keeps_the_event_loop_responsive(tiny_dir: Path, prom
 # ---- abort and pause -----------------------------------------------------------------------------------------------
 
 
-async def test_abort_mid_generation_keeps_partial_tokens(backend: ReferenceBackend, ref_model,
-                                                         prompts: list[list[int]]) -> None:
+async def test_abort_mid_generation_keeps_partial_tokens(
+    backend: ReferenceBackend, ref_model, prompts: list[list[int]]
+) -> None:
     s = GenState("ab", prompts[2], greedy(1000, ignore_eos=True), return_logprob=True)
     task = asyncio.create_task(backend.run(s))
     await until(lambda: len(s.output_ids) >= 5)
@@ -319,10 +333,10 @@ async def test_abort_mid_generation_keeps_partial_tokens(backend: ReferenceBacke
 
 
 @pytest.mark.parametrize("mode", ["in_place", "retract"])
-async def test_pause_then_resume_gives_the_uninterrupted_tokens(backend: ReferenceBackend, ref_model,
-                                                                prompts: list[list[int]], mode: str) -> None:
-    states = [GenState(f"p-{mode}-{i}", prompts[i], greedy(20, ignore_eos=True), return_logprob=True)
-              for i in range(3)]
+async def test_pause_then_resume_gives_the_uninterrupted_tokens(
+    backend: ReferenceBackend, ref_model, prompts: list[list[int]], mode: str
+) -> None:
+    states = [GenState(f"p-{mode}-{i}", prompts[i], greedy(20, ignore_eos=True), return_logprob=True) for i in range(3)]
     tasks = [asyncio.create_task(backend.run(s)) for s in states]
     await until(lambda: all(len(s.output_ids) >= 3 for s in states))
     await backend.pause(mode)
@@ -345,9 +359,9 @@ async def test_pause_then_resume_gives_the_uninterrupted_tokens(backend: Referen
 # ---- weights -------------------------------------------------------------------------------------------------------
 
 
-async def test_load_weights_changes_outputs_and_rejects_bad_input(backend: ReferenceBackend, ref_model,
-                                                                  prompts: list[list[int]], tiny_dir: Path,
-                                                                  tmp_path: Path) -> None:
+async def test_load_weights_changes_outputs_and_rejects_bad_input(
+    backend: ReferenceBackend, ref_model, prompts: list[list[int]], tiny_dir: Path, tmp_path: Path
+) -> None:
     async def once(rid: str) -> list[int]:
         s = GenState(rid, prompts[1], greedy(12, ignore_eos=True))
         await backend.run(s)

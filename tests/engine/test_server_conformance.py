@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import signal
 
@@ -19,8 +20,11 @@ VALIDATION_KEYS = {"object": "error", "type": "Bad Request", "param": None, "cod
 
 
 def gen_body(max_new_tokens: int = 8, prompt: list[int] | None = None, **extra) -> dict:
-    return {"input_ids": prompt or PROMPT, "sampling_params": {"max_new_tokens": max_new_tokens, "ignore_eos": True},
-            **extra}
+    return {
+        "input_ids": prompt or PROMPT,
+        "sampling_params": {"max_new_tokens": max_new_tokens, "ignore_eos": True},
+        **extra,
+    }
 
 
 async def generate(http: httpx.AsyncClient, url: str, body: dict) -> httpx.Response:
@@ -71,8 +75,15 @@ async def test_generate_single_request_fields(engine, http):
 
 
 async def test_text_prompt_text_in_logprobs_and_put(engine, http):
-    body = {"text": "hello", "sampling_params": {"max_new_tokens": 3}, "return_logprob": True,
-            "return_text_in_logprobs": True, "top_logprobs_num": 2, "logprob_start_len": 0, "unknown_top_key": 1}
+    body = {
+        "text": "hello",
+        "sampling_params": {"max_new_tokens": 3},
+        "return_logprob": True,
+        "return_text_in_logprobs": True,
+        "top_logprobs_num": 2,
+        "logprob_start_len": 0,
+        "unknown_top_key": 1,
+    }
     resp = await http.put(engine.url + "/generate", json=body)
     assert resp.status_code == 200
     out = resp.json()
@@ -87,8 +98,8 @@ async def test_text_prompt_text_in_logprobs_and_put(engine, http):
 
 async def test_batch_and_parallel_sampling_order_and_rids(engine, http):
     a, b = [11, 12, 13], [21, 22]
-    single_a = (await generate(http, engine.url, gen_body(5, a)))
-    single_b = (await generate(http, engine.url, gen_body(5, b)))
+    single_a = await generate(http, engine.url, gen_body(5, a))
+    single_b = await generate(http, engine.url, gen_body(5, b))
     batch = (await generate(http, engine.url, gen_body(5, [a, b], rid="batch"))).json()
     assert isinstance(batch, list) and [o["meta_info"]["id"] for o in batch] == ["batch_0", "batch_1"]
     assert [o["output_ids"] for o in batch] == [single_a.json()["output_ids"], single_b.json()["output_ids"]]
@@ -106,7 +117,10 @@ async def test_batch_and_parallel_sampling_order_and_rids(engine, http):
     one_n["sampling_params"]["n"] = 3
     assert len((await generate(http, engine.url, one_n)).json()) == 3  # a single prompt with n > 1 answers a list
     per_prompt = {"input_ids": [a, b], "sampling_params": [{"max_new_tokens": 2}, {"max_new_tokens": 4}]}
-    assert [o["meta_info"]["completion_tokens"] for o in (await generate(http, engine.url, per_prompt)).json()] == [2, 4]
+    assert [o["meta_info"]["completion_tokens"] for o in (await generate(http, engine.url, per_prompt)).json()] == [
+        2,
+        4,
+    ]
 
 
 async def test_stop_token_kept_in_ids_and_trimmed_from_text(engine, http):
@@ -139,7 +153,10 @@ async def test_eos_from_length_distribution_and_ignore_eos(start_engine, http):
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": 2}
     assert (await generate(http, handle.url, gen_body(10))).json()["meta_info"]["completion_tokens"] == 10
     capped = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 3}}
-    assert (await generate(http, handle.url, capped)).json()["meta_info"]["finish_reason"] == {"type": "length", "length": 3}
+    assert (await generate(http, handle.url, capped)).json()["meta_info"]["finish_reason"] == {
+        "type": "length",
+        "length": 3,
+    }
     zero = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 0}}
     assert (await generate(http, handle.url, zero)).json()["output_ids"] == []
 
@@ -154,15 +171,17 @@ async def test_skip_tokenizer_init_has_no_text(start_engine, http):
 
 async def test_streaming_chunks_are_cumulative_and_end_with_done(start_engine, http):
     handle = await start_engine(per_token_latency_s=0.003)
-    async with http.stream("POST", handle.url + "/generate", json=gen_body(12, stream=True, return_logprob=True)) as resp:
+    async with http.stream(
+        "POST", handle.url + "/generate", json=gen_body(12, stream=True, return_logprob=True)
+    ) as resp:
         assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
         raw = (await resp.aread()).decode()
     events = [e for e in raw.split("\n\n") if e]
     assert all(e.startswith("data: ") for e in events)
     assert events[-1] == "data: [DONE]"
-    chunks = [json.loads(e[len("data: "):]) for e in events[:-1]]
+    chunks = [json.loads(e[len("data: ") :]) for e in events[:-1]]
     assert len(chunks) >= 2
-    for prev, cur in zip(chunks, chunks[1:]):
+    for prev, cur in itertools.pairwise(chunks):
         assert cur["output_ids"][: len(prev["output_ids"])] == prev["output_ids"]
         assert cur["text"].startswith(prev["text"].rstrip("\ufffd"))
     assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
@@ -190,13 +209,20 @@ async def test_error_shapes(start_engine, http):
     assert resp.status_code == 400 and resp.json() == {"error": {"message": "input_ids cannot be empty."}}
     resp = await generate(http, url, {"input_ids": list(range(3, 67))})
     assert resp.status_code == 400
-    assert resp.json() == {"error": {"message":
-                                     "The input (64 tokens) is longer than the model's context length (64 tokens)."}}
+    assert resp.json() == {
+        "error": {"message": "The input (64 tokens) is longer than the model's context length (64 tokens)."}
+    }
     resp = await generate(http, url, {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 4, "bogus": 1}})
     assert resp.status_code == 400 and "bogus" in resp.json()["error"]["message"]
-    for bad, fragment in ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"top_k": 0}, "top_k"), \
-            ({"repetition_penalty": 3}, "repetition_penalty"), ({"frequency_penalty": 2.5}, "frequency_penalty"), \
-            ({"min_new_tokens": 9, "max_new_tokens": 4}, "min_new_tokens"), ({"max_new_tokens": "x"}, "max_new_tokens"):
+    for bad, fragment in (
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_k": 0}, "top_k"),
+        ({"repetition_penalty": 3}, "repetition_penalty"),
+        ({"frequency_penalty": 2.5}, "frequency_penalty"),
+        ({"min_new_tokens": 9, "max_new_tokens": 4}, "min_new_tokens"),
+        ({"max_new_tokens": "x"}, "max_new_tokens"),
+    ):
         resp = await generate(http, url, {"input_ids": PROMPT, "sampling_params": bad})
         assert resp.status_code == 400 and fragment in resp.json()["error"]["message"], bad
     nulls = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2, "temperature": None, "stop": None}}
@@ -215,8 +241,14 @@ async def test_error_shapes(start_engine, http):
 async def test_api_key_guards_every_route_but_health_and_metrics(start_engine, http):
     handle = await start_engine(server={"api_key": "sekret"})
     url, good = handle.url, {"Authorization": "Bearer sekret"}
-    for method, path in (("POST", "/generate"), ("GET", "/model_info"), ("POST", "/pause_generation"),
-                         ("GET", "/server_info"), ("POST", "/abort_request"), ("GET", "/v1/models")):
+    for method, path in (
+        ("POST", "/generate"),
+        ("GET", "/model_info"),
+        ("POST", "/pause_generation"),
+        ("GET", "/server_info"),
+        ("POST", "/abort_request"),
+        ("GET", "/v1/models"),
+    ):
         resp = await http.request(method, url + path, json={})
         assert resp.status_code == 401 and resp.json() == {"error": "Unauthorized"}, path
     resp = await http.post(url + "/generate", json=gen_body(2), headers={"Authorization": "Bearer wrong"})
@@ -232,8 +264,10 @@ async def test_api_key_guards_every_route_but_health_and_metrics(start_engine, h
 async def test_abort_request_by_rid_prefix_returns_partial_output(start_engine, http):
     handle = await start_engine(per_token_latency_s=0.005)
     url = handle.url
-    tasks = {rid: asyncio.create_task(generate(http, url, gen_body(2000, [i + 3, 9], rid=rid)))
-             for i, rid in enumerate(["grp-a-1", "grp-a-2", "other"])}
+    tasks = {
+        rid: asyncio.create_task(generate(http, url, gen_body(2000, [i + 3, 9], rid=rid)))
+        for i, rid in enumerate(["grp-a-1", "grp-a-2", "other"])
+    }
     for rid in tasks:
         await tokens_made(handle, rid, 3)
     resp = await http.post(url + "/abort_request", json={"rid": "grp-a", "abort_all": False})
@@ -313,8 +347,10 @@ async def test_retract_and_in_place_keep_partial_tokens_deterministically(start_
 
 async def test_update_weights_from_disk_sets_version(engine, http, tmp_path):
     url = engine.url
-    resp = await http.post(url + "/update_weights_from_disk",
-                           json={"model_path": str(tmp_path), "weight_version": "v2", "load_format": None})
+    resp = await http.post(
+        url + "/update_weights_from_disk",
+        json={"model_path": str(tmp_path), "weight_version": "v2", "load_format": None},
+    )
     assert resp.status_code == 200
     body = resp.json()
     assert body.pop("load_seconds") >= 0  # rollq's extra key: the load itself, for fleet timing
@@ -323,8 +359,9 @@ async def test_update_weights_from_disk_sets_version(engine, http, tmp_path):
     assert (await http.get(url + "/model_info")).json()["weight_version"] == "v2"
     assert (await generate(http, url, gen_body(2))).json()["meta_info"]["weight_version"] == "v2"
 
-    resp = await http.post(url + "/update_weights_from_disk", json={"model_path": str(tmp_path / "missing"),
-                                                                    "weight_version": "v3"})
+    resp = await http.post(
+        url + "/update_weights_from_disk", json={"model_path": str(tmp_path / "missing"), "weight_version": "v3"}
+    )
     assert resp.status_code == 400
     body = resp.json()
     assert body["success"] is False and "missing" in body["message"] and body["num_paused_requests"] == 0
@@ -341,8 +378,9 @@ async def test_update_waits_for_in_flight_requests_when_not_paused(start_engine,
     url = handle.url
     running = asyncio.create_task(generate(http, url, gen_body(60, rid="old")))
     await tokens_made(handle, "old", 2)
-    update = asyncio.create_task(http.post(url + "/update_weights_from_disk",
-                                           json={"model_path": str(tmp_path), "weight_version": "new"}))
+    update = asyncio.create_task(
+        http.post(url + "/update_weights_from_disk", json={"model_path": str(tmp_path), "weight_version": "new"})
+    )
     await wait_until(lambda: handle.server._updating, what="update to start")
     later = asyncio.create_task(generate(http, url, gen_body(3, rid="later")))  # waits behind the update
     out = (await asyncio.wait_for(running, 5)).json()
@@ -359,13 +397,19 @@ async def test_in_place_update_mid_request_reports_weight_version_ranges(start_e
     await http.post(url + "/pause_generation", json={"mode": "in_place"})
     split = len(handle.server.states["span"].state.output_ids)
     resp = await http.post(url + "/update_weights_from_disk", json={"model_path": str(tmp_path), "weight_version": "1"})
-    assert resp.json() | {"load_seconds": 0} == {"success": True, "message": "Succeeded to update model weights.",
-                                               "num_paused_requests": 1, "load_seconds": 0}
+    assert resp.json() | {"load_seconds": 0} == {
+        "success": True,
+        "message": "Succeeded to update model weights.",
+        "num_paused_requests": 1,
+        "load_seconds": 0,
+    }
     await http.post(url + "/continue_generation")
     meta = (await asyncio.wait_for(task, 5)).json()["meta_info"]
     assert meta["weight_version"] == "1"
-    assert meta["weight_versions"] == [{"version": "default", "start": 0, "end": split},
-                                       {"version": "1", "start": split, "end": 50}]
+    assert meta["weight_versions"] == [
+        {"version": "default", "start": 0, "end": split},
+        {"version": "1", "start": split, "end": 50},
+    ]
 
 
 # --- cache, health, info ---
@@ -392,8 +436,15 @@ async def test_info_endpoints(engine, http):
     assert (await http.get(url + "/health_generate")).status_code == 200
     for path in ("/model_info", "/get_model_info"):
         info = (await http.get(url + path)).json()
-        assert info.items() >= {"model_path": "synthetic", "tokenizer_path": "synthetic", "is_generation": True,
-                                "weight_version": "default"}.items()
+        assert (
+            info.items()
+            >= {
+                "model_path": "synthetic",
+                "tokenizer_path": "synthetic",
+                "is_generation": True,
+                "weight_version": "default",
+            }.items()
+        )
     for path in ("/server_info", "/get_server_info"):
         info = (await http.get(url + path)).json()
         assert isinstance(info["internal_states"], list) and info["internal_states"]

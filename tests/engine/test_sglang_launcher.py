@@ -9,15 +9,27 @@ def test_launch_command_has_the_flags_rollq_relies_on():
     cmd = SGLangLaunch(model_path="/models/qwen", port=31000, tp_size=2, weight_version="step-0", api_key="k").command()
     assert cmd[1:3] == ["-m", "sglang.launch_server"]
     joined = " ".join(cmd)
-    for flag in ("--model-path /models/qwen", "--port 31000", "--tp-size 2", "--enable-metrics",
-                 "--skip-tokenizer-init", "--weight-version step-0", "--api-key k"):
+    for flag in (
+        "--model-path /models/qwen",
+        "--port 31000",
+        "--tp-size 2",
+        "--enable-metrics",
+        "--skip-tokenizer-init",
+        "--weight-version step-0",
+        "--api-key k",
+    ):
         assert flag in joined
 
 
 def test_sglang_backend_says_clearly_when_sglang_is_missing():
     if sglang_installed():
         return
-    res = subprocess.run([sys.executable, "-m", "rollq", "engine", "--backend", "sglang", "--model", "/m"],
-                         cwd=REPO_ROOT, capture_output=True, text=True, timeout=30)
+    res = subprocess.run(
+        [sys.executable, "-m", "rollq", "engine", "--backend", "sglang", "--model", "/m"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert res.returncode == 2
     assert "sglang is not installed" in res.stderr and "Traceback" not in res.stderr

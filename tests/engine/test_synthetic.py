@@ -70,7 +70,9 @@ async def test_load_weights_needs_an_existing_path(tmp_path):
 
 async def test_many_short_generations_are_cheap():
     backend = SyntheticBackend()
-    states = [GenState(f"r{i}", [3, i % 500 + 3], SamplingParams(max_new_tokens=16, ignore_eos=True)) for i in range(5000)]
+    states = [
+        GenState(f"r{i}", [3, i % 500 + 3], SamplingParams(max_new_tokens=16, ignore_eos=True)) for i in range(5000)
+    ]
     t0 = time.perf_counter()
     await asyncio.gather(*(backend.run(s) for s in states))
     assert time.perf_counter() - t0 < 1.0  # well under the 1,000 requests/s the server must sustain
@@ -97,8 +99,11 @@ def chat_ids(*turns: str) -> list[int]:
 
 
 async def post(http, url: str, input_ids: list[int], max_new_tokens: int = 200, **params) -> dict:
-    body = {"input_ids": input_ids, "return_logprob": True,
-            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0, **params}}
+    body = {
+        "input_ids": input_ids,
+        "return_logprob": True,
+        "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0, **params},
+    }
     resp = await http.post(url + "/generate", json=body)
     assert resp.status_code == 200, resp.text
     return resp.json()
@@ -115,14 +120,15 @@ async def test_scripted_reply_follows_the_assistant_turn(http):
         assert info["model_path"] == str(build_tiny(default_cache_dir()))
         turns = ["What is 2 + 3?", TOOL_REPLY, '{"result": 5}', "The sum is 5.", "Thanks", "Anything else?", "No"]
         for n_assistant, want in [(0, REPLIES[0]), (1, REPLIES[1]), (2, REPLIES[2]), (3, REPLIES[2])]:
-            out = await post(http, handle.url, chat_ids(*turns[:2 * n_assistant + 1]))
+            out = await post(http, handle.url, chat_ids(*turns[: 2 * n_assistant + 1]))
             assert out["text"] == want, n_assistant
             assert out["output_ids"] == [*tiny_tokenizer().encode(want, add_special_tokens=False), eos]
             assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": eos}
             assert all(-4 < lp < 0 for lp in logprobs(out))
         # Text in goes through the same tokenizer.
-        text = tiny_tokenizer().apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
-                                                    add_generation_prompt=True)
+        text = tiny_tokenizer().apply_chat_template(
+            [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+        )
         body = {"text": text, "sampling_params": {"max_new_tokens": 100}}
         assert (await http.post(handle.url + "/generate", json=body)).json()["text"] == REPLIES[0]
 
@@ -144,7 +150,7 @@ async def test_scripted_reply_respects_max_new_tokens_and_stops(http):
         assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 3}
         out = await post(http, handle.url, chat_ids("add 2 and 3"), stop=['"arguments'])
         assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": '"arguments'}
-        assert out["text"] == TOOL_REPLY[:TOOL_REPLY.index('"arguments')]
+        assert out["text"] == TOOL_REPLY[: TOOL_REPLY.index('"arguments')]
         out = await post(http, handle.url, chat_ids("add 2 and 3"), stop_token_ids=[reply_ids[1]])
         assert out["output_ids"] == reply_ids[:2]
 
@@ -168,8 +174,12 @@ async def test_scripted_reply_survives_a_retracting_pause(http):
     prompt = chat_ids("What is 2 + 3?")
     async with scripted_engine([TOOL_REPLY], per_token_latency_s=0.01) as handle:
         want = await post(http, handle.url, prompt)
-        task = asyncio.create_task(http.post(handle.url + "/generate", json={
-            "input_ids": prompt, "rid": "paused", "sampling_params": {"max_new_tokens": 200}}))
+        task = asyncio.create_task(
+            http.post(
+                handle.url + "/generate",
+                json={"input_ids": prompt, "rid": "paused", "sampling_params": {"max_new_tokens": 200}},
+            )
+        )
 
         def started() -> bool:
             req = handle.server.states.get("paused")
@@ -187,8 +197,23 @@ def test_cli_replies_file_errors_exit_2(tmp_path):
     bad = tmp_path / "replies.json"
     bad.write_text('{"not": "a list"}')
     for path in (bad, tmp_path / "missing.json"):
-        proc = subprocess.run([sys.executable, "-m", "rollq.engine", "--backend", "synthetic", "--port", "0",
-                               "--replies-file", str(path)], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "rollq.engine",
+                "--backend",
+                "synthetic",
+                "--port",
+                "0",
+                "--replies-file",
+                str(path),
+            ],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
         assert "--replies-file" in proc.stderr
 

@@ -11,7 +11,12 @@ from tests.conftest import REPO_ROOT, wait_registered, wait_until
 
 def rollq(*args: str, timeout: float = 60, input: str | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "rollq", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout, input=input
+        [sys.executable, "-m", "rollq", *args],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        input=input,
     )
 
 
@@ -32,13 +37,38 @@ async def test_enqueue_wait_returns_exactly_n_per_line_when_a_worker_is_sigkille
         await wait_registered(redis, run_name, w.name)
     out = tmp_path / "out.jsonl"
     enqueue = subprocess.Popen(
-        [sys.executable, "-m", "rollq", "enqueue", str(jobs), "--workflow", "tests.workflows:Echo", "--n", "2",
-         "--wait", "--output", str(out), "--timeout", "60", "--redis", redis_url, "--run", run_name],
-        cwd=REPO_ROOT, stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "rollq",
+            "enqueue",
+            str(jobs),
+            "--workflow",
+            "tests.workflows:Echo",
+            "--n",
+            "2",
+            "--wait",
+            "--output",
+            str(out),
+            "--timeout",
+            "60",
+            "--redis",
+            redis_url,
+            "--run",
+            run_name,
+        ],
+        cwd=REPO_ROOT,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     victim = workers[0]
-    await wait_until(lambda: any(markers.glob(f"start-*-{victim.proc.pid}")) and out.exists()
-                     and len(out.read_text().splitlines()) >= 4, 30, what="half-way")
+    await wait_until(
+        lambda: (
+            any(markers.glob(f"start-*-{victim.proc.pid}")) and out.exists() and len(out.read_text().splitlines()) >= 4
+        ),
+        30,
+        what="half-way",
+    )
     victim.kill()
     _, err = await asyncio.to_thread(enqueue.communicate, timeout=90)
     assert enqueue.returncode == 0, err
@@ -51,8 +81,9 @@ async def test_enqueue_wait_returns_exactly_n_per_line_when_a_worker_is_sigkille
     assert records[0]["sequences"][0]["input_ids"][:2] == [100, 101]
     assert "24 ok, 0 rejected, 0 errors" in err
     # Running the same file again is a no-op: the job ids were submitted before.
-    again = rollq("enqueue", str(jobs), "--workflow", "tests.workflows:Echo", "--n", "2", "--redis", redis_url,
-                  "--run", run_name)
+    again = rollq(
+        "enqueue", str(jobs), "--workflow", "tests.workflows:Echo", "--n", "2", "--redis", redis_url, "--run", run_name
+    )
     assert again.returncode == 0 and "12 job ids were submitted before" in again.stderr
 
 
@@ -65,19 +96,41 @@ async def test_enqueue_wait_reports_a_malformed_job_and_completes_the_good_ones(
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"job_id": "x"}\n')
     res_bad = await asyncio.to_thread(
-        rollq, "enqueue", str(bad), "--workflow", "tests.workflows:NoSuchClass", "--wait", "--timeout", "30",
-        "--redis", redis_url, "--run", run_name,
+        rollq,
+        "enqueue",
+        str(bad),
+        "--workflow",
+        "tests.workflows:NoSuchClass",
+        "--wait",
+        "--timeout",
+        "30",
+        "--redis",
+        redis_url,
+        "--run",
+        run_name,
     )
     res_good = await asyncio.to_thread(
-        rollq, "enqueue", str(good), "--workflow", "tests.workflows:Echo", "--wait", "--timeout", "30",
-        "--redis", redis_url, "--run", run_name,
+        rollq,
+        "enqueue",
+        str(good),
+        "--workflow",
+        "tests.workflows:Echo",
+        "--wait",
+        "--timeout",
+        "30",
+        "--redis",
+        redis_url,
+        "--run",
+        run_name,
     )
     assert res_good.returncode == 0 and len(res_good.stdout.splitlines()) == 3
     assert res_bad.returncode == 1
     [record] = [json.loads(line) for line in res_bad.stdout.splitlines()]
     assert record["status"] == "error"
     assert "has no attribute 'NoSuchClass'" in record["error"]["message"]
-    status = json.loads((await asyncio.to_thread(rollq, "status", "--json", "--redis", redis_url, "--run", run_name)).stdout)
+    status = json.loads(
+        (await asyncio.to_thread(rollq, "status", "--json", "--redis", redis_url, "--run", run_name)).stdout
+    )
     assert status["dead_letters"] == 1
     assert "NoSuchClass" in status["recent_dead_letters"][0]["message"]
     assert [w["name"] for w in status["workers"] if w["alive"]] == [worker.name]
@@ -106,8 +159,14 @@ def test_every_command_says_in_one_line_when_redis_is_unreachable(unused_redis_u
 
 
 def test_redis_url_comes_from_the_environment(unused_redis_url):
-    res = subprocess.run([sys.executable, "-m", "rollq", "status"], cwd=REPO_ROOT, capture_output=True, text=True,
-                         timeout=30, env={**__import__("os").environ, "ROLLQ_REDIS_URL": unused_redis_url})
+    res = subprocess.run(
+        [sys.executable, "-m", "rollq", "status"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**__import__("os").environ, "ROLLQ_REDIS_URL": unused_redis_url},
+    )
     assert res.returncode == 2 and unused_redis_url in res.stderr
 
 

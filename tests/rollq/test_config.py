@@ -47,11 +47,22 @@ def test_constraints_are_checked_however_the_settings_are_built():
 
 def test_section_values_layer_the_environment_over_the_file():
     doc = {"redis_url": "redis://file:6379/0", "run": "from-file", "worker": {"concurrency": 8, "name": "w"}}
-    env = {"ROLLQ_WORKER_CONCURRENCY": "32", "ROLLQ_WORKER_ENGINE": "[http://a, http://b]", "ROLLQ_WORKER_NAME": "007",
-           "ROLLQ_ENGINE_BACKEND": "reference", "ROLLQ_RUN": "from-env", "ROLLQ_CACHE": "/tmp/x"}
+    env = {
+        "ROLLQ_WORKER_CONCURRENCY": "32",
+        "ROLLQ_WORKER_ENGINE": "[http://a, http://b]",
+        "ROLLQ_WORKER_NAME": "007",
+        "ROLLQ_ENGINE_BACKEND": "reference",
+        "ROLLQ_RUN": "from-env",
+        "ROLLQ_CACHE": "/tmp/x",
+    }
     got = section_values(WorkerConfig, "worker", doc, env)
-    assert got == {"redis_url": "redis://file:6379/0", "run": "from-env", "concurrency": 32, "name": "007",
-                   "engine": ["http://a", "http://b"]}  # YAML-typed, except text settings, taken as they are
+    assert got == {
+        "redis_url": "redis://file:6379/0",
+        "run": "from-env",
+        "concurrency": 32,
+        "name": "007",
+        "engine": ["http://a", "http://b"],
+    }  # YAML-typed, except text settings, taken as they are
 
 
 def test_unknown_keys_from_the_file_and_the_environment_are_refused():
@@ -70,8 +81,10 @@ def test_load_layers_file_environment_and_given_values(tmp_path):
     assert (cfg.backend, cfg.port, cfg.register, cfg.seed) == ("reference", 32000, True, 3)
     with pytest.raises(ConfigError, match=r"section 'engine': backend: invalid enum value 'gpu'"):
         load(EngineConfig, "engine", None, env={"ROLLQ_ENGINE_BACKEND": "gpu"})
-    with pytest.raises(ConfigError, match="workflow is required: give --workflow, `workflow:` in section 'enqueue' "
-                                          "or ROLLQ_ENQUEUE_WORKFLOW"):
+    with pytest.raises(
+        ConfigError,
+        match="workflow is required: give --workflow, `workflow:` in section 'enqueue' or ROLLQ_ENQUEUE_WORKFLOW",
+    ):
         load(EnqueueConfig, "enqueue", None, env={}, given={"file": "jobs.jsonl"})
 
 

@@ -20,8 +20,11 @@ def write(tmp_path, text: str) -> str:
 
 
 def test_a_service_takes_its_section_then_the_environment_then_its_flags(tmp_path, monkeypatch):
-    cfg = write(tmp_path, "redis_url: redis://cfg:6379/0\nrun: from-file\n"
-                          "worker: {concurrency: 8, engine: [http://e0:30000], max_attempts: 5}\n")
+    cfg = write(
+        tmp_path,
+        "redis_url: redis://cfg:6379/0\nrun: from-file\n"
+        "worker: {concurrency: 8, engine: [http://e0:30000], max_attempts: 5}\n",
+    )
     [worker] = parse(["worker", "--config", cfg]).settings
     assert (worker.concurrency, worker.engine, worker.max_attempts) == (8, ["http://e0:30000"], 5)
     assert (worker.redis_url, worker.run) == ("redis://cfg:6379/0", "from-file")
@@ -29,16 +32,32 @@ def test_a_service_takes_its_section_then_the_environment_then_its_flags(tmp_pat
     monkeypatch.setenv("ROLLQ_RUN", "from-env")
     [worker] = parse(["worker", "--config", cfg]).settings
     assert (worker.concurrency, worker.run) == (16, "from-env")
-    [worker] = parse(["worker", "--config", cfg, "--concurrency", "3", "--run", "from-flag", "--engine", "http://x:1",
-                      "--engine", "http://y:2"]).settings
+    [worker] = parse(
+        [
+            "worker",
+            "--config",
+            cfg,
+            "--concurrency",
+            "3",
+            "--run",
+            "from-flag",
+            "--engine",
+            "http://x:1",
+            "--engine",
+            "http://y:2",
+        ]
+    ).settings
     assert (worker.concurrency, worker.run, worker.max_attempts) == (3, "from-flag", 5)
     assert worker.engine == ["http://x:1", "http://y:2"]  # a repeatable flag replaces the file's list
 
 
 def test_every_command_has_its_section(tmp_path):
-    cfg = write(tmp_path, "engine: {backend: reference, register: true, port: 31000}\n"
-                          "enqueue: {workflow: my.mod:Wf, n: 4}\nreward_worker: {max_workers: 3}\n"
-                          "up: {engines: 2, workers: 3}\ntrainer: {steps: 7}\nstatus: {json: true}\n")
+    cfg = write(
+        tmp_path,
+        "engine: {backend: reference, register: true, port: 31000}\n"
+        "enqueue: {workflow: my.mod:Wf, n: 4}\nreward_worker: {max_workers: 3}\n"
+        "up: {engines: 2, workers: 3}\ntrainer: {steps: 7}\nstatus: {json: true}\n",
+    )
     [engine] = parse(["engine", "--config", cfg]).settings
     assert (engine.backend, engine.register, engine.port) == ("reference", True, 31000)
     [enqueue] = parse(["enqueue", "jobs.jsonl", "--config", cfg]).settings  # --workflow is required, given by the file
@@ -50,15 +69,18 @@ def test_every_command_has_its_section(tmp_path):
     assert parse(["train", "--config", cfg, "--steps", "9"]).settings[0].steps == 9
 
 
-@pytest.mark.parametrize("text, message", [
-    ("worker: {concurrency: lots}", "concurrency: expected `int`, got `str`"),
-    ("worker: {concurrency: 0}", "concurrency: expected `int` >= 1"),
-    ("worker: {concurency: 3}", "unknown setting(s) concurency in section 'worker'"),
-    ("engine: {backend: gpu}", "backend: invalid enum value 'gpu'"),
-    ("workers: {concurrency: 3}", "unknown config key(s) workers"),
-    ("worker: [1]", "section 'worker' must be a mapping"),
-    ("run: bad name", "run: expected `str` matching"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("worker: {concurrency: lots}", "concurrency: expected `int`, got `str`"),
+        ("worker: {concurrency: 0}", "concurrency: expected `int` >= 1"),
+        ("worker: {concurency: 3}", "unknown setting(s) concurency in section 'worker'"),
+        ("engine: {backend: gpu}", "backend: invalid enum value 'gpu'"),
+        ("workers: {concurrency: 3}", "unknown config key(s) workers"),
+        ("worker: [1]", "section 'worker' must be a mapping"),
+        ("run: bad name", "run: expected `str` matching"),
+    ],
+)
 def test_a_bad_config_exits_2_with_a_message_naming_the_setting(tmp_path, capsys, text, message):
     cfg = write(tmp_path, text + "\n")
     command = "engine" if text.startswith("engine") else "worker"

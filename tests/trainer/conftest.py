@@ -14,8 +14,17 @@ from rollq.protocol.messages import Trajectory
 from rollq.trainer.batch import trained_versions
 
 # Heavy-ish tails and real queueing: lognormal lengths, a decode step every 2 ms, 8 slots per engine.
-ENGINE_ARGS = ("--tokenizer", "tiny", "--sampled", "--length-dist", "lognormal:10:1.0", "--token-latency", "0.002",
-               "--max-running", "8")
+ENGINE_ARGS = (
+    "--tokenizer",
+    "tiny",
+    "--sampled",
+    "--length-dist",
+    "lognormal:10:1.0",
+    "--token-latency",
+    "0.002",
+    "--max-running",
+    "8",
+)
 WORKFLOW_KWARGS = {"reward_fn": "rollq.trainer.toy:digits_reward", "max_new_tokens": 48}
 
 
@@ -40,7 +49,7 @@ class Auditor:
         self.seen: dict[str, list[Trajectory]] = defaultdict(list)
         self._task: asyncio.Task | None = None
 
-    async def start(self) -> "Auditor":
+    async def start(self) -> Auditor:
         await self.consumer.setup()  # before anything is published: it sees the whole run
         self._task = asyncio.create_task(self._read())
         return self

@@ -8,11 +8,13 @@ from rollq.protocol.messages import Sequence, Trajectory
 from rollq.trainer.batch import Group, build_batch, grpo_advantages, micro_batches
 
 
-def traj(job_id: str, index: int, ids: list[int], mask: list[int], versions: list[int], reward: float,
-         status: str = "ok") -> Trajectory:
+def traj(
+    job_id: str, index: int, ids: list[int], mask: list[int], versions: list[int], reward: float, status: str = "ok"
+) -> Trajectory:
     n = len(ids)
-    seq = Sequence(input_ids=ids, loss_mask=mask, logprobs=[-0.5 * i for i in range(n)], versions=versions,
-                   reward=reward)
+    seq = Sequence(
+        input_ids=ids, loss_mask=mask, logprobs=[-0.5 * i for i in range(n)], versions=versions, reward=reward
+    )
     t = Trajectory(job_id=job_id, sample_index=index, n=2, status=status, sequences=[seq] if status == "ok" else [])
     return Codec().decode_trajectory(Codec().encode(t))  # as the trainer gets them: typed arrays off the wire
 
@@ -27,10 +29,16 @@ def test_grpo_advantages_are_normalised_within_the_group():
 
 
 def test_build_batch_pads_and_aligns_targets_with_their_columns():
-    a = Group(job_id="g0", samples=[traj("g0", 0, [5, 6, 7, 8], [0, 0, 1, 1], [-1, -1, 3, 4], 1.0),
-                                    traj("g0", 1, [5, 6, 9], [0, 0, 1], [-1, -1, 4], 0.0)])
-    b = Group(job_id="g1", samples=[traj("g1", 0, [5, 1], [0, 1], [-1, 2], 0.5),
-                                    traj("g1", 1, [5, 2], [0, 1], [-1, 2], 0.5)])
+    a = Group(
+        job_id="g0",
+        samples=[
+            traj("g0", 0, [5, 6, 7, 8], [0, 0, 1, 1], [-1, -1, 3, 4], 1.0),
+            traj("g0", 1, [5, 6, 9], [0, 0, 1], [-1, -1, 4], 0.0),
+        ],
+    )
+    b = Group(
+        job_id="g1", samples=[traj("g1", 0, [5, 1], [0, 1], [-1, 2], 0.5), traj("g1", 1, [5, 2], [0, 1], [-1, 2], 0.5)]
+    )
     batch = build_batch([a, b], pad_id=0)
     assert batch.input_ids.tolist() == [[5, 6, 7, 8], [5, 6, 9, 0], [5, 1, 0, 0], [5, 2, 0, 0]]
     assert batch.attention_mask.tolist() == [[1, 1, 1, 1], [1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 0, 0]]
@@ -44,13 +52,17 @@ def test_build_batch_pads_and_aligns_targets_with_their_columns():
 
 
 def test_group_versions_count_trained_tokens_only_and_validity():
-    g = Group(job_id="g", samples=[traj("g", 0, [5, 6, 7], [0, 1, 1], [9, 3, 5], 1.0),
-                                   traj("g", 1, [5, 6], [0, 1], [0, 4], 0.0)])
+    g = Group(
+        job_id="g",
+        samples=[traj("g", 0, [5, 6, 7], [0, 1, 1], [9, 3, 5], 1.0), traj("g", 1, [5, 6], [0, 1], [0, 4], 0.0)],
+    )
     assert g.version_range() == (3, 5)  # the prompt's 9 and 0 are not trained
     assert g.ok and g.invalid(vocab_size=10) is None and g.model_tokens == 3
     assert "outside the model's vocabulary" in g.invalid(vocab_size=7)
     assert Group(job_id="g", samples=[traj("g", 0, [5, 6], [0, 0], [-1, -1], 1.0)]).version_range() is None
-    failed = Group(job_id="g", samples=[traj("g", 0, [5, 6], [0, 1], [0, 0], 1.0), traj("g", 1, [], [], [], 0.0, "error")])
+    failed = Group(
+        job_id="g", samples=[traj("g", 0, [5, 6], [0, 1], [0, 0], 1.0), traj("g", 1, [], [], [], 0.0, "error")]
+    )
     assert not failed.ok
 
 

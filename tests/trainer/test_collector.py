@@ -17,8 +17,13 @@ PREFIX = "run1-g"
 
 def sample(job: str, index: int, versions: list[int], *, n: int = 2, status: str = "ok", ids: list[int] | None = None):
     ids = ids or [5, 6] + [7] * len(versions)
-    seq = Sequence(input_ids=ids, loss_mask=[0, 0] + [1] * len(versions), logprobs=[0.0] * len(ids),
-                   versions=[-1, -1] + versions, reward=float(index))
+    seq = Sequence(
+        input_ids=ids,
+        loss_mask=[0, 0] + [1] * len(versions),
+        logprobs=[0.0] * len(ids),
+        versions=[-1, -1] + versions,
+        reward=float(index),
+    )
     return Trajectory(job_id=job, sample_index=index, n=n, status=status, sequences=[seq] if status == "ok" else [])
 
 
@@ -45,14 +50,22 @@ async def test_only_complete_fresh_groups_train_and_the_rest_is_dropped_whole(re
     ledger, consumer, collector = await setup(redis, run_name, eta=1)
     for g in range(6):
         assert (await ledger.admit(f"{PREFIX}{g}", 2)).admitted
-    await publish(redis, run_name,
-                  sample(f"{PREFIX}0", 0, [3, 3]), sample(f"{PREFIX}0", 1, [2, 3]),   # fresh at v=3 (staleness 1)
-                  sample(f"{PREFIX}1", 0, [1, 3]), sample(f"{PREFIX}1", 1, [3]),      # one token from v1: stale
-                  sample(f"{PREFIX}2", 0, [3]), sample(f"{PREFIX}2", 1, [], status="error"),  # a failed sample
-                  sample(f"{PREFIX}3", 0, [4]), sample(f"{PREFIX}3", 1, [3]),         # v4: weights never checkpointed
-                  sample(f"{PREFIX}4", 0, [3], ids=[5, 6, 500]), sample(f"{PREFIX}4", 1, [3]),  # not in the vocab
-                  sample("oldrun-g9", 0, [3]),                                        # another trainer's leftovers
-                  sample(f"{PREFIX}5", 0, [3]))                                       # incomplete: waits
+    await publish(
+        redis,
+        run_name,
+        sample(f"{PREFIX}0", 0, [3, 3]),
+        sample(f"{PREFIX}0", 1, [2, 3]),  # fresh at v=3 (staleness 1)
+        sample(f"{PREFIX}1", 0, [1, 3]),
+        sample(f"{PREFIX}1", 1, [3]),  # one token from v1: stale
+        sample(f"{PREFIX}2", 0, [3]),
+        sample(f"{PREFIX}2", 1, [], status="error"),  # a failed sample
+        sample(f"{PREFIX}3", 0, [4]),
+        sample(f"{PREFIX}3", 1, [3]),  # v4: weights never checkpointed
+        sample(f"{PREFIX}4", 0, [3], ids=[5, 6, 500]),
+        sample(f"{PREFIX}4", 1, [3]),  # not in the vocab
+        sample("oldrun-g9", 0, [3]),  # another trainer's leftovers
+        sample(f"{PREFIX}5", 0, [3]),
+    )  # incomplete: waits
     before = (await ledger.state()).admitted
     got = await asyncio.wait_for(collector.collect(1, version=3, block_ms=50), 10)
     assert [g.job_id for g in got.groups] == [f"{PREFIX}0"]
@@ -69,8 +82,9 @@ async def test_only_complete_fresh_groups_train_and_the_rest_is_dropped_whole(re
 
 async def test_the_stalest_fit_groups_go_first_and_the_rest_wait_for_the_next_step(redis, run_name):
     ledger, consumer, collector = await setup(redis, run_name, eta=2)
-    await publish(redis, run_name, *(sample(f"{PREFIX}{g}", i, [v, v]) for g, v in ((0, 5), (1, 3), (2, 4))
-                                     for i in range(2)))
+    await publish(
+        redis, run_name, *(sample(f"{PREFIX}{g}", i, [v, v]) for g, v in ((0, 5), (1, 3), (2, 4)) for i in range(2))
+    )
     got = await asyncio.wait_for(collector.collect(2, version=5, block_ms=50), 10)
     assert [g.job_id for g in got.groups] == [f"{PREFIX}1", f"{PREFIX}2"] and got.staleness == {2: 2, 1: 2}
     # at version 8 the waiting group (v5) is 3 versions old: dropped, not trained

@@ -15,8 +15,12 @@ STEPS, GROUP, GROUPS, ETA = 10, 4, 3, 1
 
 def start_trainer(config, log):
     out = open(log, "a")
-    return subprocess.Popen([sys.executable, "-m", "rollq", "train", "--config", str(config)], cwd=REPO_ROOT,
-                            stdout=out, stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        [sys.executable, "-m", "rollq", "train", "--config", str(config)],
+        cwd=REPO_ROOT,
+        stdout=out,
+        stderr=subprocess.STDOUT,
+    )
 
 
 def steps_done(metrics) -> int:
@@ -28,16 +32,32 @@ async def test_a_trainer_killed_twice_resumes_exactly(redis_url, run_name, tmp_p
     audit = await auditor(run_name)
     run_dir = tmp_path / "run"
     config = tmp_path / "rollq.yaml"
-    config.write_text(json.dumps({  # YAML is a superset of JSON
-        "redis_url": redis_url, "run": run_name,
-        "trainer": {"run_dir": str(run_dir), "engine": urls, "steps": STEPS, "group_size": GROUP,
-                    "groups_per_step": GROUPS, "max_staleness": ETA, "workflow_kwargs": WORKFLOW_KWARGS}}))
-    log = tmp_path / "rollq.trainer.log"
+    config.write_text(
+        json.dumps(
+            {  # YAML is a superset of JSON
+                "redis_url": redis_url,
+                "run": run_name,
+                "trainer": {
+                    "run_dir": str(run_dir),
+                    "engine": urls,
+                    "steps": STEPS,
+                    "group_size": GROUP,
+                    "groups_per_step": GROUPS,
+                    "max_staleness": ETA,
+                    "workflow_kwargs": WORKFLOW_KWARGS,
+                },
+            }
+        )
+    )
+    log = tmp_path / "trainer.log"
     metrics = run_dir / "metrics.jsonl"
     for kill_after in (3, 6):
         trainer = start_trainer(config, log)
-        await wait_until(lambda: trainer.poll() is not None or steps_done(metrics) >= kill_after, 120,
-                         what=f"step {kill_after}")
+        await wait_until(
+            lambda t=trainer, k=kill_after: t.poll() is not None or steps_done(metrics) >= k,
+            120,
+            what=f"step {kill_after}",
+        )
         assert trainer.poll() is None, log.read_text()[-3000:]
         trainer.send_signal(signal.SIGKILL)  # wherever it is: training, loading weights, checkpointing, acking
         trainer.wait(10)

@@ -15,11 +15,14 @@ def test_jsonl(tmp_path):
     assert load_prompts(str(path)) == ROWS[:3]
 
 
-@pytest.mark.parametrize("text, message", [
-    ('{"prompt": "a"}\n{"prompt": \n', r"p.jsonl:2: not valid JSON"),
-    ('{"prompt": "a"}\n[1, 2]\n', r"p.jsonl:2: expected a JSON object"),
-    ("\n\n", "has no records"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ('{"prompt": "a"}\n{"prompt": \n', r"p.jsonl:2: not valid JSON"),
+        ('{"prompt": "a"}\n[1, 2]\n', r"p.jsonl:2: expected a JSON object"),
+        ("\n\n", "has no records"),
+    ],
+)
 def test_bad_jsonl_names_the_line(tmp_path, text, message):
     path = tmp_path / "p.jsonl"
     path.write_text(text)
@@ -40,8 +43,9 @@ def test_datasets_saved_to_disk_dataset_and_dict(tmp_path):
 
     datasets.Dataset.from_list(ROWS).save_to_disk(str(tmp_path / "ds"))
     assert load_prompts(str(tmp_path / "ds")) == ROWS
-    datasets.DatasetDict({"test": datasets.Dataset.from_list(ROWS[:1]),
-                          "train": datasets.Dataset.from_list(ROWS[1:])}).save_to_disk(str(tmp_path / "dd"))
+    datasets.DatasetDict(
+        {"test": datasets.Dataset.from_list(ROWS[:1]), "train": datasets.Dataset.from_list(ROWS[1:])}
+    ).save_to_disk(str(tmp_path / "dd"))
     assert load_prompts(str(tmp_path / "dd")) == ROWS[1:]  # the train split
 
 
@@ -60,6 +64,6 @@ def test_prompt_order_is_a_pure_function_of_the_group_index():
     backward = [b[i]["i"] for i in reversed(range(21))][::-1]  # random access gives the same answers
     assert forward == backward
     for epoch in range(3):  # every epoch visits each record once
-        assert sorted(forward[epoch * 7:(epoch + 1) * 7]) == list(range(7))
+        assert sorted(forward[epoch * 7 : (epoch + 1) * 7]) == list(range(7))
     assert forward[:7] != forward[7:14]  # reshuffled per epoch
     assert [PromptOrder(records, seed=4)[i]["i"] for i in range(7)] != forward[:7]

@@ -50,6 +50,8 @@ def test_micro_batches_with_a_shared_denominator_add_up_to_the_whole_batch():
     adv, mask = torch.randn(4), (torch.rand(4, 6) > 0.3).float()
     whole, _ = decoupled_ppo_loss(logprobs, prox, behav, adv, mask, **KW)
     denominator = mask.sum()
-    parts = [decoupled_ppo_loss(logprobs[r], prox[r], behav[r], adv[r], mask[r], denominator=denominator, **KW)[0]
-             for r in ([0, 3], [1], [2])]
+    parts = [
+        decoupled_ppo_loss(logprobs[r], prox[r], behav[r], adv[r], mask[r], denominator=denominator, **KW)[0]
+        for r in ([0, 3], [1], [2])
+    ]
     assert torch.allclose(sum(parts), whole, atol=1e-6)

@@ -3,10 +3,10 @@
 import msgspec
 import torch
 
-from tests.trainer.test_batch import traj
 from rollq.trainer.batch import Group, build_batch
 from rollq.trainer.config import TrainConfig
 from rollq.trainer.policy import Policy
+from tests.trainer.test_batch import traj
 
 
 def batch_of_two(policy: Policy):
@@ -14,8 +14,10 @@ def batch_of_two(policy: Policy):
     good, bad = [prompt + [20, 21, 22], prompt + [300, 301, 302]]
     mask = [0] * len(prompt) + [1, 1, 1]
     with torch.no_grad():
-        behav = [policy.token_logprobs(torch.tensor([s]), torch.ones(1, len(s), dtype=torch.long))[0].tolist()
-                 for s in (good, bad)]
+        behav = [
+            policy.token_logprobs(torch.tensor([s]), torch.ones(1, len(s), dtype=torch.long))[0].tolist()
+            for s in (good, bad)
+        ]
     samples = []
     for i, (ids, lp, reward) in enumerate(((good, behav[0], 1.0), (bad, behav[1], 0.0))):
         t = traj("g", i, ids, mask, [0] * len(ids), reward)
@@ -36,11 +38,14 @@ def test_a_step_moves_probability_towards_the_better_sample():
 
 
 def test_micro_batching_changes_the_cost_not_the_update():
-    whole, split = Policy(TrainConfig(max_tokens_per_microbatch=1 << 20)), Policy(TrainConfig(max_tokens_per_microbatch=8))
+    whole, split = (
+        Policy(TrainConfig(max_tokens_per_microbatch=1 << 20)),
+        Policy(TrainConfig(max_tokens_per_microbatch=8)),
+    )
     batch = batch_of_two(whole)
     whole.train_step(batch)
     split.train_step(batch)
-    for (name, a), (_, b) in zip(whole.model.named_parameters(), split.model.named_parameters()):
+    for (name, a), (_, b) in zip(whole.model.named_parameters(), split.model.named_parameters(), strict=True):
         assert torch.allclose(a, b, atol=1e-6), name
 
 
@@ -54,7 +59,7 @@ def test_weights_are_written_for_the_engines_and_load_back(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
     assert not list((tmp_path / "weights").glob("*.tmp"))
     loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
-    for (name, a), (_, b) in zip(policy.model.named_parameters(), loaded.named_parameters()):
+    for (name, a), (_, b) in zip(policy.model.named_parameters(), loaded.named_parameters(), strict=True):
         assert torch.equal(a, b), name
     state = policy.state()
     other = Policy(msgspec.structs.replace(TrainConfig(), seed=1))

@@ -4,24 +4,33 @@ engines with random lengths and queueing. Checked against an independent reading
 import io
 
 import msgspec
-
 import pytest
 
 from rollq.engine.pool import EnginePool, PoolConfig
-from tests.conftest import wait_until
-from tests.trainer.conftest import WORKFLOW_KWARGS
 from rollq.trainer.config import TrainConfig
 from rollq.trainer.ledger import StalenessLedger
 from rollq.trainer.loop import Trainer
+from tests.conftest import wait_until
+from tests.trainer.conftest import WORKFLOW_KWARGS
 
 
 @pytest.mark.parametrize("eta", [0, 1])
-async def test_no_trained_token_is_older_than_the_bound_and_groups_stay_whole(redis, redis_url, run_name, tmp_path,
-                                                                             stack, auditor, eta):
+async def test_no_trained_token_is_older_than_the_bound_and_groups_stay_whole(
+    redis, redis_url, run_name, tmp_path, stack, auditor, eta
+):
     urls = await stack(run_name)
     audit = await auditor(run_name)
-    cfg = TrainConfig(redis_url=redis_url, run=run_name, run_dir=str(tmp_path / "run"), engine=urls, steps=8,
-                      group_size=4, groups_per_step=3, max_staleness=eta, workflow_kwargs=WORKFLOW_KWARGS)
+    cfg = TrainConfig(
+        redis_url=redis_url,
+        run=run_name,
+        run_dir=str(tmp_path / "run"),
+        engine=urls,
+        steps=8,
+        group_size=4,
+        groups_per_step=3,
+        max_staleness=eta,
+        workflow_kwargs=WORKFLOW_KWARGS,
+    )
     pool = EnginePool(PoolConfig(urls=urls))
     try:
         records = msgspec.to_builtins(await Trainer(cfg, redis, pool, progress=io.StringIO()).run())

@@ -19,8 +19,14 @@ def test_plain_rollq_trains_the_toy_task_and_cleans_up(tmp_path):
     run_dir = tmp_path / "run"
     # No --redis and no ROLLQ_* settings: unless a Redis answers on the default port, `rollq` starts its own.
     env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLQ_") or k == "ROLLQ_CACHE"}
-    proc = subprocess.run([sys.executable, "-m", "rollq", f"steps={STEPS}", "lr=2e-3", f"run_dir={run_dir}"],
-                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-m", "rollq", f"steps={STEPS}", "lr=2e-3", f"run_dir={run_dir}"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert summary["steps"] == STEPS and summary["trained_samples"] == STEPS * 64
@@ -43,15 +49,25 @@ def test_plain_rollq_trains_the_toy_task_and_cleans_up(tmp_path):
 
 
 def test_rollq_up_against_a_redis_that_does_not_answer_says_so(unused_redis_url, tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "rollq", "up", "--redis", unused_redis_url,
-                           f"run_dir={tmp_path / 'run'}"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "rollq", "up", "--redis", unused_redis_url, f"run_dir={tmp_path / 'run'}"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2
     assert f"no Redis answers at {unused_redis_url}" in proc.stderr
 
 
 def test_rollq_up_refuses_a_bad_setting_before_starting_anything(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "rollq", "up", "steps=0", f"run_dir={tmp_path / 'run'}"],
-                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "rollq", "up", "steps=0", f"run_dir={tmp_path / 'run'}"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2 and "steps: expected `int` >= 1" in proc.stderr
     assert not (tmp_path / "run").exists()
 
@@ -62,11 +78,17 @@ async def test_sigterm_stops_rollq_up_and_everything_it_started(tmp_path):
     log = tmp_path / "up.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLQ_") or k == "ROLLQ_CACHE"}
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "rollq", "up", "steps=1000", f"run_dir={tmp_path / 'run'}"],
-                                cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "rollq", "up", "steps=1000", f"run_dir={tmp_path / 'run'}"],
+            cwd=REPO_ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
     try:
-        await wait_until(lambda: proc.poll() is not None or "step    1/1000" in log.read_text(), 120,
-                         what="the first step")
+        await wait_until(
+            lambda: proc.poll() is not None or "step    1/1000" in log.read_text(), 120, what="the first step"
+        )
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)
     finally:

@@ -5,19 +5,20 @@ plays a script of outputs."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 import pytest
 
-from rollq.engine.server.backend import Backend, GenState, stop_check
 from rollq.engine.pool import EnginePool, PoolConfig
-from rollq.engine.server.reference import ReferenceBackend, ReferenceConfig
 from rollq.engine.server.app import EngineServerConfig, serve
+from rollq.engine.server.backend import Backend, GenState, stop_check
+from rollq.engine.server.reference import ReferenceBackend, ReferenceConfig
 from rollq.engine.types import ModelRequest, SamplingParams
 from rollq.workers.builtin import BUILTIN_WORKFLOWS, resolve_agent_name
 from rollq.workers.builtin.multi_turn import MultiTurnWorkflow
 from rollq.workers.builtin.rlvr import RLVRWorkflow
-from rollq.workers.chat_template import encode, load_tokenizer
 from rollq.workers.builtin.tool_agent import ToolAgentWorkflow
+from rollq.workers.chat_template import encode, load_tokenizer
 from rollq.workers.loader import WorkflowCache
 from rollq.workers.tool_calls import ToolRegistry
 
@@ -98,19 +99,23 @@ async def test_rlvr_against_the_reference_engine(ref_pool, tok):
 
 
 async def test_rlvr_built_by_the_worker_loader_from_prompt_and_input_ids(ref_pool, tok):
-    wf = WorkflowCache().get(resolve_agent_name("rlvr"), {
-        "reward_fn": "tests.workers.test_builtin_workflows:zero_reward", "max_new_tokens": 4})
+    wf = WorkflowCache().get(
+        resolve_agent_name("rlvr"),
+        {"reward_fn": "tests.workers.test_builtin_workflows:zero_reward", "max_new_tokens": 4},
+    )
     traj = await wf.arun_episode(ref_pool, {"prompt": "hello"})
-    prompt = encode(tok, tok.apply_chat_template([{"role": "user", "content": "hello"}], tokenize=False,
-                                                 add_generation_prompt=True))
-    assert traj["input_ids"][:len(prompt)] == prompt and 0 < sum(traj["loss_mask"]) <= 4
+    prompt = encode(
+        tok, tok.apply_chat_template([{"role": "user", "content": "hello"}], tokenize=False, add_generation_prompt=True)
+    )
+    assert traj["input_ids"][: len(prompt)] == prompt and 0 < sum(traj["loss_mask"]) <= 4
     traj = await wf.arun_episode(ref_pool, {"input_ids": [5, 6, 7]})
     assert traj["input_ids"][:3] == [5, 6, 7] and traj["loss_mask"][:3] == [0, 0, 0] and traj["reward"] == 0.0
 
 
 async def test_multi_turn_builds_one_sequence_from_verbatim_engine_outputs(ref_pool, tok):
-    wf = MultiTurnWorkflow(reward_fn=zero_reward, max_new_tokens=10, temperature=0.0, max_turns=3,
-                           feedback="Try again.")
+    wf = MultiTurnWorkflow(
+        reward_fn=zero_reward, max_new_tokens=10, temperature=0.0, max_turns=3, feedback="Try again."
+    )
     traj = await wf.arun_episode(ref_pool, {"prompt": "What is 2 + 2?"})
     ids, mask = traj["input_ids"], traj["loss_mask"]
     segments = runs(mask)
@@ -119,7 +124,7 @@ async def test_multi_turn_builds_one_sequence_from_verbatim_engine_outputs(ref_p
         replay = await greedy(ref_pool, ids[:start], 10)
         assert ids[start:end] == replay.output_tokens  # each assistant turn is exactly what the engine generated
         assert traj["versions"][start:end] == [VERSION] * (end - start)
-    for (_, end), (nxt, _) in zip(segments, segments[1:]):
+    for (_, end), (nxt, _) in itertools.pairwise(segments):
         between = tok.decode(ids[end:nxt])
         assert "<|im_start|>user\nTry again.<|im_end|>\n<|im_start|>assistant\n" in between
         assert traj["logprobs"][end:nxt] == [0.0] * (nxt - end) and traj["versions"][end:nxt] == [-1] * (nxt - end)
@@ -178,13 +183,20 @@ class ScriptedBackend(Backend):
 
 
 def schema(name: str, **props: str) -> dict:
-    return {"type": "function", "function": {"name": name, "description": name, "parameters": {
-        "type": "object", "properties": {k: {"type": v} for k, v in props.items()}}}}
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": name,
+            "parameters": {"type": "object", "properties": {k: {"type": v} for k, v in props.items()}},
+        },
+    }
 
 
 def call(name: str, **args) -> str:
     import json
-    return f'<tool_call>\n{json.dumps({"name": name, "arguments": args})}\n</tool_call>'
+
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': args})}\n</tool_call>"
 
 
 @pytest.fixture
@@ -218,8 +230,10 @@ async def test_tool_agent_calls_the_tool_and_masks_its_response(scripted, tok):
         return {"city": city, "temperature": 21}
 
     backend, pool = await scripted([f"Let me check. {call('weather', city='Paris')}", "It is 21 degrees."])
-    wf = ToolAgentWorkflow(tools=ToolRegistry([(schema("weather", city="string"), weather)]),
-                           reward_fn=lambda p, c, i, o, **d: float("21" in c))
+    wf = ToolAgentWorkflow(
+        tools=ToolRegistry([(schema("weather", city="string"), weather)]),
+        reward_fn=lambda p, c, i, o, **d: float("21" in c),
+    )
     traj = await wf.arun_episode(pool, {"prompt": "Weather in Paris?"})
     assert calls == ["Paris"]
     ids, mask = traj["input_ids"], traj["loss_mask"]
@@ -232,8 +246,10 @@ async def test_tool_agent_calls_the_tool_and_masks_its_response(scripted, tok):
     assert tok.decode(ids[s1:e1]) == f"Let me check. {call('weather', city='Paris')}<|im_end|>"
     assert tok.decode(ids[s2:e2]) == "It is 21 degrees.<|im_end|>" and e2 == len(ids)
     tool_part = tok.decode(ids[e1:s2])
-    assert tool_part == ('\n<|im_start|>user\n<tool_response>\n{"city": "Paris", "temperature": 21}\n'
-                         '</tool_response><|im_end|>\n<|im_start|>assistant\n')
+    assert tool_part == (
+        '\n<|im_start|>user\n<tool_response>\n{"city": "Paris", "temperature": 21}\n'
+        "</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
     assert traj["logprobs"][e1:s2] == [0.0] * (s2 - e1) and traj["versions"][e1:s2] == [-1] * (s2 - e1)
     assert traj["logprobs"][s1:e1] == [-0.5] * (e1 - s1) and traj["versions"][s1:e1] == [VERSION] * (e1 - s1)
     assert traj["reward"] == 1.0
@@ -257,8 +273,9 @@ async def test_tool_agent_from_import_path_runs_calls_concurrently_and_reports_b
     assert responses[3].startswith("error: tool call 2 is not valid JSON")
     assert traj["reward"] == 0.0
 
-    wf = WorkflowCache().get(resolve_agent_name("tool_agent"),
-                             {"tools": "tests.workers.test_builtin_workflows:ADD_TOOLS"})
+    wf = WorkflowCache().get(
+        resolve_agent_name("tool_agent"), {"tools": "tests.workers.test_builtin_workflows:ADD_TOOLS"}
+    )
     backend, pool = await scripted([call("add", a=20, b=22), "42"])
     traj = await wf.arun_episode(pool, {"messages": [{"role": "user", "content": "20 + 22?"}]})
     (_, e1), (s2, _) = runs(traj["loss_mask"])
@@ -312,8 +329,14 @@ def _expected_completion_reward(traj, prompt_len: int, bonus: float) -> float:
 
 
 async def test_rlvr_reward_mode_process_runs_the_reward_in_a_child(ref_pool, tok):
-    wf = RLVRWorkflow(reward_fn="tests.reward_fns:completion_reward", max_new_tokens=5, temperature=0.0,
-                      reward_mode="process", reward_timeout=5.0, reward_workers=1)
+    wf = RLVRWorkflow(
+        reward_fn="tests.reward_fns:completion_reward",
+        max_new_tokens=5,
+        temperature=0.0,
+        reward_mode="process",
+        reward_timeout=5.0,
+        reward_workers=1,
+    )
     try:
         # "prompt" is a data key and also the function's first parameter name: left out of the kwargs.
         traj = await wf.arun_episode(ref_pool, {"input_ids": [5, 6, 7], "prompt": "ignored", "bonus": 0.5})
@@ -326,8 +349,9 @@ async def test_rlvr_reward_mode_process_runs_the_reward_in_a_child(ref_pool, tok
 async def test_process_mode_timeout_raises_instead_of_a_zero_reward(ref_pool):
     from rollq.workers.rewards.processes import RewardTimeout
 
-    wf = MultiTurnWorkflow(reward_fn="tests.reward_fns:hang_forever", max_new_tokens=2, reward_mode="process",
-                           reward_timeout=0.3)
+    wf = MultiTurnWorkflow(
+        reward_fn="tests.reward_fns:hang_forever", max_new_tokens=2, reward_mode="process", reward_timeout=0.3
+    )
     try:
         with pytest.raises(RewardTimeout, match="hang_forever took longer than 0.3s"):
             await wf.arun_episode(ref_pool, {"input_ids": [5, 6, 7]})
@@ -340,8 +364,13 @@ async def test_rlvr_reward_mode_remote_uses_the_reward_worker(ref_pool, redis_ur
 
     monkeypatch.setenv("ROLLQ_REDIS_URL", redis_url)
     with reward_worker(redis_url, run_name, tmp_path / "reward-worker.log", "--timeout", "5"):
-        wf = RLVRWorkflow(reward_fn="tests.reward_fns:completion_reward", max_new_tokens=5, temperature=0.0,
-                          reward_mode="remote", reward_run=run_name)
+        wf = RLVRWorkflow(
+            reward_fn="tests.reward_fns:completion_reward",
+            max_new_tokens=5,
+            temperature=0.0,
+            reward_mode="remote",
+            reward_run=run_name,
+        )
         try:
             traj = await wf.arun_episode(ref_pool, {"input_ids": [5, 6, 7], "prompt": "ignored", "bonus": 0.25})
             assert traj["reward"] == _expected_completion_reward(traj, 3, 0.25)

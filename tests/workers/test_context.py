@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from rollq.producer.producer import JobRequest, Producer
-from tests.conftest import running_worker
 from rollq.workers.context import WorkflowContext, workflow_context
+from tests.conftest import running_worker
 
 
 async def test_context_is_shared_and_closed():
@@ -24,7 +24,9 @@ async def test_every_job_of_a_worker_sees_the_same_clients(redis, redis_url, run
         producer = Producer(redis, run_name)
         consumer = producer.consumer()
         await consumer.setup()
-        await producer.submit_many([JobRequest(workflow="tests.workflows:ContextProbe", job_id=f"c{i}") for i in range(6)])
+        await producer.submit_many(
+            [JobRequest(workflow="tests.workflows:ContextProbe", job_id=f"c{i}") for i in range(6)]
+        )
         trajs = [t async for t in producer.wait_for({f"c{i}": 1 for i in range(6)}, timeout_s=30, consumer=consumer)]
         client = worker.context.http_client()
         assert {t.sequences[0].reward for t in trajs} == {float(id(client) % 1_000_003)}
@@ -37,8 +39,9 @@ async def test_a_stopping_worker_closes_its_workflows(redis, redis_url, run_name
         producer = Producer(redis, run_name)
         consumer = producer.consumer()
         await consumer.setup()
-        await producer.submit_many([JobRequest(workflow="tests.workflows:Closable", job_id="x",
-                                               workflow_kwargs={"marker": str(marker)})])
+        await producer.submit_many(
+            [JobRequest(workflow="tests.workflows:Closable", job_id="x", workflow_kwargs={"marker": str(marker)})]
+        )
         [t] = [t async for t in producer.wait_for({"x": 1}, timeout_s=30, consumer=consumer)]
         assert t.status == "ok" and not marker.exists()
     assert marker.read_text() == "1"

@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 
 from rollq.producer import JobRequest, Producer
-from rollq.redis_client import redis_client
 from rollq.protocol.keys import WORKER_GROUP, RunKeys
+from rollq.redis_client import redis_client
 from tests.conftest import wait_registered, wait_until
 from tests.redis_server import RedisServer
 
@@ -35,8 +35,12 @@ async def test_jobs_of_a_sigkilled_worker_are_reclaimed_and_delivered_exactly_on
     await consumer.setup()
     victim = spawn_worker(redis_url, run_name, "--concurrency", "4", *FAST_LEASE)
     await wait_registered(redis, run_name, victim.name)
-    reqs = [JobRequest(workflow="tests.workflows:Echo", data={"i": i, "sleep": 0.4, "marker_dir": str(tmp_path)},
-                       job_id=f"j{i}") for i in range(16)]
+    reqs = [
+        JobRequest(
+            workflow="tests.workflows:Echo", data={"i": i, "sleep": 0.4, "marker_dir": str(tmp_path)}, job_id=f"j{i}"
+        )
+        for i in range(16)
+    ]
     await producer.submit_many(reqs)
     await wait_until(lambda: started_in(tmp_path, victim.proc.pid) >= 6, 20, what="the victim to be mid-run")
     victim.kill()
@@ -59,8 +63,12 @@ async def test_sigterm_drains_in_flight_jobs_and_leaves_the_rest(redis, redis_ur
     keys = RunKeys(run_name)
     leaver = spawn_worker(redis_url, run_name, "--concurrency", "2", "--drain-grace", "20")
     await wait_registered(redis, run_name, leaver.name)
-    reqs = [JobRequest(workflow="tests.workflows:Echo", data={"i": i, "sleep": 1.0, "marker_dir": str(tmp_path)},
-                       job_id=f"j{i}") for i in range(8)]
+    reqs = [
+        JobRequest(
+            workflow="tests.workflows:Echo", data={"i": i, "sleep": 1.0, "marker_dir": str(tmp_path)}, job_id=f"j{i}"
+        )
+        for i in range(8)
+    ]
     await producer.submit_many(reqs)
     await wait_until(lambda: started_in(tmp_path, leaver.proc.pid) == 2, 20, what="two jobs to start")
     leaver.terminate()
@@ -93,8 +101,10 @@ async def test_redis_restarted_mid_run_with_aof_loses_nothing(aof_redis, run_nam
         await consumer.setup()
         worker = spawn_worker(aof_redis.url, run_name, "--concurrency", "4")
         await wait_registered(redis, run_name, worker.name)
-        reqs = [JobRequest(workflow="tests.workflows:Echo", data={"i": i, "sleep": 0.1}, job_id=f"j{i}", n=2)
-                for i in range(30)]
+        reqs = [
+            JobRequest(workflow="tests.workflows:Echo", data={"i": i, "sleep": 0.1}, job_id=f"j{i}", n=2)
+            for i in range(30)
+        ]
         await producer.submit_many(reqs)
         await wait_until(lambda: _at_least(redis, producer.reply_to, 10), 20, what="some results")
         await redis.aclose()

@@ -6,7 +6,6 @@ import signal
 import subprocess
 import sys
 
-
 from rollq.engine.registry import EngineRegistry
 from rollq.producer import JobRequest, Producer
 from tests.conftest import REPO_ROOT, engine_healthy, wait_registered, wait_until
@@ -17,9 +16,26 @@ async def test_every_job_completes_when_an_engine_dies_mid_run(redis, redis_url,
     ports = [free_port(), free_port()]
     engines = [
         subprocess.Popen(
-            [sys.executable, "-m", "rollq", "engine", "--backend", "reference", "--model", "tiny", "--port", str(p),
-             "--register", "--redis", redis_url, "--run", run_name],
-            cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            [
+                sys.executable,
+                "-m",
+                "rollq",
+                "engine",
+                "--backend",
+                "reference",
+                "--model",
+                "tiny",
+                "--port",
+                str(p),
+                "--register",
+                "--redis",
+                redis_url,
+                "--run",
+                run_name,
+            ],
+            cwd=REPO_ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
         for p in ports
     ]
@@ -35,8 +51,15 @@ async def test_every_job_completes_when_an_engine_dies_mid_run(redis, redis_url,
         producer = Producer(redis, run_name)
         consumer = producer.consumer()
         await consumer.setup()
-        reqs = [JobRequest(workflow="tests.workflows:Generate", job_id=f"g{i}", n=2,
-                           data={"prompt_ids": [30, 31, 32, 40 + i], "max_new_tokens": 60, "group": f"g{i}"}) for i in range(12)]
+        reqs = [
+            JobRequest(
+                workflow="tests.workflows:Generate",
+                job_id=f"g{i}",
+                n=2,
+                data={"prompt_ids": [30, 31, 32, 40 + i], "max_new_tokens": 60, "group": f"g{i}"},
+            )
+            for i in range(12)
+        ]
         await producer.submit_many(reqs)
         await wait_until(lambda: _at_least(redis, producer.reply_to, 2), 30, what="first trajectories")
         os.kill(engines[0].pid, signal.SIGKILL)

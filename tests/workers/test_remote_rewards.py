@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import redis as sync_redis
 
-from tests.conftest import REPO_ROOT
 from rollq.protocol.keys import RunKeys
-from rollq.workers.rewards.remote import NoRewardWorker, RemoteReward
 from rollq.workers.rewards.processes import RewardError, RewardNotANumber, RewardTimeout
+from rollq.workers.rewards.remote import NoRewardWorker, RemoteReward
+from tests.conftest import REPO_ROOT
 
 READY_TIMEOUT_S = 20.0
 
@@ -26,7 +26,19 @@ READY_TIMEOUT_S = 20.0
 @contextmanager
 def reward_worker(redis_url: str, run: str, log: Path, *args: str) -> Iterator[subprocess.Popen]:
     """`rollq reward-worker` as a subprocess, ready once arq has written its health-check key; SIGKILLed after."""
-    cmd = [sys.executable, "-m", "rollq", "reward-worker", "--redis", redis_url, "--run", run, "--allow", "tests", *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "rollq",
+        "reward-worker",
+        "--redis",
+        redis_url,
+        "--run",
+        run,
+        "--allow",
+        "tests",
+        *args,
+    ]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT)
         client = sync_redis.Redis.from_url(redis_url)
@@ -108,7 +120,9 @@ async def test_raising_reward_is_a_reward_error_with_the_remote_traceback(remote
 
 async def test_bad_import_path_is_a_clear_reward_error(remote):
     async with remote("tests.reward_fns:no_such_fn") as rr:
-        with pytest.raises(RewardError, match="cannot load reward function 'tests.reward_fns:no_such_fn'.*no attribute"):
+        with pytest.raises(
+            RewardError, match="cannot load reward function 'tests.reward_fns:no_such_fn'.*no attribute"
+        ):
             await rr()
     async with remote("no_such_module_xyz:fn") as rr:
         with pytest.raises(RewardError, match="cannot load reward function .*no_such_module_xyz"):
@@ -118,8 +132,13 @@ async def test_bad_import_path_is_a_clear_reward_error(remote):
 
 
 async def test_no_reward_worker_is_a_timeout_that_says_so(redis_url, run_name, redis):
-    async with RemoteReward("tests.reward_fns:exact_match", redis_url=redis_url, run=run_name, timeout_seconds=1.0,
-                            pickup_timeout_seconds=0.3) as rr:
+    async with RemoteReward(
+        "tests.reward_fns:exact_match",
+        redis_url=redis_url,
+        run=run_name,
+        timeout_seconds=1.0,
+        pickup_timeout_seconds=0.3,
+    ) as rr:
         start = time.monotonic()
         with pytest.raises(NoRewardWorker, match="no reward worker answered on queue .* within 0.3s") as info:
             await rr("42")
@@ -129,8 +148,13 @@ async def test_no_reward_worker_is_a_timeout_that_says_so(redis_url, run_name, r
 
 
 def test_unreachable_redis_is_one_line(unused_redis_url):
-    proc = subprocess.run([sys.executable, "-m", "rollq", "reward-worker", "--redis", unused_redis_url],
-                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=30)
+    proc = subprocess.run(
+        [sys.executable, "-m", "rollq", "reward-worker", "--redis", unused_redis_url],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "cannot reach Redis" in proc.stderr
 

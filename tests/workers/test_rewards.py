@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from tests import reward_fns
 from rollq.workers.rewards.processes import AsyncRewardWrapper, RewardError, RewardNotANumber, RewardTimeout
+from tests import reward_fns
 
 
 def _pid_alive(pid: int) -> bool:

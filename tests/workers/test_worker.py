@@ -14,11 +14,15 @@ async def test_jobs_are_delivered_once_and_acked(redis, redis_url, run_name):
     producer = Producer(redis, run_name)
     consumer = producer.consumer()
     await consumer.setup()
-    reqs = [JobRequest(workflow="tests.workflows:Echo", data={"i": i, "len": 4 + i}, n=2, job_id=f"p{i}") for i in range(30)]
+    reqs = [
+        JobRequest(workflow="tests.workflows:Echo", data={"i": i, "len": 4 + i}, n=2, job_id=f"p{i}") for i in range(30)
+    ]
     async with running_worker(redis_url, run_name, concurrency=16) as worker:
         await producer.submit_many(reqs)
         trajs = [t async for t in producer.wait_for({f"p{i}": 2 for i in range(30)}, timeout_s=20, consumer=consumer)]
-    assert sorted((t.job_id, t.sample_index) for t in trajs) == sorted((f"p{i}", s) for i in range(30) for s in range(2))
+    assert sorted((t.job_id, t.sample_index) for t in trajs) == sorted(
+        (f"p{i}", s) for i in range(30) for s in range(2)
+    )
     by_id = {t.job_id: t for t in trajs}
     seq = by_id["p7"].sequences[0]
     assert len(seq.input_ids) == 11 and seq.reward == 7.0 and seq.loss_mask.tolist() == [0] * 5 + [1] * 6
@@ -33,8 +37,9 @@ async def test_bad_input_is_dead_lettered_while_good_jobs_complete(redis, redis_
     keys = RunKeys(run_name)
     producer = Producer(redis, run_name)
     codec = Codec()
-    async with running_worker(redis_url, run_name, concurrency=4, max_attempts=2,
-                              allow=["tests", "no_such_module"]) as worker:
+    async with running_worker(
+        redis_url, run_name, concurrency=4, max_attempts=2, allow=["tests", "no_such_module"]
+    ) as worker:
         await redis.xadd(keys.jobs, {PAYLOAD_FIELD: b"\xc1 definitely not msgpack"})
         await redis.xadd(keys.jobs, {b"something": b"else"})
         await redis.xadd(keys.jobs, {PAYLOAD_FIELD: b'{"job_id": "typed-wrong", "workflow": 7}'})
@@ -47,8 +52,14 @@ async def test_bad_input_is_dead_lettered_while_good_jobs_complete(redis, redis_
         await producer.submit("tests.workflows:Echo", {"i": 4}, job_id="good-after")
         trajs += await collect(producer, {"good-after": 1})
     status = {t.job_id: t.status for t in trajs}
-    assert status == {"boom": "error", "missing": "error", "bad-output": "error", "good-before": "ok",
-                      "typed-wrong": "error", "good-after": "ok"}
+    assert status == {
+        "boom": "error",
+        "missing": "error",
+        "bad-output": "error",
+        "good-before": "ok",
+        "typed-wrong": "error",
+        "good-after": "ok",
+    }
     errors = {t.job_id: t.error for t in trajs if t.error}
     assert errors["boom"].type == "RuntimeError" and "boom on 1" in errors["boom"].message
     assert errors["boom"].attempt == 2 and "Traceback" in errors["boom"].traceback
@@ -126,7 +137,10 @@ async def test_unfinished_jobs_are_handed_back_when_the_drain_grace_expires(redi
 async def test_agent_name_picks_a_builtin_loop_and_an_unknown_one_is_dead_lettered(redis, redis_url, run_name):
     from rollq.workers.loader import workflow_path
 
-    assert workflow_path("tests.workflows:Echo", {"agent_name": "tool_agent"}) == "rollq.workers.builtin.tool_agent:ToolAgentWorkflow"
+    assert (
+        workflow_path("tests.workflows:Echo", {"agent_name": "tool_agent"})
+        == "rollq.workers.builtin.tool_agent:ToolAgentWorkflow"
+    )
     assert workflow_path("rlvr", {}) == "rollq.workers.builtin.rlvr:RLVRWorkflow"
     assert workflow_path("tests.workflows:Echo", {"q": 1}) == "tests.workflows:Echo"
     producer = Producer(redis, run_name)

@@ -30,8 +30,10 @@ def assign_rewards(records: list[CompletionRecord], result: Any) -> None:
     """A number rewards the last completion (every choice of the last request); a mapping maps completion ids
     (`response.id`, or `id:choice` for one choice of an n > 1 request) to rewards."""
     if not records:
-        raise AgentOutputError("the agent made no completion through the proxy: it must call the base_url with the "
-                               "api_key it was given (or OPENAI_BASE_URL / OPENAI_API_KEY in subproc mode)")
+        raise AgentOutputError(
+            "the agent made no completion through the proxy: it must call the base_url with the "
+            "api_key it was given (or OPENAI_BASE_URL / OPENAI_API_KEY in subproc mode)"
+        )
     if isinstance(result, Mapping):
         by_key: dict[str, list[CompletionRecord]] = {}
         for rec in records:

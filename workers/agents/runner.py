@@ -71,13 +71,21 @@ class AgentWorkflow:
 
     async def _run_subproc(self, ctx: Any, data: Any, urls: dict[str, str], key: str) -> Any:
         timeout = self.options.timeout_seconds
-        pool = ctx.pool(("agents", timeout), lambda: AsyncRewardWrapper(
-            run_agent, timeout_seconds=timeout, max_workers=ctx.config.agent_processes, accept=agent_result,
-            what="agent", expected="a reward or a {completion_id: reward} mapping",
-        ))
+        pool = ctx.pool(
+            ("agents", timeout),
+            lambda: AsyncRewardWrapper(
+                run_agent,
+                timeout_seconds=timeout,
+                max_workers=ctx.config.agent_processes,
+                accept=agent_result,
+                what="agent",
+                expected="a reward or a {completion_id: reward} mapping",
+            ),
+        )
         try:
-            kind, value = await pool(self.path, json.dumps(self.kwargs, sort_keys=True), data, urls, key,
-                                     active_allowlist())
+            kind, value = await pool(
+                self.path, json.dumps(self.kwargs, sort_keys=True), data, urls, key, active_allowlist()
+            )
         except RewardTimeout as exc:
             raise AgentTimeout(f"agent {self.path}: {exc}") from None
         except RewardNotANumber as exc:

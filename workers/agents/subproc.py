@@ -36,12 +36,17 @@ def extra_kwargs_for(run: Any, offered: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in offered.items() if k in names}
 
 
-def run_agent(path: str, kwargs_json: str, data: Any, urls: dict[str, str], api_key: str,
-              allowlist: Allowlist | None = None) -> Any:
-    os.environ.update({
-        "OPENAI_BASE_URL": urls["base_url"], "OPENAI_API_KEY": api_key,
-        "ANTHROPIC_BASE_URL": urls["anthropic_base_url"], "ANTHROPIC_API_KEY": api_key,
-    })
+def run_agent(
+    path: str, kwargs_json: str, data: Any, urls: dict[str, str], api_key: str, allowlist: Allowlist | None = None
+) -> Any:
+    os.environ.update(
+        {
+            "OPENAI_BASE_URL": urls["base_url"],
+            "OPENAI_API_KEY": api_key,
+            "ANTHROPIC_BASE_URL": urls["anthropic_base_url"],
+            "ANTHROPIC_API_KEY": api_key,
+        }
+    )
     agent = _agent(path, kwargs_json, allowlist)
     offered = {"base_url": urls["base_url"], "anthropic_base_url": urls["anthropic_base_url"], "api_key": api_key}
     result = agent.run(data, **extra_kwargs_for(agent.run, offered))

@@ -5,11 +5,13 @@ from __future__ import annotations
 from types import MappingProxyType
 
 # Read-only: the name table is configuration, not state.
-BUILTIN_WORKFLOWS = MappingProxyType({
-    "rlvr": "rollq.workers.builtin.rlvr:RLVRWorkflow",
-    "multi_turn": "rollq.workers.builtin.multi_turn:MultiTurnWorkflow",
-    "tool_agent": "rollq.workers.builtin.tool_agent:ToolAgentWorkflow",
-})
+BUILTIN_WORKFLOWS = MappingProxyType(
+    {
+        "rlvr": "rollq.workers.builtin.rlvr:RLVRWorkflow",
+        "multi_turn": "rollq.workers.builtin.multi_turn:MultiTurnWorkflow",
+        "tool_agent": "rollq.workers.builtin.tool_agent:ToolAgentWorkflow",
+    }
+)
 
 
 def resolve_agent_name(name: str) -> str:

@@ -37,8 +37,13 @@ class TokenSequence:
         self.versions += list(resp.output_versions)
 
     def trajectory(self, reward: float) -> dict[str, Any]:
-        return {"input_ids": list(self.input_ids), "loss_mask": list(self.loss_mask), "logprobs": list(self.logprobs),
-                "versions": list(self.versions), "reward": reward}
+        return {
+            "input_ids": list(self.input_ids),
+            "loss_mask": list(self.loss_mask),
+            "logprobs": list(self.logprobs),
+            "versions": list(self.versions),
+            "reward": reward,
+        }
 
 
 class GenerationConfig(msgspec.Struct, kw_only=True, frozen=True):

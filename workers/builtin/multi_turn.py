@@ -16,8 +16,16 @@ from rollq.workers.rewards.call import RewardedWorkflow
 
 
 class MultiTurnWorkflow(RewardedWorkflow):
-    def __init__(self, reward_fn: Any, tokenizer: str = "tiny", max_new_tokens: int = 64, temperature: float = 1.0,
-                 max_turns: int = 2, feedback: str = "Try again.", **reward_options: Any) -> None:
+    def __init__(
+        self,
+        reward_fn: Any,
+        tokenizer: str = "tiny",
+        max_new_tokens: int = 64,
+        temperature: float = 1.0,
+        max_turns: int = 2,
+        feedback: str = "Try again.",
+        **reward_options: Any,
+    ) -> None:
         if max_turns < 1:
             raise ValueError("max_turns must be >= 1")
         super().__init__(reward_fn, **reward_options)  # reward_mode, reward_timeout, ...: see RewardedWorkflow
@@ -37,8 +45,11 @@ class MultiTurnWorkflow(RewardedWorkflow):
             resp = await engine.agenerate(self.generation.request(seq.input_ids, data))
             seq.add_generated(resp)
             reward = await self.score(
-                prompt_text, tok.decode(resp.output_tokens, skip_special_tokens=True), prompt,
-                list(resp.output_tokens), {**data, "turn": turn},
+                prompt_text,
+                tok.decode(resp.output_tokens, skip_special_tokens=True),
+                prompt,
+                list(resp.output_tokens),
+                {**data, "turn": turn},
             )
             if reward >= 1.0 or turn + 1 == self.max_turns:
                 break

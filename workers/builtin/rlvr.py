@@ -12,8 +12,14 @@ from rollq.workers.rewards.call import RewardedWorkflow
 
 
 class RLVRWorkflow(RewardedWorkflow):
-    def __init__(self, reward_fn: str | Callable[..., Any], tokenizer: str = "tiny", max_new_tokens: int = 64,
-                 temperature: float = 1.0, **reward_options: Any) -> None:
+    def __init__(
+        self,
+        reward_fn: str | Callable[..., Any],
+        tokenizer: str = "tiny",
+        max_new_tokens: int = 64,
+        temperature: float = 1.0,
+        **reward_options: Any,
+    ) -> None:
         super().__init__(reward_fn, **reward_options)  # reward_mode, reward_timeout, ...: see RewardedWorkflow
         self.tokenizer = LazyTokenizer(tokenizer)
         self.generation = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature)
@@ -26,8 +32,11 @@ class RLVRWorkflow(RewardedWorkflow):
         seq.add_context(prompt)
         seq.add_generated(resp)
         reward = await self.score(
-            tok.decode(prompt), tok.decode(resp.output_tokens, skip_special_tokens=True), prompt,
-            list(resp.output_tokens), data,
+            tok.decode(prompt),
+            tok.decode(resp.output_tokens, skip_special_tokens=True),
+            prompt,
+            list(resp.output_tokens),
+            data,
         )
         return seq.trajectory(reward)
 

@@ -46,14 +46,26 @@ def truncate_tokens(tokenizer: Any, text: str, limit: int) -> str:
 class ToolAgentWorkflow(RewardedWorkflow):
     reward_required = False  # without a reward_fn an episode's reward is 0
 
-    def __init__(self, tools: str | ToolRegistry | list, tokenizer: str = "tiny", max_turns: int = 4,
-                 max_response_tokens: int = 256, max_tool_response_tokens: int = 64, reward_fn: Any = None,
-                 temperature: float = 1.0, **reward_options: Any) -> None:
+    def __init__(
+        self,
+        tools: str | ToolRegistry | list,
+        tokenizer: str = "tiny",
+        max_turns: int = 4,
+        max_response_tokens: int = 256,
+        max_tool_response_tokens: int = 64,
+        reward_fn: Any = None,
+        temperature: float = 1.0,
+        **reward_options: Any,
+    ) -> None:
         super().__init__(reward_fn, **reward_options)  # reward_mode, reward_timeout, ...: see RewardedWorkflow
         self.registry = load_tools(tools)
         self.tokenizer = LazyTokenizer(tokenizer)
-        self.config = ToolAgentConfig(max_turns=max_turns, max_response_tokens=max_response_tokens,
-                                      max_tool_response_tokens=max_tool_response_tokens, temperature=temperature)
+        self.config = ToolAgentConfig(
+            max_turns=max_turns,
+            max_response_tokens=max_response_tokens,
+            max_tool_response_tokens=max_tool_response_tokens,
+            temperature=temperature,
+        )
 
     async def _tool_messages(self, tok: Any, text: str) -> list[dict[str, Any]]:
         _, calls, errors = parse_tool_calls(text)
@@ -70,11 +82,13 @@ class ToolAgentWorkflow(RewardedWorkflow):
         completion_ids: list[int] = []  # assistant tokens only, for the reward function
         for turn in range(c.max_turns):
             budget = c.max_response_tokens - (len(seq) - len(prompt))
-            resp = await engine.agenerate(ModelRequest(
-                input_ids=list(seq.input_ids),
-                sampling=SamplingParams(max_new_tokens=budget, temperature=c.temperature),
-                affinity=group_affinity(data),
-            ))
+            resp = await engine.agenerate(
+                ModelRequest(
+                    input_ids=list(seq.input_ids),
+                    sampling=SamplingParams(max_new_tokens=budget, temperature=c.temperature),
+                    affinity=group_affinity(data),
+                )
+            )
             seq.add_generated(resp)
             completion_ids += resp.output_tokens
             text = tok.decode(resp.output_tokens, skip_special_tokens=True)
@@ -88,8 +102,9 @@ class ToolAgentWorkflow(RewardedWorkflow):
             if len(seq) - len(prompt) + len(suffix) >= c.max_response_tokens:
                 break
             seq.add_context(suffix)
-        reward = await self.score(tok.decode(prompt), tok.decode(completion_ids, skip_special_tokens=True),
-                                  prompt, completion_ids, data)
+        reward = await self.score(
+            tok.decode(prompt), tok.decode(completion_ids, skip_special_tokens=True), prompt, completion_ids, data
+        )
         return seq.trajectory(reward)
 
 

@@ -53,7 +53,9 @@ def normalize_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
             elif kind == "tool_use" and msg["role"] == "assistant":
                 if not isinstance(block.get("name"), str):
                     raise BadRequest(f"{where}.content[{j}]: tool_use needs a name", "messages")
-                calls.append({"type": "function", "function": {"name": block["name"], "arguments": block.get("input") or {}}})
+                calls.append(
+                    {"type": "function", "function": {"name": block["name"], "arguments": block.get("input") or {}}}
+                )
             elif kind == "tool_result" and msg["role"] == "user":
                 content = block.get("content")
                 text = content if isinstance(content, str) else _text_of(content, f"{where}.content[{j}]")
@@ -61,8 +63,9 @@ def normalize_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
             elif kind in ("thinking", "redacted_thinking"):
                 continue  # not rendered by the template; the model's tokens live in the record anyway
             else:
-                raise BadRequest(f"{where}.content[{j}]: unsupported block type {kind!r} for role {msg['role']}",
-                                 "messages")
+                raise BadRequest(
+                    f"{where}.content[{j}]: unsupported block type {kind!r} for role {msg['role']}", "messages"
+                )
         if msg["role"] == "assistant":
             normalized: dict[str, Any] = {"role": "assistant", "content": "".join(texts).strip()}
             if calls:
@@ -123,8 +126,14 @@ def _content_blocks(choice: ChoiceOut) -> list[dict[str, Any]]:
     if choice.reply.content:
         blocks.append({"type": "text", "text": choice.reply.content})
     for call in choice.reply.tool_calls:
-        blocks.append({"type": "tool_use", "id": call["id"].replace("call_", "toolu_", 1),
-                       "name": call["function"]["name"], "input": json.loads(call["function"]["arguments"])})
+        blocks.append(
+            {
+                "type": "tool_use",
+                "id": call["id"].replace("call_", "toolu_", 1),
+                "name": call["function"]["name"],
+                "input": json.loads(call["function"]["arguments"]),
+            }
+        )
     return blocks
 
 
@@ -140,27 +149,52 @@ def _stop_reason(choice: ChoiceOut, stop: list[str] | None) -> tuple[str, str | 
 
 def message(mid: str, model: str, choice: ChoiceOut, prompt_tokens: int, stop: list[str] | None) -> dict[str, Any]:
     reason, sequence = _stop_reason(choice, stop)
-    return {"id": mid, "type": "message", "role": "assistant", "model": model, "content": _content_blocks(choice),
-            "stop_reason": reason, "stop_sequence": sequence,
-            "usage": {"input_tokens": prompt_tokens, "output_tokens": choice.completion_tokens}}
+    return {
+        "id": mid,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": _content_blocks(choice),
+        "stop_reason": reason,
+        "stop_sequence": sequence,
+        "usage": {"input_tokens": prompt_tokens, "output_tokens": choice.completion_tokens},
+    }
 
 
-async def stream_events(mid: str, model: str, deltas: AsyncIterator[Any], prompt_tokens: int,
-                        stop: list[str] | None) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+async def stream_events(
+    mid: str, model: str, deltas: AsyncIterator[Any], prompt_tokens: int, stop: list[str] | None
+) -> AsyncIterator[tuple[str, dict[str, Any]]]:
     """(event name, data) pairs of a streamed message, live: text deltas as the engine generates them, then the
     complete tool_use blocks, the stop reason and the usage."""
-    yield "message_start", {"type": "message_start", "message": {
-        "id": mid, "type": "message", "role": "assistant", "model": model, "content": [], "stop_reason": None,
-        "stop_sequence": None, "usage": {"input_tokens": prompt_tokens, "output_tokens": 0}}}
+    yield (
+        "message_start",
+        {
+            "type": "message_start",
+            "message": {
+                "id": mid,
+                "type": "message",
+                "role": "assistant",
+                "model": model,
+                "content": [],
+                "stop_reason": None,
+                "stop_sequence": None,
+                "usage": {"input_tokens": prompt_tokens, "output_tokens": 0},
+            },
+        },
+    )
     index, text_open = 0, False
     async for d in deltas:
         if d.text:
             if not text_open:
-                yield "content_block_start", {"type": "content_block_start", "index": index,
-                                              "content_block": {"type": "text", "text": ""}}
+                yield (
+                    "content_block_start",
+                    {"type": "content_block_start", "index": index, "content_block": {"type": "text", "text": ""}},
+                )
                 text_open = True
-            yield "content_block_delta", {"type": "content_block_delta", "index": index,
-                                          "delta": {"type": "text_delta", "text": d.text}}
+            yield (
+                "content_block_delta",
+                {"type": "content_block_delta", "index": index, "delta": {"type": "text_delta", "text": d.text}},
+            )
         if d.final is None:
             continue
         if text_open:
@@ -169,15 +203,33 @@ async def stream_events(mid: str, model: str, deltas: AsyncIterator[Any], prompt
         for block in _content_blocks(d.final):
             if block["type"] != "tool_use":
                 continue
-            yield "content_block_start", {"type": "content_block_start", "index": index, "content_block": {
-                "type": "tool_use", "id": block["id"], "name": block["name"], "input": {}}}
-            yield "content_block_delta", {"type": "content_block_delta", "index": index, "delta": {
-                "type": "input_json_delta", "partial_json": json.dumps(block["input"])}}
+            yield (
+                "content_block_start",
+                {
+                    "type": "content_block_start",
+                    "index": index,
+                    "content_block": {"type": "tool_use", "id": block["id"], "name": block["name"], "input": {}},
+                },
+            )
+            yield (
+                "content_block_delta",
+                {
+                    "type": "content_block_delta",
+                    "index": index,
+                    "delta": {"type": "input_json_delta", "partial_json": json.dumps(block["input"])},
+                },
+            )
             yield "content_block_stop", {"type": "content_block_stop", "index": index}
             index += 1
         reason, sequence = _stop_reason(d.final, stop)
-        yield "message_delta", {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                                "usage": {"output_tokens": d.final.completion_tokens}}
+        yield (
+            "message_delta",
+            {
+                "type": "message_delta",
+                "delta": {"stop_reason": reason, "stop_sequence": sequence},
+                "usage": {"output_tokens": d.final.completion_tokens},
+            },
+        )
     yield "message_stop", {"type": "message_stop"}
 
 
@@ -185,5 +237,12 @@ def new_message_id() -> str:
     return f"msg_{uuid.uuid4().hex[:24]}"
 
 
-__all__ = ["stream_events", "generation_params", "message", "new_message_id", "normalize_messages", "normalize_tools",
-           "tool_choice_allows_calls"]
+__all__ = [
+    "stream_events",
+    "generation_params",
+    "message",
+    "new_message_id",
+    "normalize_messages",
+    "normalize_tools",
+    "tool_choice_allows_calls",
+]

@@ -55,14 +55,17 @@ class ParsedReply(msgspec.Struct, kw_only=True):
         msg: dict[str, Any] = {"role": "assistant", "content": (self.content or "").strip()}
         if self.tool_calls:
             msg["tool_calls"] = [
-                {"type": "function", "function": {"name": c["function"]["name"],
-                                                  "arguments": json.loads(c["function"]["arguments"])}}
+                {
+                    "type": "function",
+                    "function": {"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])},
+                }
                 for c in self.tool_calls
             ]
         return msg
 
 
 # -- request fields ---------------------------------------------------------------------------------------------------
+
 
 def number(body: dict[str, Any], name: str, default: float, low: float, high: float) -> float:
     value = body.get(name)
@@ -92,7 +95,9 @@ def stop_list(value: Any, name: str = "stop") -> list[str] | None:
     raise BadRequest(f"'{name}' must be a string or a list of at most 16 strings", name)
 
 
-def generation_params(body: dict[str, Any], default_max_tokens: int, *, max_tokens_keys: tuple[str, ...]) -> GenerationParams:
+def generation_params(
+    body: dict[str, Any], default_max_tokens: int, *, max_tokens_keys: tuple[str, ...]
+) -> GenerationParams:
     max_tokens = None
     for key in max_tokens_keys:
         max_tokens = max_tokens if max_tokens is not None else integer(body, key, None, 1)
@@ -117,6 +122,7 @@ def generation_params(body: dict[str, Any], default_max_tokens: int, *, max_toke
 
 
 # -- messages ---------------------------------------------------------------------------------------------------------
+
 
 def content_text(content: Any, where: str) -> str:
     """A message's content as text: a string, or text parts joined."""
@@ -173,8 +179,15 @@ def normalize_message(msg: Any, index: int) -> dict[str, Any]:
         fn = call.get("function") if isinstance(call, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             raise BadRequest(f"{where}.tool_calls[{j}] needs function.name and function.arguments", "messages")
-        normalized_calls.append({"type": "function", "function": {
-            "name": fn["name"], "arguments": _arguments(fn.get("arguments"), f"{where}.tool_calls[{j}]")}})
+        normalized_calls.append(
+            {
+                "type": "function",
+                "function": {
+                    "name": fn["name"],
+                    "arguments": _arguments(fn.get("arguments"), f"{where}.tool_calls[{j}]"),
+                },
+            }
+        )
     if normalized_calls:
         out["tool_calls"] = normalized_calls
     return out
@@ -194,8 +207,12 @@ def normalize_tools(tools: Any) -> list[dict[str, Any]] | None:
     out = []
     for i, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, dict) else None
-        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(fn, dict) \
-                or not isinstance(fn.get("name"), str):
+        if (
+            not isinstance(tool, dict)
+            or tool.get("type") != "function"
+            or not isinstance(fn, dict)
+            or not isinstance(fn.get("name"), str)
+        ):
             raise BadRequest(f'tools[{i}] must be {{"type": "function", "function": {{"name": ..., ...}}}}', "tools")
         out.append({"type": "function", "function": fn})
     return out
@@ -213,6 +230,7 @@ def tool_choice_allows_calls(choice: Any, tools: list | None) -> bool:
 
 # -- the model's reply ------------------------------------------------------------------------------------------------
 
+
 def trim_stop(text: str, stop: list[str] | None) -> str:
     """OpenAI leaves the stop sequence out of the text (the ids keep it: they are what the model sampled)."""
     for s in stop or ():
@@ -227,18 +245,27 @@ def parse_reply(text: str, stop_reason: str, *, parse_tools: bool) -> ParsedRepl
     if parse_tools and "<tool_call>" in text:
         content, calls, errors = parse_tool_calls(text)
         if calls and not errors:
-            wire = [{"id": c.id, "type": "function",
-                     "function": {"name": c.name, "arguments": json.dumps(c.arguments)}} for c in calls]
-            return ParsedReply(text=text, content=content or None, tool_calls=wire,
-                               finish_reason="tool_calls" if finish == "stop" else finish)
+            wire = [
+                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}
+                for c in calls
+            ]
+            return ParsedReply(
+                text=text,
+                content=content or None,
+                tool_calls=wire,
+                finish_reason="tool_calls" if finish == "stop" else finish,
+            )
     return ParsedReply(text=text, content=text, tool_calls=[], finish_reason=finish)
 
 
 # -- response bodies ---------------------------------------------------------------------------------------------------
 
+
 def token_logprobs(pieces: list[str], logprobs: list[float]) -> list[dict[str, Any]]:
-    return [{"token": p, "logprob": lp, "bytes": list(p.encode()), "top_logprobs": []}
-            for p, lp in zip(pieces, logprobs)]
+    return [
+        {"token": p, "logprob": lp, "bytes": list(p.encode()), "top_logprobs": []}
+        for p, lp in zip(pieces, logprobs, strict=True)
+    ]
 
 
 def chat_message(reply: ParsedReply) -> dict[str, Any]:
@@ -249,8 +276,11 @@ def chat_message(reply: ParsedReply) -> dict[str, Any]:
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 class ChoiceOut(msgspec.Struct, kw_only=True):
@@ -270,23 +300,33 @@ def chat_completion(rid: str, model: str, choices: list[ChoiceOut], prompt_token
         "created": int(time.time()),
         "model": model,
         "choices": [
-            {"index": i, "message": chat_message(c.reply), "finish_reason": c.reply.finish_reason,
-             "logprobs": {"content": token_logprobs(c.pieces, c.logprobs)} if with_logprobs else None}
+            {
+                "index": i,
+                "message": chat_message(c.reply),
+                "finish_reason": c.reply.finish_reason,
+                "logprobs": {"content": token_logprobs(c.pieces, c.logprobs)} if with_logprobs else None,
+            }
             for i, c in enumerate(choices)
         ],
         "usage": usage(prompt_tokens, sum(c.completion_tokens for c in choices)),
     }
 
 
-async def chat_stream(rid: str, model: str, deltas: AsyncIterator[Any], n: int, prompt_tokens: int,
-                      params: GenerationParams) -> AsyncIterator[dict[str, Any]]:
+async def chat_stream(
+    rid: str, model: str, deltas: AsyncIterator[Any], n: int, prompt_tokens: int, params: GenerationParams
+) -> AsyncIterator[dict[str, Any]]:
     """chat.completion.chunk objects, live: a role delta per choice, content as the engine generates it (each
     chunk with its tokens' logprobs when asked), complete tool calls, the finish reason; usage last when asked."""
     created = int(time.time())
 
     def chunk(index: int, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> dict:
-        return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                "choices": [{"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}]}
+        return {
+            "id": rid,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model,
+            "choices": [{"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}],
+        }
 
     for i in range(n):
         yield chunk(i, {"role": "assistant", "content": ""})
@@ -301,8 +341,14 @@ async def chat_stream(rid: str, model: str, deltas: AsyncIterator[Any], n: int, 
                 yield chunk(d.index, {"tool_calls": [{"index": j, **call}]})
             yield chunk(d.index, {}, d.final.reply.finish_reason)
     if params.include_usage:
-        yield {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [],
-               "usage": usage(prompt_tokens, completion_tokens)}
+        yield {
+            "id": rid,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model,
+            "choices": [],
+            "usage": usage(prompt_tokens, completion_tokens),
+        }
 
 
 def text_completion(rid: str, model: str, choices: list[ChoiceOut], prompt_tokens: int, with_logprobs: bool) -> dict:
@@ -314,22 +360,57 @@ def text_completion(rid: str, model: str, choices: list[ChoiceOut], prompt_token
             for p in c.pieces:
                 offsets.append(pos)
                 pos += len(p)
-            lp = {"tokens": c.pieces, "token_logprobs": c.logprobs, "top_logprobs": [{} for _ in c.pieces],
-                  "text_offset": offsets}
+            lp = {
+                "tokens": c.pieces,
+                "token_logprobs": c.logprobs,
+                "top_logprobs": [{} for _ in c.pieces],
+                "text_offset": offsets,
+            }
         out.append({"index": i, "text": c.reply.text, "finish_reason": c.reply.finish_reason, "logprobs": lp})
-    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model, "choices": out,
-            "usage": usage(prompt_tokens, sum(c.completion_tokens for c in choices))}
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": out,
+        "usage": usage(prompt_tokens, sum(c.completion_tokens for c in choices)),
+    }
 
 
 async def text_stream(rid: str, model: str, deltas: AsyncIterator[Any]) -> AsyncIterator[dict[str, Any]]:
     created = int(time.time())
     async for d in deltas:
         if d.text or d.final is not None:
-            yield {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [{
-                "index": d.index, "text": d.text, "logprobs": None,
-                "finish_reason": d.final.reply.finish_reason if d.final is not None else None}]}
+            yield {
+                "id": rid,
+                "object": "text_completion",
+                "created": created,
+                "model": model,
+                "choices": [
+                    {
+                        "index": d.index,
+                        "text": d.text,
+                        "logprobs": None,
+                        "finish_reason": d.final.reply.finish_reason if d.final is not None else None,
+                    }
+                ],
+            }
 
 
-__all__ = ["BadRequest", "ChoiceOut", "GenerationParams", "ParsedReply", "chat_completion", "chat_stream",
-           "generation_params", "normalize_messages", "normalize_tools", "parse_reply", "stop_list", "text_completion",
-           "text_stream", "tool_choice_allows_calls", "trim_stop"]
+__all__ = [
+    "BadRequest",
+    "ChoiceOut",
+    "GenerationParams",
+    "ParsedReply",
+    "chat_completion",
+    "chat_stream",
+    "generation_params",
+    "normalize_messages",
+    "normalize_tools",
+    "parse_reply",
+    "stop_list",
+    "text_completion",
+    "text_stream",
+    "tool_choice_allows_calls",
+    "trim_stop",
+]

@@ -15,8 +15,12 @@ from typing import Any
 
 from rollq.workers.chat_template import anchor_text, continuation_ids, encode, render
 
-_PROBE = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": " Hi  there\n"},
-          {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "2 + 2 = ?"}]
+_PROBE = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": " Hi  there\n"},
+    {"role": "assistant", "content": "Hello!"},
+    {"role": "user", "content": "2 + 2 = ?"},
+]
 
 
 class PromptEncoder:

@@ -143,39 +143,68 @@ class RecordingProxy:
     def _pieces(self, ids: list[int]) -> list[str]:
         return self.tokenizer.batch_decode([[t] for t in ids], skip_special_tokens=True)
 
-    async def _generate(self, session: Session, prompt: _Prompt, params: GenerationParams, *, parse_tools: bool,
-                        rid: str, want_pieces: bool, on_tokens: list[Any] | None = None) -> list[ChoiceOut]:
+    async def _generate(
+        self,
+        session: Session,
+        prompt: _Prompt,
+        params: GenerationParams,
+        *,
+        parse_tools: bool,
+        rid: str,
+        want_pieces: bool,
+        on_tokens: list[Any] | None = None,
+    ) -> list[ChoiceOut]:
         sampling = SamplingParams(
-            max_new_tokens=params.max_new_tokens, temperature=params.temperature, top_p=params.top_p,
-            top_k=params.top_k, stop=params.stop, frequency_penalty=params.frequency_penalty,
+            max_new_tokens=params.max_new_tokens,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k,
+            stop=params.stop,
+            frequency_penalty=params.frequency_penalty,
             presence_penalty=params.presence_penalty,
         )
         # Every turn and choice of an episode goes to one engine while it is healthy: its prefix cache holds them.
-        responses = await asyncio.gather(*(
-            self.engine.agenerate(ModelRequest(input_ids=prompt.ids, sampling=sampling, affinity=session.key),
-                                  on_tokens=on_tokens[i] if on_tokens else None)
-            for i in range(params.n)
-        ))
+        responses = await asyncio.gather(
+            *(
+                self.engine.agenerate(
+                    ModelRequest(input_ids=prompt.ids, sampling=sampling, affinity=session.key),
+                    on_tokens=on_tokens[i] if on_tokens else None,
+                )
+                for i in range(params.n)
+            )
+        )
         order = session.next_order()
         choices = []
         for index, resp in enumerate(responses):
             raw = self.tokenizer.decode(resp.output_tokens, skip_special_tokens=True)
             reply = parse_reply(trim_stop(raw, params.stop), resp.stop_reason, parse_tools=parse_tools)
             record = CompletionRecord(
-                id=rid, choice=index, order=order, parent=prompt.parent, prompt_ids=prompt.ids,
-                output_ids=list(resp.output_tokens), output_logprobs=list(resp.output_logprobs),
-                output_versions=list(resp.output_versions), finish_reason=reply.finish_reason,
-                messages=prompt.messages, tools=prompt.tools,
+                id=rid,
+                choice=index,
+                order=order,
+                parent=prompt.parent,
+                prompt_ids=prompt.ids,
+                output_ids=list(resp.output_tokens),
+                output_logprobs=list(resp.output_logprobs),
+                output_versions=list(resp.output_versions),
+                finish_reason=reply.finish_reason,
+                messages=prompt.messages,
+                tools=prompt.tools,
                 reply=reply.normalized() if prompt.messages is not None else None,
             )
             try:
                 session.add(record)
             except SessionClosed:
                 log.warning("completion %s finished after its episode ended; not recorded", record.key)
-            choices.append(ChoiceOut(
-                reply=reply, pieces=self._pieces(resp.output_tokens) if want_pieces else [],
-                logprobs=list(resp.output_logprobs), completion_tokens=len(resp.output_tokens), raw_text=raw,
-            ))
+            choices.append(
+                ChoiceOut(
+                    reply=reply,
+                    pieces=self._pieces(resp.output_tokens) if want_pieces else [],
+                    logprobs=list(resp.output_logprobs),
+                    completion_tokens=len(resp.output_tokens),
+                    raw_text=raw,
+                )
+            )
         return choices
 
     def _chat_prompt(self, session: Session, messages: list[dict[str, Any]], tools: Any) -> _Prompt:
@@ -204,13 +233,24 @@ class RecordingProxy:
         await resp.write_eof()
         return resp
 
-    def _live(self, session: Session, prompt: _Prompt, params: GenerationParams, *, parse_tools: bool, rid: str,
-              with_pieces: bool) -> Any:
+    def _live(
+        self,
+        session: Session,
+        prompt: _Prompt,
+        params: GenerationParams,
+        *,
+        parse_tools: bool,
+        rid: str,
+        with_pieces: bool,
+    ) -> Any:
         streams = [TextStream(self.tokenizer, params.stop, parse_tools) for _ in range(params.n)]
         return stream_deltas(
-            lambda callbacks: self._generate(session, prompt, params, parse_tools=parse_tools, rid=rid,
-                                             want_pieces=False, on_tokens=callbacks),
-            streams, with_pieces=with_pieces)
+            lambda callbacks: self._generate(
+                session, prompt, params, parse_tools=parse_tools, rid=rid, want_pieces=False, on_tokens=callbacks
+            ),
+            streams,
+            with_pieces=with_pieces,
+        )
 
     # -- OpenAI ------------------------------------------------------------------------------------------------------
 
@@ -218,8 +258,9 @@ class RecordingProxy:
         try:
             session = self._session(request)
             body = await self._body(request)
-            params = generation_params(body, self._max_tokens(session),
-                                       max_tokens_keys=("max_completion_tokens", "max_tokens"))
+            params = generation_params(
+                body, self._max_tokens(session), max_tokens_keys=("max_completion_tokens", "max_tokens")
+            )
             params.logprobs = bool(body.get("logprobs", False))
             messages = normalize_messages(body.get("messages"))
             tools = normalize_tools(body.get("tools"))
@@ -233,11 +274,15 @@ class RecordingProxy:
         model = str(body.get("model") or self.config.model_name)
         if params.stream:
             deltas = self._live(session, prompt, params, parse_tools=parse_tools, rid=rid, with_pieces=params.logprobs)
-            return await self._sse(request, _data_frames(chat_stream(rid, model, deltas, params.n, len(prompt.ids),
-                                                                     params)), _openai_error_frame)
+            return await self._sse(
+                request,
+                _data_frames(chat_stream(rid, model, deltas, params.n, len(prompt.ids), params)),
+                _openai_error_frame,
+            )
         try:
-            choices = await self._generate(session, prompt, params, parse_tools=parse_tools, rid=rid,
-                                           want_pieces=params.logprobs)
+            choices = await self._generate(
+                session, prompt, params, parse_tools=parse_tools, rid=rid, want_pieces=params.logprobs
+            )
         except Exception as exc:  # the engine pool's failure: the agent sees a server error, as with a real API
             return _openai_error(f"generation failed: {type(exc).__name__}: {exc}", 502, "server_error")
         return _json_response(chat_completion(rid, model, choices, len(prompt.ids), params.logprobs))
@@ -266,8 +311,9 @@ class RecordingProxy:
             deltas = self._live(session, prompt, params, parse_tools=False, rid=rid, with_pieces=False)
             return await self._sse(request, _data_frames(text_stream(rid, model, deltas)), _openai_error_frame)
         try:
-            choices = await self._generate(session, prompt, params, parse_tools=False, rid=rid,
-                                           want_pieces=params.logprobs)
+            choices = await self._generate(
+                session, prompt, params, parse_tools=False, rid=rid, want_pieces=params.logprobs
+            )
         except Exception as exc:
             return _openai_error(f"generation failed: {type(exc).__name__}: {exc}", 502, "server_error")
         return _json_response(text_completion(rid, model, choices, len(prompt_ids), params.logprobs))
@@ -315,7 +361,9 @@ class RecordingProxy:
             events = anthropic.stream_events(mid, model, deltas, len(prompt.ids), params.stop)
             return await self._sse(request, _event_frames(events), _anthropic_error_frame)
         try:
-            [choice] = await self._generate(session, prompt, params, parse_tools=parse_tools, rid=mid, want_pieces=False)
+            [choice] = await self._generate(
+                session, prompt, params, parse_tools=parse_tools, rid=mid, want_pieces=False
+            )
         except Exception as exc:
             return _anthropic_error(f"generation failed: {type(exc).__name__}: {exc}", 502, "api_error")
         return _json_response(anthropic.message(mid, model, choice, len(prompt.ids), params.stop))

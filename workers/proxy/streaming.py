@@ -51,7 +51,7 @@ class TextStream:
     def _advance(self, text: str) -> str:
         if not text.startswith(self.sent):  # decoding changed earlier text (rare): send nothing contradictory
             return ""
-        new, self.sent = text[len(self.sent):], text
+        new, self.sent = text[len(self.sent) :], text
         return new
 
 

@@ -44,15 +44,24 @@ def reward_kwargs(fn: Callable[..., Any] | None, data: dict[str, Any]) -> dict[s
     if fn is None:
         return dict(data)
     try:
-        positional = [p.name for p in inspect.signature(fn).parameters.values()
-                      if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][:4]
+        positional = [
+            p.name
+            for p in inspect.signature(fn).parameters.values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ][:4]
     except (TypeError, ValueError):
         positional = []
     return {k: v for k, v in data.items() if k not in positional}
 
 
-async def call_reward(fn: Callable[..., Any], prompt_text: str, completion_text: str, input_ids: list[int],
-                      output_ids: list[int], data: dict[str, Any]) -> float:
+async def call_reward(
+    fn: Callable[..., Any],
+    prompt_text: str,
+    completion_text: str,
+    input_ids: list[int],
+    output_ids: list[int],
+    data: dict[str, Any],
+) -> float:
     """`fn(prompt_text, completion_text, input_ids, output_ids, **data)`, sync (in a thread) or async -> float.
 
     Data keys that would collide with the first four parameters (whatever the function calls them, e.g. AReaL's
@@ -119,22 +128,26 @@ class RewardCaller:
                 self.fn = load_callable(fn)
             except Exception:
                 self.fn = None
-            self._runner = RemoteReward(path, redis_url=_redis_url(), run=config.run,
-                                        timeout_seconds=config.timeout_seconds)
+            self._runner = RemoteReward(
+                path, redis_url=_redis_url(), run=config.run, timeout_seconds=config.timeout_seconds
+            )
             return
         self.fn = load_callable(fn)  # resolved now: a bad path fails at construction (dead-letter)
         if config.mode == "process":
             if inspect.iscoroutinefunction(self.fn):
                 raise ValueError("reward_mode='process' runs sync reward functions; use 'inline' for async ones")
-            self._runner = AsyncRewardWrapper(self.fn, timeout_seconds=config.timeout_seconds,
-                                              max_workers=config.workers)
+            self._runner = AsyncRewardWrapper(
+                self.fn, timeout_seconds=config.timeout_seconds, max_workers=config.workers
+            )
 
-    async def __call__(self, prompt_text: str, completion_text: str, input_ids: list[int], output_ids: list[int],
-                       data: dict[str, Any]) -> float:
+    async def __call__(
+        self, prompt_text: str, completion_text: str, input_ids: list[int], output_ids: list[int], data: dict[str, Any]
+    ) -> float:
         if self._runner is None:
             return await call_reward(self.fn, prompt_text, completion_text, input_ids, output_ids, data)
-        return await self._runner(prompt_text, completion_text, list(input_ids), list(output_ids),
-                                  **reward_kwargs(self.fn, data))
+        return await self._runner(
+            prompt_text, completion_text, list(input_ids), list(output_ids), **reward_kwargs(self.fn, data)
+        )
 
     async def close(self) -> None:
         if self._runner is not None:
@@ -150,18 +163,27 @@ class RewardedWorkflow:
 
     reward_required = True  # a loop that can do without a reward (0) says so
 
-    def __init__(self, reward_fn: str | Callable[..., Any] | None = None, *, reward_mode: str = "inline",
-                 reward_timeout: float = 15.0, reward_workers: int = 2, reward_run: str = "default") -> None:
+    def __init__(
+        self,
+        reward_fn: str | Callable[..., Any] | None = None,
+        *,
+        reward_mode: str = "inline",
+        reward_timeout: float = 15.0,
+        reward_workers: int = 2,
+        reward_run: str = "default",
+    ) -> None:
         # Validated and resolved now: a bad mode or path fails at construction (the job is dead-lettered).
-        config = RewardCallConfig(mode=reward_mode, timeout_seconds=reward_timeout, workers=reward_workers,
-                                  run=reward_run)
+        config = RewardCallConfig(
+            mode=reward_mode, timeout_seconds=reward_timeout, workers=reward_workers, run=reward_run
+        )
         if reward_fn is None and self.reward_required:
             raise ValueError(f"{type(self).__name__} needs a reward_fn")
         self.reward = None if reward_fn is None else RewardCaller(reward_fn, config)
         self.reward_fn = None if self.reward is None else self.reward.fn
 
-    async def score(self, prompt_text: str, completion_text: str, input_ids: list[int], output_ids: list[int],
-                    data: dict[str, Any]) -> float:
+    async def score(
+        self, prompt_text: str, completion_text: str, input_ids: list[int], output_ids: list[int], data: dict[str, Any]
+    ) -> float:
         """The reward of one completion (0 without a reward function)."""
         if self.reward is None:
             return 0.0
@@ -173,5 +195,13 @@ class RewardedWorkflow:
             await self.reward.close()
 
 
-__all__ = ["REWARD_MODES", "RewardCallConfig", "RewardCaller", "RewardedWorkflow", "call_reward", "import_path",
-           "load_callable", "reward_kwargs"]
+__all__ = [
+    "REWARD_MODES",
+    "RewardCallConfig",
+    "RewardCaller",
+    "RewardedWorkflow",
+    "call_reward",
+    "import_path",
+    "load_callable",
+    "reward_kwargs",
+]

@@ -10,16 +10,25 @@ from rollq.config import RunSettings, setting
 class RewardWorkerConfig(RunSettings, kw_only=True):
     """A reward worker: runs a run's remote reward calls (workflows with reward_mode=remote) in killable children."""
 
-    max_workers: Annotated[int, setting("child processes per reward function, so rewards run at once", metavar="N",
-                                        ge=1)] = 2
-    timeout: Annotated[float, setting("seconds one reward call may run before its process is killed", metavar="S",
-                                      gt=0)] = 15.0
+    max_workers: Annotated[
+        int, setting("child processes per reward function, so rewards run at once", metavar="N", ge=1)
+    ] = 2
+    timeout: Annotated[
+        float, setting("seconds one reward call may run before its process is killed", metavar="S", gt=0)
+    ] = 15.0
     # A job taken but waiting for a child would spend its caller's timeout, while one left in Redis can go to
     # another reward worker: hence max_workers by default.
-    max_jobs: Annotated[int, setting("reward jobs taken from the queue at once (0 = max_workers)", metavar="N",
-                                     ge=0)] = 0
-    allow: Annotated[list[str], setting("import paths of reward functions calls may name besides rollq's built-ins "
-                                        "(repeatable; shell patterns over dotted names)", metavar="PATTERN")] = []
+    max_jobs: Annotated[
+        int, setting("reward jobs taken from the queue at once (0 = max_workers)", metavar="N", ge=0)
+    ] = 0
+    allow: Annotated[
+        list[str],
+        setting(
+            "import paths of reward functions calls may name besides rollq's built-ins "
+            "(repeatable; shell patterns over dotted names)",
+            metavar="PATTERN",
+        ),
+    ] = []
 
 
 __all__ = ["RewardWorkerConfig"]

@@ -84,7 +84,7 @@ def _child_main(fn: Callable[..., Any], conn: Connection, accept: Callable[[Any]
         args, kwargs = call
         try:
             value = fn(*args, **kwargs)
-        except BaseException as exc:  # noqa: BLE001 - everything the user code raises is reported, incl. SystemExit
+        except BaseException as exc:
             reply: tuple = (_RAISED, type(exc).__name__, str(exc), traceback.format_exc())
         else:
             result = accept(value)
@@ -192,9 +192,7 @@ class AsyncRewardWrapper:
             _, type_name, text, tb = reply
             raise RewardError(f"{self.what} {_name(self.fn)} raised {type_name}: {text}", remote_traceback=tb)
         _, type_name, value_repr = reply
-        raise RewardNotANumber(
-            f"{self.what} {_name(self.fn)} returned {type_name} {value_repr}, not {self.expected}"
-        )
+        raise RewardNotANumber(f"{self.what} {_name(self.fn)} returned {type_name} {value_repr}, not {self.expected}")
 
     async def _take_child(self) -> _Child:
         while self._idle:
@@ -219,7 +217,9 @@ class AsyncRewardWrapper:
 
     def _start_child(self) -> _Child:
         parent_conn, child_conn = self._ctx.Pipe(duplex=True)
-        process = self._ctx.Process(target=_child_main, args=(self.fn, child_conn, self.accept), daemon=True, name="rollq-reward")
+        process = self._ctx.Process(
+            target=_child_main, args=(self.fn, child_conn, self.accept), daemon=True, name="rollq-reward"
+        )
         process.start()
         # Drop our copy of the child's end, so the child's death shows up as EOF on ours.
         child_conn.close()

@@ -67,10 +67,22 @@ class RemoteReward:
     Raises RewardTimeout (the reward overran and was killed, or no reward worker answered in time), RewardNotANumber
     or RewardError, each with the remote message."""
 
-    def __init__(self, fn: str, *, redis_url: str, run: str = "default", timeout_seconds: float = 15.0,
-                 pickup_timeout_seconds: float = 30.0) -> None:
-        self.config = RemoteRewardConfig(fn=fn, redis_url=redis_url, run=run, timeout_seconds=timeout_seconds,
-                                         pickup_timeout_seconds=pickup_timeout_seconds)
+    def __init__(
+        self,
+        fn: str,
+        *,
+        redis_url: str,
+        run: str = "default",
+        timeout_seconds: float = 15.0,
+        pickup_timeout_seconds: float = 30.0,
+    ) -> None:
+        self.config = RemoteRewardConfig(
+            fn=fn,
+            redis_url=redis_url,
+            run=run,
+            timeout_seconds=timeout_seconds,
+            pickup_timeout_seconds=pickup_timeout_seconds,
+        )
         self.queue = RunKeys(run).rewards
         self._pool: ArqRedis | None = None
         self._pool_lock: asyncio.Lock | None = None  # created inside the running loop, like the pool
@@ -80,8 +92,9 @@ class RemoteReward:
             self._pool_lock = self._pool_lock or asyncio.Lock()
             async with self._pool_lock:
                 if self._pool is None:
-                    self._pool = await create_pool(RedisSettings.from_dsn(self.config.redis_url),
-                                                   default_queue_name=self.queue)
+                    self._pool = await create_pool(
+                        RedisSettings.from_dsn(self.config.redis_url), default_queue_name=self.queue
+                    )
         return self._pool
 
     async def __call__(self, *args: Any, **kwargs: Any) -> float:
@@ -89,8 +102,14 @@ class RemoteReward:
         c = self.config
         # Positional (fn_path, args, kwargs) so reward kwargs never collide with arq's own `_`-prefixed options.
         # _expires: a job nobody took within the pickup window is dropped by arq instead of running for no one.
-        job = await pool.enqueue_job(COMPUTE_REWARD, c.fn, list(args), kwargs, _queue_name=self.queue,
-                                     _expires=c.pickup_timeout_seconds + RUN_MARGIN_S)
+        job = await pool.enqueue_job(
+            COMPUTE_REWARD,
+            c.fn,
+            list(args),
+            kwargs,
+            _queue_name=self.queue,
+            _expires=c.pickup_timeout_seconds + RUN_MARGIN_S,
+        )
         assert job is not None  # only None for a duplicate _job_id, and ids here are fresh uuids
         try:
             info = await self._wait(pool, job)
@@ -142,8 +161,10 @@ class RemoteReward:
 
     def _unpack(self, info: JobResult) -> float:
         if not info.success:  # arq-level failure: function timeout, aborted, retries used up by dying workers
-            raise RewardError(f"reward job for {self.config.fn} failed on the reward worker: "
-                              f"{type(info.result).__name__}: {info.result}")
+            raise RewardError(
+                f"reward job for {self.config.fn} failed on the reward worker: "
+                f"{type(info.result).__name__}: {info.result}"
+            )
         tagged = info.result
         if isinstance(tagged, dict) and "ok" in tagged:
             return float(tagged["ok"])

@@ -16,8 +16,14 @@ from arq.worker import func
 
 from rollq.protocol.keys import RunKeys
 from rollq.workers.resolver import Allowlist, resolve
-from rollq.workers.rewards.processes import STARTUP_TIMEOUT_S, AsyncRewardWrapper, RewardError, RewardNotANumber, RewardTimeout
 from rollq.workers.rewards.config import RewardWorkerConfig
+from rollq.workers.rewards.processes import (
+    STARTUP_TIMEOUT_S,
+    AsyncRewardWrapper,
+    RewardError,
+    RewardNotANumber,
+    RewardTimeout,
+)
 from rollq.workers.rewards.remote import COMPUTE_REWARD, MAX_TRIES, RESULT_TTL_S, RUN_MARGIN_S, WORKER_POLL_S
 
 
@@ -64,8 +70,13 @@ def worker_settings(cfg: RewardWorkerConfig) -> dict[str, Any]:
     """Keyword arguments for arq.worker.Worker serving run `cfg.run`."""
 
     async def on_startup(ctx: dict[str, Any]) -> None:
-        ctx["rewards"] = RewardFunctions(cfg.max_workers, cfg.timeout, Allowlist(
-            patterns=tuple(cfg.allow), setting="--allow PATTERN (reward_worker.allow, ROLLQ_REWARD_WORKER_ALLOW)"))
+        ctx["rewards"] = RewardFunctions(
+            cfg.max_workers,
+            cfg.timeout,
+            Allowlist(
+                patterns=tuple(cfg.allow), setting="--allow PATTERN (reward_worker.allow, ROLLQ_REWARD_WORKER_ALLOW)"
+            ),
+        )
 
     async def on_shutdown(ctx: dict[str, Any]) -> None:
         await ctx["rewards"].close()
@@ -74,8 +85,14 @@ def worker_settings(cfg: RewardWorkerConfig) -> dict[str, Any]:
     redis_settings.conn_retries = 0  # unreachable Redis at start: fail at once with rollq's one-line hint
     return {
         # arq's timeout is only a backstop behind the wrapper's (which also excludes the child's start-up).
-        "functions": [func(compute_reward, name=COMPUTE_REWARD, max_tries=MAX_TRIES,
-                           timeout=cfg.timeout + STARTUP_TIMEOUT_S + RUN_MARGIN_S)],
+        "functions": [
+            func(
+                compute_reward,
+                name=COMPUTE_REWARD,
+                max_tries=MAX_TRIES,
+                timeout=cfg.timeout + STARTUP_TIMEOUT_S + RUN_MARGIN_S,
+            )
+        ],
         "queue_name": RunKeys(cfg.run).rewards,
         "redis_settings": redis_settings,
         "on_startup": on_startup,

@@ -17,7 +17,7 @@ from tests.conftest import engine_healthy, wait_registered, wait_until
 from tests.redis_server import free_port
 from tests.scripted import tiny_tokenizer
 
-AGENT = '''
+AGENT = """
 import json
 from openai import AsyncOpenAI
 
@@ -38,36 +38,90 @@ class MyAgent:
             for call in msg.tool_calls:
                 args = json.loads(call.function.arguments)
                 messages.append({"role": "tool", "tool_call_id": call.id, "content": str(args["a"] + args["b"])})
-'''
+"""
 
 
 async def test_enqueue_wait_runs_an_openai_sdk_agent_token_exactly(tmp_path, redis, redis_url, run_name):
     (tmp_path / "my_module.py").write_text(textwrap.dedent(AGENT))
     (tmp_path / "replies.json").write_text(json.dumps(SCRIPT))
-    (tmp_path / "prompts.jsonl").write_text("".join(
-        json.dumps({"job_id": f"q{i}", "question": f"What is 2 + 3? ({i})"}) + "\n" for i in range(3)))
+    (tmp_path / "prompts.jsonl").write_text(
+        "".join(json.dumps({"job_id": f"q{i}", "question": f"What is 2 + 3? ({i})"}) + "\n" for i in range(3))
+    )
     port = free_port()
     engine_url = f"http://127.0.0.1:{port}"
     logs = [open(tmp_path / name, "w") for name in ("engine.log", "worker.log")]
     rollq = [sys.executable, "-m", "rollq"]
     procs = [
-        subprocess.Popen([*rollq, "engine", "--backend", "synthetic", "--tokenizer", "tiny", "--replies-file",
-                          "replies.json", "--port", str(port)], cwd=tmp_path, stdout=logs[0], stderr=subprocess.STDOUT),
-        subprocess.Popen([*rollq, "worker", "--redis", redis_url, "--run", run_name, "--name", "w-cli", "--allow", "my_module", "--engine",
-                          engine_url], cwd=tmp_path, stdout=logs[1], stderr=subprocess.STDOUT),
+        subprocess.Popen(
+            [
+                *rollq,
+                "engine",
+                "--backend",
+                "synthetic",
+                "--tokenizer",
+                "tiny",
+                "--replies-file",
+                "replies.json",
+                "--port",
+                str(port),
+            ],
+            cwd=tmp_path,
+            stdout=logs[0],
+            stderr=subprocess.STDOUT,
+        ),
+        subprocess.Popen(
+            [
+                *rollq,
+                "worker",
+                "--redis",
+                redis_url,
+                "--run",
+                run_name,
+                "--name",
+                "w-cli",
+                "--allow",
+                "my_module",
+                "--engine",
+                engine_url,
+            ],
+            cwd=tmp_path,
+            stdout=logs[1],
+            stderr=subprocess.STDOUT,
+        ),
     ]
     try:
         await wait_until(lambda: engine_healthy(engine_url), 60, what="engine up")
         await wait_registered(redis, run_name, "w-cli")
         out = subprocess.run(
-            [*rollq, "enqueue", "prompts.jsonl", "--workflow", "my_module.MyAgent", "--n", "2", "--wait", "--export",
-             "concat", "--redis", redis_url, "--run", run_name, "--timeout", "90"],
-            cwd=tmp_path, capture_output=True, text=True, timeout=120,
+            [
+                *rollq,
+                "enqueue",
+                "prompts.jsonl",
+                "--workflow",
+                "my_module.MyAgent",
+                "--n",
+                "2",
+                "--wait",
+                "--export",
+                "concat",
+                "--redis",
+                redis_url,
+                "--run",
+                run_name,
+                "--timeout",
+                "90",
+            ],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
         assert out.returncode == 0, out.stderr + (tmp_path / "worker.log").read_text()
         assert "6 ok, 0 rejected, 0 errors" in out.stderr
         trajs = [json.loads(line) for line in out.stdout.splitlines()]
-        assert sorted((t["job_id"], t["sample_index"]) for t in trajs) == [(f"q{i}", s) for i in range(3) for s in (0, 1)]
+        assert sorted((t["job_id"], t["sample_index"]) for t in trajs) == [
+            (f"q{i}", s) for i in range(3) for s in (0, 1)
+        ]
         tok = tiny_tokenizer()
         async with httpx.AsyncClient(timeout=30) as http:
             for t in trajs:
@@ -85,12 +139,18 @@ async def test_enqueue_wait_runs_an_openai_sdk_agent_token_exactly(tmp_path, red
                         start = None
                 assert len(spans) == 2
                 for a, b in spans:
-                    resp = await http.post(f"{engine_url}/generate", json={
-                        "input_ids": ids[:a], "sampling_params": {"max_new_tokens": b - a}, "return_logprob": True})
+                    resp = await http.post(
+                        f"{engine_url}/generate",
+                        json={
+                            "input_ids": ids[:a],
+                            "sampling_params": {"max_new_tokens": b - a},
+                            "return_logprob": True,
+                        },
+                    )
                     direct = parse_generate(resp.json())
                     assert direct.output_ids == ids[a:b]
                     assert [round(x, 5) for x in direct.output_logprobs] == [round(x, 5) for x in logprobs[a:b]]
-                assert tok.decode(ids[spans[1][0]:spans[1][1]], skip_special_tokens=True) == SCRIPT[1]
+                assert tok.decode(ids[spans[1][0] : spans[1][1]], skip_special_tokens=True) == SCRIPT[1]
     finally:
         for p in procs:
             p.kill()

@@ -8,10 +8,20 @@ from rollq.workers.agents.export import AgentOutputError, assign_rewards, export
 from rollq.workers.proxy.sessions import CompletionRecord
 
 
-def rec(rid: str, order: int, parent: str | None, prompt: list[int], out: list[int], choice: int = 0) -> CompletionRecord:
-    return CompletionRecord(id=rid, choice=choice, order=order, parent=parent, prompt_ids=prompt, output_ids=out,
-                            output_logprobs=[-0.5 - 0.01 * t for t in out], output_versions=[order] * len(out),
-                            finish_reason="stop")
+def rec(
+    rid: str, order: int, parent: str | None, prompt: list[int], out: list[int], choice: int = 0
+) -> CompletionRecord:
+    return CompletionRecord(
+        id=rid,
+        choice=choice,
+        order=order,
+        parent=parent,
+        prompt_ids=prompt,
+        output_ids=out,
+        output_logprobs=[-0.5 - 0.01 * t for t in out],
+        output_versions=[order] * len(out),
+        finish_reason="stop",
+    )
 
 
 def conversation() -> list[CompletionRecord]:
@@ -47,13 +57,16 @@ def test_n_choices_share_a_response_id_and_can_be_rewarded_one_by_one():
     assert [r.reward for r in records] == [0.25, 1.0]
 
 
-@pytest.mark.parametrize("result, message", [
-    ({"nope": 1.0}, "unknown completion id 'nope'"),
-    ({"root": "high"}, "must be a finite number"),
-    (float("nan"), "must be a finite number"),
-    ("1.0", "must be a finite number"),
-    (True, "must be a finite number"),
-])
+@pytest.mark.parametrize(
+    "result, message",
+    [
+        ({"nope": 1.0}, "unknown completion id 'nope'"),
+        ({"root": "high"}, "must be a finite number"),
+        (float("nan"), "must be a finite number"),
+        ("1.0", "must be a finite number"),
+        (True, "must be a finite number"),
+    ],
+)
 def test_bad_agent_results_say_what_is_wrong(result, message):
     with pytest.raises(AgentOutputError, match=message):
         assign_rewards(conversation(), result)

@@ -10,10 +10,10 @@ import pytest
 
 from rollq.engine.client import parse_generate
 from rollq.engine.pool import EnginePool, PoolConfig
-from tests.agents import SCRIPT
-from tests.scripted import scripted_engine
 from rollq.workers.context import WorkflowContext
 from rollq.workers.proxy.server import RecordingProxy
+from tests.agents import SCRIPT
+from tests.scripted import scripted_engine
 
 
 class Stack(msgspec.Struct):
@@ -28,8 +28,14 @@ class Stack(msgspec.Struct):
 
     async def direct(self, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
         """The same prompt sent straight to the engine: what the engine returns for it."""
-        resp = await self.context.http_client().post(f"{self.engine_url}/generate", json={
-            "input_ids": prompt_ids, "sampling_params": {"max_new_tokens": max_new_tokens}, "return_logprob": True})
+        resp = await self.context.http_client().post(
+            f"{self.engine_url}/generate",
+            json={
+                "input_ids": prompt_ids,
+                "sampling_params": {"max_new_tokens": max_new_tokens},
+                "return_logprob": True,
+            },
+        )
         result = parse_generate(resp.json())
         return result.output_ids, result.output_logprobs
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+from rollq.workers.agents.export import assign_rewards, export
 from tests.agents import ANSWER, CALL_ADD
 from tests.scripted import tiny_tokenizer
-from rollq.workers.agents.export import assign_rewards, export
 
 QUESTION = "What is 2 + 3?"
 SYSTEM = "You are a careful calculator. Use the add tool."
@@ -30,22 +30,31 @@ async def assert_two_turn_chain(stack, session):
         ids, logprobs = await stack.direct(rec.prompt_ids, MAX_TOKENS)
         assert rec.output_ids == ids and rec.output_logprobs == logprobs
     assert r1.parent is None and r2.parent == r1.key
-    assert r2.prompt_ids[:len(r1.full_ids)] == r1.full_ids
-    assert tok.decode(r2.prompt_ids[len(r1.full_ids):]) == TOOL_TURN
+    assert r2.prompt_ids[: len(r1.full_ids)] == r1.full_ids
+    assert tok.decode(r2.prompt_ids[len(r1.full_ids) :]) == TOOL_TURN
 
     assign_rewards(session.ordered(), 1.0)
     [concat] = export(session.ordered(), "concat", 1.0)
     assert concat["input_ids"] == r2.full_ids and concat["reward"] == 1.0
-    trained = [t for t, m in zip(concat["input_ids"], concat["loss_mask"]) if m]
+    trained = [t for t, m in zip(concat["input_ids"], concat["loss_mask"], strict=True) if m]
     assert trained == r1.output_ids + r2.output_ids
-    assert [lp for lp, m in zip(concat["logprobs"], concat["loss_mask"]) if m] == r1.output_logprobs + r2.output_logprobs
+    assert [
+        lp for lp, m in zip(concat["logprobs"], concat["loss_mask"], strict=True) if m
+    ] == r1.output_logprobs + r2.output_logprobs
     return r1, r2
 
 
 # -- Anthropic SDK --------------------------------------------------------------------------------------------------
 
-ANTHROPIC_ADD = {"name": "add", "description": "Add two integers.", "input_schema": {
-    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}
+ANTHROPIC_ADD = {
+    "name": "add",
+    "description": "Add two integers.",
+    "input_schema": {
+        "type": "object",
+        "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+        "required": ["a", "b"],
+    },
+}
 
 
 @pytest.fixture
@@ -65,23 +74,30 @@ def anthropic_client(stack, session, http):
 
 
 def tool_results(content) -> list[dict]:
-    return [{"type": "tool_result", "tool_use_id": b.id, "content": str(b.input["a"] + b.input["b"])}
-            for b in content if b.type == "tool_use"]
+    return [
+        {"type": "tool_result", "tool_use_id": b.id, "content": str(b.input["a"] + b.input["b"])}
+        for b in content
+        if b.type == "tool_use"
+    ]
 
 
 async def test_anthropic_sdk_tool_use_then_answer(stack, anthropic_http):
     session = stack.proxy.sessions.open()
     client = anthropic_client(stack, session, anthropic_http)
     messages = [{"role": "user", "content": QUESTION}]
-    first = await client.messages.create(model="policy", max_tokens=MAX_TOKENS, system=SYSTEM, messages=messages,
-                                         tools=[ANTHROPIC_ADD])
+    first = await client.messages.create(
+        model="policy", max_tokens=MAX_TOKENS, system=SYSTEM, messages=messages, tools=[ANTHROPIC_ADD]
+    )
     assert first.stop_reason == "tool_use"
     [use] = [b for b in first.content if b.type == "tool_use"]
     assert (use.name, use.input) == ("add", {"a": 2, "b": 3}) and use.id.startswith("toolu_")
-    messages += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
-                 {"role": "user", "content": tool_results(first.content)}]
-    second = await client.messages.create(model="policy", max_tokens=MAX_TOKENS, system=SYSTEM, messages=messages,
-                                          tools=[ANTHROPIC_ADD])
+    messages += [
+        {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
+        {"role": "user", "content": tool_results(first.content)},
+    ]
+    second = await client.messages.create(
+        model="policy", max_tokens=MAX_TOKENS, system=SYSTEM, messages=messages, tools=[ANTHROPIC_ADD]
+    )
     assert second.stop_reason == "end_turn"
     assert [(b.type, b.text) for b in second.content] == [("text", ANSWER)]
 
@@ -95,15 +111,19 @@ async def test_anthropic_sdk_streaming(stack, anthropic_http):
     session = stack.proxy.sessions.open()
     client = anthropic_client(stack, session, anthropic_http)
     messages = [{"role": "user", "content": QUESTION}]
-    async with client.messages.stream(model="policy", max_tokens=MAX_TOKENS, messages=messages,
-                                      tools=[ANTHROPIC_ADD]) as stream:
+    async with client.messages.stream(
+        model="policy", max_tokens=MAX_TOKENS, messages=messages, tools=[ANTHROPIC_ADD]
+    ) as stream:
         first = await stream.get_final_message()
     assert first.stop_reason == "tool_use"
     assert [(b.type, b.name, b.input) for b in first.content] == [("tool_use", "add", {"a": 2, "b": 3})]
-    messages += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
-                 {"role": "user", "content": tool_results(first.content)}]
-    async with client.messages.stream(model="policy", max_tokens=MAX_TOKENS, messages=messages,
-                                      tools=[ANTHROPIC_ADD]) as stream:
+    messages += [
+        {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
+        {"role": "user", "content": tool_results(first.content)},
+    ]
+    async with client.messages.stream(
+        model="policy", max_tokens=MAX_TOKENS, messages=messages, tools=[ANTHROPIC_ADD]
+    ) as stream:
         text = "".join([piece async for piece in stream.text_stream])
         second = await stream.get_final_message()
     assert text == ANSWER and second.stop_reason == "end_turn"
@@ -113,6 +133,7 @@ async def test_anthropic_sdk_streaming(stack, anthropic_http):
 
 
 # -- LangChain + LangGraph --------------------------------------------------------------------------------------------
+
 
 # langgraph 1.x deprecates create_react_agent in favour of langchain.agents.create_agent (the `langchain` package,
 # not installed here); the prebuilt one is what the installed versions offer.
@@ -129,8 +150,14 @@ async def test_langgraph_react_agent_with_langchain_openai(stack):
         return a + b
 
     session = stack.proxy.sessions.open()
-    model = ChatOpenAI(base_url=stack.proxy.base_url, api_key=session.key, model="policy", max_tokens=MAX_TOKENS,
-                       http_async_client=stack.context.http_client(), max_retries=0)
+    model = ChatOpenAI(
+        base_url=stack.proxy.base_url,
+        api_key=session.key,
+        model="policy",
+        max_tokens=MAX_TOKENS,
+        http_async_client=stack.context.http_client(),
+        max_retries=0,
+    )
     agent = create_react_agent(model, [add], prompt=SYSTEM)
     result = await agent.ainvoke({"messages": [("user", QUESTION)]}, {"recursion_limit": 6})
     messages = result["messages"]
@@ -143,6 +170,7 @@ async def test_langgraph_react_agent_with_langchain_openai(stack):
 
 
 # -- openai-agents ----------------------------------------------------------------------------------------------------
+
 
 async def test_openai_agents_runner(stack, monkeypatch):
     monkeypatch.setenv("OPENAI_AGENTS_DISABLE_TRACING", "1")
@@ -160,11 +188,16 @@ async def test_openai_agents_runner(stack, monkeypatch):
         return a + b
 
     session = stack.proxy.sessions.open()
-    client = AsyncOpenAI(base_url=stack.proxy.base_url, api_key=session.key, http_client=stack.context.http_client(),
-                         max_retries=0)
-    agent = Agent(name="calculator", instructions=SYSTEM, tools=[add],
-                  model=OpenAIChatCompletionsModel(model="policy", openai_client=client),
-                  model_settings=ModelSettings(max_tokens=MAX_TOKENS))
+    client = AsyncOpenAI(
+        base_url=stack.proxy.base_url, api_key=session.key, http_client=stack.context.http_client(), max_retries=0
+    )
+    agent = Agent(
+        name="calculator",
+        instructions=SYSTEM,
+        tools=[add],
+        model=OpenAIChatCompletionsModel(model="policy", openai_client=client),
+        model_settings=ModelSettings(max_tokens=MAX_TOKENS),
+    )
     result = await Runner.run(agent, QUESTION, max_turns=4)
     assert calls == [(2, 3)]
     assert "5" in result.final_output and result.final_output == ANSWER

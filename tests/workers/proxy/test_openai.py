@@ -9,21 +9,23 @@ import httpx
 import openai
 import pytest
 
+from rollq.workers.agents.export import assign_rewards, export
 from tests.agents import ADD_TOOL, ANSWER, CALL_ADD, run_tools
 from tests.scripted import tiny_tokenizer
-from rollq.workers.agents.export import assign_rewards, export
 
 QUESTION = [{"role": "user", "content": "What is 2 + 3?"}]
 
 
 async def two_turns(stack, session, **kwargs):
     client = stack.openai(session.key)
-    first = await client.chat.completions.create(model="policy", messages=QUESTION, tools=[ADD_TOOL], max_tokens=64,
-                                                 logprobs=True, **kwargs)
+    first = await client.chat.completions.create(
+        model="policy", messages=QUESTION, tools=[ADD_TOOL], max_tokens=64, logprobs=True, **kwargs
+    )
     msg = first.choices[0].message
     history = [*QUESTION, msg.model_dump(exclude_none=True), *run_tools(msg)]
-    second = await client.chat.completions.create(model="policy", messages=history, tools=[ADD_TOOL], max_tokens=64,
-                                                  logprobs=True, **kwargs)
+    second = await client.chat.completions.create(
+        model="policy", messages=history, tools=[ADD_TOOL], max_tokens=64, logprobs=True, **kwargs
+    )
     return first, second
 
 
@@ -33,7 +35,8 @@ async def test_tool_call_turn_then_answer_are_recorded_token_exactly(stack):
     call = first.choices[0]
     assert call.finish_reason == "tool_calls" and call.message.content is None
     assert [(c.function.name, json.loads(c.function.arguments)) for c in call.message.tool_calls] == [
-        ("add", {"a": 2, "b": 3})]
+        ("add", {"a": 2, "b": 3})
+    ]
     assert second.choices[0].message.content == ANSWER and second.choices[0].finish_reason == "stop"
 
     r1, r2 = session.ordered()
@@ -47,24 +50,32 @@ async def test_tool_call_turn_then_answer_are_recorded_token_exactly(stack):
         assert [t.logprob for t in resp.choices[0].logprobs.content] == logprobs
         assert resp.usage.completion_tokens == len(ids) and resp.usage.prompt_tokens == len(rec.prompt_ids)
     # Turn 2 is sent as turn 1's exact tokens + only the tool turn's tokens: nothing the model wrote is re-tokenized.
-    assert r2.prompt_ids[:len(r1.full_ids)] == r1.full_ids
-    tool_turn = tok.decode(r2.prompt_ids[len(r1.full_ids):])
+    assert r2.prompt_ids[: len(r1.full_ids)] == r1.full_ids
+    tool_turn = tok.decode(r2.prompt_ids[len(r1.full_ids) :])
     assert tool_turn == "\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
 
     assign_rewards(session.ordered(), 1.0)
     [concat] = export(session.ordered(), "concat", 1.0)
     assert concat["input_ids"] == r2.full_ids
-    trained = [t for t, m in zip(concat["input_ids"], concat["loss_mask"]) if m]
+    trained = [t for t, m in zip(concat["input_ids"], concat["loss_mask"], strict=True) if m]
     assert trained == r1.output_ids + r2.output_ids
-    assert [lp for lp, m in zip(concat["logprobs"], concat["loss_mask"]) if m] == r1.output_logprobs + r2.output_logprobs
+    assert [
+        lp for lp, m in zip(concat["logprobs"], concat["loss_mask"], strict=True) if m
+    ] == r1.output_logprobs + r2.output_logprobs
 
 
 async def test_streaming_yields_the_same_message_and_logprobs(slow_stack):
     stack = slow_stack
     session = stack.proxy.sessions.open()
     client = stack.openai(session.key)
-    first = await client.chat.completions.create(model="m", messages=QUESTION, tools=[ADD_TOOL], max_tokens=64,
-                                                 stream=True, stream_options={"include_usage": True})
+    first = await client.chat.completions.create(
+        model="m",
+        messages=QUESTION,
+        tools=[ADD_TOOL],
+        max_tokens=64,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     calls, finish, usage = [], None, None
     async for chunk in first:
         usage = chunk.usage or usage
@@ -76,11 +87,24 @@ async def test_streaming_yields_the_same_message_and_logprobs(slow_stack):
     [rec] = session.ordered()
     assert usage.completion_tokens == len(rec.output_ids)
 
-    history = [*QUESTION, {"role": "assistant", "content": None, "tool_calls": [
-        {"id": calls[0].id, "type": "function", "function": {"name": "add", "arguments": calls[0].function.arguments}}]},
-        {"role": "tool", "tool_call_id": calls[0].id, "content": "5"}]
-    stream = await client.chat.completions.create(model="m", messages=history, tools=[ADD_TOOL], max_tokens=64,
-                                                  stream=True, logprobs=True)
+    history = [
+        *QUESTION,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": calls[0].id,
+                    "type": "function",
+                    "function": {"name": "add", "arguments": calls[0].function.arguments},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": calls[0].id, "content": "5"},
+    ]
+    stream = await client.chat.completions.create(
+        model="m", messages=history, tools=[ADD_TOOL], max_tokens=64, stream=True, logprobs=True
+    )
     text, logprobs, chunks, live = "", [], 0, False
     async for chunk in stream:
         for choice in chunk.choices:
@@ -112,13 +136,21 @@ async def test_sessions_are_isolated_and_keys_expire(stack):
     # b sends the same turn-2 conversation: it must not attach to a's records, nor add to them.
     client_b = stack.openai(b.key)
     first_a = a.ordered()[0]
-    history = [*QUESTION, {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "call_x", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}]},
-        {"role": "tool", "tool_call_id": "call_x", "content": "5"}]
+    history = [
+        *QUESTION,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "call_x", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_x", "content": "5"},
+    ]
     await client_b.chat.completions.create(model="m", messages=history, tools=[ADD_TOOL], max_tokens=64)
     assert len(a.records) == 2 and len(b.records) == 1
     [rec_b] = b.ordered()
-    assert rec_b.parent is None and rec_b.prompt_ids[:len(first_a.prompt_ids)] == first_a.prompt_ids
+    assert rec_b.parent is None and rec_b.prompt_ids[: len(first_a.prompt_ids)] == first_a.prompt_ids
     stack.proxy.sessions.close(a)
     with pytest.raises(openai.AuthenticationError, match="unknown or finished session key"):
         await stack.openai(a.key).chat.completions.create(model="m", messages=QUESTION)
@@ -143,20 +175,25 @@ async def test_completions_api_and_models(stack):
     assert [m.id for m in models.data] == ["rollq"]
 
 
-@pytest.mark.parametrize("body, status, message", [
-    (b"{not json", 400, "not valid JSON"),
-    (b'{"model": "m"}', 400, "'messages' must be a non-empty list"),
-    (b'{"messages": [{"role": "user", "content": "hi"}], "temperature": 7}', 400, "'temperature' must be a number"),
-    (b'{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}', 400, "only text content"),
-    (b'{"messages": [{"role": "wizard", "content": "hi"}]}', 400, "unsupported role"),
-    (b'{"messages": [{"role": "user", "content": "hi"}], "tool_choice": "sometimes"}', 400, "tool_choice"),
-    (b'{"messages": [{"role": "user", "content": "hi"}], "n": 0}', 400, "'n' must be an integer"),
-])
+@pytest.mark.parametrize(
+    "body, status, message",
+    [
+        (b"{not json", 400, "not valid JSON"),
+        (b'{"model": "m"}', 400, "'messages' must be a non-empty list"),
+        (b'{"messages": [{"role": "user", "content": "hi"}], "temperature": 7}', 400, "'temperature' must be a number"),
+        (b'{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}', 400, "only text content"),
+        (b'{"messages": [{"role": "wizard", "content": "hi"}]}', 400, "unsupported role"),
+        (b'{"messages": [{"role": "user", "content": "hi"}], "tool_choice": "sometimes"}', 400, "tool_choice"),
+        (b'{"messages": [{"role": "user", "content": "hi"}], "n": 0}', 400, "'n' must be an integer"),
+    ],
+)
 async def test_bad_requests_get_a_400_that_says_why(stack, body, status, message):
     session = stack.proxy.sessions.open()
     resp = await stack.context.http_client().post(
-        f"{stack.proxy.base_url}/chat/completions", content=body,
-        headers={"Authorization": f"Bearer {session.key}", "Content-Type": "application/json"})
+        f"{stack.proxy.base_url}/chat/completions",
+        content=body,
+        headers={"Authorization": f"Bearer {session.key}", "Content-Type": "application/json"},
+    )
     assert resp.status_code == status and message in resp.json()["error"]["message"]
     assert not session.records
 

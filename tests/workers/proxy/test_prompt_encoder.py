@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
-from tests.agents import ADD_TOOL
-from tests.scripted import tiny_tokenizer
 from rollq.workers.chat_template import encode, render
 from rollq.workers.proxy.prompt_encoder import PromptEncoder
+from tests.agents import ADD_TOOL
+from tests.scripted import tiny_tokenizer
 
 CONVERSATIONS = [
     [{"role": "user", "content": "What is 2 + 3?"}],
     [{"role": "system", "content": "Be brief.  "}, {"role": "user", "content": "  lead and trail  \n\n"}],
-    [{"role": "user", "content": "héllo <tool_call> not a call"},
-     {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
-         "name": "add", "arguments": {"a": 1, "b": 2}}}]},
-     {"role": "tool", "content": "3"}, {"role": "tool", "content": "<|im_end|> inside"}],
+    [
+        {"role": "user", "content": "héllo <tool_call> not a call"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {"a": 1, "b": 2}}}],
+        },
+        {"role": "tool", "content": "3"},
+        {"role": "tool", "content": "<|im_end|> inside"},
+    ],
 ]
 
 

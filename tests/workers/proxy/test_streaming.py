@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from tests.agents import CALL_ADD
-from tests.scripted import tiny_tokenizer
 from rollq.workers.proxy.chat import parse_reply, trim_stop
 from rollq.workers.proxy.streaming import TextStream
+from tests.agents import CALL_ADD
+from tests.scripted import tiny_tokenizer
 
 
 def feed_one_by_one(stream: TextStream, text: str) -> list[str]:
