@@ -259,7 +259,7 @@ def overrides(cls: type[Settings], items: Iterable[str]) -> dict[str, Any]:
 def build(cls: type[Settings], section: str, values: Mapping[str, Any]) -> Any:
     """`cls` from layered values (text from flags and variables converted to the fields' types)."""
     try:
-        return msgspec.convert(dict(values), cls, strict=True)
+        return msgspec.convert(dict(values), cls, strict=False)
     except msgspec.ValidationError as exc:
         message = readable(exc)
         missing = re.match(r"^Object missing required field `(\w+)`$", str(exc))

@@ -98,7 +98,8 @@ class WriteBatcher:
             )
             for i, key in enumerate(acks)
         }
-        for (op, fut), reply in zip(scripts + publishes, replies, strict=True):
+        # The first len(batch) replies answer the ops; the XACK/XDEL pairs after them were read above.
+        for (op, fut), reply in zip(scripts + publishes, replies[: len(batch)], strict=True):
             if fut.done():
                 continue
             if isinstance(op, _PublishOp) and not isinstance(reply, Exception):

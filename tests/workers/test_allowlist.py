@@ -1,0 +1,128 @@
+"""The workflow allowlist: every import a job causes (its workflow, a reward function, tools) is checked before
+anything is imported or constructed; a job naming anything else is dead-lettered, having run nothing."""
+
+import sys
+import textwrap
+
+import pytest
+
+from rollq.producer import Producer
+from rollq.workers.resolver import (
+    Allowlist,
+    ImportNotAllowed,
+    WorkflowLoadError,
+    current_path,
+    enforcing,
+    resolve,
+)
+from rollq.workers.rewards.processes import RewardError
+from rollq.workers.rewards.worker import RewardFunctions
+from tests.helpers import running_worker
+
+
+@pytest.fixture
+def side_effect_module(tmp_path, monkeypatch):
+    """A module whose import writes a marker file: proof of whether it was imported at all."""
+    marker = tmp_path / "imported"
+    (tmp_path / "sneaky_mod.py").write_text(
+        textwrap.dedent(f"""
+        import os
+        open({str(marker)!r}, "w").close()
+        from os import system  # a re-export of something outside the allowlist
+
+        def score(*args, **kwargs):
+            return 1.0
+
+        class Workflow:
+            async def arun_episode(self, engine, data):
+                return None
+        """)
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield marker
+    sys.modules.pop("sneaky_mod", None)
+
+
+def test_a_path_outside_the_allowlist_is_refused_before_its_module_is_imported(side_effect_module):
+    allowlist = Allowlist(patterns=("tests",), setting="--allow")
+    with pytest.raises(ImportNotAllowed, match=r"'sneaky_mod:score' is not allowed.*--allow \(e.g. 'sneaky_mod:score'\)"):
+        resolve("sneaky_mod:score", allowlist=allowlist)
+    assert not side_effect_module.exists()
+    with enforcing(allowlist), pytest.raises(ImportNotAllowed):
+        resolve("sneaky_mod.Workflow")  # the dotted form is checked the same way
+    assert not side_effect_module.exists()
+    assert resolve("sneaky_mod:score")(0) == 1.0  # outside a worker (no allowlist) imports are the caller's own
+
+
+def test_patterns_cover_what_is_below_them_and_defining_modules_are_checked(side_effect_module):
+    for patterns in (("sneaky_mod",), ("sneaky_mod.*",), ("sneaky_mod.score",), ("sneaky_*",)):
+        assert resolve("sneaky_mod:score", allowlist=Allowlist(patterns=patterns))(0) == 1.0
+    allowed = Allowlist(patterns=("sneaky_mod",))
+    assert not Allowlist(patterns=("sneaky_mod.score",)).allows("sneaky_mod.Workflow")
+    with pytest.raises(ImportNotAllowed, match="names posix.system, defined in a module the allowlist does not cover"):
+        resolve("sneaky_mod:system", allowlist=allowed)  # re-exported from os: not a way around the list
+    with pytest.raises(WorkflowLoadError, match="names a module"):
+        resolve("sneaky_mod:os", allowlist=allowed)
+    with pytest.raises(WorkflowLoadError, match="private attribute"):
+        resolve("sneaky_mod:score.__globals__", allowlist=allowed)
+    with pytest.raises(ImportNotAllowed):
+        resolve("sneaky_mod:score", allowlist=Allowlist(patterns=("sneaky",)))  # a name, not a prefix of one
+
+
+def test_rollq_builtins_are_allowed_by_default_and_old_paths_map_to_the_new_ones():
+    allowlist = Allowlist()
+    assert resolve("rollq.workers.builtin.rlvr:RLVRWorkflow", allowlist=allowlist).__name__ == "RLVRWorkflow"
+    assert resolve("rollq.trainer.toy:digits_reward", allowlist=allowlist).__name__ == "digits_reward"
+    assert current_path("workers.builtin.tool_agent:ToolAgentWorkflow") == (
+        "rollq.workers.builtin.tool_agent:ToolAgentWorkflow"
+    )
+    assert resolve("trainer.toy:digits_reward", allowlist=allowlist).__module__ == "rollq.trainer.toy"
+    with pytest.raises(ImportNotAllowed):  # rollq's other modules are not the built-ins
+        resolve("rollq.trainer.up:LocalStack", allowlist=allowlist)
+    with pytest.raises(WorkflowLoadError, match="did you mean 'rollq.workers.no_such'"):
+        resolve("workers.no_such:Thing")
+
+
+def test_commands_are_named_in_the_same_list():
+    allowlist = Allowlist(patterns=("command:python3", "my_pkg"))
+    allowlist.check_command("python3")
+    with pytest.raises(ImportNotAllowed, match="command 'bash' is not allowed"):
+        allowlist.check_command("bash")
+
+
+async def test_a_reward_worker_refuses_reward_functions_outside_its_allowlist(side_effect_module):
+    rewards = RewardFunctions(1, 5.0, Allowlist(patterns=("tests",), setting="--allow"))
+    try:
+        with pytest.raises(RewardError, match="cannot load reward function 'sneaky_mod:score'.*not allowed"):
+            rewards.get("sneaky_mod:score")
+        assert not side_effect_module.exists()
+        assert rewards.get("tests.reward_fns:exact_match") is not None
+    finally:
+        await rewards.close()
+
+
+async def test_jobs_naming_paths_outside_the_allowlist_run_nothing_and_are_dead_lettered(
+    redis, redis_url, run_name, tmp_path, side_effect_module
+):
+    touched = tmp_path / "touched"
+    producer = Producer(redis, run_name)
+    async with running_worker(redis_url, run_name, max_attempts=3):
+        # The report that opened this: a job whose "workflow" is subprocess.Popen ran a command on the worker.
+        await producer.submit("subprocess:Popen", job_id="popen", workflow_kwargs={"args": ["touch", str(touched)]})
+        await producer.submit("sneaky_mod:Workflow", job_id="module")
+        await producer.submit("rlvr", {"prompt": "hi"}, job_id="reward", workflow_kwargs={"reward_fn": "os:system"})
+        await producer.submit("tool_agent", {"prompt": "hi"}, job_id="tools", workflow_kwargs={"tools": "sneaky_mod:T"})
+        await producer.submit("tests.workflows:Echo", {"i": 1}, job_id="fine")
+        expected = {"popen": 1, "module": 1, "reward": 1, "tools": 1, "fine": 1}
+        trajs = {t.job_id: t async for t in producer.wait_for(expected, timeout_s=20)}
+    assert not touched.exists() and not side_effect_module.exists()
+    assert trajs["fine"].status == "ok"
+    for job_id, path in (("popen", "subprocess:Popen"), ("module", "sneaky_mod:Workflow"), ("reward", "os:system"),
+                         ("tools", "sneaky_mod:T")):
+        error = trajs[job_id].error
+        assert trajs[job_id].status == "error" and error.type == "ImportNotAllowed", (job_id, error)
+        assert f"import path {path!r} is not allowed" in error.message
+        assert "--allow PATTERN (worker.allow, ROLLQ_WORKER_ALLOW)" in error.message
+        assert error.attempt == 1  # deterministic: dead-lettered at once, not retried
+    dead = await redis.xrange(f"rollq:{{{run_name}}}:dead")
+    assert len(dead) == 4
