@@ -173,10 +173,24 @@ def _choices(tp: Any) -> list[Any] | None:
     return list(typing.get_args(tp)) if typing.get_origin(tp) is Literal else None
 
 
+def metavar(field: SettingField) -> str:
+    return str(field.extra.get("metavar") or _METAVARS.get(_base(field.type), field.name.upper()))
+
+
+def usage(field: SettingField) -> str:
+    """How the flag is written: `--concurrency N`, `--wait`, `--backend synthetic|reference|sglang`."""
+    if field.positional:
+        return field.name.upper()
+    if field.type is bool:
+        return field.flag
+    choices = _choices(field.type)
+    return f"{field.flag} {'|'.join(map(str, choices)) if choices else metavar(field)}"
+
+
 def _add_option(parser: argparse._ActionsContainer, section: Section, field: SettingField) -> None:
     kwargs: dict[str, Any] = {"dest": field.name, "default": argparse.SUPPRESS, "help": field_help(field, section.name)}
     tp = field.type
-    kwargs["metavar"] = field.extra.get("metavar") or _METAVARS.get(_base(tp), field.name.upper())
+    kwargs["metavar"] = metavar(field)
     if field.positional:
         del kwargs["dest"]
         parser.add_argument(field.name, nargs="?", **kwargs)

@@ -4,7 +4,7 @@ to the new weights, checkpoint.
 One step, policy version v -> v + 1:
   collect B samples of complete groups fit to train at v -> decoupled PPO step -> write weights -> pause engines,
   update_weights_from_disk(version v + 1), resume (generation restarts here) -> metrics line -> checkpoint ->
-  publish v + 1 in the ledger (new admissions) -> ack what the checkpoint holds.
+  ack what the checkpoint holds -> publish v + 1 in the ledger (new admissions).
 A trainer killed anywhere restarts from its checkpoint: groups it trained and checkpointed are acked without
 training, everything else is redelivered. With checkpoint_every 1 the ledger never runs ahead of the checkpoint,
 so the admission bound holds across the restart; tokens of weights the checkpoint doesn't know (published before a

@@ -1,4 +1,4 @@
-"""SGLang's HTTP protocol over any `engine.backend.Backend` (see /work/shared/sglang-protocol.md).
+"""SGLang's HTTP protocol over any `rollq.engine.server.backend.Backend` (see docs/sglang-protocol.md).
 
 The server owns HTTP, validation, rids, the pause gate, aborts, the model-update lock and weight versions; the
 backend only turns GenStates into tokens."""

@@ -1,4 +1,4 @@
-"""What an engine server needs from a model backend. The server (engine/server.py) owns HTTP, validation, rids,
+"""What an engine server needs from a model backend. The server (engine/server/app.py) owns HTTP, validation, rids,
 the pause gate and aborts; a backend only turns GenStates into tokens.
 
 Contract:

@@ -1,5 +1,5 @@
 """Parsing and validating SGLang /generate bodies into typed prompts and sampling params (SGLang's rules and messages,
-see /work/shared/sglang-protocol.md). Two error kinds, because SGLang answers them in two shapes."""
+see docs/sglang-protocol.md). Two error kinds, because SGLang answers them in two shapes."""
 
 from __future__ import annotations
 
