@@ -38,7 +38,7 @@ class FleetController:
         self, what: str, call: Callable[[SGLangClient], Awaitable[Any]], members: list[EngineMember] | None = None
     ) -> FleetResult:
         started = time.monotonic()
-        members = list(self.pool.members.values()) if members is None else members
+        members = self.pool.engines() if members is None else members
 
         loads: list[float] = []
 
@@ -77,28 +77,19 @@ class FleetController:
     async def update_weights(self, path: str, version: str | int) -> FleetResult:
         version = str(version)
         self.weights_path = path
-        self.pool.target_version = version
-        self.pool.updating = True
-        try:
+        with self.pool.weight_update(version):
             result = await self._on_all(
                 f"update_weights({version})", lambda c: c.update_weights_from_disk(path, weight_version=version)
             )
-        finally:
-            self.pool.updating = False
         for url in result.failed:
-            member = self.pool.members.get(url)
-            if member is not None:
-                member.stale = True
+            self.pool.mark_stale(url)
         for url in result.ok:
-            member = self.pool.members.get(url)
-            if member is not None:
-                member.stale = False
-                member.weight_version = version
+            self.pool.mark_loaded(url, version)
         return result
 
     async def reconcile(self) -> FleetResult:
         """Reload stale engines to the fleet's current weights; they rejoin routing when that succeeds."""
-        stale = [m for m in self.pool.members.values() if m.stale]
+        stale = self.pool.engines(stale_only=True)
         if not stale or self.weights_path is None or self.pool.target_version is None:
             return FleetResult([], {}, 0.0)
         path, version = self.weights_path, self.pool.target_version
@@ -106,8 +97,7 @@ class FleetController:
             f"reload({version})", lambda c: c.update_weights_from_disk(path, weight_version=version), stale
         )
         for url in result.ok:
-            self.pool.members[url].stale = False
-            self.pool.members[url].weight_version = version
+            self.pool.mark_loaded(url, version)
         return result
 
     async def cycle(self, path: str, version: str | int, *, mode: PauseMode = "retract") -> dict[str, float]:

@@ -4,6 +4,7 @@ and dead engines (the `engine` handed to workflows)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import itertools
 import logging
@@ -11,6 +12,7 @@ import re
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
@@ -103,8 +105,8 @@ class EnginePool:
         self._background: set[asyncio.Task] = set()
         self._rid_prefix = uuid.uuid4().hex[:12]
         self._rid_counter = itertools.count()
-        self.target_version: str | None = None  # set by FleetController; engines on another version are stale
-        self.updating = False  # a fleet update is under way: versions read now say nothing about staleness
+        self._target_version: str | None = None  # the fleet's weights; engines on another version are stale
+        self._updating = False  # a fleet update is under way: versions read now say nothing about staleness
         self.static_urls = {u.rstrip("/") for u in config.urls}  # never removed by the registry
         self._registry_task: asyncio.Task | None = None
         for url in config.urls:
@@ -176,6 +178,46 @@ class EnginePool:
     async def __aexit__(self, *exc: Any) -> None:
         await self.close()
 
+    # -- weight versions (driven by the FleetController) --------------------------------------------------------
+
+    @property
+    def target_version(self) -> str | None:
+        """The weight version the fleet moved to last; an engine reporting another one is stale."""
+        return self._target_version
+
+    @property
+    def updating(self) -> bool:
+        return self._updating
+
+    def engines(self, *, stale_only: bool = False) -> list[EngineMember]:
+        """The current members (a snapshot)."""
+        return [m for m in self.members.values() if m.stale or not stale_only]
+
+    @contextlib.contextmanager
+    def weight_update(self, version: str) -> Iterator[None]:
+        """While the fleet loads `version`: engines' reported versions say nothing about staleness yet."""
+        self._target_version = version
+        self._updating = True
+        try:
+            yield
+        finally:
+            self._updating = False
+
+    def mark_loaded(self, url: str, version: str) -> None:
+        """`url` serves `version` (the fleet's): back in routing if it was stale."""
+        member = self.members.get(url)
+        if member is not None:
+            member.weight_version = version
+            if member.stale:
+                member.stale = False
+                self._signal()  # requests waiting for an engine may go there now
+
+    def mark_stale(self, url: str) -> None:
+        """`url` failed to load the fleet's weights: out of routing until reloaded."""
+        member = self.members.get(url)
+        if member is not None:
+            member.stale = True
+
     async def check_health(self) -> None:
         members = list(self.members.values())
         results = await asyncio.gather(
@@ -196,11 +238,11 @@ class EnginePool:
                     self._evict(member, "failed health checks")
 
     async def _check_versions(self, members: list[EngineMember]) -> None:
-        target = self.target_version
-        if self.updating:
+        target = self._target_version
+        if self._updating:
             return
         versions = await asyncio.gather(*(m.client.weight_version() for m in members), return_exceptions=True)
-        if self.updating or self.target_version != target:  # an update began or ended meanwhile: look next time
+        if self._updating or self._target_version != target:  # an update began or ended meanwhile: look next time
             return
         for member, version in zip(members, versions, strict=True):
             if isinstance(version, str):

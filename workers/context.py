@@ -17,6 +17,7 @@ import msgspec
 from httpx_aiohttp import HttpxAiohttpClient
 
 from rollq.config import DEFAULT_REDIS_URL
+from rollq.engine.types import InferenceEngine
 from rollq.workers.proxy.server import ProxyConfig, RecordingProxy
 
 
@@ -69,7 +70,7 @@ class WorkflowContext:
             self._aiohttp = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None))
         return self._aiohttp
 
-    async def proxy(self, engine: Any) -> RecordingProxy:
+    async def proxy(self, engine: InferenceEngine | None) -> RecordingProxy:
         """The process's recording proxy, started on first use (the tokenizer loads off the event loop)."""
         if self._proxy is None:
             self._proxy_lock = self._proxy_lock or asyncio.Lock()

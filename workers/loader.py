@@ -10,6 +10,7 @@ import json
 import logging
 from typing import Any
 
+from rollq.engine.types import InferenceEngine
 from rollq.protocol.messages import AgentOptions
 from rollq.workers.builtin import BUILTIN_WORKFLOWS, resolve_agent_name
 from rollq.workers.resolver import ImportNotAllowed, WorkflowLoadError, resolve
@@ -35,7 +36,7 @@ class FunctionWorkflow:
     def __init__(self, fn: Any) -> None:
         self.fn = fn
 
-    async def arun_episode(self, engine: Any, data: Any) -> Any:
+    async def arun_episode(self, engine: InferenceEngine, data: Any) -> Any:
         return await self.fn(engine, data)
 
 

@@ -12,6 +12,7 @@ import inspect
 import json
 from typing import Any
 
+from rollq.engine.types import InferenceEngine
 from rollq.protocol.messages import AgentOptions
 from rollq.workers.agents.export import AgentOutputError, assign_rewards, export
 from rollq.workers.agents.subproc import agent_result, extra_kwargs_for, run_agent
@@ -37,7 +38,7 @@ class AgentWorkflow:
             self._agent = self.target(**self.kwargs) if inspect.isclass(self.target) else self.target
         return self._agent
 
-    async def arun_episode(self, engine: Any, data: Any) -> list[dict[str, Any]] | None:
+    async def arun_episode(self, engine: InferenceEngine, data: Any) -> list[dict[str, Any]] | None:
         ctx = workflow_context()
         proxy = await ctx.proxy(engine)
         opts = self.options

@@ -16,7 +16,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from rollq.engine.types import ModelRequest, SamplingParams
+from rollq.engine.types import InferenceEngine, ModelRequest, SamplingParams
 from rollq.workers.proxy import anthropic
 from rollq.workers.proxy.chat import (
     BadRequest,
@@ -72,7 +72,7 @@ def _anthropic_error(message: str, status: int, kind: str = "invalid_request_err
 
 
 class RecordingProxy:
-    def __init__(self, engine: Any, tokenizer: Any, config: ProxyConfig | None = None) -> None:
+    def __init__(self, engine: InferenceEngine | None, tokenizer: Any, config: ProxyConfig | None = None) -> None:
         self.engine = engine  # anything with `async agenerate(ModelRequest) -> ModelResponse` (the EnginePool)
         self.tokenizer = tokenizer
         self.prompts = PromptEncoder(tokenizer)
