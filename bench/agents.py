@@ -33,14 +33,21 @@ Targets: A/B >= 4.
 
 from __future__ import annotations
 
+import os
+import sys
+
+if __name__ == "__main__" and not __package__:
+    # Run as a script (python bench/agents.py): bench/ must not shadow stdlib modules (bench/queue.py is not the
+    # stdlib `queue`), and the repo root must be importable (bench.common).
+    _HERE = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+    sys.path.insert(0, os.path.dirname(_HERE))
+
 import argparse
 import asyncio
 import contextlib
 import itertools
-import json
-import os
 import statistics
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -49,7 +56,16 @@ from typing import Any
 import aiohttp
 
 from bench.agent_tasks import ANSWER, CALL_WAIT, MODEL_TURNS, QUESTION, SCRIPT, TOOL_RESULT, WAIT_TOOL
-from bench.queue import BenchError, Procs, delete_matching, proc_cpu_s, run_bench, start_redis, start_worker
+from bench.common import (
+    BenchError,
+    Procs,
+    delete_matching,
+    print_summary,
+    proc_cpu_s,
+    run_bench,
+    start_redis,
+    start_worker,
+)
 from rollq.engine.client import SGLangClient
 from rollq.engine.http import shared_http_session
 from rollq.engine.pool import EnginePool, PoolConfig
@@ -717,7 +733,7 @@ def main(argv: list[str] | None = None) -> int:
     async def run(procs: Procs, tmp: Path) -> None:
         summary = await amain(args, procs)
         print_report(summary)
-        print(json.dumps(summary))
+        print_summary(summary)
 
     return run_bench(run, "rollq-bench-agents-")
 

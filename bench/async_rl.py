@@ -17,21 +17,38 @@ Target: eta=2 / eta=0 >= 2x (AReaL reports 2.77x at scale).
 
 from __future__ import annotations
 
+import os
+import sys
+
+if __name__ == "__main__" and not __package__:
+    # Run as a script (python bench/async_rl.py): bench/ must not shadow stdlib modules (bench/queue.py is not the
+    # stdlib `queue`), and the repo root must be importable (bench.common).
+    _HERE = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+    sys.path.insert(0, os.path.dirname(_HERE))
+
 import argparse
 import asyncio
 import io
-import json
 import statistics
-import sys
 import uuid
 from pathlib import Path
 from typing import Any
 
-from bench.queue import BenchError, Procs, bench_env, free_port, rollq_argv, run_bench, start_redis, start_worker
+from bench.common import (
+    BenchError,
+    Procs,
+    bench_env,
+    free_port,
+    print_summary,
+    rollq_argv,
+    run_bench,
+    start_redis,
+    start_worker,
+)
 from rollq.engine.pool import EnginePool, PoolConfig
 from rollq.redis_client import redis_client
 from rollq.trainer.config import TrainConfig
-from rollq.trainer.loop import Trainer
 from rollq.trainer.metrics import StepRecord
 
 TARGET_SPEEDUP = 2.0
@@ -93,6 +110,8 @@ def throughput(records: list[StepRecord]) -> float:
 async def run_variant(
     url: str, procs: Procs, engines: list[str], tmp: Path, eta: int, args: argparse.Namespace
 ) -> dict[str, Any]:
+    from rollq.trainer.loop import Trainer  # here, not at the top: `--help` does not load torch
+
     run = f"bench-eta{eta}-{uuid.uuid4().hex[:8]}"
     redis = redis_client(url)
     workers = []
@@ -239,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
 
     async def run(procs: Procs, tmp: Path) -> None:
         summary = await amain(args, procs, tmp)
-        print(json.dumps(summary))
+        print_summary(summary)
 
     return run_bench(run, "rollq-bench-async-")
 

@@ -11,17 +11,26 @@
 
 from __future__ import annotations
 
+import os
+import sys
+
+if __name__ == "__main__" and not __package__:
+    # Run as a script (python bench/engine.py): bench/ must not shadow stdlib modules (bench/queue.py is not the
+    # stdlib `queue`), and the repo root must be importable (bench.common).
+    _HERE = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+    sys.path.insert(0, os.path.dirname(_HERE))
+
 import argparse
 import asyncio
 import json
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from typing import Any
 
-from bench.queue import free_port
+from bench.common import free_port, print_summary
 from rollq.engine.client import SGLangClient
 from rollq.engine.fleet import FleetController
 from rollq.engine.http import shared_http_session
@@ -249,7 +258,7 @@ def main() -> int:
         targets["control_ms<=50"] = out["c_fleet_cycle"]["control_ms_median"] <= 50
         targets["lost==0"] = out["c_fleet_cycle"]["requests_lost"] == 0
     out["targets"] = targets
-    print(json.dumps(out))
+    print_summary(out)
     return 0
 
 

@@ -12,17 +12,28 @@ Greedy outputs are compared too. The last line printed is a JSON summary.
 
 from __future__ import annotations
 
+import os
+import sys
+
+if __name__ == "__main__" and not __package__:
+    # Run as a script (python bench/engine_batching.py): bench/ must not shadow stdlib modules (bench/queue.py is
+    # not the stdlib `queue`), and the repo root must be importable (bench.common).
+    _HERE = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+    sys.path.insert(0, os.path.dirname(_HERE))
+
 import argparse
 import asyncio
-import json
 import statistics
-import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from bench.common import print_summary
 from rollq.engine.server.backend import GenState
-from rollq.engine.server.reference import ReferenceBackend, ReferenceConfig
 from rollq.engine.types import SamplingParams
+
+if TYPE_CHECKING:  # imported in amain: `--help` does not load torch
+    from rollq.engine.server.reference import ReferenceBackend
 
 QUESTIONS = [
     "What is 2 + 2?",
@@ -80,6 +91,8 @@ def run_sequential(
 
 
 async def amain(args: argparse.Namespace) -> dict[str, Any]:
+    from rollq.engine.server.reference import ReferenceBackend, ReferenceConfig
+
     backend = ReferenceBackend(
         ReferenceConfig(model=args.model, max_running=max(64, args.concurrency), torch_threads=args.threads)
     )
@@ -141,7 +154,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     summary = asyncio.run(amain(parse_args(argv)))
-    print(json.dumps(summary))
+    print_summary(summary)
     return 0
 
 

@@ -11,7 +11,7 @@ from rollq.engine.pool import EnginePool, PoolConfig, version_number
 from rollq.engine.server.app import EngineServerConfig, serve
 from rollq.engine.server.synthetic import SyntheticBackend, SyntheticConfig
 from rollq.engine.types import ModelRequest, SamplingParams
-from tests.conftest import wait_until
+from tests.helpers import wait_until
 from tests.redis_server import free_port
 
 
@@ -92,6 +92,7 @@ async def test_failed_update_takes_engines_out_of_routing_until_reloaded(engines
         assert resp.output_versions == [5] * 5
 
 
+@pytest.mark.slow
 async def test_requests_fail_over_when_an_engine_is_sigkilled_mid_request(engine_process):
     started = [await engine_process("--token-latency", "0.01") for _ in range(2)]
     procs = [proc for proc, _ in started]
@@ -139,6 +140,7 @@ async def test_streamed_tokens_are_the_response_across_a_pause(engines, tmp_path
         assert seen.logprobs == resp.output_logprobs
 
 
+@pytest.mark.slow
 async def test_streamed_tokens_survive_an_engine_sigkilled_mid_stream(engine_process):
     started = [await engine_process("--token-latency", "0.01") for _ in range(2)]
     urls = [url for _, url in started]

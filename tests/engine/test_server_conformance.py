@@ -13,7 +13,7 @@ import pytest
 
 from rollq.engine.server.app import ServerHandle
 from rollq.engine.server.synthetic import LengthDist
-from tests.conftest import wait_until
+from tests.helpers import wait_until
 
 PROMPT = [5, 6, 7, 8]
 VALIDATION_KEYS = {"object": "error", "type": "Bad Request", "param": None, "code": 400}

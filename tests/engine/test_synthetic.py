@@ -16,7 +16,7 @@ from rollq.engine.server.backend import GenState
 from rollq.engine.server.synthetic import LengthDist, SyntheticBackend, SyntheticConfig
 from rollq.engine.tiny_model import build_tiny, default_cache_dir
 from rollq.engine.types import SamplingParams
-from tests.conftest import REPO_ROOT, wait_until
+from tests.helpers import REPO_ROOT, wait_until
 from tests.scripted import scripted_engine, tiny_tokenizer
 
 
@@ -218,6 +218,7 @@ def test_cli_replies_file_errors_exit_2(tmp_path):
         assert "--replies-file" in proc.stderr
 
 
+@pytest.mark.slow
 async def test_cli_serves_scripted_replies(engine_process, http, tmp_path):
     replies = tmp_path / "replies.json"
     replies.write_text(json.dumps(REPLIES))

@@ -4,7 +4,7 @@ import pytest
 
 from rollq.producer import BackpressureError, JobRequest, Producer
 from rollq.protocol.keys import RunKeys, inflight_key
-from tests.conftest import running_worker, wait_until
+from tests.helpers import running_worker, wait_until
 
 
 async def test_submit_is_idempotent_by_job_id(redis, run_name):

@@ -1,7 +1,7 @@
 from rollq.producer import Producer, ResultConsumer
 from rollq.protocol import Codec, Trajectory
 from rollq.protocol.keys import PAYLOAD_FIELD, RunKeys
-from tests.conftest import running_worker, wait_until
+from tests.helpers import running_worker, wait_until
 
 
 async def _idle_at_least(redis, stream, ms):

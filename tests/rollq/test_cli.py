@@ -6,7 +6,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.conftest import REPO_ROOT, wait_registered, wait_until
+import pytest
+
+from tests.helpers import REPO_ROOT, wait_registered, wait_until
 
 
 def rollq(*args: str, timeout: float = 60, input: str | None = None) -> subprocess.CompletedProcess:
@@ -25,6 +27,7 @@ def write_jobs(path: Path, count: int, **extra) -> Path:
     return path
 
 
+@pytest.mark.slow
 async def test_enqueue_wait_returns_exactly_n_per_line_when_a_worker_is_sigkilled(
     redis, redis_url, run_name, spawn_worker, tmp_path
 ):

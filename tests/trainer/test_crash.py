@@ -7,8 +7,12 @@ import signal
 import subprocess
 import sys
 
-from tests.conftest import REPO_ROOT, wait_until
-from tests.trainer.conftest import WORKFLOW_KWARGS
+import pytest
+
+from tests.helpers import REPO_ROOT, wait_until
+from tests.trainer.helpers import WORKFLOW_KWARGS
+
+pytestmark = pytest.mark.slow
 
 STEPS, GROUP, GROUPS, ETA = 10, 4, 3, 1
 

@@ -10,8 +10,10 @@ from rollq.engine.pool import EnginePool, PoolConfig
 from rollq.trainer.config import TrainConfig
 from rollq.trainer.ledger import StalenessLedger
 from rollq.trainer.loop import Trainer
-from tests.conftest import wait_until
-from tests.trainer.conftest import WORKFLOW_KWARGS
+from tests.helpers import wait_until
+from tests.trainer.helpers import WORKFLOW_KWARGS
+
+pytestmark = pytest.mark.slow
 
 
 @pytest.mark.parametrize("eta", [0, 1])

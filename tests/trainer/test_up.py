@@ -10,11 +10,14 @@ import statistics
 import subprocess
 import sys
 
-from tests.conftest import REPO_ROOT
+import pytest
+
+from tests.helpers import REPO_ROOT
 
 STEPS = 30
 
 
+@pytest.mark.slow
 def test_plain_rollq_trains_the_toy_task_and_cleans_up(tmp_path):
     run_dir = tmp_path / "run"
     # No --redis and no ROLLQ_* settings: unless a Redis answers on the default port, `rollq` starts its own.
@@ -48,6 +51,7 @@ def test_plain_rollq_trains_the_toy_task_and_cleans_up(tmp_path):
             assert s.connect_ex(("127.0.0.1", int(url.group(2)))) != 0
 
 
+@pytest.mark.slow
 def test_rollq_up_against_a_redis_that_does_not_answer_says_so(unused_redis_url, tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "rollq", "up", "--redis", unused_redis_url, f"run_dir={tmp_path / 'run'}"],
@@ -72,8 +76,9 @@ def test_rollq_up_refuses_a_bad_setting_before_starting_anything(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 async def test_sigterm_stops_rollq_up_and_everything_it_started(tmp_path):
-    from tests.conftest import wait_until
+    from tests.helpers import wait_until
 
     log = tmp_path / "up.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLQ_") or k == "ROLLQ_CACHE"}

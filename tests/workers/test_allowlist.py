@@ -45,7 +45,8 @@ def side_effect_module(tmp_path, monkeypatch):
 
 def test_a_path_outside_the_allowlist_is_refused_before_its_module_is_imported(side_effect_module):
     allowlist = Allowlist(patterns=("tests",), setting="--allow")
-    with pytest.raises(ImportNotAllowed, match=r"'sneaky_mod:score' is not allowed.*--allow \(e.g. 'sneaky_mod:score'\)"):
+    refused = r"'sneaky_mod:score' is not allowed.*--allow \(e.g. 'sneaky_mod:score'\)"
+    with pytest.raises(ImportNotAllowed, match=refused):
         resolve("sneaky_mod:score", allowlist=allowlist)
     assert not side_effect_module.exists()
     with enforcing(allowlist), pytest.raises(ImportNotAllowed):
@@ -117,8 +118,12 @@ async def test_jobs_naming_paths_outside_the_allowlist_run_nothing_and_are_dead_
         trajs = {t.job_id: t async for t in producer.wait_for(expected, timeout_s=20)}
     assert not touched.exists() and not side_effect_module.exists()
     assert trajs["fine"].status == "ok"
-    for job_id, path in (("popen", "subprocess:Popen"), ("module", "sneaky_mod:Workflow"), ("reward", "os:system"),
-                         ("tools", "sneaky_mod:T")):
+    for job_id, path in (
+        ("popen", "subprocess:Popen"),
+        ("module", "sneaky_mod:Workflow"),
+        ("reward", "os:system"),
+        ("tools", "sneaky_mod:T"),
+    ):
         error = trajs[job_id].error
         assert trajs[job_id].status == "error" and error.type == "ImportNotAllowed", (job_id, error)
         assert f"import path {path!r} is not allowed" in error.message

@@ -6,7 +6,7 @@ import pytest
 
 from rollq.producer.producer import JobRequest, Producer
 from rollq.workers.context import WorkflowContext, workflow_context
-from tests.conftest import running_worker
+from tests.helpers import running_worker
 
 
 async def test_context_is_shared_and_closed():

@@ -8,8 +8,10 @@ import pytest
 from rollq.producer import JobRequest, Producer
 from rollq.protocol.keys import WORKER_GROUP, RunKeys
 from rollq.redis_client import redis_client
-from tests.conftest import wait_registered, wait_until
+from tests.helpers import wait_registered, wait_until
 from tests.redis_server import RedisServer
+
+pytestmark = pytest.mark.slow
 
 FAST_LEASE = ["--lease-ms", "1000"]
 

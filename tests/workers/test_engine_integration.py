@@ -6,12 +6,15 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
 from rollq.engine.registry import EngineRegistry
 from rollq.producer import JobRequest, Producer
-from tests.conftest import REPO_ROOT, engine_healthy, wait_registered, wait_until
+from tests.helpers import REPO_ROOT, engine_healthy, wait_registered, wait_until
 from tests.redis_server import free_port
 
 
+@pytest.mark.slow
 async def test_every_job_completes_when_an_engine_dies_mid_run(redis, redis_url, run_name, spawn_worker):
     ports = [free_port(), free_port()]
     engines = [

@@ -18,7 +18,7 @@ import redis as sync_redis
 from rollq.protocol.keys import RunKeys
 from rollq.workers.rewards.processes import RewardError, RewardNotANumber, RewardTimeout
 from rollq.workers.rewards.remote import NoRewardWorker, RemoteReward
-from tests.conftest import REPO_ROOT
+from tests.helpers import REPO_ROOT
 
 READY_TIMEOUT_S = 20.0
 

@@ -3,7 +3,7 @@ import asyncio
 from rollq.producer import JobRequest, Producer
 from rollq.protocol import Codec
 from rollq.protocol.keys import PAYLOAD_FIELD, WORKER_GROUP, RunKeys
-from tests.conftest import running_worker
+from tests.helpers import running_worker
 
 
 async def collect(producer: Producer, expected: dict[str, int], timeout_s: float = 20):

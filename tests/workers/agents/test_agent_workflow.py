@@ -9,7 +9,7 @@ from rollq.engine.pool import EnginePool, PoolConfig
 from rollq.producer.producer import JobRequest, Producer
 from rollq.protocol.messages import AgentOptions
 from tests.agents import CALL_ADD, SCRIPT
-from tests.conftest import running_worker
+from tests.helpers import running_worker
 from tests.scripted import tiny_tokenizer
 
 

@@ -10,10 +10,11 @@ import sys
 import textwrap
 
 import httpx
+import pytest
 
 from rollq.engine.client import parse_generate
 from tests.agents import SCRIPT
-from tests.conftest import engine_healthy, wait_registered, wait_until
+from tests.helpers import engine_healthy, wait_registered, wait_until
 from tests.redis_server import free_port
 from tests.scripted import tiny_tokenizer
 
@@ -41,6 +42,7 @@ class MyAgent:
 """
 
 
+@pytest.mark.slow
 async def test_enqueue_wait_runs_an_openai_sdk_agent_token_exactly(tmp_path, redis, redis_url, run_name):
     (tmp_path / "my_module.py").write_text(textwrap.dedent(AGENT))
     (tmp_path / "replies.json").write_text(json.dumps(SCRIPT))

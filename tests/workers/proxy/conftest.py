@@ -3,49 +3,9 @@
 
 from __future__ import annotations
 
-from contextlib import asynccontextmanager
-
-import msgspec
 import pytest
 
-from rollq.engine.client import parse_generate
-from rollq.engine.pool import EnginePool, PoolConfig
-from rollq.workers.context import WorkflowContext
-from rollq.workers.proxy.server import RecordingProxy
-from tests.agents import SCRIPT
-from tests.scripted import scripted_engine
-
-
-class Stack(msgspec.Struct):
-    proxy: RecordingProxy
-    context: WorkflowContext
-    engine_url: str
-
-    def openai(self, key: str):
-        from openai import AsyncOpenAI
-
-        return AsyncOpenAI(base_url=self.proxy.base_url, api_key=key, http_client=self.context.http_client())
-
-    async def direct(self, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
-        """The same prompt sent straight to the engine: what the engine returns for it."""
-        resp = await self.context.http_client().post(
-            f"{self.engine_url}/generate",
-            json={
-                "input_ids": prompt_ids,
-                "sampling_params": {"max_new_tokens": max_new_tokens},
-                "return_logprob": True,
-            },
-        )
-        result = parse_generate(resp.json())
-        return result.output_ids, result.output_logprobs
-
-
-@asynccontextmanager
-async def make_stack(**engine_config):
-    async with scripted_engine(SCRIPT, **engine_config) as engine, EnginePool(PoolConfig(urls=[engine.url])) as pool:
-        async with WorkflowContext() as ctx:
-            proxy = await ctx.proxy(pool)
-            yield Stack(proxy=proxy, context=ctx, engine_url=engine.url)
+from tests.workers.proxy.helpers import make_stack
 
 
 @pytest.fixture

@@ -1,0 +1,112 @@
+"""Helpers shared by the test modules and the conftest fixtures (import them from here, not from a conftest)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from rollq.workers.config import WorkerConfig
+from rollq.workers.worker import Worker
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+async def wait_until(predicate: Callable, timeout_s: float = 10.0, interval_s: float = 0.02, what: str = "condition"):
+    """Bounded wait for a condition that has no event to await (another process's progress)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if asyncio.iscoroutine(value):
+            value = await value
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        await asyncio.sleep(interval_s)
+
+
+@asynccontextmanager
+async def running_worker(redis_url: str, run: str, engine=None, **config) -> AsyncIterator[Worker]:
+    config.setdefault("allow", ["tests"])  # the test suite's workflows, rewards, agents and tools
+    worker = Worker(WorkerConfig(redis_url=redis_url, run=run, **config), engine=engine)
+    task = asyncio.create_task(worker.run())
+    ready = asyncio.create_task(worker.ready.wait())
+    done, _ = await asyncio.wait([task, ready], timeout=10, return_when=asyncio.FIRST_COMPLETED)
+    if task in done:
+        ready.cancel()
+        task.result()  # raises the worker's start-up error
+    try:
+        yield worker
+    finally:
+        worker.request_stop()
+        await asyncio.wait_for(task, 30)
+        await worker.redis.aclose()
+
+
+class WorkerProcess:
+    """`rollq worker` as a real subprocess (for SIGKILL/SIGTERM tests)."""
+
+    def __init__(self, redis_url: str, run: str, *args: str, name: str, env: dict | None = None, log: Path) -> None:
+        self.name = name
+        self.log = log
+        cmd = [
+            sys.executable,
+            "-m",
+            "rollq",
+            "worker",
+            "--redis",
+            redis_url,
+            "--run",
+            run,
+            "--name",
+            name,
+            "--allow",
+            "tests",
+            *args,
+        ]
+        self._log_file = open(log, "w")
+        self.proc = subprocess.Popen(
+            cmd, cwd=REPO_ROOT, env={**os.environ, **(env or {})}, stdout=self._log_file, stderr=subprocess.STDOUT
+        )
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def terminate(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self._log_file.close()
+
+    def output(self) -> str:
+        self._log_file.flush()
+        return self.log.read_text()
+
+
+async def engine_healthy(url: str) -> bool:
+    """Whether an engine at `url` answers /health (for bounded waits on engine start-up)."""
+    import httpx
+
+    try:
+        async with httpx.AsyncClient() as c:
+            return (await c.get(url + "/health", timeout=1)).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+async def wait_registered(redis, run: str, name: str, timeout_s: float = 15.0) -> None:
+    from rollq.protocol.keys import RunKeys
+
+    key = RunKeys(run).workers
+    await wait_until(lambda: redis.zscore(key, name), timeout_s, what=f"worker {name} to register")
