@@ -1,5 +1,5 @@
-"""SGLang HTTP protocol conformance of engine/server.py, field by field, against the synthetic backend with raw httpx
-(the reference is /work/shared/sglang-protocol.md)."""
+"""SGLang HTTP protocol conformance of rollq.engine.server.app, field by field, against the synthetic backend with raw
+httpx (the protocol as rollq relies on it: docs/sglang-protocol.md)."""
 
 from __future__ import annotations
 
