@@ -46,7 +46,7 @@ def read_jobs(
 
 
 def trajectory_record(codec: Codec, traj: Any) -> dict[str, Any]:
-    record = codec.to_builtins(traj)
+    record: dict[str, Any] = codec.to_builtins(traj)
     record.setdefault("sequences", [])
     record.setdefault("error", None)
     return record
@@ -99,13 +99,15 @@ async def _enqueue(args: EnqueueConfig, requests: list[JobRequest]) -> int:
 
 
 def enqueue(args: EnqueueConfig) -> int:
-    options = {"workflow_kwargs": args.kwargs, "agent": _agent_options(args)}
+    workflow_kwargs, agent = args.kwargs, _agent_options(args)
     try:
         if args.file == "-":
-            requests = read_jobs(sys.stdin, "<stdin>", args.workflow, args.n, **options)
+            requests = read_jobs(
+                sys.stdin, "<stdin>", args.workflow, args.n, workflow_kwargs=workflow_kwargs, agent=agent
+            )
         else:
             with open(args.file) as f:
-                requests = read_jobs(f, args.file, args.workflow, args.n, **options)
+                requests = read_jobs(f, args.file, args.workflow, args.n, workflow_kwargs=workflow_kwargs, agent=agent)
     except (InputError, ValueError) as exc:
         print(f"rollq enqueue: {exc}", file=sys.stderr)
         return 2

@@ -150,7 +150,8 @@ class Producer:
                 )
                 for i in range(req.n)
             )
-        return await self._submit(keys=keys, args=args)
+        replies: list[Any] = await self._submit(keys=keys, args=args)  # one reply per job of the chunk
+        return replies
 
     async def _wait_for_room(self, n: int) -> None:
         delay = self.poll_interval_s

@@ -21,6 +21,14 @@ DEFAULT_DEDUP_TTL_S = 7 * 24 * 3600
 
 log = logging.getLogger("rollq.results")
 
+_Entry = tuple[bytes, dict[bytes, bytes] | None]  # (entry id, fields); fields is None for a deleted entry
+
+
+def _entries(reply: Any) -> list[_Entry]:
+    """The entries of a one-stream XREADGROUP reply ([[stream, entries]], or empty when nothing was read)."""
+    entries: list[_Entry] = reply[0][1] if reply else []
+    return entries
+
 
 class Delivered(msgspec.Struct, frozen=True, gc=False):
     """A trajectory read from the stream; pass it back to commit() once it has been used."""
@@ -86,10 +94,10 @@ class ResultConsumer:
             return []
         return await self._filter(raw)
 
-    async def _read_raw(self, count: int, block_ms: int) -> list[tuple[bytes, dict | None]]:
+    async def _read_raw(self, count: int, block_ms: int) -> list[_Entry]:
         if self._own_cursor is not None:
             reply = await self.redis.xreadgroup(self.group, self.name, {self.stream: self._own_cursor}, count=count)
-            entries = reply[0][1] if reply else []
+            entries = _entries(reply)
             if entries:
                 self._own_cursor = entries[-1][0].decode()
                 return entries
@@ -97,15 +105,16 @@ class ResultConsumer:
         now = time.monotonic()
         if now >= self._next_claim:
             self._next_claim = now + self.claim_idle_ms / 4000
+            claimed: list[_Entry]
             _, claimed, *_ = await self.redis.xautoclaim(
                 self.stream, self.group, self.name, self.claim_idle_ms, "0-0", count=count
             )
             if claimed:
                 return claimed
         reply = await self.redis.xreadgroup(self.group, self.name, {self.stream: ">"}, count=count, block=block_ms)
-        return reply[0][1] if reply else []
+        return _entries(reply)
 
-    async def _filter(self, raw: list[tuple[bytes, dict | None]]) -> list[Delivered]:
+    async def _filter(self, raw: list[_Entry]) -> list[Delivered]:
         decoded: list[Delivered] = []
         drop: list[tuple[str, str, str]] = []  # (entry id, job id, sample index) to ack without delivering
         for entry_id, fields in raw:

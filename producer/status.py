@@ -118,7 +118,7 @@ async def gather_status(redis: aioredis.Redis, run: str, *, recent: int = 5) -> 
     now = time.time()
     workers = []
     seen = await redis.zrange(keys.workers, 0, -1, withscores=True)
-    infos = await redis.hgetall(keys.worker_info)
+    infos = await redis.hgetall(keys.worker_info)  # type: ignore[misc]  # redis-py stub: sync|async union
     for name, last in seen:
         info = json.loads(infos.get(name, b"{}"))
         workers.append(WorkerStatus(name.decode(), now - last < WORKER_TTL_S, round(now - last, 1), info))
@@ -126,7 +126,8 @@ async def gather_status(redis: aioredis.Redis, run: str, *, recent: int = 5) -> 
 
 
 async def _trainer_status(redis: aioredis.Redis, keys: RunKeys) -> TrainerStatus | None:
-    raw = {k.decode(): int(v) for k, v in (await redis.hgetall(keys.ledger)).items()}
+    ledger = await redis.hgetall(keys.ledger)  # type: ignore[misc]  # redis-py stub: sync|async union
+    raw = {k.decode(): int(v) for k, v in ledger.items()}
     if not raw:
         return None
     bound = None

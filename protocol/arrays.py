@@ -11,9 +11,14 @@ import array
 import functools
 import struct
 import sys
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Self
 
 _LITTLE_ENDIAN = sys.byteorder == "little"
+
+if TYPE_CHECKING:
+    _ArrayBase = array.array[Any]  # items are int (Int32Array, UInt8Array) or float (Float32Array)
+else:
+    _ArrayBase = array.array  # not subscriptable at runtime before Python 3.12
 
 
 @functools.lru_cache(maxsize=1024)
@@ -21,15 +26,15 @@ def _packer(typecode: str, n: int) -> struct.Struct:
     return struct.Struct(f"<{n}{typecode}")
 
 
-class _TypedArray(array.array):
+class _TypedArray(_ArrayBase):
     typecode_: ClassVar[str]
     ext_code: ClassVar[int]
 
-    def __new__(cls, data: Any = ()):
+    def __new__(cls, data: Any = ()) -> Self:
         return super().__new__(cls, cls.typecode_, data)
 
     @classmethod
-    def from_bytes(cls, data: bytes | memoryview) -> _TypedArray:
+    def from_bytes(cls, data: bytes | memoryview) -> Self:
         out = cls()
         out.frombytes(data)
         if not _LITTLE_ENDIAN:
@@ -44,7 +49,7 @@ class _TypedArray(array.array):
         return swapped.tobytes()
 
     @classmethod
-    def coerce(cls, value: Any, field: str) -> _TypedArray:
+    def coerce(cls, value: Any, field: str) -> Self:
         """Build from a list/tuple, another array, a numpy array or a 1-D (or [1, L]) torch tensor."""
         if isinstance(value, cls):
             return value

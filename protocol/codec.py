@@ -51,8 +51,8 @@ class Codec:
     def __init__(self) -> None:
         self._mp_enc = msgspec.msgpack.Encoder(enc_hook=_msgpack_enc_hook)
         self._json_enc = msgspec.json.Encoder(enc_hook=_json_enc_hook)
-        self._mp_dec: dict[type, msgspec.msgpack.Decoder] = {}
-        self._json_dec: dict[type, msgspec.json.Decoder] = {}
+        self._mp_dec: dict[type, msgspec.msgpack.Decoder[Any]] = {}
+        self._json_dec: dict[type, msgspec.json.Decoder[Any]] = {}
 
     def encode(self, msg: Any) -> bytes:
         return self._mp_enc.encode(msg)
@@ -79,13 +79,13 @@ class Codec:
         """Plain dicts/lists (token arrays as lists), e.g. for writing JSON lines."""
         return msgspec.to_builtins(msg, enc_hook=_json_enc_hook)
 
-    def _msgpack_decoder(self, typ: type) -> msgspec.msgpack.Decoder:
+    def _msgpack_decoder(self, typ: type[T]) -> msgspec.msgpack.Decoder[T]:
         dec = self._mp_dec.get(typ)
         if dec is None:
             dec = self._mp_dec[typ] = msgspec.msgpack.Decoder(typ, ext_hook=_ext_hook, dec_hook=_dec_hook)
         return dec
 
-    def _json_decoder(self, typ: type) -> msgspec.json.Decoder:
+    def _json_decoder(self, typ: type[T]) -> msgspec.json.Decoder[T]:
         dec = self._json_dec.get(typ)
         if dec is None:
             dec = self._json_dec[typ] = msgspec.json.Decoder(typ, dec_hook=_dec_hook)

@@ -51,7 +51,9 @@ def setting(
     """A setting's metadata for `Annotated[type, setting(...)]`: its one-line doc, msgspec constraints (`ge=1`,
     `gt=0`, `pattern=...`) and how the command line shows it (`flag` when not `--<name>`, `metavar`, the help
     `group`, `positional`). `shared`: a top-level key of the file (redis_url, run) rather than a section key."""
-    extra = {k: v for k, v in (("flag", flag), ("metavar", metavar), ("group", group)) if v is not None}
+    extra: dict[str, str | bool] = {
+        k: v for k, v in (("flag", flag), ("metavar", metavar), ("group", group)) if v is not None
+    }
     if positional:
         extra["positional"] = True
     if shared:

@@ -116,7 +116,7 @@ class StalenessLedger:
         )
 
     async def state(self) -> LedgerState:
-        raw = await self.redis.hgetall(self.keys.ledger)
+        raw = await self.redis.hgetall(self.keys.ledger)  # type: ignore[misc]  # redis-py stub: sync|async union
         return LedgerState(
             version=int(raw.get(b"version", 0)),
             admitted=int(raw.get(b"admitted", 0)),
@@ -126,7 +126,7 @@ class StalenessLedger:
     async def reset(self) -> None:
         """A fresh run: version 0, nothing admitted."""
         await self.redis.delete(self.keys.ledger_groups)
-        await self.redis.hset(
+        await self.redis.hset(  # type: ignore[misc]  # redis-py stub: sync|async union
             self.keys.ledger,
             mapping={
                 "version": 0,

@@ -28,7 +28,8 @@ class Policy:
         self.config = config
         self.path = model_dir(config.model)
         self.tokenizer = AutoTokenizer.from_pretrained(self.path)
-        self.model = AutoModelForCausalLM.from_pretrained(self.path, dtype=torch.float32).to(config.device)
+        model = AutoModelForCausalLM.from_pretrained(self.path, dtype=torch.float32)
+        self.model = model.to(config.device)  # type: ignore[arg-type]  # transformers' @wraps(Module.to) hides self
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.vocab_size = int(self.model.get_input_embeddings().num_embeddings)
@@ -58,8 +59,8 @@ class Policy:
                 prox[mb, : w - 1] = self._logprobs_of(ids, attn, mb, w)
         self.model.train()
         sums, losses, norms = LossSums(), [], []
-        for part in torch.randperm(len(rows)).chunk(c.ppo_minibatches):
-            part = part.tolist()
+        for chunk in torch.randperm(len(rows)).chunk(c.ppo_minibatches):
+            part: list[int] = chunk.tolist()
             denominator = mask[part].sum().clamp(min=1.0)
             self.optimizer.zero_grad(set_to_none=True)
             total = 0.0

@@ -4,6 +4,7 @@ rollout workers and the trainer — training the built-in toy task with the tiny
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import shutil
@@ -176,7 +177,9 @@ async def run_stack(cfg: TrainConfig, stack_cfg: UpConfig) -> list[StepRecord]:
     from rollq.trainer.loop import Trainer
 
     # SIGTERM (docker stop, kill) ends the run like Ctrl-C: cancelled, so every child is stopped below.
-    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
+    this_task = asyncio.current_task()
+    assert this_task is not None  # a coroutine run by the event loop always runs in a task
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, this_task.cancel)
     run_dir = Path(cfg.directory)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     stack = LocalStack(run_dir / "logs")
@@ -225,7 +228,7 @@ async def run_stack(cfg: TrainConfig, stack_cfg: UpConfig) -> list[StepRecord]:
                 ],
             )
         for u in urls:
-            await wait_for(lambda u=u: engine_healthy(u), stack, f"engine {u}", 300)
+            await wait_for(functools.partial(engine_healthy, u), stack, f"engine {u}", 300)
         cfg = msgspec.structs.replace(cfg, redis_url=url, engine=urls)
         redis = redis_client(url)
         pool = EnginePool(PoolConfig(urls=urls))

@@ -33,6 +33,9 @@ class _PublishOp(NamedTuple):
     payload: bytes
 
 
+_Op = _ScriptOp | _PublishOp
+
+
 class WriteBatcher:
     """Writes queued while a transaction is in flight go out together in the next one; each write is atomic on its
     own (and so is the batch). A batch is repeated until Redis answers, which is safe: the scripts are no-ops for
@@ -41,11 +44,11 @@ class WriteBatcher:
     def __init__(self, redis: aioredis.Redis, max_batch: int = 256) -> None:
         self.redis = redis
         self.max_batch = max_batch
-        self._queue: list[tuple[Any, asyncio.Future]] = []
+        self._queue: list[tuple[_Op, asyncio.Future[Any]]] = []
         self._wake = asyncio.Event()
 
-    def _submit(self, op: Any) -> asyncio.Future:
-        fut = asyncio.get_running_loop().create_future()
+    def _submit(self, op: _Op) -> asyncio.Future[Any]:
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._queue.append((op, fut))
         self._wake.set()
         return fut
@@ -67,20 +70,20 @@ class WriteBatcher:
                 del self._queue[: self.max_batch]
                 await self._execute(batch)
 
-    async def _execute(self, batch: list[tuple[Any, asyncio.Future]]) -> None:
+    async def _execute(self, batch: list[tuple[_Op, asyncio.Future[Any]]]) -> None:
         scripts = [(op, fut) for op, fut in batch if isinstance(op, _ScriptOp)]
         publishes = [(op, fut) for op, fut in batch if isinstance(op, _PublishOp)]
         acks: dict[tuple[str, str], list[str]] = {}
-        for op, _ in publishes:
-            acks.setdefault((op.jobs, op.group), []).append(op.entry_id)
+        for publish, _ in publishes:
+            acks.setdefault((publish.jobs, publish.group), []).append(publish.entry_id)
         delay = 0.05
         while True:
             try:
                 pipe = self.redis.pipeline(transaction=True)
-                for op, _ in scripts:
-                    await op.queue(pipe)
-                for op, _ in publishes:
-                    pipe.xadd(op.stream, {PAYLOAD_FIELD: op.payload})
+                for script, _ in scripts:
+                    await script.queue(pipe)
+                for publish, _ in publishes:
+                    pipe.xadd(publish.stream, {PAYLOAD_FIELD: publish.payload})
                 for (jobs, group), ids in acks.items():  # one XACK and one XDEL for the whole batch
                     pipe.xack(jobs, group, *ids)
                     pipe.xdel(jobs, *ids)
@@ -99,7 +102,8 @@ class WriteBatcher:
             for i, key in enumerate(acks)
         }
         # The first len(batch) replies answer the ops; the XACK/XDEL pairs after them were read above.
-        for (op, fut), reply in zip(scripts + publishes, replies[: len(batch)], strict=True):
+        ordered: list[tuple[_Op, asyncio.Future[Any]]] = [*scripts, *publishes]
+        for (op, fut), reply in zip(ordered, replies[: len(batch)], strict=True):
             if fut.done():
                 continue
             if isinstance(op, _PublishOp) and not isinstance(reply, Exception):

@@ -9,6 +9,7 @@ enough to be reclaimed.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import os
@@ -20,6 +21,7 @@ import uuid
 import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
+from redis.typing import StreamIdT
 
 from rollq.engine.types import InferenceEngine
 from rollq.protocol import scripts
@@ -73,7 +75,9 @@ def salvage_job(payload: bytes) -> Job | None:
     n, idx, reply = raw.get("n", 1), raw.get("sample_index", 0), raw.get("reply_to", "")
     if not (isinstance(n, int) and isinstance(idx, int) and isinstance(reply, str)):
         return None
-    workflow = raw.get("workflow") if isinstance(raw.get("workflow"), str) else ""
+    workflow = raw.get("workflow")
+    if not isinstance(workflow, str):
+        workflow = ""
     return Job(job_id=raw["job_id"], workflow=workflow, sample_index=idx, n=n, reply_to=reply)
 
 
@@ -113,6 +117,12 @@ class Worker:
         self._slot_free = asyncio.Event()
         self._batcher: WriteBatcher | None = None
         self.ready = asyncio.Event()  # set once the consumer group exists and reading began
+
+    @property
+    def _writes(self) -> WriteBatcher:
+        """The write batcher of the current run(); every job, drain and dead letter happens inside run()."""
+        assert self._batcher is not None, "the worker is not running"
+        return self._batcher
 
     # -- lifecycle -----------------------------------------------------------------------------------------------
 
@@ -160,7 +170,7 @@ class Worker:
         await asyncio.gather(*unfinished, return_exceptions=True)
         # Hand the unfinished jobs back to the queue (same attempt: a drain is not a failure).
         waits = [
-            self._batcher.script(self._requeue, [self.keys.jobs], [WORKER_GROUP, eid, payload])
+            self._writes.script(self._requeue, [self.keys.jobs], [WORKER_GROUP, eid, payload])
             for eid, payload in left.items()
             if payload is not None
         ]
@@ -258,7 +268,7 @@ class Worker:
             payload = (fields or {}).get(PAYLOAD_FIELD)
             task = asyncio.create_task(self._handle(eid, payload, fields, count), name=f"job-{eid}")
             self._running[eid] = _Running(task, payload)
-            task.add_done_callback(lambda t, eid=eid: self._job_done(eid, t))
+            task.add_done_callback(functools.partial(self._job_done, eid))
 
     def _job_done(self, eid: str, task: asyncio.Task) -> None:
         self._running.pop(eid, None)
@@ -272,7 +282,7 @@ class Worker:
     async def _lease_loop(self) -> None:
         while True:
             await asyncio.sleep(self.cfg.lease_refresh_ms / 1000)
-            ids = list(self._running)
+            ids: list[StreamIdT] = list(self._running)
             if not ids:
                 continue
             try:
@@ -347,7 +357,7 @@ class Worker:
                         error.message,
                     )
                     retry = msgspec.structs.replace(job, attempt=runs)
-                    await self._batcher.script(
+                    await self._writes.script(
                         self._requeue, [self.keys.jobs], [WORKER_GROUP, eid, self.codec.encode(retry)]
                     )
                     self.stats.requeued += 1
@@ -366,9 +376,7 @@ class Worker:
                 started_at=started,
                 finished_at=time.time(),
             )
-            published = await self._batcher.publish(
-                self.keys.jobs, WORKER_GROUP, eid, reply_to, self.codec.encode(traj)
-            )
+            published = await self._writes.publish(self.keys.jobs, WORKER_GROUP, eid, reply_to, self.codec.encode(traj))
             if published:
                 if sequences is None:
                     self.stats.rejected += 1
@@ -444,7 +452,7 @@ class Worker:
                     finished_at=time.time(),
                 )
             )
-        done = await self._batcher.script(
+        done = await self._writes.script(
             self._finish,
             [self.keys.jobs, reply_to, self.keys.dead],
             [WORKER_GROUP, eid, traj_payload, self.codec.encode(letter)],

@@ -25,7 +25,7 @@ log = logging.getLogger("rollq.engine")
 PROTOCOL_VERSION = "0.5.23"  # the SGLang release whose protocol this server follows
 WAITING_ABORT = "Abort in waiting queue"
 _OPEN_PATHS = frozenset({"/health", "/health_generate", "/metrics", "/ready"})
-_PAUSE_MODES = ("abort", "retract", "in_place")
+_PAUSE_MODES: tuple[PauseMode, ...] = ("abort", "retract", "in_place")
 
 
 class EngineServerConfig(msgspec.Struct, kw_only=True):
@@ -202,16 +202,20 @@ class EngineServer:
     @staticmethod
     def _version_ranges(req: _Req, total: int) -> list[dict[str, Any]]:
         bounds = [*(start for _, start in req.segments[1:]), total]
-        ranges = [{"version": v, "start": s, "end": e} for (v, s), e in zip(req.segments, bounds, strict=True)]
+        ranges: list[dict[str, Any]] = [
+            {"version": v, "start": s, "end": e} for (v, s), e in zip(req.segments, bounds, strict=True)
+        ]
         return [r for r in ranges if r["end"] > r["start"]] or ranges[-1:]
 
     def _trimmed_text(self, state: GenState, ids: list[int], finish: FinishReason | None) -> str:
-        trim = finish is not None and finish.type == "stop" and not state.params.no_stop_trim
-        if trim and isinstance(finish.matched, int) and ids and ids[-1] == finish.matched:
+        matched = None  # the stop token or string to trim, when there is one to trim
+        if finish is not None and finish.type == "stop" and not state.params.no_stop_trim:
+            matched = finish.matched
+        if isinstance(matched, int) and ids and ids[-1] == matched:
             return self._text(ids[:-1])
         text = self._text(ids)
-        if trim and isinstance(finish.matched, str):
-            cut = text.rfind(finish.matched)
+        if isinstance(matched, str):
+            cut = text.rfind(matched)
             if cut >= 0:
                 text = text[:cut]
         return text
@@ -316,9 +320,10 @@ class EngineServer:
         body = await _read_json(request, optional=True)
         if isinstance(body, web.Response):
             return body
-        mode = body.get("mode") or "abort"
-        if mode not in _PAUSE_MODES:
-            return _bad_request(f"mode must be one of {', '.join(_PAUSE_MODES)}, got {mode!r}")
+        requested = body.get("mode") or "abort"
+        mode = next((m for m in _PAUSE_MODES if m == requested), None)
+        if mode is None:
+            return _bad_request(f"mode must be one of {', '.join(_PAUSE_MODES)}, got {requested!r}")
         self.paused = True
         self.pause_mode = mode
         self._gate_changed()

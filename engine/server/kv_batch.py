@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, PreTrainedModel
 
 
 class Prefilled:
@@ -25,7 +25,7 @@ class Prefilled:
         self.logits = logits  # [vocab]
 
 
-def prefill(model: torch.nn.Module, ids: Sequence[int]) -> Prefilled:
+def prefill(model: PreTrainedModel, ids: Sequence[int]) -> Prefilled:
     cache = DynamicCache(config=model.config)
     out = model(
         input_ids=torch.tensor([list(ids)], device=model.device),
@@ -41,6 +41,9 @@ class KVBatch:
     """Left-padded batched cache. Row order is the caller's: `keep` and `add` say which rows stay and join."""
 
     def __init__(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
         self._layers: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._mask = torch.zeros(0, 0, dtype=torch.long)  # [B, L]: 1 = real token
         self._lengths = torch.zeros(0, dtype=torch.long)  # [B]: real tokens per row = next position id
@@ -54,7 +57,7 @@ class KVBatch:
         return int(self._lengths.sum())
 
     def clear(self) -> None:
-        self.__init__()
+        self._reset()
 
     def keep(self, rows: Sequence[int]) -> None:
         """Keep only `rows` (in that order); columns that became padding in every row are cut."""

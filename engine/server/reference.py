@@ -88,7 +88,7 @@ class ReferenceBackend(Backend):
                 local_files_only=True,
                 attn_implementation=cfg.attn_implementation,
             )
-            .to(cfg.device)
+            .to(cfg.device)  # type: ignore[arg-type]  # transformers' @wraps(Module.to) hides self
             .eval()
         )
         self.model.requires_grad_(False)
@@ -221,7 +221,7 @@ class ReferenceBackend(Backend):
     async def _iterate(self) -> None:
         keep = [i for i, r in enumerate(self._running) if r.state.finish is None]
         running = [self._running[i] for i in keep]
-        admit = []
+        admit: list[_Req] = []
         while self._waiting and len(running) + len(admit) < self.config.max_running:
             admit.append(self._waiting.popleft())
         # Snapshot what the thread reads, so the loop may go on mutating states meanwhile.

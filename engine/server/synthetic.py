@@ -376,6 +376,7 @@ class SyntheticBackend(Backend):
             still: list[_Seq] = []
             for seq in self._active:
                 if self._step(seq):
+                    assert seq.done is not None  # the stepper only holds seqs queued by _run_stepped, with a future
                     if not seq.done.done():
                         seq.done.set_result(None)
                 else:
@@ -386,6 +387,7 @@ class SyntheticBackend(Backend):
                 for s in [s for s in self._queue if s.state.abort_message is not None]:
                     self._queue.remove(s)
                     self._step(s)
+                    assert s.done is not None
                     s.done.set_result(None)
             await asyncio.sleep(max(0.0, interval - (time.monotonic() - tick)))
 

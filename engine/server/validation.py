@@ -176,6 +176,7 @@ def parse_generate(body: Any, *, encode, vocab_size: int, context_length: int, t
         params = [one] * count
 
     rid = body.get("rid")
+    base_rids: list[str | None]
     if rid is None:
         base_rids = [None] * count
     elif isinstance(rid, str):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, overload
 
 import msgspec
 
@@ -76,6 +76,10 @@ def number(body: dict[str, Any], name: str, default: float, low: float, high: fl
     return float(value)
 
 
+@overload
+def integer(body: dict[str, Any], name: str, default: int, low: int, high: int = ...) -> int: ...
+@overload
+def integer(body: dict[str, Any], name: str, default: None, low: int, high: int = ...) -> int | None: ...
 def integer(body: dict[str, Any], name: str, default: int | None, low: int, high: int = 1 << 30) -> int | None:
     value = body.get(name)
     if value is None:
@@ -98,7 +102,7 @@ def stop_list(value: Any, name: str = "stop") -> list[str] | None:
 def generation_params(
     body: dict[str, Any], default_max_tokens: int, *, max_tokens_keys: tuple[str, ...]
 ) -> GenerationParams:
-    max_tokens = None
+    max_tokens: int | None = None
     for key in max_tokens_keys:
         max_tokens = max_tokens if max_tokens is not None else integer(body, key, None, 1)
     stream = body.get("stream", False)

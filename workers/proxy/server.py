@@ -163,10 +163,13 @@ class RecordingProxy:
             frequency_penalty=params.frequency_penalty,
             presence_penalty=params.presence_penalty,
         )
+        engine = self.engine
+        if engine is None:  # a proxy started before any worker gave it an engine (see WorkerContext.proxy)
+            raise RuntimeError("the recording proxy has no inference engine")
         # Every turn and choice of an episode goes to one engine while it is healthy: its prefix cache holds them.
         responses = await asyncio.gather(
             *(
-                self.engine.agenerate(
+                engine.agenerate(
                     ModelRequest(input_ids=prompt.ids, sampling=sampling, affinity=session.key),
                     on_tokens=on_tokens[i] if on_tokens else None,
                 )

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import Any, overload
 
 import msgspec
 
@@ -28,6 +28,10 @@ from rollq.workers.rewards.values import as_reward
 REWARD_MODES = ("inline", "process", "remote")
 
 
+@overload
+def load_callable(spec: str | Callable[..., Any]) -> Callable[..., Any]: ...
+@overload
+def load_callable(spec: None) -> None: ...
 def load_callable(spec: str | Callable[..., Any] | None) -> Callable[..., Any] | None:
     """An import path ("module:function") or the callable itself."""
     if spec is None or callable(spec):
@@ -120,6 +124,7 @@ class RewardCaller:
     def __init__(self, fn: str | Callable[..., Any], config: RewardCallConfig | None = None) -> None:
         self.config = config = config or RewardCallConfig()
         self._runner: AsyncRewardWrapper | RemoteReward | None = None
+        self.fn: Callable[..., Any] | None  # None only in remote mode, for a function not importable here
         if config.mode == "remote":
             path = import_path(fn)
             # Imported here too when possible, only to drop data keys colliding with its positional parameters;
@@ -144,6 +149,7 @@ class RewardCaller:
         self, prompt_text: str, completion_text: str, input_ids: list[int], output_ids: list[int], data: dict[str, Any]
     ) -> float:
         if self._runner is None:
+            assert self.fn is not None  # inline mode: __init__ resolved it (a bad path raised there)
             return await call_reward(self.fn, prompt_text, completion_text, input_ids, output_ids, data)
         return await self._runner(
             prompt_text, completion_text, list(input_ids), list(output_ids), **reward_kwargs(self.fn, data)

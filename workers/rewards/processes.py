@@ -20,11 +20,14 @@ import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import msgspec
 
 from rollq.workers.rewards.values import as_reward
+
+if TYPE_CHECKING:
+    from multiprocessing.context import ForkContext, ForkServerContext, SpawnContext
 
 STARTUP_TIMEOUT_S = 60.0  # a new child must be importing-done and ready within this; not part of the call timeout
 JOIN_TIMEOUT_S = 5.0  # how long close() lets an idle child exit on its own before killing it
@@ -127,7 +130,8 @@ class AsyncRewardWrapper:
         self.what = what
         self.expected = expected
         self.config = RewardConfig(timeout_seconds=timeout_seconds, max_workers=max_workers, start_method=start_method)
-        self._ctx = multiprocessing.get_context(start_method)
+        # get_context(str) is typed as BaseContext, which declares no Process; each concrete context has one.
+        self._ctx = cast("ForkServerContext | ForkContext | SpawnContext", multiprocessing.get_context(start_method))
         self._slots = asyncio.Semaphore(max_workers)
         self._idle: list[_Child] = []
         self._children: set[_Child] = set()  # idle and busy, so close() can reach all of them
@@ -163,7 +167,7 @@ class AsyncRewardWrapper:
                     await self._discard(child)
         return self._unpack(reply)
 
-    async def _run(self, child: _Child, payload: bytes) -> tuple:
+    async def _run(self, child: _Child, payload: bytes | memoryview) -> tuple:
         try:
             child.conn.send_bytes(payload)  # what conn.send() would write; the child's conn.recv() unpickles it
         except OSError as exc:
@@ -263,7 +267,12 @@ async def _wait_readable(conn: Connection, timeout: float) -> None:
     loop = asyncio.get_running_loop()
     fut: asyncio.Future[None] = loop.create_future()
     fd = conn.fileno()
-    loop.add_reader(fd, lambda: fut.done() or fut.set_result(None))
+
+    def wake() -> None:
+        if not fut.done():
+            fut.set_result(None)
+
+    loop.add_reader(fd, wake)
     try:
         await asyncio.wait_for(fut, timeout)
     finally:
