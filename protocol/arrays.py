@@ -65,16 +65,24 @@ class _TypedArray(_ArrayBase):
             except (TypeError, OverflowError) as exc:
                 raise ValueError(f"{field}: {exc}") from None
         if hasattr(value, "detach"):  # torch tensor: move to numpy without importing torch here
-            value = value.detach().cpu().numpy()
+            value = value.detach().cpu()
+            if str(value.dtype) == "torch.bfloat16":  # numpy has no bfloat16; float32 holds every bfloat16 exactly
+                value = value.float()
+            value = value.numpy()
         if hasattr(value, "ndim") and hasattr(value, "astype"):  # numpy array
             if value.ndim == 2 and value.shape[0] == 1:
                 value = value[0]
             if value.ndim != 1:
                 raise ValueError(f"{field}: expected a 1-D array, got shape {tuple(value.shape)}")
+            if cls.bounds is not None and value.size and value.dtype.kind in "iu":  # astype would wrap around
+                low, high = cls.bounds
+                if int(value.min()) < low or int(value.max()) > high:
+                    raise ValueError(f"{field}: values must lie in [{low}, {high}] ({cls.__name__})")
             return cls.from_bytes(value.astype(cls.numpy_dtype).tobytes())
         raise ValueError(f"{field}: expected a list or a 1-D array/tensor, got {type(value).__name__}")
 
     numpy_dtype: ClassVar[str]
+    bounds: ClassVar[tuple[int, int] | None] = None  # the item type's range, for integer types
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.tolist()!r})"
@@ -86,6 +94,7 @@ class Int32Array(_TypedArray):
     typecode_ = "i"
     ext_code = 1
     numpy_dtype = "<i4"
+    bounds = (-(2**31), 2**31 - 1)
 
 
 class Float32Array(_TypedArray):
@@ -102,6 +111,7 @@ class UInt8Array(_TypedArray):
     typecode_ = "B"
     ext_code = 3
     numpy_dtype = "u1"
+    bounds = (0, 255)
 
 
 ARRAY_TYPES: tuple[type[_TypedArray], ...] = (Int32Array, Float32Array, UInt8Array)

@@ -95,6 +95,12 @@ class WriteBatcher:
                 )
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
+            except Exception as exc:  # refused as a whole (EXECABORT: OOM, ...): nothing was written
+                log.error("redis refused a batch of %d writes: %s: %s", len(batch), type(exc).__name__, exc)
+                for _, fut in batch:  # each caller sees the error; the loop goes on with the next batch
+                    if not fut.done():
+                        fut.set_exception(exc)
+                return
         ack_errors = {
             key: next(
                 (r for r in replies[len(batch) + 2 * i : len(batch) + 2 * i + 2] if isinstance(r, Exception)), None

@@ -27,6 +27,7 @@ class ContextConfig(msgspec.Struct, kw_only=True, frozen=True):
     agent_processes: int = 4  # subproc-mode agents running at once
     http_max_connections: int = 1024
     redis_url: str = DEFAULT_REDIS_URL  # the worker's Redis (remote rewards reach their reward workers through it)
+    run: str = "default"  # the worker's run (remote rewards go to its reward workers unless a job names another)
 
 
 _CURRENT: contextvars.ContextVar[WorkflowContext] = contextvars.ContextVar("rollq_workflow_context")

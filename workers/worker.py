@@ -103,6 +103,7 @@ class Worker:
                 agent_processes=config.agent_processes,
                 proxy=ProxyConfig(host=config.proxy_host, port=config.proxy_port),
                 redis_url=config.redis_url,
+                run=config.run,
             )
         )
         # What jobs may import (workflows, reward functions, tools), checked before anything is imported.

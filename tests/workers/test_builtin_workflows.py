@@ -378,6 +378,22 @@ async def test_rlvr_reward_mode_remote_uses_the_reward_worker(ref_pool, redis_ur
             await wf.aclose()
 
 
+async def test_remote_rewards_default_to_the_workers_own_redis_and_run(ref_pool, redis_url, run_name, tmp_path):
+    """Built in a worker (its workflow context), a remote reward without reward_run goes to the reward workers of
+    the worker's run, in the worker's Redis (not ROLLQ_REDIS_URL, not run "default")."""
+    from rollq.workers.context import ContextConfig, WorkflowContext
+    from tests.workers.test_remote_rewards import reward_worker
+
+    with reward_worker(redis_url, run_name, tmp_path / "reward-worker.log", "--timeout", "5"):
+        async with WorkflowContext(ContextConfig(redis_url=redis_url, run=run_name)):
+            wf = RLVRWorkflow(reward_fn="tests.reward_fns:completion_reward", max_new_tokens=5, reward_mode="remote")
+            try:
+                traj = await wf.arun_episode(ref_pool, {"input_ids": [5, 6, 7], "bonus": 0.25})
+                assert traj["reward"] == _expected_completion_reward(traj, 3, 0.25)
+            finally:
+                await wf.aclose()
+
+
 def test_reward_mode_is_checked_at_construction():
     with pytest.raises(ValueError, match="reward_mode 'nope' is not one of inline, process, remote"):
         RLVRWorkflow(reward_fn=zero_reward, reward_mode="nope")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import os
 from collections.abc import Callable
 from typing import Any, overload
 
@@ -88,7 +89,7 @@ class RewardCallConfig(msgspec.Struct, kw_only=True, frozen=True):
     mode: str = "inline"
     timeout_seconds: float = 15.0  # process / remote: per call
     workers: int = 2  # process: child processes of this workflow instance
-    run: str = "default"  # remote: the run whose reward workers serve the calls
+    run: str = ""  # remote: the run whose reward workers serve the calls ("" = the rollout worker's own run)
 
     def __post_init__(self) -> None:
         if self.mode not in REWARD_MODES:
@@ -110,12 +111,13 @@ def import_path(fn: str | Callable[..., Any]) -> str:
     return f"{module}:{qualname}"
 
 
-def _redis_url() -> str:
-    """The running worker's Redis; outside a worker, ROLLQ_REDIS_URL or the default."""
+def _worker_redis() -> tuple[str, str]:
+    """The running worker's Redis URL and run; outside a worker, ROLLQ_REDIS_URL / ROLLQ_RUN or the defaults."""
     try:
-        return workflow_context().config.redis_url
+        config = workflow_context().config
     except RuntimeError:
-        return redis_url_from_env()
+        return redis_url_from_env(), os.environ.get("ROLLQ_RUN") or "default"
+    return config.redis_url, config.run
 
 
 class RewardCaller:
@@ -133,8 +135,9 @@ class RewardCaller:
                 self.fn = load_callable(fn)
             except Exception:
                 self.fn = None
+            redis_url, worker_run = _worker_redis()
             self._runner = RemoteReward(
-                path, redis_url=_redis_url(), run=config.run, timeout_seconds=config.timeout_seconds
+                path, redis_url=redis_url, run=config.run or worker_run, timeout_seconds=config.timeout_seconds
             )
             return
         self.fn = load_callable(fn)  # resolved now: a bad path fails at construction (dead-letter)
@@ -165,7 +168,8 @@ class RewardedWorkflow:
 
     `reward_fn`: import path or callable, `fn(prompt_text, completion_text, input_ids, output_ids, **data)`;
     `reward_mode`: inline | process | remote; `reward_timeout`: seconds per call (process / remote);
-    `reward_workers`: child processes (process); `reward_run`: the run whose reward workers serve it (remote)."""
+    `reward_workers`: child processes (process); `reward_run`: the run whose reward workers serve it (remote; default
+    the rollout worker's own run)."""
 
     reward_required = True  # a loop that can do without a reward (0) says so
 
@@ -176,7 +180,7 @@ class RewardedWorkflow:
         reward_mode: str = "inline",
         reward_timeout: float = 15.0,
         reward_workers: int = 2,
-        reward_run: str = "default",
+        reward_run: str = "",
     ) -> None:
         # Validated and resolved now: a bad mode or path fails at construction (the job is dead-lettered).
         config = RewardCallConfig(
