@@ -12,7 +12,7 @@ import os
 import sys
 import typing
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import msgspec
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -187,7 +187,13 @@ def usage(field: SettingField) -> str:
     return f"{field.flag} {'|'.join(map(str, choices)) if choices else metavar(field)}"
 
 
-def _add_option(parser: argparse._ActionsContainer, section: Section, field: SettingField) -> None:
+class _Options(Protocol):
+    """A parser or one of its argument groups."""
+
+    def add_argument(self, *names: str, **kwargs: Any) -> argparse.Action: ...
+
+
+def _add_option(parser: _Options, section: Section, field: SettingField) -> None:
     kwargs: dict[str, Any] = {"dest": field.name, "default": argparse.SUPPRESS, "help": field_help(field, section.name)}
     tp = field.type
     kwargs["metavar"] = metavar(field)
@@ -225,17 +231,15 @@ def build_parser() -> argparse.ArgumentParser:
             "and flags override it)",
         )
         p.add_argument("--log-level", default="INFO", choices=LOG_LEVELS)
-        groups: dict[str, argparse._ArgumentGroup] = {}
+        groups: dict[str, _Options] = {}
         for section, field in command_fields(command):
             group_name = field.extra.get("group")
-            if group_name and len(command.sections) == 1:
-                container: argparse._ActionsContainer = groups.setdefault(group_name, p.add_argument_group(group_name))
-            elif len(command.sections) > 1:
+            title = str(group_name) if group_name else ""
+            if len(command.sections) > 1:  # `rollq up`: its own settings, then the trainer's
                 title = f"{section.name} settings" + (f" ({group_name})" if group_name else "")
-                container = groups.setdefault(title, p.add_argument_group(title))
-            else:
-                container = p
-            _add_option(container, section, field)
+            if title and title not in groups:
+                groups[title] = p.add_argument_group(title)
+            _add_option(groups[title] if title else p, section, field)
         if command.key_values:
             p.add_argument(
                 "overrides",

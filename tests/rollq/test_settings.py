@@ -114,14 +114,14 @@ def test_plain_rollq_is_rollq_up_with_trainer_overrides():
     assert up.redis_url == trainer.redis_url == "redis://r:1/0"
 
 
-def test_the_cli_options_are_the_settings_fields():
-    """Every field of every section is a flag of its command (one source: the Struct)."""
+def test_the_cli_options_are_the_settings_fields(capsys):
+    """Every field of every section is a flag of its command, with its doc, in `rollq COMMAND --help`."""
     from rollq.cli import command_fields
 
-    parser = build_parser()
-    sub = next(a for a in parser._actions if a.dest == "command").choices
     for command in COMMANDS:
-        flags = {s for a in sub[command.name]._actions for s in a.option_strings}
-        dests = {a.dest for a in sub[command.name]._actions}
+        with pytest.raises(SystemExit):
+            build_parser().parse_args([command.name, "--help"])
+        text = " ".join(capsys.readouterr().out.split())  # unwrap argparse's line breaks
         for _, field in command_fields(command):
-            assert field.flag in flags or (field.positional and field.name in dests), (command.name, field.name)
+            assert (field.name if field.positional else field.flag) in text, (command.name, field.name)
+            assert " ".join(field.doc.split()[:4]) in text, (command.name, field.name)
