@@ -37,11 +37,7 @@ import os
 import sys
 
 if __name__ == "__main__" and not __package__:
-    # Run as a script (python bench/agents.py): bench/ must not shadow stdlib modules (bench/queue.py is not the
-    # stdlib `queue`), and the repo root must be importable (bench.common).
-    _HERE = os.path.dirname(os.path.abspath(__file__))
-    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
-    sys.path.insert(0, os.path.dirname(_HERE))
+    import script_path  # noqa: F401  (run as `python bench/agents.py`: the repository root on sys.path)
 
 import argparse
 import asyncio
@@ -559,19 +555,9 @@ async def bench_agent_workload(url: str, procs: Procs, args: argparse.Namespace)
         await pool.start()
         # warm the engine and the pool's connections
         await bench_batch_loop(pool, tok, min(8, args.concurrency), args.concurrency, 0.0, True)
-        out["A_rollq"] = await bench_rollq_agents(
-            url,
-            procs,
-            engine.url,
-            args.episodes,
-            args.concurrency,
-            args.warmup_episodes,
-            args.tool_s,
-            args.timeout,
-            tok,
-        )
-        if not args.no_raw_agent:
-            out["A_rollq_raw_agent"] = await bench_rollq_agents(
+        agents = {"A_rollq": AGENT} if args.no_raw_agent else {"A_rollq": AGENT, "A_rollq_raw_agent": RAW_AGENT}
+        for name, agent in agents.items():
+            out[name] = await bench_rollq_agents(
                 url,
                 procs,
                 engine.url,
@@ -581,7 +567,7 @@ async def bench_agent_workload(url: str, procs: Procs, args: argparse.Namespace)
                 args.tool_s,
                 args.timeout,
                 tok,
-                RAW_AGENT,
+                agent,
             )
         out["B_batch_sequential_tools"] = await bench_batch_loop(
             pool, tok, args.episodes, args.concurrency, args.tool_s, False

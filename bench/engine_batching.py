@@ -12,15 +12,10 @@ Greedy outputs are compared too. The last line printed is a JSON summary.
 
 from __future__ import annotations
 
-import os
 import sys
 
 if __name__ == "__main__" and not __package__:
-    # Run as a script (python bench/engine_batching.py): bench/ must not shadow stdlib modules (bench/queue.py is
-    # not the stdlib `queue`), and the repo root must be importable (bench.common).
-    _HERE = os.path.dirname(os.path.abspath(__file__))
-    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
-    sys.path.insert(0, os.path.dirname(_HERE))
+    import script_path  # noqa: F401  (run as `python bench/engine_batching.py`: the repository root on sys.path)
 
 import argparse
 import asyncio

@@ -50,6 +50,19 @@ def wheel(tmp_path_factory) -> Path:
     return built
 
 
+@pytest.fixture(scope="module")
+def installed(wheel, tmp_path_factory) -> Path:
+    """The wheel installed the normal way (copied into a site folder, no editable hook)."""
+    target = tmp_path_factory.mktemp("site")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    return target
+
+
 def test_every_package_folder_is_listed_in_pyproject():
     folders = {"rollq": REPO_ROOT / "rollq", **{f"rollq.{s}": REPO_ROOT / s for s in SERVICES}}
     found = set()
@@ -70,14 +83,8 @@ def test_the_wheel_holds_only_the_rollq_package_with_every_module(wheel):
 
 
 @pytest.mark.parametrize("cwd", ["elsewhere", "repository root"])
-def test_a_normal_install_imports_from_anywhere(wheel, tmp_path, cwd):
-    target = tmp_path / "site"
-    subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)],
-        check=True,
-        capture_output=True,
-        timeout=120,
-    )
+def test_a_normal_install_imports_from_anywhere(installed, tmp_path, cwd):
+    target = installed
     packages = {p.name for p in target.iterdir() if not p.name.endswith(".dist-info")}
     assert packages == {"rollq", "bin"}  # bin: the `rollq` console script
     workdir = tmp_path if cwd == "elsewhere" else REPO_ROOT
@@ -115,14 +122,8 @@ def test_the_editable_install_imports_from_anywhere(tmp_path, cwd):
     assert res.returncode == 0 and "--backend" in res.stdout
 
 
-def test_the_bare_service_names_are_not_importable_from_an_install(wheel, tmp_path):
-    target = tmp_path / "site"
-    subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)],
-        check=True,
-        capture_output=True,
-        timeout=120,
-    )
+def test_the_bare_service_names_are_not_importable_from_an_install(installed, tmp_path):
+    target = installed
     code = f"import sys; sys.path.insert(0, {str(target)!r}); import importlib.util as u; " + "; ".join(
         f"assert u.find_spec({s!r}) is None, {s!r}" for s in SERVICES
     )
