@@ -135,26 +135,29 @@ class SettingField(msgspec.Struct, frozen=True):
         return raw if self.text else parse_value(raw)
 
 
-def fields_of(cls: type[Settings]) -> list[SettingField]:
-    """The settings of `cls` in declaration order."""
+@functools.cache
+def fields_of(cls: type[Settings]) -> tuple[SettingField, ...]:
+    """The settings of `cls` in declaration order (read once per class)."""
     info = msgspec.inspect.type_info(cls)
-    hints = typing.get_type_hints(cls, include_extras=False)
+    assert isinstance(info, msgspec.inspect.StructType)
+    plain = typing.get_type_hints(cls)
+    annotated = typing.get_type_hints(cls, include_extras=True)
     out = []
-    for field in info.fields:  # type: ignore[attr-defined]
-        meta = _meta(typing.get_type_hints(cls, include_extras=True)[field.name])
+    for field in info.fields:
+        meta = _meta(annotated[field.name])
         default = field.default
         if default is msgspec.NODEFAULT and field.default_factory is not msgspec.NODEFAULT:
             default = field.default_factory()
         out.append(
             SettingField(
                 name=field.name,
-                type=hints[field.name],
+                type=plain[field.name],
                 default=default,
                 doc=(meta.description if meta else "") or "",
                 extra=dict((meta.extra if meta else None) or {}),
             )
         )
-    return out
+    return tuple(out)
 
 
 def _meta(annotation: Any) -> msgspec.Meta | None:
