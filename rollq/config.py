@@ -201,7 +201,7 @@ def read_document(path: str | os.PathLike[str] | None) -> dict[str, Any]:
     return loaded
 
 
-SHARED_KEYS = ("redis_url", "run")
+SHARED_KEYS = tuple(RunSettings.__struct_fields__)  # the top-level keys of the file: redis_url, run
 
 
 def check_document(document: Mapping[str, Any], sections: Iterable[str]) -> None:

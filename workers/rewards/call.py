@@ -19,6 +19,7 @@ from typing import Any, overload
 
 import msgspec
 
+from rollq.config import DEFAULT_RUN, ENV_PREFIX
 from rollq.redis_client import redis_url_from_env
 from rollq.workers.context import workflow_context
 from rollq.workers.resolver import resolve
@@ -116,7 +117,7 @@ def _worker_redis() -> tuple[str, str]:
     try:
         config = workflow_context().config
     except RuntimeError:
-        return redis_url_from_env(), os.environ.get("ROLLQ_RUN") or "default"
+        return redis_url_from_env(), os.environ.get(f"{ENV_PREFIX}RUN") or DEFAULT_RUN
     return config.redis_url, config.run
 
 
