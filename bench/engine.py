@@ -3,10 +3,15 @@
 (a) reference engine continuous batching vs sequential `model.generate` at concurrency 32 (tokens/s ratio, >= 5x);
 (b) EnginePool overhead vs a bare SGLangClient on the synthetic engine (<= 5% at >= 1,000 requests/s): p50
     latency of both at a fixed 1,000 requests/s (open loop), plus saturation throughput and client CPU per request;
-(c) pause -> update_weights -> resume across 4 reference engines under load: milliseconds of control time excluding
-    the weight load itself (<= 50 ms), and requests lost (0).
+(c) pause -> update_weights -> resume across 4 strict engines (SGLang 0.5.23's control plane: /health_generate blocks
+    while paused or updating, then 503) under load, with a 3 s weight load, per pause mode: control time excluding
+    the load (<= 50 ms), evictions (0), lost or failed requests (0)  [bench/engine_control.py];
+(d) prefix reuse in the reference engine (tiny model) on GRPO groups, n = 8, 256-token prompts, 64-token answers:
+    prefill tokens computed and generated tokens/s, cache vs none (target >= 2x)  [bench/engine_prefix.py];
+(e) weight update disk vs distributed (gloo process group) for the tiny model and a random-init model of
+    SmolLM2-135M's shape: seconds and bytes moved  [bench/engine_weights.py].
 
-  python -m bench.engine [--quick] [--skip a,b,c]
+  python -m bench.engine [--quick] [--skip a,b,c,d,e]
 """
 
 from __future__ import annotations
@@ -21,16 +26,13 @@ import asyncio
 import json
 import statistics
 import subprocess
-import tempfile
 import time
 from typing import Any
 
 from bench.common import free_port, print_summary
 from rollq.engine.client import SGLangClient
-from rollq.engine.fleet import FleetController
 from rollq.engine.http import shared_http_session
 from rollq.engine.pool import EnginePool, PoolConfig
-from rollq.engine.server.app import EngineServerConfig, serve
 from rollq.engine.types import ModelRequest, SamplingParams
 
 
@@ -135,67 +137,6 @@ async def bench_pool_overhead(requests: int, concurrency: int, rounds: int, rate
     }
 
 
-async def bench_fleet_cycle(engines: int, cycles: int, load_per_engine: int, max_new: int) -> dict[str, Any]:
-    from rollq.engine.server.reference import ReferenceBackend, ReferenceConfig
-    from rollq.engine.tiny_model import build_tiny
-
-    weights = build_tiny(tempfile.mkdtemp(prefix="rollq-bench-weights-"))
-    handles = [
-        await serve(
-            ReferenceBackend(ReferenceConfig(model="tiny")),
-            EngineServerConfig(host="127.0.0.1", port=0, weight_version="0"),
-        )
-        for _ in range(engines)
-    ]
-    pool = EnginePool(PoolConfig(urls=[h.url for h in handles]))
-    fleet = FleetController(pool)
-    stop = asyncio.Event()
-    done = lost = 0
-    rid = 0
-
-    async def load() -> None:
-        nonlocal done, lost, rid
-        while not stop.is_set():
-            rid += 1
-            req = ModelRequest(
-                input_ids=[5, 6, 7, rid % 97], sampling=SamplingParams(max_new_tokens=max_new, ignore_eos=True)
-            )
-            try:
-                resp = await pool.agenerate(req)
-                if len(resp.output_tokens) == max_new:
-                    done += 1
-                else:
-                    lost += 1
-            except Exception:
-                lost += 1
-
-    runners = [asyncio.create_task(load()) for _ in range(engines * load_per_engine)]
-    results = []
-    try:
-        await asyncio.sleep(1.0)  # the load reaches steady state
-        for v in range(1, cycles + 1):
-            results.append(await fleet.cycle(str(weights), v, mode="retract"))
-            await asyncio.sleep(0.3)
-        stop.set()
-        await asyncio.wait_for(asyncio.gather(*runners), 120)
-    finally:
-        stop.set()
-        await pool.close()
-        for h in handles:
-            await h.close()
-    control_ms = [1000 * r["control_s"] for r in results]
-    return {
-        "engines": engines,
-        "cycles": cycles,
-        "control_ms_median": round(statistics.median(control_ms), 2),
-        "control_ms_max": round(max(control_ms), 2),
-        "load_ms_median": round(1000 * statistics.median(r["load_s"] for r in results), 2),
-        "total_ms_median": round(1000 * statistics.median(r["total_s"] for r in results), 2),
-        "requests_completed": done,
-        "requests_lost": lost,
-    }
-
-
 async def bench_batching(quick: bool) -> dict[str, Any]:
     from bench import engine_batching
 
@@ -211,14 +152,24 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
     if "b" not in skip:
         out["b_pool_overhead"] = await bench_pool_overhead(1000 if args.quick else 4000, 64, 1 if args.quick else 5)
     if "c" not in skip:
-        out["c_fleet_cycle"] = await bench_fleet_cycle(4, 2 if args.quick else 5, 4, 24)
+        from bench.engine_control import control_plane
+
+        out["c_control_plane"] = await control_plane(repeat=1 if args.quick else 3)
+    if "d" not in skip:
+        from bench.engine_prefix import prefix_reuse
+
+        out["d_prefix_reuse"] = await prefix_reuse(repeat=3 if args.quick else 10)
+    if "e" not in skip:
+        from bench.engine_weights import disk_vs_distributed
+
+        out["e_weight_update"] = await disk_vs_distributed(repeat=1 if args.quick else 3)
     return out
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--skip", default="", help="comma-separated parts to skip: a,b,c")
+    p.add_argument("--skip", default="", help="comma-separated parts to skip: a,b,c,d,e")
     args = p.parse_args()
     out = asyncio.run(amain(args))
     print()
@@ -238,20 +189,28 @@ def main() -> int:
             f"= {b['overhead_pct']:.1f}% of the bare request time (throughput ratio "
             f"{b['throughput_overhead_pct']:+.1f}%)"
         )
-    if "c_fleet_cycle" in out:
-        c = out["c_fleet_cycle"]
+    if "c_control_plane" in out:
+        from bench.engine_control import table as control_table
+
+        print("(c) control plane against strict engines:\n" + control_table(out["c_control_plane"]))
+    if "d_prefix_reuse" in out:
+        d = out["d_prefix_reuse"]
         print(
-            f"(c) pause->update->resume on {c['engines']} engines: control {c['control_ms_median']:.1f} ms median "
-            f"(max {c['control_ms_max']:.1f}), load {c['load_ms_median']:.1f} ms, lost {c['requests_lost']} of "
-            f"{c['requests_completed'] + c['requests_lost']} (targets <= 50 ms, 0 lost)"
+            f"(d) prefix reuse ({d['model']}): generated tokens/s {d['speedup']:.2f}x with the cache (target >= 2x), "
+            f"prefill tokens {d['prefill_ratio']:.1f}x fewer"
         )
+    if "e_weight_update" in out:
+        from bench.engine_weights import table as weights_table
+
+        print("(e) weight update, disk vs distributed:\n" + weights_table(out["e_weight_update"]))
     targets = {}
     if "b_pool_overhead" in out:
         targets["pool_latency_overhead_at_1000rps<=5%"] = out["b_pool_overhead"]["latency_overhead_pct"] <= 5
         targets["pool_rps>=1000"] = out["b_pool_overhead"]["pool_rps"] >= 1000
-    if "c_fleet_cycle" in out:
-        targets["control_ms<=50"] = out["c_fleet_cycle"]["control_ms_median"] <= 50
-        targets["lost==0"] = out["c_fleet_cycle"]["requests_lost"] == 0
+    if "c_control_plane" in out:
+        targets.update({f"c_{k}": v for k, v in out["c_control_plane"]["targets"].items()})
+    if "d_prefix_reuse" in out:
+        targets["d_prefix_gen_tok_s>=2x"] = out["d_prefix_reuse"]["speedup"] >= 2
     out["targets"] = targets
     print_summary(out)
     return 0

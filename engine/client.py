@@ -6,12 +6,19 @@ shared keep-alive `aiohttp.ClientSession` per process (see `engine.http.shared_h
 from __future__ import annotations
 
 import json as jsonlib
-from typing import Any
+from typing import Any, Literal
 
 import aiohttp
 import msgspec
 
-from rollq.engine.types import FinishReason, GenerateResult, PauseMode, ProgressCallback, SamplingParams
+from rollq.engine.types import (
+    ADMIN_ROUTES,
+    FinishReason,
+    GenerateResult,
+    PauseMode,
+    ProgressCallback,
+    SamplingParams,
+)
 
 
 class EngineError(Exception):
@@ -25,12 +32,45 @@ class EngineError(Exception):
 
 
 class EngineUnavailable(Exception):
-    """The engine did not answer, or answered 5xx: it may be dead; the request can go to another engine."""
+    """The engine did not answer, or answered 5xx: it may be dead; the request can go to another engine.
 
-    def __init__(self, url: str, reason: str) -> None:
+    `unreachable`: the connection itself failed (refused, reset, closed mid-answer): the process is gone. Otherwise
+    it was slow or answered 5xx, which a paused or updating SGLang does (/health_generate: 503 after 20 s)."""
+
+    def __init__(self, url: str, reason: str, *, unreachable: bool = False) -> None:
         super().__init__(f"{url}: {reason}")
         self.url = url
         self.reason = reason
+        self.unreachable = unreachable
+
+
+HealthStatus = Literal["ok", "busy", "down"]
+
+
+def _unavailable(url: str, exc: BaseException, what: str = "") -> EngineUnavailable:
+    # A timeout is not "unreachable" (the engine may be loading weights); a refused or dropped connection is.
+    unreachable = not isinstance(exc, TimeoutError) and isinstance(exc, aiohttp.ClientError | OSError)
+    return EngineUnavailable(url, f"{what}{type(exc).__name__}: {exc}", unreachable=unreachable)
+
+
+def _stream_error(url: str, error: Any) -> EngineError:
+    """SGLang reports a streamed request's error (validation, duplicate rid, context too long) as HTTP 200 and
+    `data: {"error": {"message", "type", "code", "retryable"}}`: the request's error, not the engine's."""
+    code = error.get("code") if isinstance(error, dict) else None
+    status = code if isinstance(code, int) and 400 <= code < 600 else 400
+    return EngineError(url, status, error_message({"error": error}))
+
+
+def _abort_error(url: str, result: GenerateResult) -> EngineError | EngineUnavailable | None:
+    """An abort carrying a status_code is an engine-side error (SGLang answers it as HTTP 400/5xx when not streamed,
+    as an ordinary abort chunk when streamed): 4xx is the request's fault, 5xx the engine's."""
+    finish = result.finish_reason
+    if finish is None or finish.type != "abort" or finish.status_code is None or not 400 <= finish.status_code < 600:
+        return None
+    message = finish.message or "aborted"
+    if finish.status_code >= 500:
+        return EngineUnavailable(url, f"HTTP {finish.status_code}: {message}")
+    return EngineError(url, finish.status_code, message)
 
 
 def error_message(body: Any) -> str:
@@ -85,10 +125,14 @@ class _Reply:
 
 
 class SGLangClient:
-    def __init__(self, url: str, http: aiohttp.ClientSession, *, api_key: str | None = None) -> None:
+    def __init__(
+        self, url: str, http: aiohttp.ClientSession, *, api_key: str | None = None, admin_api_key: str | None = None
+    ) -> None:
         self.url = url.rstrip("/")
         self.http = http
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        # control routes take the admin key when the server has one (then the api key does not open them)
+        self.admin_headers = {"Authorization": f"Bearer {admin_api_key}"} if admin_api_key else self.headers
 
     async def _request(self, method: str, path: str, *, json: Any = None, timeout: float | None = 30.0) -> _Reply:
         try:
@@ -96,12 +140,12 @@ class SGLangClient:
                 method,
                 self.url + path,
                 json=json,
-                headers=self.headers,
+                headers=self.admin_headers if path in ADMIN_ROUTES else self.headers,
                 timeout=aiohttp.ClientTimeout(total=timeout, connect=5.0),
             ) as resp:
                 reply = _Reply(resp.status, await resp.read())
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-            raise EngineUnavailable(self.url, f"{type(exc).__name__}: {exc}") from None
+            raise _unavailable(self.url, exc) from None
         if reply.status >= 500:
             raise EngineUnavailable(self.url, f"HTTP {reply.status}: {reply.text[:200]}")
         return reply
@@ -126,20 +170,28 @@ class SGLangClient:
         return_logprob: bool = True,
         timeout: float | None = None,  # None: a paused engine keeps the call open until it resumes
         on_progress: ProgressCallback | None = None,  # streams the request and reports tokens as they come
+        priority: int | None = None,
     ) -> GenerateResult:
         payload: dict[str, Any] = {
             "input_ids": input_ids,
-            "sampling_params": msgspec.to_builtins(sampling),
+            "sampling_params": sampling.to_request(),
             "return_logprob": return_logprob,
         }
         if rid:
             payload["rid"] = rid
+        if priority is not None:
+            payload["priority"] = priority
         if on_progress is not None:
-            return await self._generate_stream(payload, timeout, on_progress)
-        body = await self._json("POST", "/generate", json=payload, timeout=timeout)
-        if isinstance(body, list):  # n > 1 answers a list; callers ask for one sample per call
-            body = body[0]
-        return parse_generate(body)
+            result = await self._generate_stream(payload, timeout, on_progress)
+        else:
+            body = await self._json("POST", "/generate", json=payload, timeout=timeout)
+            if isinstance(body, list):  # n > 1 answers a list; callers ask for one sample per call
+                body = body[0]
+            result = parse_generate(body)
+        error = _abort_error(self.url, result)
+        if error is not None:
+            raise error
+        return result
 
     async def _generate_stream(
         self, payload: dict[str, Any], timeout: float | None, on_progress: ProgressCallback
@@ -148,6 +200,7 @@ class SGLangClient:
         0.5.5 sends deltas and may drop chunks — stream only against the former). The last chunk is the result."""
         payload = {**payload, "stream": True}
         last: dict[str, Any] | None = None
+        error: Any = None
         seen = 0
         try:
             async with self.http.post(
@@ -172,6 +225,9 @@ class SGLangClient:
                         if not event.startswith(b"data: ") or event == b"data: [DONE]":
                             continue
                         chunk = jsonlib.loads(event[6:])
+                        if "error" in chunk:
+                            error = chunk["error"]  # raised outside the try: it is not a broken stream
+                            break
                         ids = chunk.get("output_ids") or []
                         if len(ids) > seen:
                             entries = (chunk.get("meta_info") or {}).get("output_token_logprobs") or []
@@ -179,8 +235,12 @@ class SGLangClient:
                             on_progress(ids[seen:], lps + [0.0] * (len(ids) - seen - len(lps)))
                             seen = len(ids)
                         last = chunk
+                    if error is not None:
+                        break
         except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as exc:
-            raise EngineUnavailable(self.url, f"stream broke: {type(exc).__name__}: {exc}") from None
+            raise _unavailable(self.url, exc, "stream broke: ") from None
+        if error is not None:
+            raise _stream_error(self.url, error)
         if last is None or (last.get("meta_info") or {}).get("finish_reason") is None:
             raise EngineUnavailable(self.url, "stream ended before the request finished")
         return parse_generate(last)
@@ -219,11 +279,16 @@ class SGLangClient:
         await self._json("POST", "/abort_request", json={"rid": rid, "abort_all": abort_all})
 
     async def health_generate(self, timeout: float = 10.0) -> bool:
+        return await self.health_status(timeout) == "ok"
+
+    async def health_status(self, timeout: float = 10.0) -> HealthStatus:
+        """/health_generate as ok | busy (slow or 503: a paused or updating SGLang blocks it up to 20 s, then answers
+        503) | down (the connection failed: the process is gone)."""
         try:
             resp = await self._request("GET", "/health_generate", timeout=timeout)
-        except EngineUnavailable:
-            return False
-        return resp.status == 200
+        except EngineUnavailable as exc:
+            return "down" if exc.unreachable else "busy"
+        return "ok" if resp.status == 200 else "busy"
 
     async def _get_with_fallback(self, new: str, old: str) -> dict[str, Any]:
         try:
@@ -244,3 +309,60 @@ class SGLangClient:
         if "weight_version" in info:
             return str(info["weight_version"])
         return str((await self._json("GET", "/get_weight_version"))["weight_version"])
+
+    # --- the distributed weight update path (SGLang 0.5.23; see rollq.engine.weight_group) ---
+
+    async def _success_call(self, path: str, payload: dict[str, Any], timeout: float | None) -> dict[str, Any]:
+        """`{"success", "message"}` routes: 400 or success false: EngineError; no answer or 5xx: EngineUnavailable."""
+        resp = await self._request("POST", path, json=payload, timeout=timeout)
+        try:
+            body = resp.json() if resp.content else {}
+        except ValueError:
+            body = {"message": resp.text}
+        if resp.status >= 400 or not isinstance(body, dict) or not body.get("success", False):
+            raise EngineError(self.url, resp.status, error_message(body))
+        return body
+
+    async def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = "weight_update_group",
+        *,
+        backend: str = "nccl",
+        timeout_s: float | None = None,  # rollq's engines bound the join and each receive by it; SGLang ignores it
+        timeout: float | None = None,  # the HTTP call (the engine answers once every rank joined): timeout_s + 10
+    ) -> dict[str, Any]:
+        payload: dict[str, Any] = {
+            "master_address": master_address,
+            "master_port": master_port,
+            "rank_offset": rank_offset,
+            "world_size": world_size,
+            "group_name": group_name,
+            "backend": backend,
+        }
+        if timeout_s is not None:
+            payload["timeout_s"] = timeout_s
+        if timeout is None and timeout_s is not None:
+            timeout = timeout_s + 10.0
+        return await self._success_call("/init_weights_update_group", payload, timeout)
+
+    async def destroy_weights_update_group(
+        self, group_name: str = "weight_update_group", *, timeout: float | None = 30.0
+    ) -> dict[str, Any]:
+        return await self._success_call("/destroy_weights_update_group", {"group_name": group_name}, timeout)
+
+    async def begin_weight_update(self, *, timeout: float | None = 30.0) -> dict[str, Any]:
+        return await self._success_call("/begin_weight_update", {}, timeout)
+
+    async def end_weight_update(self, *, timeout: float | None = 30.0) -> dict[str, Any]:
+        return await self._success_call("/end_weight_update", {}, timeout)
+
+    async def update_weights_from_distributed(
+        self, payload: dict[str, Any], *, timeout: float | None = None
+    ) -> dict[str, Any]:
+        """`payload`: names, dtypes, shapes, group_name, weight_version, flush_cache, abort_all_requests. The engine
+        answers after receiving the broadcast and loading it (timeout None: the caller bounds the wait)."""
+        return await self._success_call("/update_weights_from_distributed", payload, timeout)

@@ -26,13 +26,18 @@ class FleetResult(msgspec.Struct):
 
 class FleetController:
     """Idempotent, retried control calls on every engine of a pool, concurrently. An engine that fails a weight update
-    is marked stale (out of routing) and reloaded to the current version by `reconcile()`."""
+    is marked stale (out of routing) and reloaded to the current version by `reconcile()`; one whose control calls
+    cannot connect is dead and leaves routing at once (its requests fail over).
+
+    The pool is told which engines the fleet paused or is loading: their health checks then block and answer 503
+    (SGLang's /health_generate while paused or updating), which must not read as death."""
 
     def __init__(self, pool: EnginePool, *, retries: int = 3, retry_delay_s: float = 0.2) -> None:
         self.pool = pool
         self.retries = retries
         self.retry_delay_s = retry_delay_s
         self.weights_path: str | None = None
+        self.pause_mode: PauseMode | None = None  # the mode of the pause in force, None when running
 
     async def _on_all(
         self, what: str, call: Callable[[SGLangClient], Awaitable[Any]], members: list[EngineMember] | None = None
@@ -50,11 +55,13 @@ class FleetController:
                         loads.append(float(reply["load_seconds"]))
                     return None
                 except EngineUnavailable as exc:
-                    error = exc.reason
+                    error, unreachable = exc.reason, exc.unreachable
                 except EngineError as exc:
                     return exc.message  # the engine refused: retrying the same call won't help
                 if attempt < self.retries:
                     await asyncio.sleep(self.retry_delay_s * (attempt + 1))
+            if unreachable:  # dead, not paused: out of routing now so its requests fail over
+                self.pool.evict(member.url, f"{what}: {error}")
             return error
 
         errors = await asyncio.gather(*(one(m) for m in members))
@@ -69,18 +76,33 @@ class FleetController:
         return result
 
     async def pause(self, mode: PauseMode = "retract") -> FleetResult:
-        return await self._on_all(f"pause({mode})", lambda c: c.pause_generation(mode))
+        members = self.pool.engines()
+        self.pool.set_paused(members, True)  # before the call: health checks from now on may block and 503
+        self.pause_mode = mode
+        return await self._on_all(f"pause({mode})", lambda c: c.pause_generation(mode), members)
 
     async def resume(self) -> FleetResult:
-        return await self._on_all("resume", lambda c: c.continue_generation())
+        try:
+            return await self._on_all("resume", lambda c: c.continue_generation())
+        finally:
+            self.pool.set_paused(self.pool.engines(), False)
+            self.pause_mode = None
+
+    def _load(self, path: str, version: str) -> Callable[[SGLangClient], Awaitable[Any]]:
+        # 0.5.23 flushes the prefix cache after a load by default, and answers 400 (weights loaded, version not
+        # updated) when the running batch still holds requests, which an in_place pause leaves there. Never
+        # abort_all_requests: the pause already decided what happens to in-flight work.
+        flush = self.pause_mode != "in_place"
+        return lambda c: c.update_weights_from_disk(
+            path, weight_version=version, flush_cache=flush, abort_all_requests=False
+        )
 
     async def update_weights(self, path: str, version: str | int) -> FleetResult:
         version = str(version)
         self.weights_path = path
-        with self.pool.weight_update(version):
-            result = await self._on_all(
-                f"update_weights({version})", lambda c: c.update_weights_from_disk(path, weight_version=version)
-            )
+        members = self.pool.engines()
+        with self.pool.weight_update(version, members):
+            result = await self._on_all(f"update_weights({version})", self._load(path, version), members)
         for url in result.failed:
             self.pool.mark_stale(url)
         for url in result.ok:
@@ -93,9 +115,8 @@ class FleetController:
         if not stale or self.weights_path is None or self.pool.target_version is None:
             return FleetResult([], {}, 0.0)
         path, version = self.weights_path, self.pool.target_version
-        result = await self._on_all(
-            f"reload({version})", lambda c: c.update_weights_from_disk(path, weight_version=version), stale
-        )
+        with self.pool.hold(stale):
+            result = await self._on_all(f"reload({version})", self._load(path, version), stale)
         for url in result.ok:
             self.pool.mark_loaded(url, version)
         return result
@@ -104,11 +125,13 @@ class FleetController:
         """pause -> update -> resume. Returns seconds per phase; `control_s` is the total minus the slowest engine's
         weight load (what the control plane itself costs). Generation resumes right after the load."""
         t0 = time.monotonic()
-        await self.pause(mode)
-        t1 = time.monotonic()
-        update = await self.update_weights(path, version)
-        t2 = time.monotonic()
-        await self.resume()
+        try:
+            await self.pause(mode)
+            t1 = time.monotonic()
+            update = await self.update_weights(path, version)
+            t2 = time.monotonic()
+        finally:
+            await self.resume()  # whatever happened: never leave the fleet paused, nor marked paused
         t3 = time.monotonic()
         return {
             "pause_s": t1 - t0,

@@ -12,7 +12,7 @@ import re
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
@@ -20,7 +20,7 @@ import msgspec
 
 from rollq.engine.client import EngineError, EngineUnavailable, SGLangClient
 from rollq.engine.http import shared_http_session
-from rollq.engine.types import GenerateResult, ModelRequest, ModelResponse, ProgressCallback
+from rollq.engine.types import GenerateResult, ModelRequest, ModelResponse, ProgressCallback, SamplingParams
 
 if TYPE_CHECKING:
     from rollq.engine.registry import EngineRegistry
@@ -29,6 +29,8 @@ log = logging.getLogger("rollq.engine")
 
 _NONE: frozenset[str] = frozenset()
 _TRAILING_INT = re.compile(r"(\d+)$")
+_RELEASE = re.compile(r"^(\d+)\.(\d+)\.(\d+)")
+STREAMING_SINCE = (0, 5, 23)  # 0.5.5 streams output_ids as deltas and may drop chunks: no streaming before this
 
 
 @functools.lru_cache(maxsize=4096)
@@ -53,8 +55,59 @@ def token_versions(result: GenerateResult) -> list[int]:
     return out
 
 
+def release(version: str) -> tuple[int, int, int] | None:
+    """SGLang's `version` ("0.5.23", "0.5.5.post3", "0.5.24rc0") as (0, 5, 23); None when unknown."""
+    m = _RELEASE.match(version or "")
+    return (int(m.group(1)), int(m.group(2)), int(m.group(3))) if m else None
+
+
+class EngineFacts(msgspec.Struct, frozen=True):
+    """What a request needs to know about one engine (read once from /server_info, forgotten on eviction)."""
+
+    skip_tokenizer_init: bool = False
+    version: str = ""
+
+    @property
+    def streams(self) -> bool:
+        """Streamed chunks carry cumulative output_ids (0.5.23 on; unknown versions are not streamed)."""
+        r = release(self.version)
+        return r is not None and r >= STREAMING_SINCE
+
+
 class NoEngineAvailable(Exception):
     pass
+
+
+class UnsupportedRequest(EngineError):
+    """rollq refused the request before sending it: this engine cannot serve it as asked (4xx semantics)."""
+
+    def __init__(self, url: str, message: str) -> None:
+        super().__init__(url, 400, message)
+
+
+Decode = Callable[[list[int]], str]
+
+
+def stop_cut(decode: Decode, ids: list[int], checked: int, stops: list[str]) -> tuple[int, str] | None:
+    """(k, stop) for the shortest output ids[:k] whose text holds a stop string, where ids[:checked] holds none;
+    None when ids holds none. Binary search: a few decodes rather than one per token."""
+
+    def hit(k: int) -> str | None:
+        text = decode(ids[:k])
+        return next((stop for stop in stops if stop in text), None)
+
+    if hit(len(ids)) is None:
+        return None
+    lo, hi = checked, len(ids)  # hit(lo) is None, hit(hi) is not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if hit(mid) is None:
+            lo = mid
+        else:
+            hi = mid
+    found = hit(hi)
+    assert found is not None
+    return hi, found
 
 
 async def _abort_quietly(client: SGLangClient, rid: str) -> None:
@@ -67,17 +120,33 @@ async def _abort_quietly(client: SGLangClient, rid: str) -> None:
 class PoolConfig(msgspec.Struct, kw_only=True):
     urls: list[str] = []
     api_key: str | None = None
+    admin_api_key: str | None = None  # for the control routes, when the engines run with --admin-api-key
     health_interval_s: float = 2.0
     health_timeout_s: float = 5.0
     fail_threshold: int = 2  # consecutive failed health checks before an engine leaves routing
     no_engine_timeout_s: float = 60.0  # how long a request waits for any healthy engine
-    max_failovers: int = 8  # engines a request may die on before it fails
+    # Failovers (an engine dying under a request) before the request fails; also how many aborts in a row that
+    # brought no new token a request takes before it is returned as aborted. Every loop in agenerate is bounded.
+    max_failovers: int = 8
     max_resubmissions: int = 64  # aborted segments of one request before it is returned as aborted
     affinity_capacity: int = 100_000
 
 
 class EngineMember:
-    __slots__ = ("url", "client", "healthy", "stale", "outstanding", "failures", "weight_version")
+    __slots__ = (
+        "url",
+        "client",
+        "healthy",
+        "stale",
+        "outstanding",
+        "failures",
+        "weight_version",
+        "paused",
+        "holds",
+        "hold_epoch",
+        "facts",
+        "_facts_task",
+    )
 
     def __init__(self, url: str, client: SGLangClient) -> None:
         self.url = url
@@ -87,15 +156,30 @@ class EngineMember:
         self.outstanding = 0
         self.failures = 0
         self.weight_version = ""
+        self.paused = False  # the fleet paused it (pause_generation .. continue_generation)
+        self.holds = 0  # fleet weight loads under way on it
+        self.hold_epoch = 0  # bumped when a pause or load ends: a health check that straddled it saw it held
+        self.facts: EngineFacts | None = None
+        self._facts_task: asyncio.Task[EngineFacts] | None = None
 
     @property
     def routable(self) -> bool:
         return self.healthy and not self.stale
 
+    @property
+    def held(self) -> bool:
+        """Paused or loading weights by the fleet's doing: a slow or 503 /health_generate is expected, not death
+        (SGLang blocks it up to 20 s then answers 503), and /generate calls wait rather than fail."""
+        return self.paused or self.holds > 0
+
 
 class EnginePool:
-    def __init__(self, config: PoolConfig, *, http: aiohttp.ClientSession | None = None) -> None:
+    def __init__(
+        self, config: PoolConfig, *, http: aiohttp.ClientSession | None = None, decode: Decode | None = None
+    ) -> None:
         self.config = config
+        # Token ids -> text, to apply stop strings on engines started with --skip-tokenizer-init (they refuse them).
+        self.decode = decode
         self._own_http = http is None
         self.http = http  # created in start(): a ClientSession needs the running loop
         self.members: dict[str, EngineMember] = {}
@@ -124,8 +208,14 @@ class EnginePool:
         member = self.members.get(url)
         if member is None:
             member = self.members[url] = EngineMember(
-                url, SGLangClient(url, self._session(), api_key=self.config.api_key)
+                url,
+                SGLangClient(
+                    url, self._session(), api_key=self.config.api_key, admin_api_key=self.config.admin_api_key
+                ),
             )
+            # Joining after the fleet moved to a version: out of routing until a health check reads that version (or
+            # the fleet loads it), so a late engine never serves older weights.
+            member.stale = self._target_version is not None
             log.info("engine %s joined the pool", url)
             self._signal()
         return member
@@ -194,12 +284,14 @@ class EnginePool:
         return [m for m in self.members.values() if m.stale or not stale_only]
 
     @contextlib.contextmanager
-    def weight_update(self, version: str) -> Iterator[None]:
-        """While the fleet loads `version`: engines' reported versions say nothing about staleness yet."""
+    def weight_update(self, version: str, members: Iterable[EngineMember] | None = None) -> Iterator[None]:
+        """While the fleet loads `version` on `members` (default: all): engines' reported versions say nothing about
+        staleness yet, and the members are held (see `hold`)."""
         self._target_version = version
         self._updating = True
         try:
-            yield
+            with self.hold(self.engines() if members is None else members):
+                yield
         finally:
             self._updating = False
 
@@ -218,24 +310,53 @@ class EnginePool:
         if member is not None:
             member.stale = True
 
+    def set_paused(self, members: Iterable[EngineMember], paused: bool) -> None:
+        """The fleet paused (or resumed) these engines: while paused, failed health checks that only say "slow" or
+        "503" neither evict them nor drop their affinity; requests keep routing to them and wait there."""
+        for member in members:
+            if member.paused and not paused:
+                member.hold_epoch += 1
+            member.paused = paused
+
+    @contextlib.contextmanager
+    def hold(self, members: Iterable[EngineMember]) -> Iterator[None]:
+        """The fleet loads weights on these engines (paused or not: an update waits for in-flight requests and
+        blocks /health_generate meanwhile): treated like `set_paused` for the duration."""
+        held = list(members)
+        for member in held:
+            member.holds += 1
+        try:
+            yield
+        finally:
+            for member in held:
+                member.holds -= 1
+                member.hold_epoch += 1
+
+    def evict(self, url: str, why: str) -> None:
+        """Out of routing now (a control call found it unreachable); a passing health check brings it back."""
+        member = self.members.get(url)
+        if member is not None:
+            self._evict(member, why)
+
     async def check_health(self) -> None:
         members = list(self.members.values())
-        results = await asyncio.gather(
-            *(m.client.health_generate(timeout=self.config.health_timeout_s) for m in members)
-        )
+        before = [(m.held, m.hold_epoch) for m in members]
+        results = await asyncio.gather(*(m.client.health_status(timeout=self.config.health_timeout_s) for m in members))
         if self.target_version is not None:
-            await self._check_versions([m for m, ok in zip(members, results, strict=True) if ok])
-        for member, ok in zip(members, results, strict=True):
-            if ok:
+            await self._check_versions([m for m, r in zip(members, results, strict=True) if r == "ok"])
+        for member, status, (held, epoch) in zip(members, results, before, strict=True):
+            if status == "ok":
                 if not member.healthy:
                     log.info("engine %s is healthy again", member.url)
                     member.healthy = True
                     self._signal()
                 member.failures = 0
+            elif status == "busy" and (held or member.held or member.hold_epoch != epoch):
+                continue  # paused or loading by the fleet's doing (during some of this check): not a failure
             else:
                 member.failures += 1
                 if member.healthy and member.failures >= self.config.fail_threshold:
-                    self._evict(member, "failed health checks")
+                    self._evict(member, "failed health checks" if status == "busy" else "unreachable")
 
     async def _check_versions(self, members: list[EngineMember]) -> None:
         target = self._target_version
@@ -272,8 +393,33 @@ class EnginePool:
         if member.healthy:
             log.warning("engine %s leaves routing: %s", member.url, why)
         member.healthy = False
+        member.facts = None  # it may come back as another process, started with other flags
         for key in [k for k, url in self._affinity.items() if url == member.url]:
             del self._affinity[key]
+
+    async def facts(self, member: EngineMember) -> EngineFacts:
+        """The engine's /server_info facts, read once per member (one read shared by concurrent requests)."""
+        if member.facts is not None:
+            return member.facts
+        task = member._facts_task
+        if task is None or (task.done() and (task.cancelled() or task.exception() is not None)):
+            task = member._facts_task = asyncio.get_running_loop().create_task(self._read_facts(member.client))
+        facts = await asyncio.shield(task)
+        member.facts = facts
+        member._facts_task = None
+        return facts
+
+    @staticmethod
+    async def _read_facts(client: SGLangClient) -> EngineFacts:
+        try:
+            info = await client.server_info()
+        except EngineError:  # neither /server_info nor /get_server_info: assume a tokenizer, no streaming
+            return EngineFacts()
+        if not isinstance(info, dict):
+            return EngineFacts()
+        return EngineFacts(
+            skip_tokenizer_init=bool(info.get("skip_tokenizer_init")), version=str(info.get("version", ""))
+        )
 
     # -- routing -----------------------------------------------------------------------------------------------------
 
@@ -327,7 +473,12 @@ class EnginePool:
         the weight version that produced it.
 
         `on_tokens(ids, logprobs)` streams the request: it sees every token once, in order, as the engine produces
-        it (tokens a dying engine streamed are kept, so the caller never sees a token taken back)."""
+        it (tokens a dying engine streamed are kept, so the caller never sees a token taken back). Against an engine
+        that cannot stream faithfully (SGLang before 0.5.23), or when rollq applies stop strings itself, a segment is
+        generated whole and its tokens reported once when it ends.
+
+        Raises EngineError (the request is wrong: no failover, no eviction), EngineUnavailable (engines died under it
+        more than `max_failovers` times) or NoEngineAvailable."""
         started = time.monotonic()
         rid = req.rid or f"{self._rid_prefix}-{next(self._rid_counter)}"
         affinity = req.affinity  # without one, a resubmission still prefers the engine of its last segment
@@ -336,39 +487,37 @@ class EnginePool:
         logprobs: list[float] = []
         versions: list[int] = []
         failed: set[str] = set()
+        failovers = 0
+        idle_aborts = 0  # aborted segments in a row that brought no token
         segments = 0
         deadline = time.monotonic() + self.config.no_engine_timeout_s
+        needs_facts = on_tokens is not None or bool(req.sampling.stop) or req.sampling.min_new_tokens > 0
         member: EngineMember | None = None
         while True:
             exclude = frozenset(failed) if failed else _NONE
             member = self.route(affinity, exclude, member) or await self._wait_for_engine(
                 affinity, exclude, deadline, member
             )
-            sampling = req.sampling
-            if tokens or sampling.n != 1:  # a resubmission asks only for what is left
-                sampling = msgspec.structs.replace(
-                    sampling,
-                    max_new_tokens=budget - len(tokens),
-                    min_new_tokens=max(0, sampling.min_new_tokens - len(tokens)),
-                    n=1,
-                )
             member.outstanding += 1
             streamed: tuple[list[int], list[float]] = ([], [])
-            progress = None
-            if on_tokens is not None:
-
-                def progress(ids: list[int], lps: list[float], streamed=streamed) -> None:
-                    streamed[0].extend(ids)
-                    streamed[1].extend(lps)
-                    on_tokens(ids, lps)
-
             try:
+                facts = await self.facts(member) if needs_facts else None
+                sampling, local_stop = self._segment_sampling(req.sampling, len(tokens), member.url, facts)
+                progress = None
+                if on_tokens is not None and local_stop is None and facts is not None and facts.streams:
+
+                    def progress(ids: list[int], lps: list[float], streamed=streamed) -> None:
+                        streamed[0].extend(ids)
+                        streamed[1].extend(lps)
+                        on_tokens(ids, lps)
+
                 result = await member.client.generate(
                     req.input_ids + tokens if tokens else req.input_ids,
                     sampling,
                     rid=f"{rid}-{segments}",
                     return_logprob=True,
                     on_progress=progress,
+                    priority=req.priority,
                 )
             except asyncio.CancelledError:
                 # The caller gave up: free the engine's slot too (a closed connection alone may not abort it).
@@ -384,8 +533,9 @@ class EnginePool:
                     if len(tokens) >= budget:
                         return self._response(req, rid, tokens, logprobs, versions, "length", member, segments, started)
                 failed.add(member.url)
+                failovers += 1
                 self._evict(member, exc.reason)
-                if len(failed) > self.config.max_failovers:
+                if failovers > self.config.max_failovers:
                     raise
                 log.warning("request %s failed over from %s: %s", rid, member.url, exc.reason)
                 segments += 1
@@ -394,11 +544,28 @@ class EnginePool:
             finally:
                 member.outstanding -= 1
             segments += 1
+            checked = len(tokens)
             tokens += result.output_ids
             logprobs += result.output_logprobs or [0.0] * len(result.output_ids)
             versions += token_versions(result)
             member.weight_version = result.weight_version
-            if result.aborted and len(tokens) < budget and segments <= self.config.max_resubmissions:
+            stopped: str | None = None
+            if local_stop is not None and self.decode is not None:
+                cut = stop_cut(self.decode, tokens, checked, local_stop)
+                if cut is not None:
+                    del tokens[cut[0] :], logprobs[cut[0] :], versions[cut[0] :]
+                    stopped = cut[1]
+            if on_tokens is not None and progress is None and len(tokens) > checked:
+                on_tokens(tokens[checked:], logprobs[checked:])  # a segment generated whole: reported once
+            if stopped is not None:
+                return self._response(req, rid, tokens, logprobs, versions, "stop", member, segments, started)
+            idle_aborts = idle_aborts + 1 if result.aborted and len(tokens) == checked else 0
+            if (
+                result.aborted
+                and len(tokens) < budget
+                and segments <= self.config.max_resubmissions
+                and idle_aborts <= self.config.max_failovers
+            ):
                 # Aborted by a pause (or an operator): resubmit. A paused engine holds the call until it resumes.
                 deadline = time.monotonic() + self.config.no_engine_timeout_s
                 continue
@@ -409,6 +576,38 @@ class EnginePool:
             else:
                 reason = "length" if len(tokens) >= budget else "stop"
             return self._response(req, rid, tokens, logprobs, versions, reason, member, segments, started)
+
+    def _segment_sampling(
+        self, sampling: SamplingParams, done: int, url: str, facts: EngineFacts | None
+    ) -> tuple[SamplingParams, list[str] | None]:
+        """What to send for the next segment, and the stop strings rollq applies itself (None: the engine does).
+        A resubmission asks only for what is left. An engine started with --skip-tokenizer-init rejects stop strings
+        and min_new_tokens (SGLang 0.5.23 answers 400; 0.5.5's scheduler crashes): refuse or take them over here."""
+        if done or sampling.n != 1:
+            sampling = msgspec.structs.replace(
+                sampling,
+                max_new_tokens=sampling.max_new_tokens - done,
+                min_new_tokens=max(0, sampling.min_new_tokens - done),
+                n=1,
+            )
+        if facts is None or not facts.skip_tokenizer_init:
+            return sampling, None
+        if sampling.min_new_tokens > 0:
+            raise UnsupportedRequest(
+                url,
+                f"min_new_tokens={sampling.min_new_tokens} is unavailable: the engine runs with --skip-tokenizer-init "
+                "(it needs the tokenizer's eos ids); drop min_new_tokens or start the engine with its tokenizer",
+            )
+        stops = [s for s in sampling.stop or [] if s]
+        if not stops:
+            return sampling, None
+        if self.decode is None:
+            raise UnsupportedRequest(
+                url,
+                f"stop={stops!r} needs a tokenizer: the engine runs with --skip-tokenizer-init, and rollq applies "
+                "stop strings itself only when the pool has one (EnginePool(..., decode=tokenizer.decode))",
+            )
+        return msgspec.structs.replace(sampling, stop=None), stops
 
     @staticmethod
     def _response(
@@ -435,4 +634,13 @@ class EnginePool:
         )
 
 
-__all__ = ["EngineError", "EnginePool", "NoEngineAvailable", "PoolConfig", "version_number"]
+__all__ = [
+    "EngineError",
+    "EngineFacts",
+    "EnginePool",
+    "NoEngineAvailable",
+    "PoolConfig",
+    "UnsupportedRequest",
+    "stop_cut",
+    "version_number",
+]

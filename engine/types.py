@@ -10,6 +10,25 @@ import msgspec
 
 PauseMode = Literal["abort", "retract", "in_place"]
 
+# The control routes: SGLang 0.5.23 guards them with --admin-api-key when one is set (AuthLevel.ADMIN_OPTIONAL on
+# these routes of entrypoints/http_server.py; the decision in utils/auth.py:76-150). Client and server share the list.
+ADMIN_ROUTES = frozenset(
+    {
+        "/pause_generation",
+        "/continue_generation",
+        "/abort_request",
+        "/flush_cache",
+        "/update_weights_from_disk",
+        "/update_weight_version",
+        "/init_weights_update_group",
+        "/destroy_weights_update_group",
+        "/begin_weight_update",
+        "/end_weight_update",
+        "/update_weights_from_distributed",
+        "/update_weights_from_tensor",
+    }
+)
+
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     """SGLang's sampling params (the subset rollq relies on; defaults as in SGLang)."""
@@ -29,6 +48,18 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
+
+    def to_request(self) -> dict[str, Any]:
+        """The `sampling_params` body: non-default keys, plus the values the trainer relies on always (a server's
+        `--preferred-sampling-params` fills in keys a request omits, so an omitted temperature may not be 1.0)."""
+        body: dict[str, Any] = msgspec.to_builtins(self)
+        for key in EXPLICIT_SAMPLING_KEYS:
+            body[key] = getattr(self, key)
+        return body
+
+
+# Always sent, whatever their value (see SamplingParams.to_request).
+EXPLICIT_SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_p", "top_k", "min_p")
 
 
 class FinishReason(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -68,6 +99,7 @@ class ModelRequest(msgspec.Struct, kw_only=True):
     sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
     rid: str = ""
     affinity: str = ""
+    priority: int | None = None  # SGLang's top-level `priority` (with --enable-priority-scheduling); None: omitted
     metadata: dict[str, Any] = {}
 
 

@@ -81,6 +81,35 @@ class TrainConfig(RunSettings, kw_only=True):
             group=UPDATES,
         ),
     ] = "retract"
+    weight_sync: Annotated[
+        Literal["disk", "distributed"],
+        setting(
+            "how new weights reach engines: disk = safetensors in weights_dir, which engines must share; distributed "
+            "= broadcast from the trainer over a gloo process group (SGLang's update_weights_from_distributed)",
+            group=UPDATES,
+        ),
+    ] = "disk"
+    weight_sync_address: Annotated[
+        str,
+        setting(
+            "distributed: the address engines reach the trainer at ('' = this host's address towards the engines)",
+            metavar="HOST",
+            group=UPDATES,
+        ),
+    ] = ""
+    weight_sync_port: Annotated[
+        int,
+        setting("distributed: the group's rendezvous port (0: a free one per group)", ge=0, lt=65536, group=UPDATES),
+    ] = 0
+    weight_sync_timeout_s: Annotated[
+        float,
+        setting(
+            "distributed: bound on the group join, each broadcast and each control call (a hung engine costs this)",
+            gt=0,
+            metavar="S",
+            group=UPDATES,
+        ),
+    ] = 60.0
     checkpoint_every: Annotated[
         int,
         setting(

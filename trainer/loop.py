@@ -2,9 +2,10 @@
 to the new weights, checkpoint.
 
 One step, policy version v -> v + 1:
-  collect B samples of complete groups fit to train at v -> decoupled PPO step -> write weights -> pause engines,
-  update_weights_from_disk(version v + 1), resume (generation restarts here) -> metrics line -> checkpoint ->
-  ack what the checkpoint holds -> publish v + 1 in the ledger (new admissions).
+  collect B samples of complete groups fit to train at v -> decoupled PPO step -> pause engines, new weights
+  (version v + 1) onto them: written to a shared directory and loaded (update_weights_from_disk), or broadcast
+  (weight_sync distributed, rollq.engine.weight_group) -> resume (generation restarts here) -> metrics line ->
+  checkpoint -> ack what the checkpoint holds -> publish v + 1 in the ledger (new admissions).
 A trainer killed anywhere restarts from its checkpoint: groups it trained and checkpointed are acked without
 training, everything else is redelivered. With checkpoint_every 1 the ledger never runs ahead of the checkpoint,
 so the admission bound holds across the restart; tokens of weights the checkpoint doesn't know (published before a
@@ -26,6 +27,7 @@ import redis.asyncio as aioredis
 
 from rollq.engine.fleet import FleetController
 from rollq.engine.pool import EnginePool
+from rollq.engine.weight_group import DistributedSyncConfig, DistributedWeightSync
 from rollq.producer.producer import Producer
 from rollq.producer.results import Delivered, ResultConsumer
 from rollq.trainer import checkpoint
@@ -62,6 +64,16 @@ class Trainer:
         self.redis = redis
         self.pool = pool
         self.fleet = FleetController(pool)
+        self.weight_sync: DistributedWeightSync | None = None
+        if config.weight_sync == "distributed":
+            self.weight_sync = DistributedWeightSync(
+                pool,
+                DistributedSyncConfig(
+                    master_address=config.weight_sync_address,
+                    master_port=config.weight_sync_port,
+                    timeout_s=config.weight_sync_timeout_s,
+                ),
+            )
         self.run_dir = Path(config.directory)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.weights_root = Path(config.weights_root)
@@ -98,6 +110,8 @@ class Trainer:
 
     async def _publish_weights(self, version: int) -> dict[str, float]:
         """Weights of `version` onto every engine: pause, load, resume. Generation resumes right after the load."""
+        if self.weight_sync is not None:
+            return await self._broadcast_weights(self.weight_sync, version)
         path = await asyncio.to_thread(self.policy.save_weights, self.weights_root / f"v{version}")
         await self.fleet.reconcile()  # engines that missed an update (or joined since) first catch up
         phases = await self.fleet.cycle(str(path), version, mode=self.cfg.pause_mode)
@@ -105,6 +119,29 @@ class Trainer:
             if old.name[1:].isdigit() and int(old.name[1:]) <= version - KEEP_WEIGHT_VERSIONS:
                 await asyncio.to_thread(shutil.rmtree, old, True)
         return phases
+
+    async def _broadcast_weights(self, sync: DistributedWeightSync, version: int) -> dict[str, float]:
+        """pause -> broadcast to every engine (stale and newly joined ones included: each update covers the whole
+        pool, over a group rebuilt when membership changed) -> resume; no shared disk. The phases `fleet.cycle` reports.
+        An in_place pause keeps KV in the running batch, so the engines must not be asked to flush their cache
+        (SGLang would load the weights and still fail the call)."""
+        mode = self.cfg.pause_mode
+        t0 = time.monotonic()
+        await self.fleet.pause(mode)
+        t1 = time.monotonic()
+        named = [(name, p.detach()) for name, p in self.policy.model.named_parameters()]
+        update = await sync.update(named, version, flush_cache=mode != "in_place")
+        t2 = time.monotonic()
+        await self.fleet.resume()
+        t3 = time.monotonic()
+        return {
+            "pause_s": t1 - t0,
+            "update_s": t2 - t1,
+            "resume_s": t3 - t2,
+            "total_s": t3 - t0,
+            "load_s": update.load_seconds,
+            "control_s": t3 - t0 - update.load_seconds,
+        }
 
     # -- the loop ------------------------------------------------------------------------------------------------------
 
@@ -168,6 +205,8 @@ class Trainer:
             self.feeder.stop()
             feeding.cancel()
             await asyncio.wait([feeding], timeout=10)
+            if self.weight_sync is not None:  # the engines drop the group (its sockets) now, not at their next join
+                await self.weight_sync.close()
         records = self.metrics.read()
         await self._plot(records)
         return records

@@ -7,6 +7,9 @@ verbatim and tokenizing only the new turns' text (`continuation_ids`), rendered 
 from __future__ import annotations
 
 import asyncio
+import functools
+import json
+from pathlib import Path
 from typing import Any
 
 # A stand-in conversation: the template's rendering of new turns after an assistant turn is the difference between
@@ -21,6 +24,23 @@ def load_tokenizer(name: str) -> Any:
     from rollq.engine.tiny_model import model_dir
 
     return AutoTokenizer.from_pretrained(model_dir(name))
+
+
+class StopTextDecoder:
+    """`decode(ids) -> str` for the engine pool, which applies stop strings itself against engines launched with
+    --skip-tokenizer-init. Special tokens are kept, as SGLang matches stop strings against the raw tail. The
+    tokenizer loads on first use: only requests with stop strings need it."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    @functools.cached_property
+    def _tokenizer(self) -> Any:
+        return load_tokenizer(self.name)
+
+    def __call__(self, ids: list[int]) -> str:
+        text: str = self._tokenizer.decode(ids, skip_special_tokens=False)
+        return text
 
 
 class LazyTokenizer:
@@ -103,4 +123,35 @@ def _eos_ids(tokenizer: Any) -> set[int]:
     return set(ids) if isinstance(ids, list) else {ids} if ids is not None else set()
 
 
-__all__ = ["LazyTokenizer", "anchor_text", "continuation_ids", "encode", "load_tokenizer", "prompt_ids", "render"]
+@functools.lru_cache(maxsize=16)
+def stop_token_ids(tokenizer: Any) -> tuple[int, ...]:
+    """Ids that end a reply: the tokenizer's eos, generation_config.json's eos ids, and the chat template's
+    end-of-turn token (`<|im_end|>`). Sent explicitly in every request: SGLang applies the last two only with its
+    tokenizer loaded (not with --skip-tokenizer-init), and other servers may know none of them."""
+    ids = sorted(_eos_ids(tokenizer))
+    config = Path(str(getattr(tokenizer, "name_or_path", "") or "")) / "generation_config.json"
+    try:
+        eos = json.loads(config.read_text()).get("eos_token_id") if config.is_file() else None
+    except (OSError, ValueError, AttributeError):  # unreadable or not a JSON object: the tokenizer's own eos only
+        eos = None
+    ids += eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else []
+    try:  # what the template writes after assistant content, e.g. "<|im_end|>\n": its first token if special
+        base = anchor_text(tokenizer)
+        closing = encode(tokenizer, base[base.rindex("a") + 1 :])[:1]
+    except Exception:  # no chat template: nothing to add
+        closing = []
+    special = set(tokenizer.get_added_vocab().values()) | set(getattr(tokenizer, "all_special_ids", []))
+    ids += [t for t in closing if t in special]
+    return tuple(dict.fromkeys(int(t) for t in ids))  # first occurrence order, no repeats
+
+
+__all__ = [
+    "LazyTokenizer",
+    "anchor_text",
+    "continuation_ids",
+    "encode",
+    "load_tokenizer",
+    "prompt_ids",
+    "render",
+    "stop_token_ids",
+]

@@ -12,6 +12,7 @@ import uvloop
 from rollq.engine.pool import EnginePool, PoolConfig
 from rollq.engine.registry import EngineRegistry
 from rollq.redis_client import redis_client, wait_for_redis
+from rollq.workers.chat_template import StopTextDecoder
 from rollq.workers.config import WorkerConfig
 from rollq.workers.worker import Worker
 
@@ -19,7 +20,7 @@ from rollq.workers.worker import Worker
 async def serve(cfg: WorkerConfig) -> int:
     await wait_for_redis(cfg.redis_url, cfg.wait_redis)
     # Engines: the static --engine URLs plus whatever registers in Redis for this run (joining and leaving live).
-    pool = EnginePool(PoolConfig(urls=cfg.engine))
+    pool = EnginePool(PoolConfig(urls=cfg.engine), decode=StopTextDecoder(cfg.tokenizer))
     await pool.start()
     registry_client = redis_client(cfg.redis_url)
     pool.follow(EngineRegistry(registry_client, cfg.run))

@@ -10,28 +10,33 @@ import hmac
 import logging
 import time
 import uuid
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, Literal
 
 import msgspec
 from aiohttp import web
 
 from rollq.engine.server.backend import Backend, GenState
+from rollq.engine.server.distributed_routes import add_distributed_routes
 from rollq.engine.server.validation import BadRequest, EngineValueError, GenerateCall, parse_generate
-from rollq.engine.types import FinishReason, PauseMode, SamplingParams
+from rollq.engine.types import ADMIN_ROUTES, FinishReason, PauseMode, SamplingParams
 
 log = logging.getLogger("rollq.engine")
 
-PROTOCOL_VERSION = "0.5.23"  # the SGLang release whose protocol this server follows
 WAITING_ABORT = "Abort in waiting queue"
-_OPEN_PATHS = frozenset({"/health", "/health_generate", "/metrics", "/ready"})
+_OPEN_PREFIXES = ("/health", "/ready", "/metrics")  # never need a key (utils/auth.py:101-106)
 _PAUSE_MODES: tuple[PauseMode, ...] = ("abort", "retract", "in_place")
+
+
+Compat = Literal["0.5.23", "0.5.5"]
 
 
 class EngineServerConfig(msgspec.Struct, kw_only=True):
     host: str = "127.0.0.1"
     port: int = 30000  # 0: any free port (see ServerHandle.url)
     api_key: str | None = None
+    admin_api_key: str | None = None  # guards the control routes (utils/auth.py:76-150 in 0.5.23)
+    compat: Compat = "0.5.23"  # "0.5.5": pause takes no mode and always aborts at once; streamed output_ids deltas
     weight_version: str = "default"
     skip_tokenizer_init: bool = False
     served_model_name: str | None = None
@@ -44,7 +49,7 @@ class EngineServerConfig(msgspec.Struct, kw_only=True):
 class _Req:
     """Server-side bookkeeping of one GenState."""
 
-    __slots__ = ("state", "started", "segments", "wake", "retractions", "top_logprobs_num")
+    __slots__ = ("state", "started", "segments", "wake", "retractions", "top_logprobs_num", "abort_sent")
 
     def __init__(self, state: GenState, top_logprobs_num: int) -> None:
         self.state = state
@@ -53,6 +58,7 @@ class _Req:
         self.wake: asyncio.Event | None = None  # set while waiting at the gate
         self.retractions = 0
         self.top_logprobs_num = top_logprobs_num
+        self.abort_sent = False
 
 
 def _json(obj: Any, status: int = 200) -> web.Response:
@@ -82,7 +88,17 @@ class EngineServer:
         self._update_lock = asyncio.Lock()
         self._changed = asyncio.Event()  # pulsed when `running` drops to 0 or the pause state changes
         self.started_at = time.time()
-        self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "requests": 0, "aborted_requests": 0}
+        # sglang:<name>_total counters
+        self.counters = {
+            "prompt_tokens": 0,
+            "generation_tokens": 0,
+            "cached_tokens": 0,
+            "num_requests": 0,
+            "num_aborted_requests": 0,
+            "num_retracted_requests": 0,
+        }
+        self.cache_flushes = 0  # prefix-cache flushes done (tests read it: rollq's choice of when to flush)
+        self.last_load_seconds = 0.0
 
     # --- gate, aborts, waiting ---
 
@@ -110,17 +126,30 @@ class EngineServer:
         if state.finish is not None or state.abort_message is not None:
             return
         state.abort_message = message
-        self.counters["aborted_requests"] += 1
+        self.counters["num_aborted_requests"] += 1
         if not req.started:
             state.finish = FinishReason(type="abort", message=WAITING_ABORT)
             if req.wake is not None:
                 req.wake.set()
 
-    def abort_matching(self, rid: str = "", abort_all: bool = False, message: str = "Aborted by request.") -> int:
-        hits = [r for r in self.states.values() if abort_all or (rid and r.state.rid.startswith(rid))]
+    def abort_all_dispatched(self, message: str) -> int:
+        """abort_all as SGLang's scheduler sees it: every request past the pause gate (tokenizer_manager.py:2241-2265;
+        the scheduler aborts its waiting queue and running batch, scheduler.py:5675-5720). Requests still held at the
+        gate never reached the scheduler: they run after /continue_generation."""
+        hits = [r for r in self.states.values() if r.started]
         for req in hits:
             self._abort(req, message)
         return len(hits)
+
+    def abort_rid(self, rid: str, message: str = "Aborted by request.") -> bool:
+        """/abort_request with a rid: the tokenizer manager forwards it only while that exact rid is live and was
+        not aborted before (tokenizer_manager.py:2241-2256); held requests are not live yet."""
+        req = self.states.get(rid)
+        if req is None or not req.started or req.abort_sent:
+            return False
+        req.abort_sent = True
+        self._abort(req, message)
+        return True
 
     def _set_weight_version(self, version: str) -> None:
         if version == self.weight_version:
@@ -152,6 +181,7 @@ class EngineServer:
         finally:
             self.running -= 1
             self.counters["generation_tokens"] += len(state.output_ids)
+            self.counters["cached_tokens"] += state.cached_tokens
             if self.running == 0:
                 self._pulse()
 
@@ -167,20 +197,25 @@ class EngineServer:
         state = req.state
         finish = state.finish if final else None
         meta: dict[str, Any] = {"id": state.rid, "finish_reason": self._finish_dict(finish)}
-        if final and not req.started:  # aborted in the waiting queue: SGLang sends no token counts
-            meta["e2e_latency"] = time.monotonic() - state.created
-            out: dict[str, Any] = {"output_ids": [], "meta_info": meta}
-            if not self.config.skip_tokenizer_init:
-                out = {"text": "", **out}
-            return out
+        old = self.config.compat == "0.5.5"
         ids = list(state.output_ids)
+        if final and finish is not None and finish.type == "abort" and state.first_token_at is None:
+            # Aborted in the waiting queue (or held at the gate at shutdown): no prompt_tokens; 0.5.23 sends text,
+            # weight_version and completion_tokens (tokenizer_manager.py:3596-3636), 0.5.5 only id and finish_reason.
+            meta["finish_reason"] = {"type": "abort", "message": WAITING_ABORT}
+            if old:
+                return {"meta_info": meta}
+            meta.update(weight_version=self.weight_version, e2e_latency=time.monotonic() - state.created)
+            meta["completion_tokens"] = len(ids)
+            out: dict[str, Any] = {"output_ids": ids, "meta_info": meta}
+            return {"text": "", **out} if not self.config.skip_tokenizer_init else out
         meta.update(
             prompt_tokens=len(state.input_ids),
             completion_tokens=len(ids),
-            cached_tokens=0,
+            cached_tokens=state.cached_tokens,
             weight_version=self.weight_version,
-            num_retractions=req.retractions,
         )
+        meta["total_retractions" if old else "num_retractions"] = req.retractions
         if return_logprob:
             with_text = call.return_text_in_logprobs and not self.config.skip_tokenizer_init
             meta["input_token_logprobs"] = []
@@ -191,7 +226,7 @@ class EngineServer:
             if req.top_logprobs_num > 0:  # accepted; top alternatives are not computed
                 meta["input_top_logprobs"] = []
                 meta["output_top_logprobs"] = [[] for _ in ids]
-        if len(req.segments) > 1:
+        if len(req.segments) > 1 and not old:
             meta["weight_versions"] = self._version_ranges(req, len(ids))
         meta["e2e_latency"] = time.monotonic() - state.created
         out = {"output_ids": ids, "meta_info": meta}
@@ -236,27 +271,27 @@ class EngineServer:
                 context_length=self.backend.context_length,
                 tokenizer=not self.config.skip_tokenizer_init,
             )
-        except BadRequest as exc:
+            # Rids must be unique among requests in flight and within the call itself.
+            seen: set[str] = set()
+            for prompt in call.prompts:
+                for rid in prompt.rids:
+                    if rid in self.states or rid in seen:
+                        raise EngineValueError(f"Duplicate request ID detected: {rid}")  # tokenizer_manager.py:3836
+                    seen.add(rid)
+        except BadRequest as exc:  # the request's shape: FastAPI / the contract check answer before any stream
             return _bad_request(str(exc))
-        except EngineValueError as exc:
-            return _engine_error(str(exc))
-        except NotImplementedError as exc:
+        except (EngineValueError, NotImplementedError) as exc:
+            if body.get("stream") is True:
+                return await self._stream_error(request, str(exc))
             return _engine_error(str(exc))
 
-        # Rids must be unique among requests in flight and within the call itself.
         items: list[tuple[_Req, bool]] = []
-        seen: set[str] = set()
         for prompt in call.prompts:
             for rid in prompt.rids:
-                if rid in self.states or rid in seen:
-                    return _engine_error(f"Duplicate request ID detected: {rid}")
-                seen.add(rid)
-        for prompt in call.prompts:
-            for rid in prompt.rids:
-                state = GenState(rid, list(prompt.input_ids), prompt.params, prompt.return_logprob)
+                state = GenState(rid, list(prompt.input_ids), prompt.params, prompt.return_logprob, prompt.priority)
                 items.append((_Req(state, prompt.top_logprobs_num), prompt.return_logprob))
                 self.counters["prompt_tokens"] += len(prompt.input_ids)
-        self.counters["requests"] += len(items)
+        self.counters["num_requests"] += len(items)
         for req, _ in items:
             self.states[req.state.rid] = req
         try:
@@ -278,6 +313,16 @@ class EngineServer:
                 self.states.pop(req.state.rid, None)
         return _json(outs if call.batched else outs[0])
 
+    async def _stream_error(self, request: web.Request, message: str) -> web.StreamResponse:
+        """A ValueError of a streamed request: HTTP 200, one error event, then [DONE] (http_server.py:951-975)."""
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        error = {"message": message, "type": "invalid_request_error", "code": 400, "retryable": False}
+        await resp.write(b"data: " + msgspec.json.encode({"error": error}) + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
     async def _stream(
         self, request: web.Request, call: GenerateCall, items: list[tuple[_Req, bool]]
     ) -> web.StreamResponse:
@@ -294,6 +339,8 @@ class EngineServer:
                     if done_sent[i] or (n == sent[i] and not finished) or (n == 0 and not finished):
                         continue
                     chunk = self.output(req, call, lp, final=finished)
+                    if self.config.compat == "0.5.5" and "output_ids" in chunk:
+                        chunk["output_ids"] = chunk["output_ids"][max(sent[i], 0) :]  # 0.5.5 streams deltas
                     if call.batched:
                         chunk["index"] = i
                     await resp.write(b"data: " + msgspec.json.encode(chunk) + b"\n\n")
@@ -320,7 +367,7 @@ class EngineServer:
         body = await _read_json(request, optional=True)
         if isinstance(body, web.Response):
             return body
-        requested = body.get("mode") or "abort"
+        requested = "abort" if self.config.compat == "0.5.5" else body.get("mode") or "abort"
         mode = next((m for m in _PAUSE_MODES if m == requested), None)
         if mode is None:
             return _bad_request(f"mode must be one of {', '.join(_PAUSE_MODES)}, got {requested!r}")
@@ -328,12 +375,16 @@ class EngineServer:
         self.pause_mode = mode
         self._gate_changed()
         if mode == "abort":
-            self.abort_matching(abort_all=True, message="Aborted by pause_generation.")
-            await self._wait_for(lambda: self.running == 0)
+            # 0.5.23 aborts and waits until no dispatched request holds the model lock (tokenizer_manager.py:
+            # 2267-2280); 0.5.5 ignores the mode, aborts and returns at once.
+            self.abort_all_dispatched("Aborted by pause_generation.")
+            if self.config.compat != "0.5.5":
+                await self._wait_for(lambda: self.running == 0)
         elif mode == "retract":
             for req in self.states.values():
                 if req.started and req.state.finish is None:
                     req.retractions += 1
+                    self.counters["num_retracted_requests"] += 1
         await self.backend.pause(mode)
         self._frozen = True
         self._pulse()
@@ -358,8 +409,77 @@ class EngineServer:
         rid, abort_all = body.get("rid") or "", bool(body.get("abort_all"))
         if not isinstance(rid, str):
             return _bad_request("rid must be a string")
-        self.abort_matching(rid, abort_all)
+        if abort_all:
+            self.abort_all_dispatched("Aborted by request.")
+        elif rid:  # an empty rid without abort_all is ignored (tokenizer_manager.py:2242-2245)
+            self.abort_rid(rid)
         return web.Response(status=200)
+
+    def running_batch_holds_kv(self) -> bool:
+        """Whether a flush would free KV a request still needs: SGLang flushes only when the running batch is empty,
+        ignoring the waiting queue while paused (scheduler.py:5518-5547, is_fully_idle 5337-5359). Requests held at
+        the pause gate never reached the scheduler; retract and abort pauses empty the running batch."""
+        busy = any(r.started and r.state.finish is None for r in self.states.values())
+        if not busy:
+            return False
+        return not (self.paused and self.pause_mode in ("retract", "abort"))
+
+    def flush_prefix_cache(self) -> bool:
+        if self.running_batch_holds_kv():
+            return False
+        self.backend.flush_cache()
+        self.cache_flushes += 1
+        return True
+
+    async def apply_weight_update(
+        self,
+        load: Callable[[], Awaitable[Any]],
+        *,
+        version: str | None,
+        flush_cache: bool,
+        abort_all: bool,
+    ) -> tuple[bool, str, int, float]:
+        """SGLang's update path, for every source (disk, distributed): abort_all first when asked; on a server that
+        is not paused, wait for in-flight requests behind the model-update lock, holding new ones
+        (tokenizer_manager.py:2288-2318); load; then flush the prefix cache when asked. A flush refused because the
+        running batch holds KV (an in_place pause) fails the call although the weights ARE loaded, and the reported
+        version stays the old one (weight_updater.py:119-133, tokenizer_manager.py:2314). Returns
+        (success, message, num_paused_requests, load seconds)."""
+        async with self._update_lock:
+            if abort_all:
+                self.abort_all_dispatched("Aborted for a weight update.")
+            self._updating += 1
+            self._gate_changed()
+            try:
+                await self._wait_for(lambda: self.running == 0 or self._frozen)
+                paused_before = self._frozen
+                num_paused = self.running if paused_before else 0
+                if not paused_before:
+                    await self.backend.pause("in_place")  # no decode step may run during the load
+                started = time.monotonic()
+                try:
+                    await load()
+                except Exception as exc:
+                    return False, f"Failed to update weights: {exc}", num_paused, 0.0
+                finally:
+                    if not paused_before and not self.paused:
+                        await self.backend.resume()
+                load_s = time.monotonic() - started
+                self.last_load_seconds = load_s
+                if flush_cache and not self.flush_prefix_cache():
+                    return (
+                        False,
+                        "Weights were updated, but the cache was not flushed because requests are still running or "
+                        "queued. Retract or finish them, then call /flush_cache.",
+                        num_paused,
+                        load_s,
+                    )
+                if version is not None:
+                    self._set_weight_version(version)
+                return True, "Succeeded to update model weights.", num_paused, load_s
+            finally:
+                self._updating -= 1
+                self._gate_changed()
 
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
         body = await _read_json(request)
@@ -371,48 +491,20 @@ class EngineServer:
             return _bad_request("model_path is required")
         if version is not None and not isinstance(version, str):
             return _bad_request("weight_version must be a string")
-        async with self._update_lock:
-            if body.get("abort_all_requests"):
-                self.abort_matching(abort_all=True, message="Aborted for a weight update.")
-            # Model-update lock: new generations wait behind the update; in-flight ones finish first unless paused.
-            self._updating += 1
-            self._gate_changed()
-            try:
-                await self._wait_for(lambda: self.running == 0 or self._frozen)
-                paused_before = self._frozen
-                num_paused = self.running if paused_before else 0
-                if not paused_before:
-                    await self.backend.pause("in_place")  # no decode step may run during the load
-                load_started = time.monotonic()
-                try:
-                    await self.backend.load_weights(path)
-                    load_s = time.monotonic() - load_started
-                except Exception as exc:
-                    return _json(
-                        {
-                            "success": False,
-                            "message": f"Failed to update weights: {exc}",
-                            "num_paused_requests": num_paused,
-                        },
-                        400,
-                    )
-                finally:
-                    if not paused_before and not self.paused:
-                        await self.backend.resume()
-                if version is not None:
-                    self._set_weight_version(version)
-            finally:
-                self._updating -= 1
-                self._gate_changed()
-        # load_seconds is rollq's addition (clients ignore unknown keys): lets fleet timing exclude the load itself.
-        return _json(
-            {
-                "success": True,
-                "message": "Succeeded to update model weights.",
-                "num_paused_requests": num_paused,
-                "load_seconds": round(load_s, 6),
-            }
+        flush = body.get("flush_cache", True)  # io_struct.py:1993: defaults to true
+        if not isinstance(flush, bool):
+            return _bad_request("flush_cache must be a boolean")
+        success, message, num_paused, load_s = await self.apply_weight_update(
+            lambda: self.backend.load_weights(path),
+            version=version,
+            flush_cache=flush or self.config.compat == "0.5.5",  # 0.5.5 always flushes (its pause always aborts)
+            abort_all=bool(body.get("abort_all_requests")),
         )
+        if success and version is not None:
+            message += f" Weight version updated to {version}."
+        # load_seconds is rollq's addition (clients ignore unknown keys): lets fleet timing exclude the load itself.
+        reply = {"success": success, "message": message, "num_paused_requests": num_paused}
+        return _json({**reply, "load_seconds": round(load_s, 6)}, 200 if success else 400)
 
     async def update_weight_version(self, request: web.Request) -> web.Response:
         body = await _read_json(request)
@@ -422,7 +514,7 @@ class EngineServer:
         if not isinstance(version, str) or not version:
             return _bad_request("new_version is required")
         if body.get("abort_all_requests", True):
-            self.abort_matching(abort_all=True, message="Aborted for a weight version update.")
+            self.abort_all_dispatched("Aborted for a weight version update.")
         self._set_weight_version(version)
         return _json({"success": True, "message": f"Weight version updated to {version}", "new_version": version})
 
@@ -434,35 +526,42 @@ class EngineServer:
             "Please check backend logs for more details. "
             "(When there are running or waiting requests, the operation will not be performed.)\n"
         )
-        if self.states:
+        # Refused while the running batch (or, unpaused, the waiting queue) holds requests (http_server.py:1025-1040,
+        # scheduler.py:5518-5547).
+        if not self.flush_prefix_cache():
             return web.Response(text="Cache not flushed.\n" + note, status=400)
         return web.Response(text="Cache flushed.\n" + note)
 
     # --- health and info ---
 
     async def health(self, request: web.Request) -> web.Response:
+        """/health and /health_generate: 200 once a one-token generation answers. The probe waits at the pause gate and
+        behind a weight update like any request (tokenizer_manager.py:938-941), and the handler gives up after
+        SGLANG_HEALTH_CHECK_TIMEOUT (20 s; http_server.py:218, 722-799): a paused or updating server answers 503
+        after that long. `health_timeout_s` sets it (tests run it short)."""
         if self.phase != "ready":
             return web.Response(status=503)
-        if self.paused or self._updating:  # healthy, but a generation would wait for /continue_generation
-            return web.Response(status=200)
-        state = GenState(f"HEALTH_CHECK_{uuid.uuid4().hex}", [1], SamplingParams(max_new_tokens=1, temperature=0.0))
-        task = asyncio.create_task(self.backend.run(state))
         deadline = time.monotonic() + self.config.health_timeout_s
         try:
-            while not task.done():
-                await asyncio.wait([task], timeout=0.05)
-                if self.paused or self.phase != "ready" or time.monotonic() > deadline:
-                    state.abort_message = "health check interrupted"
-                    healthy = self.paused and self.phase == "ready"
-                    await asyncio.wait([task], timeout=1.0)
-                    return web.Response(status=200 if healthy else 503)
-            task.result()
-        except Exception:
+            gate = self._wait_for(lambda: self.admitting or self.phase != "ready")
+            await asyncio.wait_for(gate, self.config.health_timeout_s)
+        except TimeoutError:
             return web.Response(status=503)
-        return web.Response(status=200)
+        if self.phase != "ready":
+            return web.Response(status=503)
+        state = GenState(f"HEALTH_CHECK_{uuid.uuid4().hex}", [1], SamplingParams(max_new_tokens=1, temperature=0.0))
+        task = asyncio.create_task(self.backend.run(state))
+        # Any answer counts, an abort by a pause included (SGLang looks only at last_receive_tstamp).
+        await asyncio.wait([task], timeout=max(0.0, deadline - time.monotonic()))
+        if not task.done():
+            state.abort_message = "health check timed out"
+            await asyncio.wait([task], timeout=1.0)
+            return web.Response(status=503)
+        return web.Response(status=503 if task.exception() is not None else 200)
 
     async def ready(self, request: web.Request) -> web.Response:
-        return web.Response(status=200 if self.phase == "ready" else 503)
+        # is_ready = not paused and healthy (tokenizer_manager.py:728-734, http_server.py:714-719)
+        return web.Response(status=200 if self.phase == "ready" and not self.paused else 503)
 
     def model_name(self) -> str:
         return self.config.served_model_name or self.backend.model_path
@@ -507,7 +606,7 @@ class EngineServer:
                     "pause_mode": self.pause_mode,
                 }
             ],
-            "version": PROTOCOL_VERSION,
+            "version": self.config.compat,
         }
         return _json(info)
 
@@ -539,11 +638,12 @@ class EngineServer:
             "num_paused_reqs": float(self.running) if self.paused else 0.0,
             "token_usage": float(stats.get("token_usage", 0.0)),
             "gen_throughput": float(stats.get("gen_throughput", 0.0)),
-            "cache_hit_rate": 0.0,
-            "is_paused": float(self.paused),
+            "cache_hit_rate": float(stats.get("cache_hit_rate", 0.0)),
         }
 
     async def metrics(self, request: web.Request) -> web.Response:
+        """Prometheus text under SGLang 0.5.23's metric names (observability/metrics_collector.py:365-405, 574,
+        1856-1960): gauges sglang:num_running_reqs ... and counters sglang:<name>_total."""
         labels = f'{{model_name="{self.model_name()}",engine_type="unified"}}'
         lines: list[str] = []
         for name, value in self.gauges().items():
@@ -573,7 +673,8 @@ class EngineServer:
 
     async def on_shutdown(self, app: web.Application) -> None:
         self.phase = "closing"
-        self.abort_matching(abort_all=True, message="The server is shutting down.")
+        for req in list(self.states.values()):  # held requests too: nothing will serve them
+            self._abort(req, "The server is shutting down.")
         if self.paused:
             self._frozen = False
             await self.backend.resume()  # let frozen states see their abort
@@ -598,14 +699,22 @@ async def _read_json(request: web.Request, optional: bool = False) -> dict[str, 
     return body
 
 
-def _auth_middleware(api_key: str):
-    expected = f"Bearer {api_key}".encode()
+def _bearer_ok(header: str, key: str) -> bool:
+    scheme, _, token = header.partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.encode(), key.encode())
+
+
+def _auth_middleware(api_key: str | None, admin_api_key: str | None):
+    """SGLang 0.5.23's auth decision (utils/auth.py:76-150): health/ready/metrics are open; a control route needs the
+    admin key when one is set (the api key is then not accepted), else the api key when set; any other route needs
+    the api key when set."""
 
     @web.middleware
     async def auth(request: web.Request, handler):
-        if request.path not in _OPEN_PATHS:
-            given = request.headers.get("Authorization", "").encode()
-            if not hmac.compare_digest(given, expected):
+        path = request.path
+        if request.method != "OPTIONS" and not path.startswith(_OPEN_PREFIXES):
+            key = (admin_api_key or api_key) if path in ADMIN_ROUTES else api_key
+            if key and not _bearer_ok(request.headers.get("Authorization", ""), key):
                 return _json({"error": "Unauthorized"}, 401)
         return await handler(request)
 
@@ -617,8 +726,10 @@ SERVER_KEY = web.AppKey("engine_server", EngineServer)
 
 def build_app(backend: Backend, config: EngineServerConfig) -> web.Application:
     server = EngineServer(backend, config)
+    keyed = config.api_key or config.admin_api_key
     app = web.Application(
-        middlewares=[_auth_middleware(config.api_key)] if config.api_key else [], client_max_size=256 * 1024 * 1024
+        middlewares=[_auth_middleware(config.api_key, config.admin_api_key)] if keyed else [],
+        client_max_size=256 * 1024 * 1024,
     )
     app[SERVER_KEY] = server
     s = server
@@ -630,19 +741,22 @@ def build_app(backend: Backend, config: EngineServerConfig) -> web.Application:
     r.add_post("/abort_request", s.abort_request)
     r.add_post("/update_weights_from_disk", s.update_weights_from_disk)
     r.add_post("/update_weight_version", s.update_weight_version)
-    r.add_get("/get_weight_version", s.get_weight_version)
+    old = config.compat == "0.5.5"
+    if old:  # removed in 0.5.23 (read /model_info)
+        r.add_get("/get_weight_version", s.get_weight_version)
     for path in ("/flush_cache",):
         r.add_get(path, s.flush_cache)
         r.add_post(path, s.flush_cache)
     for path in ("/health", "/health_generate"):
         r.add_get(path, s.health)
     r.add_get("/ready", s.ready)
-    for path in ("/model_info", "/get_model_info"):
+    for path in ("/get_model_info",) if old else ("/model_info", "/get_model_info"):
         r.add_get(path, s.model_info)
-    for path in ("/server_info", "/get_server_info"):
+    for path in ("/get_server_info",) if old else ("/server_info", "/get_server_info"):
         r.add_get(path, s.server_info)
     r.add_get("/v1/models", s.models)
     r.add_get("/metrics", s.metrics)
+    add_distributed_routes(app, server)
     app.on_startup.append(s.on_startup)
     app.on_shutdown.append(s.on_shutdown)
     app.on_cleanup.append(s.on_cleanup)

@@ -9,7 +9,12 @@ Contract:
 - `pause("in_place")` freezes decoding (KV caches kept) until `resume()`; `pause("retract")` frees the KV caches of
   running states and, after `resume()`, recomputes prompt + partial output and goes on (no token lost or repeated).
   `pause("abort")` is handled by the server (it sets abort_message on every state); backends treat it like in_place.
-- `load_weights(path)` replaces the weights (called by the server only while no decode step runs).
+- `load_weights(path)` / `load_tensors(named)` replace the weights (called by the server only while no decode step
+  runs). Loading never touches the prefix cache: the server calls `flush_cache()` when the update asks for it, as
+  SGLang does (weight_updater.py:119-133 in 0.5.23), so `flush_cache: false` keeps KV computed by the old weights.
+- `flush_cache()` drops every cached prefix; the server calls it only when no state holds KV in the running batch.
+- `state.priority` (SGLang's request priority, larger first) orders the waiting queue of a backend that has one;
+  `state.cached_tokens` is set by a backend with a prefix cache: prompt tokens whose KV was reused.
 - `stop_check(state, token_id)` below decides stop/length finishes the same way for every backend.
 """
 
@@ -37,9 +42,18 @@ class GenState:
         "created",
         "first_token_at",
         "weight_version_start",
+        "priority",
+        "cached_tokens",
     )
 
-    def __init__(self, rid: str, input_ids: list[int], params: SamplingParams, return_logprob: bool = False) -> None:
+    def __init__(
+        self,
+        rid: str,
+        input_ids: list[int],
+        params: SamplingParams,
+        return_logprob: bool = False,
+        priority: int | None = None,
+    ) -> None:
         self.rid = rid
         self.input_ids = input_ids
         self.params = params
@@ -51,6 +65,8 @@ class GenState:
         self.created = time.monotonic()
         self.first_token_at: float | None = None
         self.weight_version_start: str | None = None
+        self.priority = priority
+        self.cached_tokens = 0
 
 
 def stop_check(
@@ -107,6 +123,13 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     async def load_weights(self, path: str) -> None: ...
+
+    async def load_tensors(self, named: list[tuple[str, Any]]) -> None:
+        """Copy received (name, torch tensor) pairs into the weights (the distributed update path)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot load weights from tensors")
+
+    def flush_cache(self) -> None:  # noqa: B027 - optional hook: a backend without a prefix cache has nothing to drop
+        """Drop every cached prefix (KV computed by the weights it was computed with)."""
 
     def stats(self) -> dict[str, float]:
         """Gauges for /metrics: at least num_running_reqs, num_queue_reqs, token_usage, gen_throughput."""

@@ -44,6 +44,7 @@ def build_backend(args: EngineConfig) -> Backend:
                     seed=args.seed,
                     sampled=args.sampled,
                     max_running_requests=args.max_running,
+                    load_delay_s=args.load_delay,
                     tokenizer=args.tokenizer,
                     replies=replies,
                     turn_marker=args.turn_marker,
@@ -59,6 +60,8 @@ def build_backend(args: EngineConfig) -> Backend:
         fields: dict = {"model": args.model, "device": args.device, "seed": args.seed}
         if args.max_running:
             fields["max_running"] = args.max_running
+        if not args.radix_cache:
+            fields["prefix_cache_tokens"] = 0
         return reference.ReferenceBackend(reference.ReferenceConfig(**fields))
     raise _usage_exit(f"unknown backend {args.backend!r}")
 
@@ -118,6 +121,7 @@ async def _run_sglang(args: EngineConfig) -> int:
         tp_size=args.tp_size,
         weight_version=args.weight_version,
         api_key=args.api_key,
+        admin_api_key=args.admin_api_key,
         skip_tokenizer_init=args.skip_tokenizer_init,
     )
     stop = _stop_event()
@@ -176,7 +180,10 @@ def engine(args: EngineConfig) -> int:
         host=args.host,
         port=args.port,
         api_key=args.api_key,
+        admin_api_key=args.admin_api_key,
+        compat=args.compat,
         weight_version=args.weight_version,
         skip_tokenizer_init=args.skip_tokenizer_init,
+        health_timeout_s=args.health_timeout,
     )
     return _run(_serve(backend, config, args))

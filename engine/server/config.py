@@ -22,8 +22,33 @@ class EngineConfig(RunSettings, kw_only=True):
     api_key: Annotated[
         str | None, setting("require `Authorization: Bearer KEY` (not on /health*, /metrics)", metavar="KEY")
     ] = None
+    admin_api_key: Annotated[
+        str | None,
+        setting("require `Authorization: Bearer KEY` on control routes (pause, weights, abort, flush)", metavar="KEY"),
+    ] = None
     weight_version: Annotated[str, setting("the weight version reported until the first update")] = "default"
-    skip_tokenizer_init: Annotated[bool, setting("token ids only: no `text` in or out")] = False
+    skip_tokenizer_init: Annotated[
+        bool,
+        setting(
+            "token ids only: no `text` in or out; stop strings and min_new_tokens refused (rollq's pool handles "
+            "them), as SGLang launched the way RL runs launch it"
+        ),
+    ] = True
+    compat: Annotated[
+        Literal["0.5.23", "0.5.5"],
+        setting("SGLang release to behave as (0.5.5: pause always aborts at once, streamed output_ids are deltas)"),
+    ] = "0.5.23"
+    health_timeout: Annotated[
+        float,
+        setting(
+            "seconds /health_generate waits (paused or updating: then 503), SGLANG_HEALTH_CHECK_TIMEOUT",
+            metavar="S",
+            gt=0,
+        ),
+    ] = 20.0
+    radix_cache: Annotated[
+        bool, setting("reference backend: reuse the KV of cached prompt prefixes (--no-radix-cache to disable)")
+    ] = True
     device: Annotated[str, setting("torch device of the reference backend")] = "cpu"
     max_running: Annotated[int, setting("batch slots (0 = the backend's default)", metavar="N", ge=0)] = 0
     tp_size: Annotated[int, setting("sglang backend: tensor parallel size", metavar="N", ge=1)] = 1
@@ -50,6 +75,9 @@ class EngineConfig(RunSettings, kw_only=True):
             group=SYNTHETIC,
         ),
     ] = "fixed"
+    load_delay: Annotated[
+        float, setting("seconds a weight load takes (a large model from disk)", metavar="S", ge=0, group=SYNTHETIC)
+    ] = 0.0
     seed: Annotated[int, setting("sampling seed (synthetic and reference backends)", group=SYNTHETIC)] = 0
     sampled: Annotated[
         bool,

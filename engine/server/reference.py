@@ -1,10 +1,15 @@
 """ReferenceBackend: a transformers model behind the engine server, with continuous batching.
 
 One scheduler task owns the running batch. Each iteration it reaps aborted states, admits waiting states up to
-`max_running` (each prefilled on its own, unpadded), runs one batched decode step for the rows already running,
-samples every row and applies the tokens on the event loop (stop checks, finishes). States join and leave between
-steps. The torch work of an iteration runs in a worker thread so the event loop (HTTP) stays responsive; everything
-else (queues, GenStates) is touched only on the loop.
+`max_running` (highest `priority` first, FCFS among equals; prefilled unpadded, batched by equal cached and uncached
+lengths), runs one batched decode step for the rows already running, samples every row and applies the tokens on the
+event loop (stop checks, finishes). States join and leave between steps. The torch work of an iteration runs in a
+worker thread so the event loop (HTTP) stays responsive; everything else (queues, GenStates) is loop-only.
+
+Prefix cache (engine/server/prefix_cache.py): an admitted state prefills only what the cache lacks of its
+prompt + output (at least one token is computed, as SGLang), and its prompt's KV is cached right after, so the
+samples of a group admitted in the same iteration share the first one's prefill. A row leaving the batch (finished,
+aborted, retracted) caches prompt + output, so the next turn of a conversation reuses the earlier ones.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import contextlib
 import logging
 import os
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +29,10 @@ import torch  # ImportError here tells `rollq engine --backend reference` that t
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from rollq.engine.server.backend import Backend, GenState, stop_check
-from rollq.engine.server.kv_batch import KVBatch, prefill
+from rollq.engine.server.kv_batch import KVBatch, Prefilled, prefill
+from rollq.engine.server.prefix_cache import PrefixCache, common_prefix
 from rollq.engine.server.sampler import RowSpec, request_generator, sample
-from rollq.engine.server.weights import load_into
+from rollq.engine.server.weights import copy_into, load_into
 from rollq.engine.tiny_model import model_dir
 from rollq.engine.types import FinishReason, PauseMode
 
@@ -33,6 +40,9 @@ log = logging.getLogger(__name__)
 
 POLL_S = 0.02  # how often a paused scheduler looks for aborted states (the server sets abort_message directly)
 THROUGHPUT_WINDOW_S = 10.0
+PREFILL_BATCH_ROWS = 64  # sequences per batched prefill forward
+PREFILL_BATCH_TOKENS = 8192  # and computed tokens per forward (bounds its activations)
+IN_BATCH_PREFIX_MIN = 32  # a sequence waits a wave for another admitted with it that shares this many more tokens
 
 
 class ReferenceConfig(msgspec.Struct, kw_only=True, frozen=True):
@@ -44,15 +54,18 @@ class ReferenceConfig(msgspec.Struct, kw_only=True, frozen=True):
     seed: int = 0  # sampling seed, combined with each rid
     torch_threads: int = 0  # 0: leave one core to the event loop when there are few cores
     attn_implementation: str = "sdpa"
+    prefix_cache_tokens: int = 32768  # KV of this many tokens kept for prefix reuse (LRU); 0 disables the cache
 
 
 class _Req:
-    __slots__ = ("state", "done", "generator")
+    __slots__ = ("state", "done", "generator", "prefilled", "cacheable")
 
     def __init__(self, state: GenState, done: asyncio.Future[None], generator: Any) -> None:
         self.state = state
         self.done = done
         self.generator = generator
+        self.prefilled = False  # cached_tokens is counted at the first prefill only (not after a retract)
+        self.cacheable = True  # False: its row's KV predates a flush and must not go back into the cache
 
 
 class ReferenceBackend(Backend):
@@ -68,6 +81,9 @@ class ReferenceBackend(Backend):
         self._paused = False
         self._task: asyncio.Task[None] | None = None
         self._generated: collections.deque[tuple[float, int]] = collections.deque()
+        self._cache = PrefixCache(self.config.prefix_cache_tokens)
+        self._prefix_window: collections.deque[tuple[float, int, int]] = collections.deque()  # (t, prompt, cached)
+        self._totals = {"prompt_tokens": 0, "cached_tokens": 0, "prefill_tokens": 0}
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
 
@@ -144,7 +160,7 @@ class ReferenceBackend(Backend):
             state.finish = FinishReason(type="length", length=len(state.output_ids))
             return
         req = _Req(state, asyncio.get_running_loop().create_future(), request_generator(self.config.seed, state.rid))
-        self._waiting.append(req)
+        self._enqueue(req)
         self._wake.set()
         try:
             await asyncio.shield(req.done)
@@ -159,7 +175,9 @@ class ReferenceBackend(Backend):
         self._paused = True
         async with self._lock:  # waits for the iteration in flight
             if mode == "retract":
-                # Running states go back to the queue head, in order; resume re-prefills prompt + partial output.
+                # Running states go back to the queue head, in order; resume re-prefills prompt + partial output
+                # (mostly from the prefix cache, which gets every row's KV before the batch is freed).
+                await asyncio.to_thread(self._retire, self._rows_leaving(range(len(self._running))), self._cache.epoch)
                 self._waiting.extendleft(reversed([r for r in self._running if r.state.finish is None]))
                 self._running.clear()
                 self._batch.clear()
@@ -169,8 +187,19 @@ class ReferenceBackend(Backend):
         self._wake.set()
 
     async def load_weights(self, path: str) -> None:
+        # The prefix cache is kept: the server flushes it when the update asks (SGLang's flush_cache flag).
         async with self._lock:
             await asyncio.to_thread(load_into, self.model, path)
+
+    async def load_tensors(self, named: list[tuple[str, Any]]) -> None:
+        async with self._lock:
+            await asyncio.to_thread(copy_into, self.model, dict(named))
+
+    def flush_cache(self) -> None:
+        # Rows still in the batch (finished ones are retired at the next iteration) hold KV of the old weights.
+        for req in self._running:
+            req.cacheable = False
+        self._cache.clear()
 
     def stats(self) -> dict[str, float]:
         now = time.monotonic()
@@ -180,11 +209,20 @@ class ReferenceBackend(Backend):
         span = max(1e-3, min(THROUGHPUT_WINDOW_S, now - self._generated[0][0])) if self._generated else 1.0
         capacity = self.config.max_running * max(1, self.context_length)
         cached = self._batch.tokens() if self._batch is not None else 0
+        while self._prefix_window and self._prefix_window[0][0] < now - THROUGHPUT_WINDOW_S:
+            self._prefix_window.popleft()
+        prompt = sum(p for _, p, _ in self._prefix_window)
+        hit = sum(c for _, _, c in self._prefix_window)
         return {
             "num_running_reqs": float(sum(r.state.finish is None for r in self._running)),
             "num_queue_reqs": float(len(self._waiting)),
             "token_usage": cached / capacity,
             "gen_throughput": tokens / span,
+            "cache_hit_rate": hit / prompt if prompt else 0.0,  # prompt tokens reused, over the recent window
+            "prefix_cache_tokens": float(self._cache.tokens),
+            "prompt_tokens_total": float(self._totals["prompt_tokens"]),
+            "cached_tokens_total": float(self._totals["cached_tokens"]),
+            "prefill_tokens_total": float(self._totals["prefill_tokens"]),  # tokens actually computed by prefills
         }
 
     # ---- scheduler -------------------------------------------------------------------------------------------
@@ -194,11 +232,8 @@ class ReferenceBackend(Backend):
             async with self._lock:
                 self._reap_aborted()
                 busy = not self._paused and bool(self._waiting or self._unfinished())
-                if busy:
-                    await self._iterate()
-                elif not self._paused and self._running:  # all finished: free their caches now, not on next work
-                    self._running.clear()
-                    self._batch.clear()
+                if busy or (not self._paused and self._running):
+                    await self._iterate()  # when all finished: caches their KV and frees the batch now
             if busy:
                 await asyncio.sleep(0)  # let pause/load_weights/new requests in between iterations
                 continue
@@ -206,6 +241,14 @@ class ReferenceBackend(Backend):
             pending = bool(self._waiting or self._unfinished())
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), POLL_S if pending else None)
+
+    def _enqueue(self, req: _Req) -> None:
+        """Insert behind every waiting state of the same or a higher priority (larger first, FCFS among equals)."""
+        prio = req.state.priority or 0
+        i = len(self._waiting)
+        while i > 0 and (self._waiting[i - 1].state.priority or 0) < prio:
+            i -= 1
+        self._waiting.insert(i, req)
 
     def _unfinished(self) -> bool:
         return any(r.state.finish is None for r in self._running)
@@ -220,10 +263,12 @@ class ReferenceBackend(Backend):
 
     async def _iterate(self) -> None:
         keep = [i for i, r in enumerate(self._running) if r.state.finish is None]
+        leaving = self._rows_leaving(i for i, r in enumerate(self._running) if r.state.finish is not None)
         running = [self._running[i] for i in keep]
         admit: list[_Req] = []
         while self._waiting and len(running) + len(admit) < self.config.max_running:
             admit.append(self._waiting.popleft())
+            admit[-1].cacheable = True  # prefilled afresh
         # Snapshot what the thread reads, so the loop may go on mutating states meanwhile.
         decode_tokens = [r.state.output_ids[-1] for r in running]
         prefill_ids = [[*r.state.input_ids, *r.state.output_ids] for r in admit]
@@ -232,11 +277,11 @@ class ReferenceBackend(Backend):
             for r in (*running, *admit)
         ]
         self._running = running + admit
-        if not self._running:  # everything finished: only free the batch
-            self._batch.clear()
-            return
+        epoch = self._cache.epoch  # a flush while the step runs voids what it would cache
         try:
-            tokens, logprobs = await asyncio.to_thread(self._step, keep, decode_tokens, prefill_ids, rows)
+            tokens, logprobs, reused = await asyncio.to_thread(
+                self._step, epoch, leaving, keep, decode_tokens, prefill_ids, rows
+            )
         except Exception as e:
             log.exception("reference engine step failed; aborting the running batch")
             for req in self._running:
@@ -249,20 +294,105 @@ class ReferenceBackend(Backend):
             self._running.clear()
             self._batch.clear()
             return
+        self._count_prefills(admit, prefill_ids, reused)
         self._apply(tokens, logprobs)
 
+    def _rows_leaving(self, rows: Iterable[int]) -> list[tuple[int, list[int]]]:
+        """(batch row, its tokens) for rows whose KV goes to the prefix cache when they leave the batch."""
+        if self.config.prefix_cache_tokens <= 0:
+            return []
+        reqs = [(i, self._running[i]) for i in rows]
+        return [(i, [*r.state.input_ids, *r.state.output_ids]) for i, r in reqs if r.cacheable]
+
+    def _retire(self, rows: list[tuple[int, list[int]]], epoch: int) -> None:
+        """Cache the KV of rows about to leave the batch (worker thread). A row holds KV for all its tokens but the
+        last sampled one (never fed), or for all of them when it was aborted while a step ran: its length says."""
+        for i, ids in rows:
+            n, layers = self._batch.row(i)
+            self._cache.insert(ids[:n], layers, epoch)
+
     def _step(
-        self, keep: list[int], decode_tokens: list[int], prefill_ids: list[list[int]], rows: list[Any]
-    ) -> tuple[list[int], list[float]]:
+        self,
+        epoch: int,
+        leaving: list[tuple[int, list[int]]],
+        keep: list[int],
+        decode_tokens: list[int],
+        prefill_ids: list[list[int]],
+        rows: list[Any],
+    ) -> tuple[list[int], list[float], list[int]]:
         with torch.inference_mode():
+            self._retire(leaving, epoch)
             self._batch.keep(keep)
             parts = [self._batch.decode(self.model, decode_tokens)] if decode_tokens else []
-            seqs = [prefill(self.model, ids) for ids in prefill_ids]
+            seqs, reused = self._prefill(prefill_ids, epoch)
             parts += [s.logits[None] for s in seqs]
             self._batch.add(seqs)
-            return sample(torch.cat(parts), rows)
+            if not parts:  # nothing runs: rows only left the batch
+                return [], [], []
+            tokens, logprobs = sample(torch.cat(parts), rows)
+            return tokens, logprobs, reused
+
+    def _prefill(self, prefill_ids: list[list[int]], epoch: int) -> tuple[list[Prefilled], list[int]]:
+        """Prefill the admitted sequences (worker thread); returns them in order, and the tokens each reused.
+
+        At most len-1 tokens are reused: the last one's logits are needed. Sequences with equal cached and uncached
+        lengths run as one batch. A sequence that shares more with another one of this iteration than the cache
+        holds (the samples of a group) waits for that one's prefill, which caches its tokens right after: in waves,
+        the first of such a set (lexicographically) is computed, the others match it in the next wave."""
+        use_cache = self.config.prefix_cache_tokens > 0
+        out: list[Prefilled | None] = [None] * len(prefill_ids)
+        reused = [0] * len(prefill_ids)
+        pending = list(range(len(prefill_ids)))
+        while pending:
+            now, later = self._defer(pending, prefill_ids) if use_cache else (pending, [])
+            matches = {i: self._cache.match(prefill_ids[i][:-1]) if use_cache else (0, None) for i in now}
+            groups: dict[tuple[int, int], list[int]] = {}
+            for i in now:
+                groups.setdefault((matches[i][0], len(prefill_ids[i])), []).append(i)
+            for (start, length), members in groups.items():
+                rows = max(1, min(PREFILL_BATCH_ROWS, PREFILL_BATCH_TOKENS // (length - start)))
+                for c in range(0, len(members), rows):
+                    chunk = members[c : c + rows]
+                    done = prefill(
+                        self.model, [prefill_ids[i] for i in chunk], [matches[i][1] for i in chunk] if start else None
+                    )
+                    for i, seq in zip(chunk, done, strict=True):
+                        self._cache.insert(prefill_ids[i], seq.layers, epoch)
+                        out[i], reused[i] = seq, start
+            pending = later
+        return [s for s in out if s is not None], reused
+
+    def _defer(self, pending: list[int], prefill_ids: list[list[int]]) -> tuple[list[int], list[int]]:
+        """Split `pending` into (prefill now, wait a wave): a sequence waits when its lexicographic predecessor among
+        `pending` shares enough more of it than the cache holds (SGLang's in-batch prefix caching)."""
+        order = sorted(pending, key=lambda i: prefill_ids[i])
+        wait = set()
+        for prev, cur in zip(order, order[1:], strict=False):
+            ids = prefill_ids[cur]
+            shared = min(common_prefix(prefill_ids[prev], ids), len(ids) - 1)
+            if shared <= 0:
+                continue
+            have = self._cache.peek(ids[:-1])
+            if shared - have >= min(IN_BATCH_PREFIX_MIN, len(ids) - 1 - have):
+                wait.add(cur)
+        return [i for i in pending if i not in wait], [i for i in pending if i in wait]
+
+    def _count_prefills(self, admit: list[_Req], prefill_ids: list[list[int]], reused: list[int]) -> None:
+        now = time.monotonic()
+        for req, ids, n in zip(admit, prefill_ids, reused, strict=True):
+            self._totals["prefill_tokens"] += len(ids) - n
+            if req.prefilled:  # a retracted state's re-prefill: not a prompt cache hit (as SGLang)
+                continue
+            req.prefilled = True
+            prompt = len(req.state.input_ids)
+            req.state.cached_tokens = min(n, prompt)
+            self._totals["prompt_tokens"] += prompt
+            self._totals["cached_tokens"] += req.state.cached_tokens
+            self._prefix_window.append((now, prompt, req.state.cached_tokens))
 
     def _apply(self, tokens: list[int], logprobs: list[float]) -> None:
+        if not tokens:
+            return
         now = time.monotonic()
         for req, token, logprob in zip(self._running, tokens, logprobs, strict=True):
             state = req.state

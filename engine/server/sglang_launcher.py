@@ -23,6 +23,7 @@ class SGLangLaunch(msgspec.Struct, kw_only=True):
     mem_fraction_static: float = 0.8
     weight_version: str = "default"
     api_key: str | None = None
+    admin_api_key: str | None = None
     skip_tokenizer_init: bool = True  # token in, token out: never re-tokenize
     extra_args: list[str] = []
 
@@ -51,6 +52,8 @@ class SGLangLaunch(msgspec.Struct, kw_only=True):
             cmd.append("--skip-tokenizer-init")
         if self.api_key:
             cmd += ["--api-key", self.api_key]
+        if self.admin_api_key:
+            cmd += ["--admin-api-key", self.admin_api_key]
         return cmd + list(self.extra_args)
 
 

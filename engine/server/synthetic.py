@@ -344,7 +344,12 @@ class SyntheticBackend(Backend):
 
     async def _run_stepped(self, seq: _Seq) -> None:
         seq.done = asyncio.get_running_loop().create_future()
-        self._queue.append(seq)
+        # Behind every queued state of the same or a higher priority: larger first, FCFS among equals (as SGLang).
+        prio = seq.state.priority or 0
+        i = len(self._queue)
+        while i > 0 and (self._queue[i - 1].state.priority or 0) < prio:
+            i -= 1
+        self._queue.insert(i, seq)
         if self._stepper is None or self._stepper.done():
             self._stepper = asyncio.create_task(self._step_loop(), name="synthetic-stepper")
         self._kick.set()
@@ -403,6 +408,10 @@ class SyntheticBackend(Backend):
         if not os.path.exists(path):
             raise FileNotFoundError(f"weights not found: {path}")
         if self.config.load_delay_s > 0:
+            await asyncio.sleep(self.config.load_delay_s)
+
+    async def load_tensors(self, named: list[tuple[str, Any]]) -> None:
+        if self.config.load_delay_s > 0:  # the tensors themselves are accepted and dropped: there is no model
             await asyncio.sleep(self.config.load_delay_s)
 
     async def close(self) -> None:

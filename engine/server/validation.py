@@ -46,6 +46,7 @@ class Prompt(msgspec.Struct, kw_only=True):
     return_logprob: bool
     top_logprobs_num: int
     logprob_start_len: int
+    priority: int | None = None  # SGLang's request priority (larger first in the reference scheduler)
 
 
 class GenerateCall(msgspec.Struct, kw_only=True):
@@ -189,6 +190,9 @@ def parse_generate(body: Any, *, encode, vocab_size: int, context_length: int, t
     return_logprob = _per_prompt(body.get("return_logprob"), count, "return_logprob", False, bool)
     top_logprobs = _per_prompt(body.get("top_logprobs_num"), count, "top_logprobs_num", 0, int)
     start_len = _per_prompt(body.get("logprob_start_len"), count, "logprob_start_len", -1, int)
+    priority = body.get("priority")
+    if priority is not None and type(priority) is not int:
+        raise BadRequest("priority must be an integer")
     stream = body.get("stream") or False
     text_in_logprobs = body.get("return_text_in_logprobs") or False
     if not isinstance(stream, bool) or not isinstance(text_in_logprobs, bool):
@@ -197,14 +201,18 @@ def parse_generate(body: Any, *, encode, vocab_size: int, context_length: int, t
     prompts: list[Prompt] = []
     for i, ids in enumerate(prompts_ids):
         p = params[i]
+        if not tokenizer:
+            _refuse_tokenizer_features(p)
         if vocab_size and (min(ids) < 0 or max(ids) >= vocab_size):
             bad = next(t for t in ids if t < 0 or t >= vocab_size)
             raise EngineValueError(f"Input token id {bad} is out of the vocabulary range [0, {vocab_size}).")
+        # tokenizer_manager.py:1337-1377: input >= context is refused; input + max_new_tokens > context too, but only
+        # when the client set max_new_tokens itself.
         if context_length and len(ids) >= context_length:
             raise EngineValueError(
                 f"The input ({len(ids)} tokens) is longer than the model's context length ({context_length} tokens)."
             )
-        if context_length and _explicit_max(raw_sampling, i) and (p.max_new_tokens + len(ids) >= context_length):
+        if context_length and _explicit_max(raw_sampling, i) and (p.max_new_tokens + len(ids) > context_length):
             raise EngineValueError(
                 f"Requested token count exceeds the model's maximum context length of {context_length} tokens. "
                 f"You requested a total of {p.max_new_tokens + len(ids)} tokens: {len(ids)} tokens from the input "
@@ -223,6 +231,7 @@ def parse_generate(body: Any, *, encode, vocab_size: int, context_length: int, t
                 return_logprob=return_logprob[i],
                 top_logprobs_num=top_logprobs[i],
                 logprob_start_len=start_len[i],
+                priority=priority,
             )
         )
     return GenerateCall(
@@ -231,6 +240,21 @@ def parse_generate(body: Any, *, encode, vocab_size: int, context_length: int, t
         stream=stream,
         return_text_in_logprobs=text_in_logprobs,
     )
+
+
+def _refuse_tokenizer_features(p: SamplingParams) -> None:
+    """Without a tokenizer (--skip-tokenizer-init) stop strings and min_new_tokens are refused
+    (sampling/sampling_params.py:440-467 in 0.5.23; 0.5.5's scheduler crashes on them instead)."""
+    if p.stop:
+        raise EngineValueError(
+            f"stop={p.stop!r} is unavailable when skip_tokenizer_init=True "
+            "(requires tokenizer to decode tokens to text for matching)."
+        )
+    if p.min_new_tokens > 0:
+        raise EngineValueError(
+            f"min_new_tokens={p.min_new_tokens} is unavailable when skip_tokenizer_init=True "
+            "(requires tokenizer for eos_token_id)."
+        )
 
 
 def _explicit_max(raw_sampling: Any, i: int) -> bool:

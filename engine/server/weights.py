@@ -34,17 +34,13 @@ def safetensors_files(path: str | Path) -> list[Path]:
 
 
 @torch.no_grad()
-def load_into(model: torch.nn.Module, path: str | Path) -> int:
-    """Copy every tensor of `path` into `model`'s parameters. Strict: every parameter must be present with its shape,
-    and no unknown name is allowed (tied aliases such as lm_head.weight are accepted). Nothing is changed when the
-    check fails. Returns the number of tensors loaded."""
+def copy_into(model: torch.nn.Module, tensors: dict[str, torch.Tensor], source: str = "received weights") -> int:
+    """Copy `tensors` into `model`'s parameters (cast to each parameter's dtype and device). Strict: every parameter
+    must be present with its shape, and no unknown name is allowed (tied aliases such as lm_head.weight are accepted).
+    Everything is checked before the first copy, so nothing is changed when the check fails: an engine keeps serving
+    whole old weights rather than a mix. Returns the number of parameters written."""
     params = dict(model.named_parameters())  # tied parameters appear once
     aliases = {name for name in model.state_dict() if name not in params}
-    tensors: dict[str, torch.Tensor] = {}
-    for file in safetensors_files(path):
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                tensors[name] = f.get_tensor(name)
     missing = sorted(set(params) - set(tensors))
     unknown = sorted(set(tensors) - set(params) - aliases)
     bad_shape = sorted(
@@ -54,9 +50,20 @@ def load_into(model: torch.nn.Module, path: str | Path) -> int:
     )
     if missing or unknown or bad_shape:
         raise ValueError(
-            f"weights at {path} do not fit the model: missing {missing[:8]}, unknown {unknown[:8]}, "
+            f"{source} do not fit the model: missing {missing[:8]}, unknown {unknown[:8]}, "
             f"shape mismatch {bad_shape[:8]}"
         )
     for name, p in params.items():
         p.copy_(tensors[name].to(dtype=p.dtype, device=p.device))
     return len(params)
+
+
+def load_into(model: torch.nn.Module, path: str | Path) -> int:
+    """Copy every tensor of `path` into `model`'s parameters, strictly (see `copy_into`). Returns the number of
+    tensors loaded."""
+    tensors: dict[str, torch.Tensor] = {}
+    for file in safetensors_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                tensors[name] = f.get_tensor(name)
+    return copy_into(model, tensors, source=f"weights at {path}")

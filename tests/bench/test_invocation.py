@@ -12,7 +12,16 @@ import pytest
 
 from tests.helpers import REPO_ROOT
 
-BENCHMARKS = ["queue", "engine", "engine_batching", "agents", "async_rl"]
+BENCHMARKS = [
+    "queue",
+    "engine",
+    "engine_batching",
+    "engine_control",
+    "engine_prefix",
+    "engine_weights",
+    "agents",
+    "async_rl",
+]
 
 
 def test_every_benchmark_is_listed():

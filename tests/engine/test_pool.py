@@ -4,13 +4,22 @@ import asyncio
 import os
 import signal
 
+import msgspec
 import pytest
 
 from rollq.engine.fleet import FleetController
-from rollq.engine.pool import EnginePool, PoolConfig, version_number
+from rollq.engine.pool import (
+    EngineFacts,
+    EnginePool,
+    PoolConfig,
+    UnsupportedRequest,
+    stop_cut,
+    token_versions,
+    version_number,
+)
 from rollq.engine.server.app import EngineServerConfig, serve
 from rollq.engine.server.synthetic import SyntheticBackend, SyntheticConfig
-from rollq.engine.types import ModelRequest, SamplingParams
+from rollq.engine.types import GenerateResult, ModelRequest, SamplingParams
 from tests.helpers import wait_until
 from tests.redis_server import free_port
 
@@ -155,3 +164,87 @@ async def test_streamed_tokens_survive_an_engine_sigkilled_mid_stream(engine_pro
         assert seen.ids == resp.output_tokens and len(resp.output_tokens) == 80
         again = await pool.agenerate(request(3, 80))
         assert resp.output_tokens == again.output_tokens
+
+
+def test_sampling_values_the_trainer_relies_on_are_always_sent():
+    body = SamplingParams(max_new_tokens=8).to_request()
+    assert body == {"max_new_tokens": 8, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0}
+    body = SamplingParams(max_new_tokens=8, stop_token_ids=[2, 0], ignore_eos=True).to_request()
+    assert body["stop_token_ids"] == [2, 0] and body["ignore_eos"] is True and "n" not in body
+    assert msgspec.convert(body, SamplingParams) == SamplingParams(
+        max_new_tokens=8, stop_token_ids=[2, 0], ignore_eos=True
+    )
+
+
+def test_stop_token_ids_hold_eos_generation_config_and_end_of_turn():
+    from rollq.workers.chat_template import load_tokenizer, stop_token_ids
+
+    tok = load_tokenizer("tiny")
+    ids = stop_token_ids(tok)
+    assert tok.convert_tokens_to_ids("<|im_end|>") in ids and tok.convert_tokens_to_ids("<|endoftext|>") in ids
+    assert len(ids) == len(set(ids))
+
+
+def test_token_versions_follow_sglang_weight_version_spans():
+    # add_weight_versions_to_meta_info (0.5.23): spans over this answer's output tokens, `end` capped at its length,
+    # `weight_version` the last span's version.
+    meta = {
+        "weight_version": "step-2",
+        "weight_versions": [
+            {"version": "step-1", "start": 0, "end": 3},
+            {"version": "step-2", "start": 3, "end": 5},
+        ],
+    }
+    result = GenerateResult(
+        rid="r", output_ids=[5] * 5, output_logprobs=[], finish_reason=None, weight_version="step-2", meta_info=meta
+    )
+    assert token_versions(result) == [1, 1, 1, 2, 2]
+    plain = GenerateResult(rid="r", output_ids=[5] * 3, output_logprobs=[], finish_reason=None, weight_version="4")
+    assert token_versions(plain) == [4, 4, 4]
+
+
+async def test_priority_reaches_the_engine(engines):
+    async with EnginePool(PoolConfig(urls=[engines[0].url])) as pool:
+        client = pool.members[engines[0].url].client
+        await client.pause_generation("retract")  # the request waits at the gate, where its state can be read
+        task = asyncio.create_task(pool.agenerate(msgspec.structs.replace(request(1, 5), priority=7)))
+        await wait_until(lambda: engines[0].server.states, 10, what="the request at the engine")
+        assert [r.state.priority for r in engines[0].server.states.values()] == [7]
+        await client.continue_generation()
+        assert len((await asyncio.wait_for(task, 10)).output_tokens) == 5
+
+
+def test_stop_cut_finds_the_token_that_completes_a_stop_string():
+    decode = "".join  # token "ids" are characters here
+    ids = list("abcSTOPdef")
+    assert stop_cut(decode, ids, 0, ["STOP"]) == (7, "STOP")  # the completing token is kept, as SGLang does
+    assert stop_cut(decode, ids, 0, ["nope"]) is None
+    assert stop_cut(decode, ids, 5, ["STOP", "Pd"]) == (7, "STOP")  # ids[:5] was checked already; first to complete
+
+
+async def test_without_a_tokenizer_on_the_engine_rollq_applies_stop_strings_and_refuses_min_new_tokens():
+    handle = await serve(
+        SyntheticBackend(SyntheticConfig(per_token_latency_s=0.001)),
+        EngineServerConfig(port=0, skip_tokenizer_init=True),
+    )
+    decode = lambda ids: "".join(f"<{i}>" for i in ids)  # noqa: E731
+    try:
+        async with EnginePool(PoolConfig(urls=[handle.url])) as pool:
+            base = (await pool.agenerate(request(1, 30))).output_tokens
+            stop = decode(base[10:12])
+            expected = next(k for k in range(1, 31) if stop in decode(base[:k]))
+            stopping = msgspec.structs.replace(
+                request(1, 30), sampling=SamplingParams(max_new_tokens=30, ignore_eos=True, stop=[stop])
+            )
+            with pytest.raises(UnsupportedRequest, match="skip-tokenizer-init"):
+                await pool.agenerate(stopping)  # the pool cannot decode: a clear error, not the engine's 400
+            assert pool.members[handle.url].facts == EngineFacts(skip_tokenizer_init=True, version="0.5.23")
+            pool.decode = decode
+            seen: list[int] = []
+            resp = await pool.agenerate(stopping, on_tokens=lambda ids, lps: seen.extend(ids))
+            assert resp.output_tokens == base[:expected] == seen and resp.stop_reason == "stop"
+            assert len(resp.output_versions) == len(resp.output_logprobs) == expected
+            with pytest.raises(UnsupportedRequest, match="min_new_tokens"):  # rollq's refusal, not the engine's 400
+                await pool.agenerate(ModelRequest(input_ids=[3, 4], sampling=SamplingParams(min_new_tokens=2)))
+    finally:
+        await handle.close()

@@ -212,6 +212,11 @@ async def test_error_shapes(start_engine, http):
     assert resp.json() == {
         "error": {"message": "The input (64 tokens) is longer than the model's context length (64 tokens)."}
     }
+    # input + max_new_tokens > context is refused when max_new_tokens was given (tokenizer_manager.py:1353-1377)
+    fits = {"input_ids": list(range(3, 63)), "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}}
+    assert (await generate(http, url, fits)).status_code == 200
+    resp = await generate(http, url, {**fits, "sampling_params": {"max_new_tokens": 5}})
+    assert resp.status_code == 400 and "You requested a total of 65 tokens" in resp.json()["error"]["message"]
     resp = await generate(http, url, {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 4, "bogus": 1}})
     assert resp.status_code == 400 and "bogus" in resp.json()["error"]["message"]
     for bad, fragment in (
@@ -261,7 +266,9 @@ async def test_api_key_guards_every_route_but_health_and_metrics(start_engine, h
 # --- aborts and pauses ---
 
 
-async def test_abort_request_by_rid_prefix_returns_partial_output(start_engine, http):
+async def test_abort_request_reaches_only_an_exact_live_rid(start_engine, http):
+    # tokenizer_manager.py:2241-2256 (0.5.23): forwarded only when the exact rid is live and not aborted before;
+    # an empty rid without abort_all is ignored.
     handle = await start_engine(per_token_latency_s=0.005)
     url = handle.url
     tasks = {
@@ -270,20 +277,25 @@ async def test_abort_request_by_rid_prefix_returns_partial_output(start_engine, 
     }
     for rid in tasks:
         await tokens_made(handle, rid, 3)
-    resp = await http.post(url + "/abort_request", json={"rid": "grp-a", "abort_all": False})
-    assert resp.status_code == 200 and resp.content == b""
-    for rid in ("grp-a-1", "grp-a-2"):
-        out = await asyncio.wait_for(tasks[rid], 5)
-        assert out.status_code == 200
-        body = out.json()
-        assert body["meta_info"]["finish_reason"]["type"] == "abort"
-        assert 3 <= len(body["output_ids"]) < 2000 and body["meta_info"]["prompt_tokens"] == 2
-    assert not tasks["other"].done()
+    for body in ({"rid": "grp-a", "abort_all": False}, {"rid": ""}, {}):
+        resp = await http.post(url + "/abort_request", json=body)
+        assert resp.status_code == 200 and resp.content == b""
+    assert not any(t.done() for t in tasks.values())
+    assert handle.server.counters["num_aborted_requests"] == 0
+    await http.post(url + "/abort_request", json={"rid": "grp-a-1"})
+    await http.post(url + "/abort_request", json={"rid": "grp-a-1"})  # a repeat is dropped
+    body = (await asyncio.wait_for(tasks["grp-a-1"], 5)).json()
+    assert body["meta_info"]["finish_reason"]["type"] == "abort"
+    assert 3 <= len(body["output_ids"]) < 2000 and body["meta_info"]["prompt_tokens"] == 2
+    assert handle.server.counters["num_aborted_requests"] == 1
+    assert not tasks["grp-a-2"].done() and not tasks["other"].done()
     await http.post(url + "/abort_request", json={"abort_all": True})
-    assert (await asyncio.wait_for(tasks["other"], 5)).json()["meta_info"]["finish_reason"]["type"] == "abort"
+    for rid in ("grp-a-2", "other"):
+        assert (await asyncio.wait_for(tasks[rid], 5)).json()["meta_info"]["finish_reason"]["type"] == "abort"
 
 
-async def test_generate_blocks_while_paused_and_completes_after_continue(engine, http):
+async def test_generate_blocks_while_paused_and_completes_after_continue(start_engine, http):
+    engine = await start_engine(server={"health_timeout_s": 0.3})
     url = engine.url
     resp = await http.post(url + "/pause_generation")  # no body: abort mode, like 0.5.5
     assert resp.status_code == 200 and resp.json() == {"message": "Generation paused successfully.", "status": "ok"}
@@ -291,11 +303,16 @@ async def test_generate_blocks_while_paused_and_completes_after_continue(engine,
     assert await still_pending(task)
     metrics = (await http.get(url + "/metrics")).text
     assert 'sglang:num_queue_reqs{model_name="synthetic",engine_type="unified"} 1.0' in metrics
-    assert (await http.get(url + "/health_generate", timeout=5)).status_code == 200  # paused, still healthy
+    # The health probe waits at the gate like any request and gives up: 503 (http_server.py:779-799); /ready is 503
+    # while paused (tokenizer_manager.py:732-734).
+    for path in ("/health_generate", "/health", "/ready"):
+        assert (await http.get(url + path, timeout=5)).status_code == 503, path
     resp = await http.post(url + "/continue_generation", json={"torch_empty_cache": True})
     assert resp.status_code == 200 and resp.json() == {"message": "Generation continued successfully.", "status": "ok"}
     out = (await asyncio.wait_for(task, 5)).json()
     assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 5}
+    for path in ("/health_generate", "/health", "/ready"):
+        assert (await http.get(url + path, timeout=5)).status_code == 200, path
 
 
 async def test_pause_abort_mode_returns_partial_outputs_and_aborts_waiting(start_engine, http):
@@ -311,15 +328,34 @@ async def test_pause_abort_mode_returns_partial_outputs_and_aborts_waiting(start
         assert out.status_code == 200
         meta = out.json()["meta_info"]
         assert meta["finish_reason"]["type"] == "abort" and 2 <= meta["completion_tokens"] < 2000
-    # A request blocked by the pause and then aborted: "Abort in waiting queue", no prompt_tokens.
-    waiting = asyncio.create_task(generate(http, url, gen_body(5, rid="w-1")))
-    await wait_until(lambda: "w-1" in handle.server.states, what="w-1 waiting")
+    # A request held at the pause gate is not live: neither /abort_request nor abort_all reaches it, and it runs
+    # after continue (tokenizer_manager.py:938-941, 2241-2256).
+    held = asyncio.create_task(generate(http, url, gen_body(5, rid="w-1")))
+    await wait_until(lambda: "w-1" in handle.server.states, what="w-1 held")
     await http.post(url + "/abort_request", json={"rid": "w-1"})
-    meta = (await asyncio.wait_for(waiting, 5)).json()["meta_info"]
-    assert meta["finish_reason"] == {"type": "abort", "message": "Abort in waiting queue"}
-    assert "prompt_tokens" not in meta and meta["id"] == "w-1"
+    await http.post(url + "/abort_request", json={"abort_all": True})
+    assert await still_pending(held, 0.1)
     await http.post(url + "/continue_generation")
-    assert (await generate(http, url, gen_body(3))).json()["meta_info"]["completion_tokens"] == 3
+    assert (await asyncio.wait_for(held, 5)).json()["meta_info"]["finish_reason"] == {"type": "length", "length": 5}
+
+
+async def test_abort_in_waiting_queue_shape(start_engine, http):
+    # One batch slot: the second request waits in the scheduler's queue. Aborted there it answers without
+    # prompt_tokens, with text, weight_version and completion_tokens (tokenizer_manager.py:3596-3636).
+    handle = await start_engine(per_token_latency_s=0.005, max_running_requests=1)
+    url = handle.url
+    first = asyncio.create_task(generate(http, url, gen_body(2000, rid="run")))
+    await tokens_made(handle, "run")
+    queued = asyncio.create_task(generate(http, url, gen_body(5, [7], rid="queued")))
+    await wait_until(lambda: "queued" in handle.server.states and handle.server.states["queued"].started, what="queued")
+    await http.post(url + "/abort_request", json={"rid": "queued"})
+    body = (await asyncio.wait_for(queued, 5)).json()
+    assert body["text"] == "" and body["output_ids"] == []
+    meta = body["meta_info"]
+    assert meta["finish_reason"] == {"type": "abort", "message": "Abort in waiting queue"}
+    assert "prompt_tokens" not in meta and meta["completion_tokens"] == 0 and meta["weight_version"] == "default"
+    await http.post(url + "/abort_request", json={"rid": "run"})
+    await first
 
 
 @pytest.mark.parametrize("mode", ["retract", "in_place"])
@@ -354,8 +390,12 @@ async def test_update_weights_from_disk_sets_version(engine, http, tmp_path):
     assert resp.status_code == 200
     body = resp.json()
     assert body.pop("load_seconds") >= 0  # rollq's extra key: the load itself, for fleet timing
-    assert body == {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
-    assert (await http.get(url + "/get_weight_version")).json() == {"weight_version": "v2"}
+    assert body == {
+        "success": True,
+        "message": "Succeeded to update model weights. Weight version updated to v2.",
+        "num_paused_requests": 0,
+    }
+    assert (await http.get(url + "/get_weight_version")).status_code == 404  # removed in 0.5.23
     assert (await http.get(url + "/model_info")).json()["weight_version"] == "v2"
     assert (await generate(http, url, gen_body(2))).json()["meta_info"]["weight_version"] == "v2"
 
@@ -365,7 +405,7 @@ async def test_update_weights_from_disk_sets_version(engine, http, tmp_path):
     assert resp.status_code == 400
     body = resp.json()
     assert body["success"] is False and "missing" in body["message"] and body["num_paused_requests"] == 0
-    assert (await http.get(url + "/get_weight_version")).json() == {"weight_version": "v2"}
+    assert (await http.get(url + "/model_info")).json()["weight_version"] == "v2"
     assert (await http.post(url + "/update_weights_from_disk", json={})).status_code == 400
 
     resp = await http.post(url + "/update_weight_version", json={"new_version": "v9"})
@@ -396,10 +436,17 @@ async def test_in_place_update_mid_request_reports_weight_version_ranges(start_e
     await tokens_made(handle, "span", 5)
     await http.post(url + "/pause_generation", json={"mode": "in_place"})
     split = len(handle.server.states["span"].state.output_ids)
-    resp = await http.post(url + "/update_weights_from_disk", json={"model_path": str(tmp_path), "weight_version": "1"})
+    update = {"model_path": str(tmp_path), "weight_version": "1"}
+    # flush_cache defaults to true (io_struct.py:1993); the running batch is not empty after an in_place pause, so the
+    # flush fails the call although the weights were loaded, and the version stays (weight_updater.py:119-133).
+    resp = await http.post(url + "/update_weights_from_disk", json=update)
+    assert resp.status_code == 400 and resp.json()["success"] is False
+    assert "cache was not flushed" in resp.json()["message"] and handle.server.weight_version == "default"
+    assert handle.server.cache_flushes == 0
+    resp = await http.post(url + "/update_weights_from_disk", json={**update, "flush_cache": False})
     assert resp.json() | {"load_seconds": 0} == {
         "success": True,
-        "message": "Succeeded to update model weights.",
+        "message": "Succeeded to update model weights. Weight version updated to 1.",
         "num_paused_requests": 1,
         "load_seconds": 0,
     }
@@ -454,7 +501,20 @@ async def test_info_endpoints(engine, http):
     assert models["data"][0]["id"] == "synthetic"
     await generate(http, url, gen_body(4))
     metrics = (await http.get(url + "/metrics")).text
-    for name in ("num_running_reqs", "num_queue_reqs", "token_usage", "gen_throughput", "generation_tokens_total"):
+    for name in (  # observability/metrics_collector.py:365-405, 574, 1856-1960 (0.5.23)
+        "num_running_reqs",
+        "num_queue_reqs",
+        "num_paused_reqs",
+        "token_usage",
+        "gen_throughput",
+        "cache_hit_rate",
+        "prompt_tokens_total",
+        "generation_tokens_total",
+        "cached_tokens_total",
+        "num_requests_total",
+        "num_aborted_requests_total",
+        "num_retracted_requests_total",
+    ):
         assert f"sglang:{name}{{" in metrics, name
     assert "# TYPE sglang:num_running_reqs gauge" in metrics
 

@@ -222,6 +222,6 @@ def test_cli_replies_file_errors_exit_2(tmp_path):
 async def test_cli_serves_scripted_replies(engine_process, http, tmp_path):
     replies = tmp_path / "replies.json"
     replies.write_text(json.dumps(REPLIES))
-    _, url = await engine_process("--tokenizer", "tiny", "--replies-file", str(replies))
+    _, url = await engine_process("--tokenizer", "tiny", "--replies-file", str(replies), "--no-skip-tokenizer-init")
     out = await post(http, url, chat_ids("What is 2 + 3?", TOOL_REPLY, '{"result": 5}'))
     assert out["text"] == REPLIES[1]

@@ -54,10 +54,21 @@ class GenerationConfig(msgspec.Struct, kw_only=True, frozen=True):
         if self.max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
 
-    def request(self, input_ids: list[int], data: dict[str, Any], max_new_tokens: int | None = None) -> ModelRequest:
+    def request(
+        self,
+        input_ids: list[int],
+        data: dict[str, Any],
+        max_new_tokens: int | None = None,
+        *,
+        stop_token_ids: tuple[int, ...] | list[int] = (),  # chat_template.stop_token_ids(tokenizer)
+    ) -> ModelRequest:
         return ModelRequest(
             input_ids=input_ids,
-            sampling=SamplingParams(max_new_tokens=max_new_tokens or self.max_new_tokens, temperature=self.temperature),
+            sampling=SamplingParams(
+                max_new_tokens=max_new_tokens or self.max_new_tokens,
+                temperature=self.temperature,
+                stop_token_ids=list(stop_token_ids) or None,
+            ),
             affinity=group_affinity(data),
         )
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from rollq.engine.types import InferenceEngine
 from rollq.workers.builtin.episode import GenerationConfig, TokenSequence
-from rollq.workers.chat_template import LazyTokenizer, continuation_ids, prompt_ids
+from rollq.workers.chat_template import LazyTokenizer, continuation_ids, prompt_ids, stop_token_ids
 from rollq.workers.rewards.call import RewardedWorkflow
 
 
@@ -42,7 +42,9 @@ class MultiTurnWorkflow(RewardedWorkflow):
         seq.add_context(prompt)
         reward = 0.0
         for turn in range(self.max_turns):
-            resp = await engine.agenerate(self.generation.request(seq.input_ids, data))
+            resp = await engine.agenerate(
+                self.generation.request(seq.input_ids, data, stop_token_ids=stop_token_ids(tok))
+            )
             seq.add_generated(resp)
             reward = await self.score(
                 prompt_text,

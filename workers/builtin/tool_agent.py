@@ -14,7 +14,7 @@ import msgspec
 
 from rollq.engine.types import InferenceEngine, ModelRequest, SamplingParams
 from rollq.workers.builtin.episode import TokenSequence, group_affinity
-from rollq.workers.chat_template import LazyTokenizer, continuation_ids, encode, prompt_ids
+from rollq.workers.chat_template import LazyTokenizer, continuation_ids, encode, prompt_ids, stop_token_ids
 from rollq.workers.resolver import resolve
 from rollq.workers.rewards.call import RewardedWorkflow
 from rollq.workers.tool_calls import ToolRegistry, parse_tool_calls
@@ -85,7 +85,9 @@ class ToolAgentWorkflow(RewardedWorkflow):
             resp = await engine.agenerate(
                 ModelRequest(
                     input_ids=list(seq.input_ids),
-                    sampling=SamplingParams(max_new_tokens=budget, temperature=c.temperature),
+                    sampling=SamplingParams(
+                        max_new_tokens=budget, temperature=c.temperature, stop_token_ids=list(stop_token_ids(tok))
+                    ),
                     affinity=group_affinity(data),
                 )
             )

@@ -17,6 +17,7 @@ import msgspec
 from aiohttp import web
 
 from rollq.engine.types import InferenceEngine, ModelRequest, SamplingParams
+from rollq.workers.chat_template import stop_token_ids
 from rollq.workers.proxy import anthropic
 from rollq.workers.proxy.chat import (
     BadRequest,
@@ -162,6 +163,7 @@ class RecordingProxy:
             stop=params.stop,
             frequency_penalty=params.frequency_penalty,
             presence_penalty=params.presence_penalty,
+            stop_token_ids=list(stop_token_ids(self.tokenizer)),  # end of turn, whatever the server's flags
         )
         engine = self.engine
         if engine is None:  # a proxy started before any worker gave it an engine (see WorkerContext.proxy)

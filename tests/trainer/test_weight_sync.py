@@ -1,0 +1,56 @@
+"""`weight_sync: distributed`: a short real training run whose weights reach the engine only by broadcast (no
+directory shared with the engine), checked by reading the engine's parameters back."""
+
+import io
+
+import msgspec
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from rollq.engine.pool import EnginePool, PoolConfig  # noqa: E402
+from rollq.engine.server.app import EngineServerConfig, serve  # noqa: E402
+from rollq.engine.server.reference import ReferenceBackend, ReferenceConfig  # noqa: E402
+from rollq.trainer.config import TrainConfig  # noqa: E402
+from rollq.trainer.loop import Trainer  # noqa: E402
+from rollq.trainer.policy import Policy  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+STEPS = 2
+
+
+async def test_a_run_with_distributed_weight_sync_needs_no_shared_directory(
+    redis, redis_url, run_name, tmp_path, spawn_worker
+):
+    engine = await serve(ReferenceBackend(ReferenceConfig(model="tiny", max_running=8)), EngineServerConfig(port=0))
+    spawn_worker(redis_url, run_name, "--concurrency", "4", "--engine", engine.url)
+    weights_dir = tmp_path / "weights"
+    cfg = TrainConfig(
+        redis_url=redis_url,
+        run=run_name,
+        run_dir=str(tmp_path / "run"),
+        weights_dir=str(weights_dir),
+        engine=[engine.url],
+        steps=STEPS,
+        group_size=2,
+        groups_per_step=2,
+        max_staleness=1,
+        weight_sync="distributed",
+        weight_sync_timeout_s=20.0,
+    )
+    policy = Policy(cfg)
+    pool = EnginePool(PoolConfig(urls=[engine.url]))
+    try:
+        trainer = Trainer(cfg, redis, pool, progress=io.StringIO(), policy=policy)
+        records = msgspec.to_builtins(await trainer.run())
+        assert [r["version"] for r in records] == list(range(1, STEPS + 1))
+        assert not weights_dir.exists()  # nothing was written for the engine to read
+        assert engine.server.weight_version == str(STEPS)
+        served = dict(engine.server.backend.model.named_parameters())
+        for name, p in policy.model.named_parameters():
+            assert torch.equal(served[name], p.detach()), name
+        assert all(r["weight_load_s"] > 0 for r in records)
+    finally:
+        await pool.close()
+        await engine.close()
