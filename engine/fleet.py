@@ -122,13 +122,20 @@ class FleetController:
         return result
 
     async def cycle(self, path: str, version: str | int, *, mode: PauseMode = "retract") -> dict[str, float]:
-        """pause -> update -> resume. Returns seconds per phase; `control_s` is the total minus the slowest engine's
-        weight load (what the control plane itself costs). Generation resumes right after the load."""
+        """pause -> update_weights(path) -> resume (see `cycle_with`)."""
+        return await self.cycle_with(lambda: self.update_weights(path, version), mode=mode)
+
+    async def cycle_with(
+        self, update_weights: Callable[[], Awaitable[FleetResult]], *, mode: PauseMode = "retract"
+    ) -> dict[str, float]:
+        """pause -> `update_weights()` (from disk, or a broadcast) -> resume. Returns seconds per phase; `control_s`
+        is the total minus the slowest engine's weight load (what the control plane itself costs). Generation
+        resumes right after the load."""
         t0 = time.monotonic()
         try:
             await self.pause(mode)
             t1 = time.monotonic()
-            update = await self.update_weights(path, version)
+            update = await update_weights()
             t2 = time.monotonic()
         finally:
             await self.resume()  # whatever happened: never leave the fleet paused, nor marked paused

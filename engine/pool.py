@@ -86,6 +86,7 @@ class UnsupportedRequest(EngineError):
 
 
 Decode = Callable[[list[int]], str]
+STOP_TAIL_TOKENS = 32  # tokens decoded to look for a stop string while streaming (plus what a chunk brought)
 
 
 def stop_cut(decode: Decode, ids: list[int], checked: int, stops: list[str]) -> tuple[int, str] | None:
@@ -503,13 +504,18 @@ class EnginePool:
             try:
                 facts = await self.facts(member) if needs_facts else None
                 sampling, local_stop = self._segment_sampling(req.sampling, len(tokens), member.url, facts)
-                progress = None
+                progress: ProgressCallback | None = None
                 if on_tokens is not None and local_stop is None and facts is not None and facts.streams:
 
                     def progress(ids: list[int], lps: list[float], streamed=streamed) -> None:
                         streamed[0].extend(ids)
                         streamed[1].extend(lps)
                         on_tokens(ids, lps)
+
+                elif local_stop is not None and self.decode is not None and facts is not None and facts.streams:
+                    # Stop strings applied here: stream the segment and abort it as soon as a stop shows up, rather
+                    # than let the engine run to max_new_tokens (the output is cut at the stop below).
+                    progress = self._stop_watch(member.client, f"{rid}-{segments}", local_stop, self.decode)
 
                 result = await member.client.generate(
                     req.input_ids + tokens if tokens else req.input_ids,
@@ -555,7 +561,7 @@ class EnginePool:
                 if cut is not None:
                     del tokens[cut[0] :], logprobs[cut[0] :], versions[cut[0] :]
                     stopped = cut[1]
-            if on_tokens is not None and progress is None and len(tokens) > checked:
+            if on_tokens is not None and (progress is None or local_stop is not None) and len(tokens) > checked:
                 on_tokens(tokens[checked:], logprobs[checked:])  # a segment generated whole: reported once
             if stopped is not None:
                 return self._response(req, rid, tokens, logprobs, versions, "stop", member, segments, started)
@@ -608,6 +614,24 @@ class EnginePool:
                 "stop strings itself only when the pool has one (EnginePool(..., decode=tokenizer.decode))",
             )
         return msgspec.structs.replace(sampling, stop=None), stops
+
+    def _stop_watch(self, client: SGLangClient, rid: str, stops: list[str], decode: Decode) -> ProgressCallback:
+        """A progress callback that aborts `rid` (once) when the decoded tail of its output holds a stop string."""
+        ids: list[int] = []
+        tail = max(STOP_TAIL_TOKENS, 4 * max(map(len, stops)))  # a stop string spans at most this many tokens here
+        aborted = False
+
+        def watch(new: list[int], _lps: list[float]) -> None:
+            nonlocal aborted
+            ids.extend(new)
+            if aborted or not any(stop in decode(ids[-(tail + len(new)) :]) for stop in stops):
+                return
+            aborted = True
+            task = asyncio.get_running_loop().create_task(_abort_quietly(client, rid))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+        return watch
 
     @staticmethod
     def _response(

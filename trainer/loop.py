@@ -126,22 +126,10 @@ class Trainer:
         An in_place pause keeps KV in the running batch, so the engines must not be asked to flush their cache
         (SGLang would load the weights and still fail the call)."""
         mode = self.cfg.pause_mode
-        t0 = time.monotonic()
-        await self.fleet.pause(mode)
-        t1 = time.monotonic()
         named = [(name, p.detach()) for name, p in self.policy.model.named_parameters()]
-        update = await sync.update(named, version, flush_cache=mode != "in_place")
-        t2 = time.monotonic()
-        await self.fleet.resume()
-        t3 = time.monotonic()
-        return {
-            "pause_s": t1 - t0,
-            "update_s": t2 - t1,
-            "resume_s": t3 - t2,
-            "total_s": t3 - t0,
-            "load_s": update.load_seconds,
-            "control_s": t3 - t0 - update.load_seconds,
-        }
+        return await self.fleet.cycle_with(
+            lambda: sync.update(named, version, flush_cache=mode != "in_place"), mode=mode
+        )
 
     # -- the loop ------------------------------------------------------------------------------------------------------
 

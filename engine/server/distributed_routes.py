@@ -104,21 +104,19 @@ class DistributedRoutes:
         return _reply(ok, message)
 
     async def begin(self, request: web.Request) -> web.Response:
-        req = await _decode(request, SessionRequest)
-        if isinstance(req, web.Response):
-            return req
-        if self.session_open:
-            return _reply(False, SESSION_OPEN)
-        self.session_open = True
-        return _reply(True, "Success")
+        return await self._session(request, opening=True)
 
     async def end(self, request: web.Request) -> web.Response:
+        return await self._session(request, opening=False)
+
+    async def _session(self, request: web.Request, *, opening: bool) -> web.Response:
+        """Open (begin) or close (end) the weight-update session; refused when it already is in that state."""
         req = await _decode(request, SessionRequest)
         if isinstance(req, web.Response):
             return req
-        if not self.session_open:
-            return _reply(False, NO_SESSION)
-        self.session_open = False
+        if self.session_open == opening:
+            return _reply(False, SESSION_OPEN if opening else NO_SESSION)
+        self.session_open = opening
         return _reply(True, "Success")
 
     async def update(self, request: web.Request) -> web.Response:

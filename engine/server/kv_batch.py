@@ -9,16 +9,25 @@ KV lives in preallocated per-layer buffers [rows, kv_heads, capacity, head_dim],
 writes its token's K/V in place (`_BufferLayer.update`) instead of concatenating the whole cache anew, and the model
 attends over views up to the current length. Prefills run in batches of sequences with equal cached and uncached
 lengths (`prefill`), e.g. the samples of a group on top of their shared cached prompt.
+
+Shared-prefix ("cascade") decode, as FlashInfer/SGLang for radix-shared prefixes: with `KVBatch(cascade=True)` and
+a model loaded with `attn_implementation=CASCADE`, rows added with a `SharedPrefix` keep only their suffix (the
+tokens after the prefix) in the left-padded buffers; all rows of one prefix share a single copy of its K/V. A decode
+step attends each row's query to the shared prefix (one batched attention op for all groups) and to its own suffix, and
+merges the two by log-sum-exp, which is exact. Rows without a prefix take the suffix part only (their whole KV).
 """
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Sequence
 from typing import Any
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import AttentionInterface, DynamicCache, PreTrainedModel
 from transformers.cache_utils import Cache, DynamicLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (keys, values), each [rows, kv_heads, length, head_dim]
 
@@ -26,6 +35,142 @@ KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (keys, values), each [
 def _capacity(n: int) -> int:
     """Room for n tokens and then some: buffers grow by half (amortised O(1) copies per token)."""
     return n + max(16, n // 2)
+
+
+CASCADE = "rollq_cascade"  # attn_implementation: SDPA, plus shared-prefix attention in KVBatch decode steps
+
+
+class SharedPrefix:
+    """The K/V of a token prefix shared by several rows of a KVBatch: `key` its tokens, `layers` per layer
+    (keys, values), each [1, kv_heads, len(key), head_dim], read-only. `epoch`: the caller's tag of the weights it
+    was computed with (the prefix cache's epoch), so that rows prefilled after a flush do not join it."""
+
+    __slots__ = ("key", "layers", "length", "epoch")
+
+    def __init__(self, key: tuple[int, ...], layers: KV, epoch: int = 0) -> None:
+        self.key = key
+        self.layers = layers
+        self.length = len(key)
+        self.epoch = epoch
+
+
+class _CascadePlan:
+    """What the cascade attention needs in one decode step: per layer the groups' prefix K/V, padded to one length
+    ([G, kv_heads, Pmax, head_dim]), which rows use which group, and the suffix padding of every row."""
+
+    __slots__ = ("prefix", "prefix_bias", "rows", "slots", "order", "groups", "width", "suffix_bias", "padded")
+
+    def __init__(self, prefixes: list[SharedPrefix], shared: list[SharedPrefix | None], device: torch.device) -> None:
+        index = {id(p): g for g, p in enumerate(prefixes)}
+        rows, slots, fill = [], [], [0] * len(prefixes)
+        for r, p in enumerate(shared):
+            if p is not None:
+                g = index[id(p)]
+                rows.append(r)
+                slots.append((g, fill[g]))
+                fill[g] += 1
+        self.groups, self.width = len(prefixes), max(fill)
+        self.rows = torch.tensor(rows, device=device)
+        flat = [g * self.width + j for g, j in slots]
+        self.slots = torch.tensor(flat, device=device)  # flat (group, slot) of each shared row
+        self.order: torch.Tensor | None = None  # the rows in slot order, when no slot is empty
+        if len(flat) == self.groups * self.width:
+            order = [0] * len(flat)
+            for r, f in zip(rows, flat, strict=True):
+                order[f] = r
+            self.order = torch.tensor(order, device=device)
+        longest = max(p.length for p in prefixes)
+        self.prefix: KV = []
+        for li in range(len(prefixes[0].layers)):
+            pair = []
+            for j in range(2):
+                t0 = prefixes[0].layers[li][j]
+                buf = t0.new_zeros(len(prefixes), t0.shape[1], longest, t0.shape[3])
+                for g, p in enumerate(prefixes):
+                    buf[g, :, : p.length] = p.layers[li][j][0]
+                pair.append(buf)
+            self.prefix.append((pair[0], pair[1]))
+        lengths = torch.tensor([p.length for p in prefixes], device=device)
+        pad = torch.arange(longest, device=device)[None, :] >= lengths[:, None]
+        dtype = prefixes[0].layers[0][0].dtype
+        bias = torch.zeros(pad.shape, dtype=dtype, device=device).masked_fill_(pad, float("-inf"))
+        self.prefix_bias = bias[:, None, None, :] if bool(pad.any()) else None  # [G, 1, 1, Pmax] additive
+        self.suffix_bias: torch.Tensor | None = None  # [B, 1, 1, W] additive (-inf on left padding), set per step
+        self.padded = True  # whether rows have left padding (else suffix_bias stays None)
+
+
+def cascade_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    rollq_cascade: _CascadePlan | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """SDPA, except in a KVBatch cascade decode step (`rollq_cascade` given): there every row attends to its
+    suffix (`key`/`value`: the batch's left-padded buffers) and, for rows with a shared prefix, to that prefix;
+    the two partial attentions are merged exactly by their log-sum-exp."""
+    if rollq_cascade is None:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    plan = rollq_cascade
+    b, heads, _, d = query.shape  # one query token per row
+    kv_heads = key.shape[1]
+    rep = heads // kv_heads
+    scale = scaling if scaling is not None else d**-0.5
+    q = query.reshape(b, kv_heads, rep, d)  # head h reads kv head h // rep, as repeat_kv: the rep heads as queries
+    out, lse = _partial_attention(q, key, value, plan.suffix_bias, scale)  # every row has its new token
+    pk, pv = plan.prefix[module.layer_idx]  # type: ignore[index]
+    g, n = plan.groups, plan.width
+    if plan.order is not None:  # every slot of every group taken: a gather
+        qp = q.index_select(0, plan.order)
+    else:
+        qp = q.new_zeros(g * n, kv_heads, rep, d)
+        qp[plan.slots] = q[plan.rows]
+    qp = qp.view(g, n, kv_heads, rep, d).transpose(1, 2).reshape(g, kv_heads, n * rep, d)
+    op, lse_p = _partial_attention(qp, pk, pv, plan.prefix_bias, scale)  # all groups' queries at once
+
+    def per_row(t: torch.Tensor) -> torch.Tensor:  # [G, kv_heads, n * rep, x] -> [shared rows, kv_heads, rep, x]
+        x = t.shape[-1]
+        return t.view(g, kv_heads, n, rep, x).transpose(1, 2).reshape(g * n, kv_heads, rep, x)[plan.slots]
+
+    op, lse_p = per_row(op).float(), per_row(lse_p)
+    every = plan.rows.shape[0] == b  # every row shares a prefix: no row indexing
+    ls = lse if every else lse[plan.rows]
+    m = torch.maximum(ls, lse_p)
+    ws, wp = (ls - m).exp_(), (lse_p - m).exp_()
+    out = out.float()
+    merged = (out if every else out[plan.rows]).mul_(ws).add_(op.mul_(wp)).div_(ws.add_(wp))
+    if not every:
+        out[plan.rows] = merged
+    return (merged if every else out).to(query.dtype).reshape(b, 1, heads, d), None
+
+
+_flash_cpu = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _partial_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q [N, H, Q, d] to k/v [N, H, K, d] (additive `bias` broadcast to [N, H, Q, K]); returns the
+    output [N, H, Q, d] and the log-sum-exp of the scores [N, H, Q, 1] (float32), to merge with other parts."""
+    if _flash_cpu is not None and q.device.type == "cpu":
+        out, lse = _flash_cpu(q, k, v, 0.0, False, attn_mask=bias, scale=scale)
+        return out, lse.unsqueeze(-1)
+    s = torch.matmul(q.float(), k.float().transpose(-1, -2)).mul_(scale)
+    if bias is not None:
+        s += bias
+    lse = torch.logsumexp(s, dim=-1, keepdim=True)
+    return torch.matmul(s.sub_(lse).exp_(), v.float()).to(q.dtype), lse
+
+
+AttentionInterface.register(CASCADE, cascade_attention)
+AttentionMaskInterface.register(CASCADE, sdpa_mask)
+_NO_MASKS: collections.defaultdict[str, None] = collections.defaultdict(lambda: None)  # cascade steps mask themselves
 
 
 class _BufferLayer(DynamicLayer):
@@ -94,14 +239,25 @@ class _BufferCache(DynamicCache):
 
 
 class Prefilled:
-    """One sequence's own cache after prefill, and the logits of its last position."""
+    """One sequence's own cache after prefill, and the logits of its last position. With `shared` (a cascade
+    prefill), `layers` hold only the tokens after that prefix."""
 
-    __slots__ = ("layers", "length", "logits")
+    __slots__ = ("layers", "length", "logits", "shared")
 
-    def __init__(self, layers: KV, length: int, logits: torch.Tensor) -> None:
-        self.layers = layers  # per layer (keys, values), each [1, kv_heads, length, head_dim]
+    def __init__(self, layers: KV, length: int, logits: torch.Tensor, shared: SharedPrefix | None = None) -> None:
+        self.layers = layers  # per layer (keys, values), each [1, kv_heads, length (- shared.length), head_dim]
         self.length = length
         self.logits = logits  # [vocab]
+        self.shared = shared
+
+    def full_layers(self) -> KV:
+        """KV of all `length` tokens (a concatenation when the prefix is shared)."""
+        if self.shared is None:
+            return self.layers
+        return [
+            (torch.cat([pk, k], dim=2), torch.cat([pv, v], dim=2))
+            for (pk, pv), (k, v) in zip(self.shared.layers, self.layers, strict=True)
+        ]
 
 
 def prefill(
@@ -145,16 +301,52 @@ def prefill(
     return [Prefilled([(k[r : r + 1], v[r : r + 1]) for k, v in kvs_out], length, logits[r]) for r in range(rows)]
 
 
-class KVBatch:
-    """Left-padded batched cache. Row order is the caller's: `keep` and `add` say which rows stay and join."""
+def prefill_last(
+    model: PreTrainedModel, ids: Sequence[Sequence[int]], shared: Sequence[SharedPrefix]
+) -> list[Prefilled]:
+    """Cascade prefill (model loaded with CASCADE) of sequences whose all but last token are their `shared`
+    prefix's: one forward pass of the last tokens, attending to the prefixes' single copies (as a decode step of a
+    cascade KVBatch), no prefix KV copied. Each result holds the KV of its last token and its `shared` prefix."""
+    device = shared[0].layers[0][0].device
+    if any(len(x) != p.length + 1 or tuple(x[: p.length]) != p.key for x, p in zip(ids, shared, strict=True)):
+        raise ValueError("a cascade prefill computes the one token after each sequence's shared prefix")
+    groups = list({id(p): p for p in shared}.values())
+    plan = _CascadePlan(groups, list(shared), device)
+    n_layers = model.config.get_text_config().num_hidden_layers
+    layers = [_BufferLayer(reserve=1) for _ in range(n_layers)]
+    out = model(
+        input_ids=torch.tensor([[x[-1]] for x in ids], device=device),
+        attention_mask=_NO_MASKS,
+        position_ids=torch.tensor([[p.length] for p in shared], device=device),
+        past_key_values=_BufferCache(layers),
+        use_cache=True,
+        logits_to_keep=1,
+        rollq_cascade=plan,
+    )
+    logits = out.logits[:, -1]
+    kvs_out = [lay.kv() for lay in layers]
+    return [
+        Prefilled([(k[r : r + 1], v[r : r + 1]) for k, v in kvs_out], len(x), logits[r], p)
+        for r, (x, p) in enumerate(zip(ids, shared, strict=True))
+    ]
 
-    def __init__(self) -> None:
+
+class KVBatch:
+    """Left-padded batched cache. Row order is the caller's: `keep` and `add` say which rows stay and join.
+
+    With `cascade`, rows added with a SharedPrefix hold only their suffix in the buffers (see the module doc)."""
+
+    def __init__(self, cascade: bool = False) -> None:
+        self.cascade = cascade
         self._reset()
 
     def _reset(self) -> None:
         self._cache: _BufferCache | None = None  # holds the per-layer buffers; width = its layers' length
         self._mask_buf = torch.zeros(0, 0, dtype=torch.long)  # [B, capacity]: 1 = real token, up to the width
-        self._lengths = torch.zeros(0, dtype=torch.long)  # [B]: real tokens per row = next position id
+        self._lengths = torch.zeros(0, dtype=torch.long)  # [B]: tokens per row = next position id
+        self._offsets = torch.zeros(0, dtype=torch.long)  # [B]: tokens of its shared prefix (not in the buffers)
+        self._shared: list[SharedPrefix | None] = []
+        self._plan: _CascadePlan | None = None
         self._width = 0
 
     @property
@@ -168,6 +360,10 @@ class KVBatch:
     def tokens(self) -> int:
         return int(self._lengths.sum())
 
+    def prefixes(self, epoch: int | None = None) -> dict[tuple[int, ...], SharedPrefix]:
+        """The shared prefixes rows of the batch use (of that epoch, if given), by their tokens."""
+        return {p.key: p for p in self._shared if p is not None and (epoch is None or p.epoch == epoch)}
+
     def clear(self) -> None:
         self._reset()
 
@@ -179,26 +375,38 @@ class KVBatch:
             self.clear()
             return
         idx = torch.tensor(list(rows), device=self._lengths.device)
-        lengths = self._lengths[idx]
-        width = int(lengths.max())
+        lengths, offsets = self._lengths[idx], self._offsets[idx]
+        width = int((lengths - offsets).max())
         start = self._width - width
         kept = [(k[idx, :, start:], v[idx, :, start:]) for k, v in (lay.kv() for lay in self._layers)]
-        self._install(kept, self._mask_buf[idx, start : self._width], lengths)
+        shared = [self._shared[r] for r in rows]
+        self._install(kept, self._mask_buf[idx, start : self._width], lengths, offsets, shared)
 
-    def add(self, seqs: Sequence[Prefilled]) -> None:
-        """Append rows, left-padding old and new rows to a common length."""
+    def add(self, seqs: Sequence[Prefilled], shared: Sequence[SharedPrefix | None] | None = None) -> None:
+        """Append rows, left-padding old and new rows to a common length. `shared` (per row, cascade batches only):
+        the prefix of the row's tokens it shares with others; only the rest of its KV is copied in."""
         if not seqs:
             return
+        shared = list(shared) if shared is not None else [None] * len(seqs)
+        for r, s in enumerate(seqs):
+            if s.shared is not None:
+                if shared[r] not in (None, s.shared):
+                    raise ValueError("a cascade-prefilled row keeps the prefix it was prefilled against")
+                shared[r] = s.shared
+        if any(p is not None for p in shared) and not self.cascade:
+            raise ValueError("shared prefixes need a cascade batch")
+        offs = [p.length if p is not None else 0 for p in shared]
+        cut = [o - (s.shared.length if s.shared is not None else 0) for s, o in zip(seqs, offs, strict=True)]
         dev = seqs[0].logits.device
-        width = max([self._width, *(s.length for s in seqs)])
+        width = max([self._width, *(s.length - o for s, o in zip(seqs, offs, strict=True))])
         old, b_old = self._layers, self.size
         rows = b_old + len(seqs)
         cap = _capacity(width)
         mask = torch.zeros(rows, cap, dtype=torch.long, device=dev)
         if b_old:
             mask[:b_old, width - self._width : width] = self._mask_buf[:, : self._width]
-        for r, s in enumerate(seqs, b_old):
-            mask[r, width - s.length : width] = 1
+        for r, (s, o) in enumerate(zip(seqs, offs, strict=True), b_old):
+            mask[r, width - s.length + o : width] = 1
         layers = []
         for li, kv0 in enumerate(seqs[0].layers):
             bufs = []
@@ -206,16 +414,26 @@ class KVBatch:
                 buf = t0.new_zeros(rows, t0.shape[1], cap, t0.shape[3])  # zeros: padding must stay finite
                 if b_old:
                     buf[:b_old, :, width - self._width : width] = old[li].kv()[j]
-                for r, s in enumerate(seqs, b_old):
-                    buf[r, :, width - s.length : width] = s.layers[li][j][0]
+                for r, (s, o, c) in enumerate(zip(seqs, offs, cut, strict=True), b_old):
+                    buf[r, :, width - s.length + o : width] = s.layers[li][j][0, :, c:]
                 bufs.append(buf)
             layers.append(_BufferLayer(bufs[0], bufs[1], width))
         self._cache = _BufferCache(layers)
         self._mask_buf = mask
         self._width = width
         self._lengths = torch.cat([self._lengths.to(dev), torch.tensor([s.length for s in seqs], device=dev)])
+        self._offsets = torch.cat([self._offsets.to(dev), torch.tensor(offs, device=dev)])
+        self._shared = [*self._shared, *shared]
+        self._plan = None
 
-    def _install(self, layers: KV, mask: torch.Tensor, lengths: torch.Tensor) -> None:
+    def _install(
+        self,
+        layers: KV,
+        mask: torch.Tensor,
+        lengths: torch.Tensor,
+        offsets: torch.Tensor,
+        shared: list[SharedPrefix | None],
+    ) -> None:
         """Rows given as (keys, values) per layer of width = mask.shape[1], copied into fresh buffers with room."""
         width = mask.shape[1]
         cap = _capacity(width)
@@ -231,12 +449,29 @@ class KVBatch:
         self._mask_buf[:, :width] = mask
         self._width = width
         self._lengths = lengths
+        self._offsets = offsets
+        self._shared = shared
+        self._plan = None
+
+    def own(self, i: int) -> tuple[int, int, KV]:
+        """(tokens of row i, tokens of its shared prefix, KV of the tokens after that prefix): views, not copies."""
+        n = int(self._lengths[i])
+        prefix = self._shared[i]
+        p = prefix.length if prefix is not None else 0
+        start = self._width - n + p
+        return n, p, [(k[i : i + 1, :, start:], v[i : i + 1, :, start:]) for k, v in (lay.kv() for lay in self._layers)]
 
     def row(self, i: int) -> tuple[int, KV]:
-        """(real tokens of row i, their KV per layer): the row without its left padding (views, not copies)."""
-        n = int(self._lengths[i])
-        w = self._width
-        return n, [(k[i : i + 1, :, w - n :], v[i : i + 1, :, w - n :]) for k, v in (lay.kv() for lay in self._layers)]
+        """(tokens of row i, their KV per layer): the row without its left padding (views, not copies), its shared
+        prefix (if any) included (a concatenation)."""
+        n, _, own = self.own(i)
+        prefix = self._shared[i]
+        if prefix is None:
+            return n, own
+        return n, [
+            (torch.cat([pk, k], dim=2), torch.cat([pv, v], dim=2))
+            for (pk, pv), (k, v) in zip(prefix.layers, own, strict=True)
+        ]
 
     def decode(self, model: torch.nn.Module, tokens: Sequence[int]) -> torch.Tensor:
         """Feed one token per row; returns next-token logits [B, vocab] and grows every row by one."""
@@ -247,13 +482,26 @@ class KVBatch:
             grown[:, :w] = self._mask_buf[:, :w]
             self._mask_buf = grown
         self._mask_buf[:, w] = 1
+        mask: Any = self._mask_buf[:, : w + 1]
+        extra: dict[str, Any] = {}
+        if any(p is not None for p in self._shared):
+            if self._plan is None:
+                groups = list({id(p): p for p in self._shared if p is not None}.values())
+                self._plan = _CascadePlan(groups, self._shared, self._mask_buf.device)
+                # rows all as long as the buffers (e.g. a group admitted at once) stay so: no padding to mask
+                self._plan.padded = bool((self._lengths - self._offsets != w).any())
+            if self._plan.padded:
+                bias = torch.zeros(mask.shape, dtype=self._layers[0].dtype, device=mask.device)
+                self._plan.suffix_bias = bias.masked_fill_(mask == 0, float("-inf"))[:, None, None, :]
+            extra["rollq_cascade"], mask = self._plan, _NO_MASKS
         out = model(
             input_ids=torch.tensor(list(tokens), device=self._mask_buf.device)[:, None],
-            attention_mask=self._mask_buf[:, : w + 1],
+            attention_mask=mask,
             position_ids=self._lengths[:, None],
             past_key_values=self._cache,
             use_cache=True,
             logits_to_keep=1,
+            **extra,
         )
         self._width = w + 1
         self._lengths = self._lengths + 1

@@ -1,11 +1,13 @@
 """A prefix (radix) cache of KV keyed by token ids, for the reference engine.
 
 Each node holds a run of tokens and their KV per layer ([1, kv_heads, run length, head_dim] keys and values); the
-path from the root spells a cached sequence. `match` returns the KV of the longest cached prefix (a fresh
-concatenation: the caller may hand it to a DynamicCache, which never writes into it), `insert` adds a sequence's KV,
-splitting nodes where it diverges. The total number of cached tokens is bounded by a budget; over it, least recently
-used leaves are evicted (as SGLang's RadixCache). Requests copy what they match, so nothing needs locking against
-eviction; a threading lock serialises the scheduler's worker thread and `clear` from the event loop.
+path from the root spells a cached sequence. `match` returns the KV of the longest cached prefix (views into a node
+when one node holds it, else a concatenation; callers never write into it, and nodes' tensors are replaced, never
+written, so a view stays valid), `insert` adds a sequence's KV, splitting nodes where it diverges. The total number
+of cached tokens is bounded by a budget; over it, least recently used leaves are evicted (as SGLang's RadixCache).
+Requests hold their own references to what they match, so nothing needs locking against eviction (an evicted node's
+KV lives on while a running row still reads it); a threading lock serialises the scheduler's worker thread and
+`clear` from the event loop.
 """
 
 from __future__ import annotations
@@ -76,7 +78,8 @@ class PrefixCache:
             self.epoch += 1
 
     def match(self, ids: Sequence[int]) -> tuple[int, KV | None]:
-        """(length of the longest cached prefix of `ids`, its KV concatenated per layer; None when 0)."""
+        """(length of the longest cached prefix of `ids`, its KV per layer; None when 0). The KV is read-only:
+        views into a node when one node holds the prefix, else a concatenation."""
         with self._lock:
             stamp = next(self._clock)
             node, pos = self._root, 0
@@ -94,6 +97,8 @@ class PrefixCache:
                 node = child
             if pos == 0:
                 return 0, None
+            if len(parts) == 1:  # one node: views of its KV (node tensors are never written, only replaced)
+                return pos, list(parts[0])
             layers = [
                 (torch.cat([p[li][0] for p in parts], dim=2), torch.cat([p[li][1] for p in parts], dim=2))
                 for li in range(len(parts[0]))
@@ -103,33 +108,40 @@ class PrefixCache:
     def peek(self, ids: Sequence[int]) -> int:
         """Length of the longest cached prefix of `ids` (no KV, no LRU stamp)."""
         with self._lock:
-            node, pos = self._root, 0
-            while pos < len(ids):
-                child = node.children.get(ids[pos])
-                if child is None:
-                    break
-                n = _common(child.tokens, ids[pos : pos + len(child.tokens)])
-                pos += n
-                if n < len(child.tokens):
-                    break
-                node = child
-            return pos
+            return self._peek(ids)
 
-    def insert(self, ids: Sequence[int], kv: KV, epoch: int | None = None) -> None:
+    def _peek(self, ids: Sequence[int]) -> int:
+        node, pos = self._root, 0
+        while pos < len(ids):
+            child = node.children.get(ids[pos])
+            if child is None:
+                break
+            n = _common(child.tokens, ids[pos : pos + len(child.tokens)])
+            pos += n
+            if n < len(child.tokens):
+                break
+            node = child
+        return pos
+
+    def insert(self, ids: Sequence[int], kv: KV, epoch: int | None = None, kv_start: int = 0) -> bool:
         """Cache `ids` (KV of all of them in `kv`, possibly longer than `ids`: the rest is ignored). With `epoch`
-        (read before the KV was computed), nothing is cached when the cache was cleared since."""
+        (read before the KV was computed), nothing is cached when the cache was cleared since. With `kv_start`, `kv`
+        starts at that token: when the cache lacks some of the tokens before it, nothing is cached and the answer is
+        False (the caller may insert the whole KV instead)."""
         if self.max_tokens <= 0 or not ids:
-            return
+            return True
         ids = tuple(ids[: self.max_tokens])  # a sequence over the whole budget keeps its head
         with self._lock:
             if epoch is not None and epoch != self.epoch:
-                return
+                return True
+            if kv_start and self._peek(ids[:kv_start]) < min(kv_start, len(ids)):
+                return False
             stamp = next(self._clock)
             node, pos = self._root, 0
             while pos < len(ids):
                 child = node.children.get(ids[pos])
                 if child is None:
-                    leaf = _Node(ids[pos:], _slice(kv, pos, len(ids)), node, stamp)
+                    leaf = _Node(ids[pos:], _slice(kv, pos - kv_start, len(ids) - kv_start), node, stamp)
                     node.children[ids[pos]] = leaf
                     self._tokens += len(leaf.tokens)
                     break
@@ -140,6 +152,7 @@ class PrefixCache:
                 pos += n
                 node = child
             self._evict()
+            return True
 
     def _split(self, node: _Node, n: int) -> _Node:
         """Cut `node` after its first n tokens; returns the new upper part (the node's place in the tree)."""

@@ -10,6 +10,11 @@ Prefix cache (engine/server/prefix_cache.py): an admitted state prefills only wh
 prompt + output (at least one token is computed, as SGLang), and its prompt's KV is cached right after, so the
 samples of a group admitted in the same iteration share the first one's prefill. A row leaving the batch (finished,
 aborted, retracted) caches prompt + output, so the next turn of a conversation reuses the earlier ones.
+
+Shared-prefix decode (with the cache and SDPA): the model runs kv_batch's CASCADE attention, and rows that share a
+cached prefix (the samples of a group; `_share`) keep one copy of its KV, which their decode steps attend to in one
+batched op, merged exactly with each row's own suffix. Samples whose whole prompt but its last token is cached are
+prefilled the same way (`prefill_last`), without copying the prefix. Without the cache nothing is shared.
 """
 
 from __future__ import annotations
@@ -29,9 +34,9 @@ import torch  # ImportError here tells `rollq engine --backend reference` that t
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from rollq.engine.server.backend import Backend, GenState, stop_check
-from rollq.engine.server.kv_batch import KVBatch, Prefilled, prefill
+from rollq.engine.server.kv_batch import CASCADE, KVBatch, Prefilled, SharedPrefix, prefill, prefill_last
 from rollq.engine.server.prefix_cache import PrefixCache, common_prefix
-from rollq.engine.server.sampler import RowSpec, request_generator, sample
+from rollq.engine.server.sampler import RowSpec, request_key, sample
 from rollq.engine.server.weights import copy_into, load_into
 from rollq.engine.tiny_model import model_dir
 from rollq.engine.types import FinishReason, PauseMode
@@ -43,6 +48,8 @@ THROUGHPUT_WINDOW_S = 10.0
 PREFILL_BATCH_ROWS = 64  # sequences per batched prefill forward
 PREFILL_BATCH_TOKENS = 8192  # and computed tokens per forward (bounds its activations)
 IN_BATCH_PREFIX_MIN = 32  # a sequence waits a wave for another admitted with it that shares this many more tokens
+SHARED_PREFIX_MIN = 32  # decode rows share one copy of a prefix's KV (cascade attention) from this many tokens
+SHARED_SAVING_MIN = 256  # and when sharing it saves reading this many K/V tokens per step (below, the extra op costs)
 
 
 class ReferenceConfig(msgspec.Struct, kw_only=True, frozen=True):
@@ -58,12 +65,12 @@ class ReferenceConfig(msgspec.Struct, kw_only=True, frozen=True):
 
 
 class _Req:
-    __slots__ = ("state", "done", "generator", "prefilled", "cacheable")
+    __slots__ = ("state", "done", "key", "prefilled", "cacheable")
 
-    def __init__(self, state: GenState, done: asyncio.Future[None], generator: Any) -> None:
+    def __init__(self, state: GenState, done: asyncio.Future[None], key: int) -> None:
         self.state = state
         self.done = done
-        self.generator = generator
+        self.key = key  # sampling: the request's random key (engine/server/sampler.py)
         self.prefilled = False  # cached_tokens is counted at the first prefill only (not after a retract)
         self.cacheable = True  # False: its row's KV predates a flush and must not go back into the cache
 
@@ -96,13 +103,16 @@ class ReferenceBackend(Backend):
         threads = cfg.torch_threads or max(1, min(8, (os.cpu_count() or 2) - 1))
         torch.set_num_threads(threads)
         path = model_dir(cfg.model)
+        # With the prefix cache, SDPA becomes the cascade attention: rows sharing a cached prefix decode against one
+        # copy of its KV (engine/server/kv_batch.py). Without the cache nothing is shared, not even equal prompts.
+        cascade = cfg.attn_implementation == "sdpa" and cfg.prefix_cache_tokens > 0
         self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         self.model = (
             AutoModelForCausalLM.from_pretrained(
                 path,
                 dtype=getattr(torch, cfg.dtype),
                 local_files_only=True,
-                attn_implementation=cfg.attn_implementation,
+                attn_implementation=CASCADE if cascade else cfg.attn_implementation,
             )
             .to(cfg.device)  # type: ignore[arg-type]  # transformers' @wraps(Module.to) hides self
             .eval()
@@ -118,7 +128,7 @@ class ReferenceBackend(Backend):
         if not eos and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
-        self._batch = KVBatch()
+        self._batch = KVBatch(cascade=cascade)
 
     @staticmethod
     def _generation_config(path: Path) -> GenerationConfig | None:
@@ -159,7 +169,7 @@ class ReferenceBackend(Backend):
         if state.params.max_new_tokens <= len(state.output_ids):
             state.finish = FinishReason(type="length", length=len(state.output_ids))
             return
-        req = _Req(state, asyncio.get_running_loop().create_future(), request_generator(self.config.seed, state.rid))
+        req = _Req(state, asyncio.get_running_loop().create_future(), request_key(self.config.seed, state.rid))
         self._enqueue(req)
         self._wake.set()
         try:
@@ -272,10 +282,7 @@ class ReferenceBackend(Backend):
         # Snapshot what the thread reads, so the loop may go on mutating states meanwhile.
         decode_tokens = [r.state.output_ids[-1] for r in running]
         prefill_ids = [[*r.state.input_ids, *r.state.output_ids] for r in admit]
-        rows = [
-            RowSpec(r.state.params, list(r.state.output_ids), r.generator, self._min_new_stop_ids(r.state))
-            for r in (*running, *admit)
-        ]
+        rows = [self._row_spec(r) for r in (*running, *admit)]
         self._running = running + admit
         epoch = self._cache.epoch  # a flush while the step runs voids what it would cache
         try:
@@ -308,8 +315,9 @@ class ReferenceBackend(Backend):
         """Cache the KV of rows about to leave the batch (worker thread). A row holds KV for all its tokens but the
         last sampled one (never fed), or for all of them when it was aborted while a step ran: its length says."""
         for i, ids in rows:
-            n, layers = self._batch.row(i)
-            self._cache.insert(ids[:n], layers, epoch)
+            n, start, own = self._batch.own(i)  # a shared prefix is cached already, mostly: no concatenation then
+            if not self._cache.insert(ids[:n], own, epoch, kv_start=start):
+                self._cache.insert(ids[:n], self._batch.row(i)[1], epoch)
 
     def _step(
         self,
@@ -326,7 +334,7 @@ class ReferenceBackend(Backend):
             parts = [self._batch.decode(self.model, decode_tokens)] if decode_tokens else []
             seqs, reused = self._prefill(prefill_ids, epoch)
             parts += [s.logits[None] for s in seqs]
-            self._batch.add(seqs)
+            self._batch.add(seqs, self._share(prefill_ids, seqs, epoch))
             if not parts:  # nothing runs: rows only left the batch
                 return [], [], []
             tokens, logprobs = sample(torch.cat(parts), rows)
@@ -353,14 +361,90 @@ class ReferenceBackend(Backend):
                 rows = max(1, min(PREFILL_BATCH_ROWS, PREFILL_BATCH_TOKENS // (length - start)))
                 for c in range(0, len(members), rows):
                     chunk = members[c : c + rows]
-                    done = prefill(
-                        self.model, [prefill_ids[i] for i in chunk], [matches[i][1] for i in chunk] if start else None
-                    )
+                    shared = self._last_token_rows(chunk, prefill_ids, start, length, epoch)
+                    plain = [i for i in chunk if i not in shared]
+                    done: list[Prefilled] = []
+                    if shared:
+                        ids = [prefill_ids[i] for i in shared]
+                        prefixes = self._prefixes(ids, [matches[i] for i in shared], epoch)
+                        done += prefill_last(self.model, ids, prefixes)
+                    if plain:
+                        ids = [prefill_ids[i] for i in plain]
+                        done += prefill(self.model, ids, [matches[i][1] for i in plain] if start else None)
+                    chunk = [*shared, *plain]
                     for i, seq in zip(chunk, done, strict=True):
-                        self._cache.insert(prefill_ids[i], seq.layers, epoch)
+                        start_kv = seq.shared.length if seq.shared is not None else 0
+                        if not self._cache.insert(prefill_ids[i], seq.layers, epoch, kv_start=start_kv):
+                            self._cache.insert(prefill_ids[i], seq.full_layers(), epoch)  # its prefix was evicted
                         out[i], reused[i] = seq, start
             pending = later
         return [s for s in out if s is not None], reused
+
+    def _last_token_rows(
+        self, chunk: list[int], prefill_ids: list[list[int]], start: int, length: int, epoch: int
+    ) -> list[int]:
+        """Those of `chunk` (sequences with `start` tokens cached) to prefill against their cached prefix shared
+        (`prefill_last`): cascade batches, only the last token to compute, and a prefix of SHARED_PREFIX_MIN tokens
+        that enough others of them have too (SHARED_SAVING_MIN), or a running row has."""
+        if not self._batch.cascade or length - start != 1 or start < SHARED_PREFIX_MIN:
+            return []
+        keys = {i: tuple(prefill_ids[i][:start]) for i in chunk}
+        counts = collections.Counter(keys.values())
+        live = self._batch.prefixes(epoch)
+        return [i for i in chunk if (counts[keys[i]] - 1) * start >= SHARED_SAVING_MIN or keys[i] in live]
+
+    def _prefixes(self, ids: list[list[int]], matches: list[tuple[int, Any]], epoch: int) -> list[SharedPrefix]:
+        """One SharedPrefix per distinct cached prefix of `ids` (of the batch's, when a running row has it and it
+        was computed since the last flush)."""
+        known = self._batch.prefixes(epoch)
+        out = []
+        for x, (n, kv) in zip(ids, matches, strict=True):
+            key = tuple(x[:n])
+            if key not in known:
+                known[key] = SharedPrefix(key, kv, epoch)
+            out.append(known[key])
+        return out
+
+    def _share(self, prefill_ids: list[list[int]], seqs: list[Prefilled], epoch: int) -> list[SharedPrefix | None]:
+        """The prefix each admitted sequence shares with other rows in its decode steps (cascade batches only): a
+        prefix of a row already running, else the longest prefix it has in common with another sequence admitted
+        with it (its lexicographic neighbours), of at least SHARED_PREFIX_MIN tokens and short of its last token, when
+        the group saves at least SHARED_SAVING_MIN K/V tokens per step.
+        The prefix's KV is copied from the first sequence that has it: the rows' own KVs of it are equal (they come
+        from the cache), up to rounding when some row computed it."""
+        if not self._batch.cascade or not seqs:
+            return [None] * len(seqs)
+        live = self._batch.prefixes(epoch)  # not those of rows prefilled before a flush (older weights)
+        live.update((s.shared.key, s.shared) for s in seqs if s.shared is not None)  # cascade-prefilled rows
+        lengths = sorted({len(k) for k in live}, reverse=True)
+        best = [0] * len(prefill_ids)
+        order = sorted(range(len(prefill_ids)), key=lambda i: prefill_ids[i])
+        for a, b in zip(order, order[1:], strict=False):
+            n = common_prefix(prefill_ids[a], prefill_ids[b])
+            best[a], best[b] = max(best[a], n), max(best[b], n)
+        keys: list[tuple[int, ...] | None] = []
+        for i, ids in enumerate(prefill_ids):
+            cap = len(ids) - 1
+            key = next((k for n in lengths if n <= cap and (k := tuple(ids[:n])) in live), None)
+            if key is None and min(best[i], cap) >= SHARED_PREFIX_MIN:
+                key = tuple(ids[: min(best[i], cap)])
+            keys.append(key)
+        counts = collections.Counter(keys)
+        made: dict[tuple[int, ...], SharedPrefix] = {}
+        out: list[SharedPrefix | None] = []
+        for key, seq in zip(keys, seqs, strict=True):
+            if seq.shared is not None:  # prefilled against its prefix: keeps it
+                out.append(seq.shared)
+                continue
+            if key is None or (key not in live and (counts[key] - 1) * len(key) < SHARED_SAVING_MIN):  # not worth it
+                out.append(None)
+                continue
+            if key not in live and key not in made:
+                n = len(key)
+                layers = [(k[:, :, :n].clone(), v[:, :, :n].clone()) for k, v in seq.layers]
+                made[key] = SharedPrefix(key, layers, epoch)
+            out.append(live.get(key) or made[key])
+        return out
 
     def _defer(self, pending: list[int], prefill_ids: list[list[int]]) -> tuple[list[int], list[int]]:
         """Split `pending` into (prefill now, wait a wave): a sequence waits when its lexicographic predecessor among
@@ -373,7 +457,7 @@ class ReferenceBackend(Backend):
             if shared <= 0:
                 continue
             have = self._cache.peek(ids[:-1])
-            if shared - have >= min(IN_BATCH_PREFIX_MIN, len(ids) - 1 - have):
+            if shared - have >= max(1, min(IN_BATCH_PREFIX_MIN, len(ids) - 1 - have)):  # 0: cached already
                 wait.add(cur)
         return [i for i in pending if i not in wait], [i for i in pending if i in wait]
 
@@ -413,6 +497,12 @@ class ReferenceBackend(Backend):
     def _decode_for_stop(self, ids: list[int]) -> str:
         # as SGLang's check_finished: stop strings match the raw tail, special tokens included
         return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def _row_spec(self, req: _Req) -> RowSpec:
+        state, p = req.state, req.state.params
+        penalised = p.frequency_penalty or p.presence_penalty or p.repetition_penalty != 1.0
+        output = list(state.output_ids) if penalised else []  # a snapshot only when the sampler reads it
+        return RowSpec(p, output, req.key, self._min_new_stop_ids(state), len(state.output_ids))
 
     def _min_new_stop_ids(self, state: GenState) -> list[int]:
         p = state.params

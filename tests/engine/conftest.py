@@ -3,20 +3,31 @@ root conftest, runs them as subprocesses). Real servers on loopback; no mocks.""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import httpx
 import pytest
 
 from rollq.engine.server.app import EngineServerConfig, ServerHandle, serve
+from rollq.engine.server.backend import Backend
 from rollq.engine.server.synthetic import SyntheticBackend, SyntheticConfig
+from rollq.engine.tiny_model import build_tiny
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny offline model, built once per test module (where $ROLLQ_CACHE=<parent> puts it)."""
+    return build_tiny(tmp_path_factory.mktemp("cache") / "tiny-model")
 
 
 @pytest.fixture
 async def start_engine():
-    """`await start_engine(server=dict(...), **synthetic_config)` -> ServerHandle; closed at teardown."""
+    """`await start_engine(server=dict(...), **synthetic_config)` -> ServerHandle (`backend=` another backend instead
+    of a synthetic one); closed at teardown."""
     handles: list[ServerHandle] = []
 
-    async def start(server: dict | None = None, **synthetic) -> ServerHandle:
-        backend = SyntheticBackend(SyntheticConfig(**synthetic))
+    async def start(server: dict | None = None, backend: Backend | None = None, **synthetic) -> ServerHandle:
+        backend = backend or SyntheticBackend(SyntheticConfig(**synthetic))
         handle = await serve(backend, EngineServerConfig(host="127.0.0.1", port=0, **(server or {})))
         handles.append(handle)
         return handle

@@ -244,6 +244,14 @@ async def test_without_a_tokenizer_on_the_engine_rollq_applies_stop_strings_and_
             resp = await pool.agenerate(stopping, on_tokens=lambda ids, lps: seen.extend(ids))
             assert resp.output_tokens == base[:expected] == seen and resp.stop_reason == "stop"
             assert len(resp.output_versions) == len(resp.output_logprobs) == expected
+            # Streamed and aborted once the stop shows up: the engine does not run on to max_new_tokens.
+            before = handle.server.counters["generation_tokens"]
+            long = msgspec.structs.replace(
+                stopping, sampling=msgspec.structs.replace(stopping.sampling, max_new_tokens=5000)
+            )
+            resp = await pool.agenerate(long)
+            assert resp.output_tokens == base[:expected] and resp.stop_reason == "stop"
+            assert handle.server.counters["generation_tokens"] - before < 1000
             with pytest.raises(UnsupportedRequest, match="min_new_tokens"):  # rollq's refusal, not the engine's 400
                 await pool.agenerate(ModelRequest(input_ids=[3, 4], sampling=SamplingParams(min_new_tokens=2)))
     finally:

@@ -21,7 +21,6 @@ from rollq.engine.server.backend import GenState  # noqa: E402
 from rollq.engine.server.prefix_cache import PrefixCache  # noqa: E402
 from rollq.engine.server.reference import ReferenceBackend, ReferenceConfig  # noqa: E402
 from rollq.engine.server.synthetic import SyntheticBackend, SyntheticConfig  # noqa: E402
-from rollq.engine.tiny_model import build_tiny  # noqa: E402
 from rollq.engine.types import SamplingParams  # noqa: E402
 
 TEXTS = [
@@ -29,11 +28,6 @@ TEXTS = [
     "def add(a: int, b: int) -> int:\n    return a + b\n\nfor i in range(10):\n    print(add(i, i))",
     "The quick brown fox jumps over the lazy dog. " * 4,
 ]
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny(tmp_path_factory.mktemp("cache") / "tiny-model")
 
 
 @pytest.fixture(scope="module")
@@ -304,3 +298,118 @@ async def test_batched_prefills_match_one_at_a_time(start_backend, prompts: list
     # each group's first sample computes what the cache lacks (prompts[0] only its last 3 tokens: its prefix
     # prompts[0][:-3], lexicographically first, goes in an earlier wave), each other sample 1 token
     assert cached.stats()["prefill_tokens_total"] == sum(len(p) for p in prompts) + 4 * 3
+
+
+# ---- shared-prefix (cascade) decode --------------------------------------------------------------------------------
+
+
+def _watch_sharing(b: ReferenceBackend) -> list[tuple[int, int]]:
+    """Record (rows, rows decoding against a shared prefix) at every decode step of `b`."""
+    seen: list[tuple[int, int]] = []
+    batch = b._batch
+    decode = batch.decode
+
+    def watched(model, tokens):
+        seen.append((batch.size, sum(p is not None for p in batch._shared)))
+        return decode(model, tokens)
+
+    batch.decode = watched
+    return seen
+
+
+async def _queue_all(b: ReferenceBackend, states: list[GenState]) -> list[asyncio.Task[None]]:
+    await b.pause("in_place")  # queue everything, so one iteration admits it all
+    tasks = [asyncio.create_task(b.run(s)) for s in states]
+    await until(lambda: b.stats()["num_queue_reqs"] == len(states))
+    await b.resume()
+    return tasks
+
+
+async def test_cascade_rows_mixed_with_unshared_ones_and_leaving_mid_group(
+    start_backend, prompts: list[list[int]]
+) -> None:
+    """Groups decoding against one copy of their cached prompt, next to rows that share nothing, rows of a group
+    leaving at different steps (lengths, an abort) and a late sample joining its running group: the tokens and
+    logprobs of each sequence run alone, without the cache."""
+    cached = await start_backend(max_running=16)
+    alone = await start_backend(max_running=1, prefix_cache_tokens=0)
+    long_a = [*prompts[2], *prompts[0]]  # over SHARED_PREFIX_MIN tokens
+    long_b = [*prompts[1], *prompts[2]]
+    work = [(f"c-a{i}", long_a, 4 + 3 * i) for i in range(4)]
+    work += [(f"c-b{i}", long_b, 10) for i in range(3)]
+    work += [("c-solo0", prompts[0], 9), ("c-solo1", [*prompts[0], 7, 8], 7)]  # share under the minimum, or nothing
+
+    def states() -> list[GenState]:
+        return [GenState(rid, p, greedy(n), return_logprob=True) for rid, p, n in work]
+
+    ref = states()
+    for s in ref:
+        await alone.run(s)
+    seen = _watch_sharing(cached)
+    got = states()
+    tasks = await _queue_all(cached, got)
+    await until(lambda: len(got[0].output_ids) >= 2)
+    late = GenState("c-a-late", long_a, greedy(6), return_logprob=True)  # joins the running group's prefix
+    late_ref = GenState("c-a-late", long_a, greedy(6), return_logprob=True)
+    await asyncio.gather(cached.run(late), alone.run(late_ref), *tasks)
+    for r, s in zip([*ref, late_ref], [*got, late], strict=True):
+        assert s.output_ids == r.output_ids, s.rid
+        assert torch.allclose(torch.tensor(s.output_logprobs), torch.tensor(r.output_logprobs), atol=1e-4), s.rid
+    shared = max(n for _, n in seen)
+    assert shared == 7 or shared == 8  # the two groups (and the late sample, when its group is still running)
+    assert any(rows > n > 0 for rows, n in seen)  # shared and unshared rows in one step
+    assert len({n for _, n in seen}) > 2  # rows left mid-group
+
+
+async def test_cascade_rows_aborted_and_retracted_resume_to_the_same_tokens(
+    start_backend, prompts: list[list[int]]
+) -> None:
+    cached = await start_backend(max_running=8)
+    alone = await start_backend(max_running=1, prefix_cache_tokens=0)
+    prompt = [*prompts[2], *prompts[1]]
+    ref = GenState("r-ref", prompt, greedy(24), return_logprob=True)
+    await alone.run(ref)
+    seen = _watch_sharing(cached)
+    group = [GenState(f"r-{i}", prompt, greedy(24), return_logprob=True) for i in range(5)]
+    tasks = await _queue_all(cached, group)
+    await until(lambda: len(group[0].output_ids) >= 4)
+    group[4].abort_message = "enough"
+    await cached.pause("retract")  # frees the batch; the rows re-prefill from the cache on resume
+    assert cached.stats()["token_usage"] == 0
+    await cached.resume()
+    await asyncio.wait_for(asyncio.gather(*tasks), 20)
+    assert group[4].finish.type == "abort" and len(group[4].output_ids) < 24
+    for s in group:
+        n = len(s.output_ids)
+        assert s.output_ids == ref.output_ids[:n], s.rid
+        assert torch.allclose(torch.tensor(s.output_logprobs), torch.tensor(ref.output_logprobs[:n]), atol=1e-4)
+    assert max(n for _, n in seen) >= 4
+
+
+async def test_no_cache_shares_nothing_even_for_equal_prompts(start_backend, prompts: list[list[int]]) -> None:
+    plain = await start_backend(max_running=8, prefix_cache_tokens=0)
+    seen = _watch_sharing(plain)
+    prompt = [*prompts[2], *prompts[0]]
+    tasks = await _queue_all(plain, [GenState(f"n-{i}", prompt, greedy(6)) for i in range(4)])
+    await asyncio.wait_for(asyncio.gather(*tasks), 20)
+    assert seen and all(n == 0 for _, n in seen)
+    assert plain.model.config._attn_implementation == "sdpa"
+
+
+async def test_rows_admitted_after_a_flush_do_not_join_older_prefixes(start_backend, prompts: list[list[int]]) -> None:
+    b = await start_backend(max_running=8)
+    prompt = [*prompts[2], *prompts[1]]
+    old = [GenState(f"f-{i}", prompt, greedy(400)) for i in range(3)]
+    tasks = await _queue_all(b, old)
+    await until(lambda: len(old[0].output_ids) >= 2)
+    before = {id(p) for p in b._batch._shared if p is not None}
+    assert before  # the group decodes against one prefix
+    b.flush_cache()  # as after a weight update: KV of the old weights must not serve new rows
+    new = GenState("f-new", prompt, greedy(400))
+    task = asyncio.create_task(b.run(new))
+    await until(lambda: len(new.output_ids) >= 2)
+    row = next(i for i, r in enumerate(b._running) if r.state is new)
+    assert b._batch._shared[row] is None or id(b._batch._shared[row]) not in before
+    for s in [*old, new]:
+        s.abort_message = "done"
+    await asyncio.wait_for(asyncio.gather(*tasks, task), 10)

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig  
 
 from rollq.engine.server.backend import GenState  # noqa: E402
 from rollq.engine.server.reference import ReferenceBackend, ReferenceConfig  # noqa: E402
-from rollq.engine.server.sampler import RowSpec, request_generator, sample  # noqa: E402
+from rollq.engine.server.sampler import RowSpec, request_key, sample, uniforms  # noqa: E402
 from rollq.engine.tiny_model import SPEC_FILE, TOOL_TOKENS, build_tiny  # noqa: E402
 from rollq.engine.types import SamplingParams  # noqa: E402
 
@@ -30,11 +30,6 @@ TEXTS = [
     "The quick brown fox jumps over the lazy dog. " * 4,
     "Paris",  # the tiny model's greedy answer ends with EOS after 17 tokens
 ]
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny(tmp_path_factory.mktemp("cache") / "tiny-model")  # where $ROLLQ_CACHE=<parent> puts it
 
 
 @pytest.fixture(scope="module")
@@ -166,7 +161,7 @@ def test_chat_template_renders_roles_and_tool_calls(tiny_dir: Path) -> None:
 def test_sampler_follows_the_filtered_distribution(params: SamplingParams, probs: list[float]) -> None:
     n = 4000
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, float("-inf")]]).expand(n, 5)
-    rows = [RowSpec(params, [], request_generator(0, f"dist-{i}"), []) for i in range(n)]
+    rows = [RowSpec(params, [], request_key(0, f"dist-{i}"), []) for i in range(n)]
     tokens, logprobs = sample(logits, rows)
     raw = torch.log_softmax(logits[0], 0)
     assert torch.allclose(torch.tensor(logprobs), raw[tokens])  # logprobs of the raw logits, not the filtered ones
@@ -176,7 +171,7 @@ def test_sampler_follows_the_filtered_distribution(params: SamplingParams, probs
 
 def test_sampler_penalties_and_min_new_tokens() -> None:
     logits = torch.tensor([[3.0, 2.0, 1.0]])
-    gen = request_generator(0, "p")
+    gen = request_key(0, "p")
     assert sample(logits, [RowSpec(SamplingParams(temperature=0.0), [0, 0], gen, [])])[0] == [0]
     assert sample(logits, [RowSpec(SamplingParams(temperature=0.0, repetition_penalty=2.0), [0], gen, [])])[0] == [1]
     assert sample(logits, [RowSpec(SamplingParams(temperature=0.0, frequency_penalty=0.6), [0, 0], gen, [])])[0] == [1]
@@ -184,6 +179,34 @@ def test_sampler_penalties_and_min_new_tokens() -> None:
     # stop ids are masked until min_new_tokens were produced
     assert sample(logits, [RowSpec(SamplingParams(temperature=0.0, min_new_tokens=2), [5], gen, [0])])[0] == [1]
     assert sample(logits, [RowSpec(SamplingParams(temperature=0.0, min_new_tokens=1), [5], gen, [0])])[0] == [0]
+
+
+def test_sampler_draws_do_not_depend_on_the_batch() -> None:
+    """A row's uniform comes from (its request key, its position) alone: the same token alone, in any batch
+    composition (greedy, filtered, penalised neighbours) and any order; another position or key draws anew."""
+    torch.manual_seed(0)
+    vocab = 50
+    logits = torch.randn(6, vocab)
+    specs = [
+        RowSpec(SamplingParams(temperature=1.0), [], request_key(0, "a"), []),
+        RowSpec(SamplingParams(temperature=0.7, top_p=0.9), [3, 4], request_key(0, "b"), []),
+        RowSpec(SamplingParams(temperature=0.0), [], request_key(0, "c"), []),
+        RowSpec(SamplingParams(temperature=1.2, top_k=5, min_p=0.05), [1], request_key(0, "d"), []),
+        RowSpec(SamplingParams(temperature=1.0, frequency_penalty=0.5), [7, 7, 2], request_key(0, "e"), []),
+        RowSpec(SamplingParams(temperature=1.0), [1] * 9, request_key(0, "f"), []),
+    ]
+    alone = [sample(logits[i : i + 1], [specs[i]]) for i in range(6)]
+    for order in ([0, 1, 2, 3, 4, 5], [5, 3, 1, 4, 2, 0], [1, 5], [4, 0, 3]):
+        tokens, logprobs = sample(logits[order], [specs[i] for i in order])
+        assert tokens == [alone[i][0][0] for i in order]
+        assert logprobs == pytest.approx([alone[i][1][0] for i in order], abs=1e-6)
+    # the unfiltered fast path (every row plain softmax at temperature 1) picks what the general path picks
+    plain = [0, 5]
+    assert sample(logits[plain], [specs[i] for i in plain])[0] == [alone[i][0][0] for i in plain]
+    u = uniforms(torch.tensor([request_key(0, "a")] * 3 + [request_key(1, "a")]), torch.tensor([0, 1, 2, 0]))
+    assert len(set(u.tolist())) == 4 and bool(((u >= 0) & (u < 1)).all())
+    many = uniforms(torch.tensor([request_key(0, f"k{i}") for i in range(20000)]), torch.zeros(20000, dtype=torch.long))
+    assert abs(float(many.mean()) - 0.5) < 0.01 and float(many.min()) >= 0 and float(many.max()) < 1
 
 
 # ---- continuous batching -------------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from safetensors.torch import save_file  # noqa: E402
 
 from rollq.engine.client import SGLangClient  # noqa: E402
 from rollq.engine.pool import EnginePool, PoolConfig  # noqa: E402
-from rollq.engine.server.app import EngineServerConfig, ServerHandle, serve  # noqa: E402
+from rollq.engine.server.app import ServerHandle  # noqa: E402
 from rollq.engine.server.reference import ReferenceBackend, ReferenceConfig  # noqa: E402
 from rollq.engine.tiny_model import build_tiny  # noqa: E402
 from rollq.engine.weight_group import DistributedSyncConfig, DistributedWeightSync  # noqa: E402
@@ -38,19 +38,15 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-async def start_ref(cache_dir: Path):
+def start_ref(cache_dir: Path, start_engine):
     """`await start_ref()` -> an in-process reference engine on the tiny model; closed at teardown."""
-    handles: list[ServerHandle] = []
 
     async def start() -> ServerHandle:
-        backend = ReferenceBackend(ReferenceConfig(model=str(cache_dir / "tiny-model"), max_running=4))
-        handle = await serve(backend, EngineServerConfig(host="127.0.0.1", port=0))
-        handles.append(handle)
-        return handle
+        return await start_engine(
+            backend=ReferenceBackend(ReferenceConfig(model=str(cache_dir / "tiny-model"), max_running=4))
+        )
 
-    yield start
-    for h in handles:
-        await h.close()
+    return start
 
 
 @pytest.fixture
