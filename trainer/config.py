@@ -77,7 +77,8 @@ class TrainConfig(RunSettings, kw_only=True):
         Literal["abort", "retract", "in_place"],
         setting(
             "how engines pause for a weight update: retract / in_place keep in-flight work, abort returns partial "
-            "output (the pool resubmits it)",
+            "output (the pool resubmits it); in_place cannot flush the engines' prefix caches (new requests may reuse "
+            "KV of older weights, as on SGLang)",
             group=UPDATES,
         ),
     ] = "retract"

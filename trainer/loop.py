@@ -144,6 +144,12 @@ class Trainer:
 
     async def run(self) -> list[StepRecord]:
         cfg = self.cfg
+        if cfg.pause_mode == "in_place":
+            log.warning(
+                "pause_mode in_place: an engine's prefix cache cannot be flushed while requests sit in its running "
+                "batch, so new requests may reuse prompt KV computed by older weights (SGLang behaves the same); "
+                "use retract (the default) or abort, or engines without a prefix cache, when that matters"
+            )
         await self.pool.start()
         await self._wait_for_engines()
         resumed = await self._resume()
