@@ -37,7 +37,6 @@ from rollq.engine.pool import EngineMember, EnginePool
 log = logging.getLogger("rollq.engine")
 ANSWER_GRACE_S = 5.0  # see _transfer
 
-DEFAULT_GROUP_NAME = "weight_update_group"  # SGLang's default (io_struct.py InitWeightsUpdateGroupReqInput)
 RETRY_ROUNDS = 1  # after a failed round, one more over the engines that still answer (a dead one must not cost a step)
 
 
@@ -176,6 +175,7 @@ class DistributedWeightSync:
         self._generation = 0
         self._group: TrainerGroup | None = None
         self._ranks: list[str] = []  # engine URLs in rank order (rank i + 1)
+        self._retired: list[tuple[str, set[str]]] = []  # dropped groups the engines may still hold: (name, URLs)
         self._lock = asyncio.Lock()
         self.builds = 0
 
@@ -212,7 +212,7 @@ class DistributedWeightSync:
             ok: list[EngineMember] = []
             loads: list[float] = []
             sent = rebuilt = 0
-            with self.pool.weight_update(version):
+            with self.pool.weight_update(version, targets):
                 pending = list(targets)
                 for round_ in range(RETRY_ROUNDS + 1):
                     done, errors, dead, round_sent, built = await self._round(pending, payload, wire, loads)
@@ -275,7 +275,7 @@ class DistributedWeightSync:
                         fail(member, exc)
                 if self._group is None:
                     return [], errors, dead, 0, built
-            sent, results = await self._transfer(began, payload, wire)
+            sent, results, aborted = await self._transfer(began, payload, wire)
             ok: list[EngineMember] = []
             for member, res in zip(began, results, strict=True):
                 if isinstance(res, BaseException):
@@ -284,8 +284,8 @@ class DistributedWeightSync:
                     ok.append(member)
                     if isinstance(res, dict) and "load_seconds" in res:
                         loads.append(float(res["load_seconds"]))
-            if len(ok) != len(began):
-                self._drop_group()  # a collective failed: the group is unusable for everyone
+            if aborted or len(ok) != len(began):
+                self._drop_group()  # a collective failed or was aborted: the group is unusable for everyone
             return ok, errors, dead, sent if ok else 0, built
         finally:
             await self._gather(lambda c: c.end_weight_update(timeout=self.config.timeout_s), began)
@@ -306,11 +306,8 @@ class DistributedWeightSync:
     async def _build(self, members: list[EngineMember]) -> dict[EngineMember, BaseException | None]:
         """A new group over `members` (ranks 1..N in this order); `self._group` is set when all of them joined.
         Returns each member's join error (None: joined)."""
-        old_name, old_members = self.group_name, set(self._ranks)
         self._drop_group()
-        if old_name is not None:  # best effort: the engines free the old group's sockets
-            old = [m for m in members if m.url in old_members]
-            await self._gather(lambda c: c.destroy_weights_update_group(old_name, timeout=self.config.timeout_s), old)
+        await self._destroy_retired()
         self._generation += 1
         self.builds += 1
         cfg = self.config
@@ -333,30 +330,36 @@ class DistributedWeightSync:
             await join  # bounded by timeout_s: the store and the gloo rendezvous both time out
         except Exception as exc:
             log.warning("weight update group %s: the trainer could not join: %s", name, exc)
-            group.close()
+            self._retire(group, members)
             return {m: e or RuntimeError(f"group {name} failed: {exc}") for m, e in joins.items()}
         if any(e is not None for e in joins.values()):
-            group.close()
-            return joins
+            # Whoever joined holds a group nobody will use: every member fails this round (and is retried).
+            self._retire(group, members)
+            return {
+                m: e or RuntimeError(f"group {name} not built: another engine failed to join") for m, e in joins.items()
+            }
         self._group, self._ranks = group, [m.url for m in members]
         log.info("weight update group %s: %d engines at %s:%d", name, len(members), address, group.port)
         return joins
 
     async def _transfer(
         self, members: list[EngineMember], payload: dict[str, Any], wire: list[torch.Tensor]
-    ) -> tuple[int, list[Any]]:
+    ) -> tuple[int, list[Any], bool]:
         """POST the update to every engine while broadcasting. An engine answering with a failure before the broadcast
-        ended is waiting for nothing: the group is aborted so the broadcast (and the other engines) fail at once."""
+        ended is waiting for nothing: the group is aborted so the broadcast (and the other engines) fail at once.
+        Returns (bytes sent, each engine's answer or error, whether the group was aborted)."""
         group = self._group
         assert group is not None
         body = {**payload, "group_name": group.group_name}
         posts = [asyncio.create_task(m.client.update_weights_from_distributed(body, timeout=None)) for m in members]
         cast = asyncio.create_task(asyncio.to_thread(group.broadcast, wire))
         pending: set[asyncio.Task[Any]] = {cast, *posts}
+        aborted = False
         while not cast.done():
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             if any(t is not cast and t.exception() is not None for t in done):
                 abort_group(group.group)
+                aborted = True
                 break
         sent = 0
         try:
@@ -364,6 +367,7 @@ class DistributedWeightSync:
         except Exception as exc:
             log.warning("broadcast over %s failed: %s", group.group_name, exc)
             abort_group(group.group)
+            aborted = True
         # After the broadcast an engine loads and answers, or its own receive times out (bounded by timeout_s, from
         # when it started receiving: an engine waiting on data relayed through a dead rank notices only then). The
         # grace on top keeps that answer from racing our own give-up; an engine silent past it is hung.
@@ -377,21 +381,30 @@ class DistributedWeightSync:
                 results.append(EngineUnavailable(member.url, "no answer within timeout_s after the broadcast"))
             else:
                 results.append(task.exception() or task.result())
-        return sent, results
+        return sent, results, aborted
+
+    def _retire(self, group: TrainerGroup, members: list[EngineMember]) -> None:
+        """Close our side now; the engines' side is destroyed at the next build or close (best effort)."""
+        group.close()
+        self._retired.append((group.group_name, {m.url for m in members}))
 
     def _drop_group(self) -> None:
         if self._group is not None:
-            self._group.close()
+            self._retire(self._group, [m for m in self.pool.engines() if m.url in self._ranks])
         self._group, self._ranks = None, []
+
+    async def _destroy_retired(self) -> None:
+        """Engines that received over a group we dropped still hold it: ask them to free its sockets."""
+        retired, self._retired = self._retired, []
+        for name, urls in retired:
+            holders = [m for m in self.pool.engines() if m.url in urls]
+            await self._gather(lambda c, name=name: c.destroy_weights_update_group(name, timeout=5.0), holders)
 
     async def close(self) -> None:
         """Destroy the group on the engines (best effort) and here."""
         async with self._lock:
-            name, urls = self.group_name, set(self._ranks)
             self._drop_group()
-            if name is not None:
-                members = [m for m in self.pool.engines() if m.url in urls]
-                await self._gather(lambda c: c.destroy_weights_update_group(name, timeout=5.0), members)
+            await self._destroy_retired()
 
 
 def _route_to(url: str) -> str:

@@ -314,10 +314,11 @@ class ReferenceBackend(Backend):
     def _retire(self, rows: list[tuple[int, list[int]]], epoch: int) -> None:
         """Cache the KV of rows about to leave the batch (worker thread). A row holds KV for all its tokens but the
         last sampled one (never fed), or for all of them when it was aborted while a step ran: its length says."""
-        for i, ids in rows:
-            n, start, own = self._batch.own(i)  # a shared prefix is cached already, mostly: no concatenation then
-            if not self._cache.insert(ids[:n], own, epoch, kv_start=start):
-                self._cache.insert(ids[:n], self._batch.row(i)[1], epoch)
+        with torch.inference_mode():  # as _step: the cache holds inference tensors only
+            for i, ids in rows:
+                n, start, own = self._batch.own(i)  # a shared prefix is cached already, mostly: no concatenation then
+                if not self._cache.insert(ids[:n], own, epoch, kv_start=start):
+                    self._cache.insert(ids[:n], self._batch.row(i)[1], epoch)
 
     def _step(
         self,
@@ -351,8 +352,10 @@ class ReferenceBackend(Backend):
         out: list[Prefilled | None] = [None] * len(prefill_ids)
         reused = [0] * len(prefill_ids)
         pending = list(range(len(prefill_ids)))
+        defer = use_cache
         while pending:
-            now, later = self._defer(pending, prefill_ids) if use_cache else (pending, [])
+            now, later = self._defer(pending, prefill_ids) if defer else (pending, [])
+            held = {i: self._cache.peek(prefill_ids[i][:-1]) for i in later}
             matches = {i: self._cache.match(prefill_ids[i][:-1]) if use_cache else (0, None) for i in now}
             groups: dict[tuple[int, int], list[int]] = {}
             for i in now:
@@ -377,6 +380,9 @@ class ReferenceBackend(Backend):
                         if not self._cache.insert(prefill_ids[i], seq.layers, epoch, kv_start=start_kv):
                             self._cache.insert(prefill_ids[i], seq.full_layers(), epoch)  # its prefix was evicted
                         out[i], reused[i] = seq, start
+            # Waiting pays only when the wave just run cached more of the waiting ones (a prompt longer than the
+            # cache's budget, or evicted at once, never gets there): else the rest goes in one batch.
+            defer = any(self._cache.peek(prefill_ids[i][:-1]) > n for i, n in held.items())
             pending = later
         return [s for s in out if s is not None], reused
 

@@ -20,6 +20,7 @@ from safetensors.torch import save_file  # noqa: E402
 from rollq.engine.client import SGLangClient  # noqa: E402
 from rollq.engine.pool import EnginePool, PoolConfig  # noqa: E402
 from rollq.engine.server.app import ServerHandle  # noqa: E402
+from rollq.engine.server.distributed_routes import ROUTES_KEY  # noqa: E402
 from rollq.engine.server.reference import ReferenceBackend, ReferenceConfig  # noqa: E402
 from rollq.engine.tiny_model import build_tiny  # noqa: E402
 from rollq.engine.weight_group import DistributedSyncConfig, DistributedWeightSync  # noqa: E402
@@ -190,6 +191,9 @@ async def test_a_killed_engine_fails_alone_and_a_late_one_catches_up(start_ref, 
         result = await sync.update(third, 3)
         assert sorted(result.ok) == sorted([survivor.url, late.url]) and list(result.failed) == [victim_url]
         assert sync.builds == builds + 1 and holds(late, third) and holds(survivor, third)
+        # Groups the trainer dropped (the broken one, the retry's) were destroyed on the engines: one each is left.
+        assert survivor.runner.app[ROUTES_KEY].groups.names() == [sync.group_name]
+        assert late.runner.app[ROUTES_KEY].groups.names() == [sync.group_name]
         assert not pool.members[late.url].stale and late.server.weight_version == "3"
         assert (await greedy(pool.members[late.url].client)) == (await greedy(pool.members[survivor.url].client))
         await sync.close()
