@@ -3,7 +3,9 @@
 /update_weights_from_distributed. Each answers `{"success", "message"}`, 200 or 400.
 
 The update goes through `EngineServer.apply_weight_update` like a disk update (model-update lock, decode frozen,
-flush_cache, weight version); only the source differs: the tensors come from the trainer's broadcast."""
+flush_cache, weight version); only the source differs: the tensors come from the trainer's broadcast. On a server that
+is not paused the receive starts only once in-flight requests finished (the model-update lock), while the trainer's
+broadcast is bounded by its timeout: pause first, as rollq's trainer does (FleetController.cycle_with)."""
 
 from __future__ import annotations
 
