@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
-from pathlib import Path
 from typing import Any
+
+from rollq.engine.eos import model_eos_ids
 
 # A stand-in conversation: the template's rendering of new turns after an assistant turn is the difference between
 # rendering it with and without them (the template renders turns independently of their neighbours' content).
@@ -128,13 +128,7 @@ def stop_token_ids(tokenizer: Any) -> tuple[int, ...]:
     """Ids that end a reply: the tokenizer's eos, generation_config.json's eos ids, and the chat template's
     end-of-turn token (`<|im_end|>`). Sent explicitly in every request: SGLang applies the last two only with its
     tokenizer loaded (not with --skip-tokenizer-init), and other servers may know none of them."""
-    ids = sorted(_eos_ids(tokenizer))
-    config = Path(str(getattr(tokenizer, "name_or_path", "") or "")) / "generation_config.json"
-    try:
-        eos = json.loads(config.read_text()).get("eos_token_id") if config.is_file() else None
-    except (OSError, ValueError, AttributeError):  # unreadable or not a JSON object: the tokenizer's own eos only
-        eos = None
-    ids += eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else []
+    ids = model_eos_ids(tokenizer, getattr(tokenizer, "name_or_path", None))
     try:  # what the template writes after assistant content, e.g. "<|im_end|>\n": its first token if special
         base = anchor_text(tokenizer)
         closing = encode(tokenizer, base[base.rindex("a") + 1 :])[:1]

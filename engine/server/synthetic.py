@@ -14,7 +14,6 @@ the token ids alone, so a resubmitted prompt + partial output continues the same
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import os
 import random
@@ -26,6 +25,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from rollq.engine.eos import model_eos_ids
 from rollq.engine.server.backend import Backend, GenState, stop_check
 from rollq.engine.types import FinishReason, PauseMode
 
@@ -127,16 +127,7 @@ def load_tokenizer(name: str) -> tuple[Any, Path]:
 
 
 def _eos_ids(tokenizer: Any, path: Path) -> list[int]:
-    """The tokenizer's eos first (the one scripted replies end with), then generation_config.json's, as a model
-    stops on any of them."""
-    ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    try:
-        extra = json.loads((path / "generation_config.json").read_text()).get("eos_token_id")
-    except (OSError, ValueError):
-        extra = None
-    for i in [extra] if isinstance(extra, int) else extra or []:
-        if i not in ids:
-            ids.append(i)
+    ids = model_eos_ids(tokenizer, path)
     if not ids:
         raise ValueError(f"tokenizer at {path} has no eos token")
     return ids
