@@ -749,7 +749,8 @@ def build_app(backend: Backend, config: EngineServerConfig) -> web.Application:
         r.add_post(path, s.flush_cache)
     for path in ("/health", "/health_generate"):
         r.add_get(path, s.health)
-    r.add_get("/ready", s.ready)
+    if not old:  # 0.5.5 has no /ready (its http_server.py serves /health, /health_generate only)
+        r.add_get("/ready", s.ready)
     for path in ("/get_model_info",) if old else ("/model_info", "/get_model_info"):
         r.add_get(path, s.model_info)
     for path in ("/get_server_info",) if old else ("/server_info", "/get_server_info"):

@@ -144,6 +144,7 @@ async def test_compat_055_pause_always_aborts_and_streams_deltas(start_engine, h
     assert info["version"] == "0.5.5"
     assert (await http.get(url + "/server_info")).status_code == 404
     assert (await http.get(url + "/model_info")).status_code == 404
+    assert (await http.get(url + "/ready")).status_code == 404
     assert (await http.get(url + "/get_weight_version")).json() == {"weight_version": "default"}
 
     resp = await generate(http, url, gen_body(12, stream=True))
