@@ -117,11 +117,24 @@ class _Reply:
         self.content = content
 
     def json(self) -> Any:
-        return jsonlib.loads(self.content)
+        try:
+            return _decode(self.content)  # msgspec: ~5x faster than json.loads on a /generate answer
+        except msgspec.DecodeError:  # what msgspec refuses (NaN, huge numbers, invalid JSON): as json.loads does
+            return jsonlib.loads(self.content)
 
     @property
     def text(self) -> str:
         return self.content.decode(errors="replace")
+
+
+_decode = msgspec.json.Decoder().decode
+_encode = msgspec.json.Encoder().encode
+
+
+def _json_body(payload: Any, headers: dict[str, str]) -> dict[str, Any]:
+    """aiohttp request arguments for a JSON body, encoded by msgspec (~10x faster than aiohttp's json.dumps on a
+    prompt's input_ids)."""
+    return {"data": _encode(payload), "headers": {**headers, "Content-Type": "application/json"}}
 
 
 class SGLangClient:
@@ -136,12 +149,10 @@ class SGLangClient:
 
     async def _request(self, method: str, path: str, *, json: Any = None, timeout: float | None = 30.0) -> _Reply:
         try:
+            headers = self.admin_headers if path in ADMIN_ROUTES else self.headers
+            body = _json_body(json, headers) if json is not None else {"headers": headers}
             async with self.http.request(
-                method,
-                self.url + path,
-                json=json,
-                headers=self.admin_headers if path in ADMIN_ROUTES else self.headers,
-                timeout=aiohttp.ClientTimeout(total=timeout, connect=5.0),
+                method, self.url + path, timeout=aiohttp.ClientTimeout(total=timeout, connect=5.0), **body
             ) as resp:
                 reply = _Reply(resp.status, await resp.read())
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
@@ -205,9 +216,8 @@ class SGLangClient:
         try:
             async with self.http.post(
                 self.url + "/generate",
-                json=payload,
-                headers=self.headers,
                 timeout=aiohttp.ClientTimeout(total=timeout, connect=5.0),
+                **_json_body(payload, self.headers),
             ) as resp:
                 if resp.status >= 400:
                     reply = _Reply(resp.status, await resp.read())

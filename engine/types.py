@@ -3,6 +3,7 @@ ModelRequest/ModelResponse handed to workflows."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any, Literal, Protocol
 
@@ -91,9 +92,79 @@ class GenerateResult(msgspec.Struct, kw_only=True):
         return self.finish_reason is not None and self.finish_reason.type == "abort"
 
 
+# AReaL's top_k default (int(1e8)): "the whole vocabulary"; SGLang spells that -1.
+_WHOLE_VOCAB_TOP_K = int(1e8)
+
+
+@dataclasses.dataclass
+class GenerationHyperparameters:
+    """AReaL's generation settings (`areal.api.cli_args.GenerationHyperparameters`: same field names, defaults and
+    helpers), accepted by `ModelRequest(gconfig=...)` and turned into SGLang's SamplingParams there."""
+
+    n_samples: int = 1  # per request it must be 1 (as in AReaL): a group is n jobs, each its own episode
+    max_new_tokens: int = 16384
+    min_new_tokens: int = 0
+    max_tokens: int = 32768  # prompt + generated tokens
+    greedy: bool = False
+    top_p: float = 1.0
+    top_k: int = _WHOLE_VOCAB_TOP_K
+    temperature: float = 1.0
+    stop_token_ids: list[int] = dataclasses.field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    stop: list[str] | None = None
+    frequency_penalty: float = 0.0
+    lora_name: str = "default_lora"
+    use_beam_search: bool = False
+
+    def new(self, **kwargs: Any) -> GenerationHyperparameters:
+        """A copy with `kwargs` changed."""
+        return GenerationHyperparameters(**{**dataclasses.asdict(self), **kwargs})
+
+    def new_with_stop_and_pad_token_ids(self, tokenizer: Any) -> GenerationHyperparameters:
+        """A copy that also stops on the tokenizer's pad and eos tokens (AReaL's helper; None ids are skipped)."""
+        ids = list(self.stop_token_ids)
+        for token_id in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+            if token_id is not None and token_id not in ids:
+                ids.append(token_id)
+        return self.new(stop_token_ids=ids)
+
+    def sampling_params(self, prompt_len: int) -> SamplingParams:
+        """SGLang's sampling params for a prompt of `prompt_len` tokens, as AReaL's remote engine builds them:
+        max_new_tokens = min(max_new_tokens, max_tokens - prompt_len); greedy = temperature 0."""
+        if self.n_samples != 1:
+            raise ValueError(
+                f"gconfig.n_samples is {self.n_samples}; a request generates one sample (as in AReaL): use "
+                "gconfig.new(n_samples=1) and submit n jobs (Job.n) or call agenerate n times"
+            )
+        if self.use_beam_search:
+            raise ValueError("gconfig.use_beam_search is not supported (SGLang has no beam search)")
+        max_new = min(self.max_new_tokens, self.max_tokens - prompt_len)
+        if max_new <= 0:
+            raise ValueError(
+                f"max_new_tokens ({max_new}) is non-positive: max_tokens={self.max_tokens}, prompt_len={prompt_len}, "
+                f"max_new_tokens={self.max_new_tokens}"
+            )
+        return SamplingParams(
+            max_new_tokens=max_new,
+            min_new_tokens=self.min_new_tokens,
+            temperature=0.0 if self.greedy else self.temperature,
+            top_p=self.top_p,
+            top_k=-1 if self.top_k >= _WHOLE_VOCAB_TOP_K or self.top_k <= 0 else self.top_k,
+            stop=list(self.stop) if self.stop else None,
+            stop_token_ids=list(self.stop_token_ids) or None,
+            ignore_eos=self.ignore_eos,
+            skip_special_tokens=self.skip_special_tokens,
+            frequency_penalty=self.frequency_penalty,
+        )
+
+
 class ModelRequest(msgspec.Struct, kw_only=True):
     """What a workflow asks the engine pool for (AReaL's name). `affinity` keeps every turn of an episode and every
-    sample of a group on one engine while it is healthy (prefix-cache reuse); default: the rid."""
+    sample of a group on one engine while it is healthy (prefix-cache reuse); default: the rid.
+
+    Give `sampling` (SGLang's params) or AReaL's `gconfig` (GenerationHyperparameters, converted to `sampling` here);
+    `tokenizer` is accepted as in AReaL and not used by the engine pool."""
 
     input_ids: list[int]
     sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
@@ -101,6 +172,14 @@ class ModelRequest(msgspec.Struct, kw_only=True):
     affinity: str = ""
     priority: int | None = None  # SGLang's top-level `priority` (with --enable-priority-scheduling); None: omitted
     metadata: dict[str, Any] = {}
+    gconfig: GenerationHyperparameters | None = None
+    tokenizer: Any = None
+
+    def __post_init__(self) -> None:
+        if self.gconfig is not None:
+            if self.sampling != SamplingParams():
+                raise ValueError("ModelRequest takes sampling= or gconfig=, not both")
+            self.sampling = self.gconfig.sampling_params(len(self.input_ids))
 
 
 class ModelResponse(msgspec.Struct, kw_only=True):
@@ -118,6 +197,19 @@ class ModelResponse(msgspec.Struct, kw_only=True):
     engine: str = ""  # URL of the engine that finished it
     resubmissions: int = 0  # times it was resubmitted after an abort (pause) or a dead engine
     latency_s: float = 0.0
+
+    # AReaL's ModelResponse properties.
+    @property
+    def input_len(self) -> int:
+        return len(self.input_tokens)
+
+    @property
+    def output_len(self) -> int:
+        return len(self.output_tokens)
+
+    @property
+    def latency(self) -> float:
+        return self.latency_s
 
 
 # Called with each batch of newly generated (token ids, logprobs) while a streamed request runs.

@@ -114,13 +114,15 @@ def enqueue(args: EnqueueConfig) -> int:
     except OSError as exc:
         print(f"rollq enqueue: cannot read {args.file}: {exc.strerror}", file=sys.stderr)
         return 2
+    for request in requests:
+        request.is_eval = args.is_eval
     return uvloop.run(_enqueue(args, requests))
 
 
 def _agent_options(args: EnqueueConfig) -> AgentOptions | None:
     options = AgentOptions(
         mode=args.agent_mode,
-        export=args.export,
+        export_style=args.export_style,
         turn_discount=args.turn_discount,
         timeout_seconds=args.agent_timeout,
         max_tokens=args.max_tokens,

@@ -43,12 +43,21 @@ class EnqueueConfig(RunSettings, kw_only=True):
             group=AGENTS,
         ),
     ] = "inline"
-    export: Annotated[
+    export_style: Annotated[
         Literal["individual", "concat"], setting("a sequence per completion, or per conversation branch", group=AGENTS)
     ] = "individual"
     turn_discount: Annotated[
-        float, setting("reward discount per turn up the conversation tree", ge=0, le=1, group=AGENTS)
+        float,
+        setting(
+            "a completion's reward = its own + this x its child's (mean of its children's), as AReaL's",
+            ge=0,
+            le=1,
+            group=AGENTS,
+        ),
     ] = 1.0
+    is_eval: Annotated[
+        bool, setting("evaluation samples (workflows read workflow_context.get().is_eval; AReaL's name)")
+    ] = False
     agent_timeout: Annotated[float, setting("an episode's time limit", metavar="S", gt=0, group=AGENTS)] = 600.0
     max_tokens: Annotated[
         int, setting("default max_tokens of the agent's requests (0 = the proxy's)", metavar="N", ge=0, group=AGENTS)

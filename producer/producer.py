@@ -30,6 +30,7 @@ class JobRequest(msgspec.Struct, kw_only=True):
     job_id: str | None = None  # give one to make the submission idempotent
     workflow_kwargs: dict[str, Any] | None = None
     agent: AgentOptions | None = None  # how an agent workflow is run and exported
+    is_eval: bool = False  # an evaluation sample (the workflow reads it as workflow_context.get().is_eval)
 
 
 class SubmitResult(msgspec.Struct, frozen=True):
@@ -144,6 +145,7 @@ class Producer:
                         n=req.n,
                         workflow_kwargs=req.workflow_kwargs,
                         agent=req.agent,
+                        is_eval=req.is_eval,
                         reply_to=self.reply_to,
                         submitted_at=now,
                     )

@@ -14,16 +14,27 @@ SCHEMA_VERSION = 1
 TrajectoryStatus = Literal["ok", "rejected", "error"]
 
 
+ExportStyle = Literal["individual", "concat"]
+
+
 class AgentOptions(msgspec.Struct, kw_only=True, omit_defaults=True, frozen=True):
-    """How the worker runs an agent workflow (a class with `async def run(self, data, **extra_kwargs)`)."""
+    """How the worker runs an agent workflow (a class with `async def run(self, data, **extra_kwargs)`). Names and
+    defaults as AReaL's `rollout.agent` settings (mode, export_style, turn_discount)."""
 
     mode: Literal["inline", "subproc"] = "inline"  # subproc: a process pool, OPENAI_BASE_URL/OPENAI_API_KEY set
-    export: Literal["individual", "concat"] = "individual"  # a sequence per completion | per conversation branch
-    turn_discount: float = 1.0  # a completion without its own reward gets its children's (mean) times this
+    export_style: ExportStyle = "individual"  # a sequence per completion | per conversation branch
+    export: ExportStyle | None = None  # rollq's earlier name of export_style (accepted; folded into export_style)
+    # A completion's reward is its own (unset = 0) plus this times its child's (the mean over several children).
+    turn_discount: float = 1.0
     timeout_seconds: float = 600.0  # an episode running longer fails (subproc: its process is killed)
     max_tokens: int = 0  # default max_tokens for requests that give none; 0 = the proxy's default
 
     def __post_init__(self) -> None:
+        if self.export is not None:
+            if self.export_style not in ("individual", self.export):
+                raise ValueError(f"export={self.export!r} contradicts export_style={self.export_style!r}")
+            msgspec.structs.force_setattr(self, "export_style", self.export)
+            msgspec.structs.force_setattr(self, "export", None)
         if not 0.0 <= self.turn_discount <= 1.0:
             raise ValueError(f"turn_discount must be in [0, 1], got {self.turn_discount}")
         if not self.timeout_seconds > 0:
@@ -45,6 +56,7 @@ class Job(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     reply_to: str = ""  # results stream key; "" = the run's shared results stream
     attempt: int = 0  # failed runs before this one (the workflow raised)
     submitted_at: float = 0.0
+    is_eval: bool = False  # an evaluation sample (workflows read it as workflow_context.get().is_eval)
     schema: int = SCHEMA_VERSION
 
 

@@ -37,7 +37,11 @@ class TrainConfig(RunSettings, kw_only=True):
     ] = []
     model: Annotated[
         str,
-        setting("`tiny` (the offline model) or an HF model directory; engines must serve the same model", group=WHAT),
+        setting(
+            "`tiny` (the offline test model), `smollm2` (SmolLM2-135M-Instruct, offline) or an HF model directory; "
+            "engines must serve the same model",
+            group=WHAT,
+        ),
     ] = "tiny"
     dataset: Annotated[
         str, setting("prompts: JSONL, Parquet, a `datasets` directory saved to disk, or toy:digits", group=WHAT)

@@ -185,6 +185,13 @@ async def run_stack(cfg: TrainConfig, stack_cfg: UpConfig) -> list[StepRecord]:
     stack = LocalStack(run_dir / "logs")
     rollq = [sys.executable, "-m", "rollq"]
     try:
+        if cfg.model == "smollm2":  # convert the GGUF once here, not in every engine and the trainer at once
+            from rollq.engine.tiny_model import model_dir
+
+            try:
+                await asyncio.to_thread(model_dir, cfg.model)
+            except ImportError as exc:  # the message names the install command
+                raise StackError(str(exc)) from None
         url = await start_redis(stack, stack_cfg.redis_url)
         log.info("redis at %s, run %r; child logs in %s", url, cfg.run, stack.log_dir)
         urls = []

@@ -18,7 +18,8 @@ _ANCHOR = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a
 
 
 def load_tokenizer(name: str) -> Any:
-    """ "tiny" (the offline test model, built into the cache on first use) or an HF tokenizer directory."""
+    """ "tiny" (the offline test model) or "smollm2" (both built into the cache on first use), or an HF tokenizer
+    directory."""
     from transformers import AutoTokenizer  # heavy import: only when a workflow or the proxy needs it
 
     from rollq.engine.tiny_model import model_dir

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from rollq.config import RunSettings, setting
 
@@ -49,11 +49,22 @@ class WorkerConfig(RunSettings, kw_only=True):
     )
     tokenizer: Annotated[
         str,
-        setting("tokenizer + chat template of the agents' proxy: `tiny` or the served model's directory", group=AGENTS),
+        setting(
+            "tokenizer + chat template of the agents' proxy: `tiny`, `smollm2` or the served model's directory",
+            group=AGENTS,
+        ),
     ] = "tiny"
     agent_processes: Annotated[int, setting("subproc-mode agents running at once", metavar="N", ge=1, group=AGENTS)] = 4
     proxy_host: Annotated[str, setting("where the agents' OpenAI-compatible proxy listens", group=AGENTS)] = "127.0.0.1"
     proxy_port: Annotated[int, setting("its port (0: a free one)", ge=0, le=65535, group=AGENTS)] = 0
+    proxy_continuation: Annotated[
+        Literal["exact", "template"],
+        setting(
+            "a turn that continues a recorded conversation: `exact` = the engine's ids + only the new turns' tokens "
+            "(one growing sequence); `template` = the chat template renders the whole conversation (a new sequence)",
+            group=AGENTS,
+        ),
+    ] = "exact"
 
     def __post_init__(self) -> None:
         super().__post_init__()

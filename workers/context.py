@@ -3,12 +3,18 @@ agent process pools — created on first use inside the worker's event loop and 
 
 One keep-alive client per process instead of one per episode: thousands of concurrent episodes would otherwise
 each open their own connections (and leak them when an episode fails).
+
+The same object is also AReaL's `workflow_context` module (`from areal.infra import workflow_context`):
+`workflow_context.get()` -> this episode's EpisodeContext (is_eval, task_id, sample_index, group_size),
+`await workflow_context.get_aiohttp_session()`, `await workflow_context.get_httpx_client()`, `stat_scope()`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
+from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
@@ -17,8 +23,9 @@ import msgspec
 from httpx_aiohttp import HttpxAiohttpClient
 
 from rollq.config import DEFAULT_REDIS_URL
-from rollq.engine.types import InferenceEngine
+from rollq.engine.types import InferenceEngine, ModelRequest, ModelResponse, ProgressCallback
 from rollq.workers.proxy.server import ProxyConfig, RecordingProxy
+from rollq.workers.rewards.processes import shared_pools
 
 
 class ContextConfig(msgspec.Struct, kw_only=True, frozen=True):
@@ -33,14 +40,112 @@ class ContextConfig(msgspec.Struct, kw_only=True, frozen=True):
 _CURRENT: contextvars.ContextVar[WorkflowContext] = contextvars.ContextVar("rollq_workflow_context")
 
 
-def workflow_context() -> WorkflowContext:
-    """The running worker's shared context (tasks the worker starts inherit it)."""
+class EpisodeContext(msgspec.Struct, kw_only=True, frozen=True):
+    """The running episode, as `workflow_context.get()` returns it: AReaL's WorkflowContext fields (is_eval,
+    task_id) and the sample's place in its group."""
+
+    is_eval: bool = False
+    task_id: str | None = None  # the job id (shared by the n samples of a prompt)
+    sample_index: int = 0  # index of this sample within its group, 0..group_size-1
+    group_size: int = 1  # the job's n
+    attempt: int = 0  # earlier failed runs of this sample
+
+
+class _Recording:
+    """The engine responses of one episode (for workflows that return AReaL's `output_ids` template)."""
+
+    def __init__(self) -> None:
+        self.responses: list[ModelResponse] = []
+        self.open = True
+
+
+_NO_EPISODE = EpisodeContext()
+_EPISODE: contextvars.ContextVar[EpisodeContext | None] = contextvars.ContextVar("rollq_episode_context", default=None)
+_RECORDING: contextvars.ContextVar[_Recording | None] = contextvars.ContextVar("rollq_episode_responses", default=None)
+
+
+@contextlib.contextmanager
+def episode_scope(ctx: EpisodeContext) -> Iterator[list[ModelResponse]]:
+    """Run an episode under `ctx` (what workflow_context.get() returns in it); yields the list that collects the
+    responses a RecordingEngine returns inside it."""
+    recording = _Recording()
+    tokens = (_EPISODE.set(ctx), _RECORDING.set(recording))
+    try:
+        yield recording.responses
+    finally:
+        recording.open = False  # anything that inherited this context (a task left running) records no more
+        _RECORDING.reset(tokens[1])
+        _EPISODE.reset(tokens[0])
+
+
+class RecordingEngine:
+    """Wraps the engine handed to workflows: every response is also kept for the episode that asked for it."""
+
+    def __init__(self, inner: InferenceEngine) -> None:
+        self.inner = inner
+
+    @classmethod
+    def wrap(cls, engine: InferenceEngine | None) -> InferenceEngine | None:
+        return None if engine is None else cls(engine)
+
+    async def agenerate(self, req: ModelRequest, on_tokens: ProgressCallback | None = None) -> ModelResponse:
+        if on_tokens is None:
+            resp = await self.inner.agenerate(req)
+        else:
+            resp = await self.inner.agenerate(req, on_tokens)
+        recording = _RECORDING.get()
+        if recording is not None and recording.open:
+            recording.responses.append(resp)
+        return resp
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def _shared() -> WorkflowContext:
     try:
         return _CURRENT.get()
     except LookupError:
         raise RuntimeError(
             "no workflow context: run inside a rollq worker or `async with WorkflowContext():`"
         ) from None
+
+
+class _WorkflowContextAccess:
+    """`workflow_context()`: the running worker's shared WorkflowContext (tasks the worker starts inherit it).
+    As a module, AReaL's: `get()`, `set()`, `stat_scope()`, `get_aiohttp_session()`, `get_httpx_client()`."""
+
+    def __call__(self) -> WorkflowContext:
+        return _shared()
+
+    @staticmethod
+    def get() -> EpisodeContext:
+        """This episode's context (defaults outside an episode)."""
+        return _EPISODE.get() or _NO_EPISODE
+
+    @staticmethod
+    def set(ctx: EpisodeContext) -> None:
+        _EPISODE.set(ctx)
+
+    @staticmethod
+    def stat_scope() -> str:
+        return "eval-rollout" if (_EPISODE.get() or _NO_EPISODE).is_eval else "rollout"
+
+    @staticmethod
+    async def get_aiohttp_session() -> aiohttp.ClientSession:
+        """The worker's shared aiohttp session (closed by the worker; don't close it)."""
+        return _shared().aiohttp_session()
+
+    @staticmethod
+    async def get_httpx_client() -> httpx.AsyncClient:
+        """The worker's shared httpx client (what agents get as `http_client`; closed by the worker)."""
+        return _shared().http_client()
+
+    def __repr__(self) -> str:
+        return "<rollq workflow_context>"
+
+
+workflow_context = _WorkflowContextAccess()
 
 
 class WorkflowContext:
@@ -52,6 +157,7 @@ class WorkflowContext:
         self._proxy_lock: asyncio.Lock | None = None
         self._pools: dict[Any, Any] = {}  # (kind, settings) -> AsyncRewardWrapper-like pools
         self._token: contextvars.Token | None = None
+        self._share_token: contextvars.Token | None = None
 
     def http_client(self) -> httpx.AsyncClient:
         """The shared httpx client (what agents get as `http_client`). An `httpx.AsyncClient` on an aiohttp
@@ -80,7 +186,14 @@ class WorkflowContext:
                     from rollq.workers.chat_template import load_tokenizer
 
                     tokenizer = await asyncio.to_thread(load_tokenizer, self.config.tokenizer)
-                    self._proxy = await RecordingProxy(engine, tokenizer, self.config.proxy).start()
+                    # Started outside the episode: the server's tasks inherit this context, and must not record
+                    # into (or report) the episode that happened to start it.
+                    tokens = (_EPISODE.set(None), _RECORDING.set(None))
+                    try:
+                        self._proxy = await RecordingProxy(engine, tokenizer, self.config.proxy).start()
+                    finally:
+                        _RECORDING.reset(tokens[1])
+                        _EPISODE.reset(tokens[0])
         if engine is not None:
             self._proxy.engine = engine
         return self._proxy
@@ -107,13 +220,25 @@ class WorkflowContext:
 
     async def __aenter__(self) -> WorkflowContext:
         self._token = _CURRENT.set(self)
+        # AsyncRewardWrappers built in here (one per agent run, as AReaL's agents do) share pooled processes.
+        self._share_token = shared_pools.set(self.pool)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        if self._share_token is not None:
+            shared_pools.reset(self._share_token)
+            self._share_token = None
         if self._token is not None:
             _CURRENT.reset(self._token)
             self._token = None
         await self.close()
 
 
-__all__ = ["ContextConfig", "WorkflowContext", "workflow_context"]
+__all__ = [
+    "ContextConfig",
+    "EpisodeContext",
+    "RecordingEngine",
+    "WorkflowContext",
+    "episode_scope",
+    "workflow_context",
+]

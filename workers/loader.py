@@ -10,17 +10,21 @@ import json
 import logging
 from typing import Any
 
+import msgspec
+
 from rollq.engine.types import InferenceEngine
 from rollq.protocol.messages import AgentOptions
 from rollq.workers.builtin import BUILTIN_WORKFLOWS, resolve_agent_name
-from rollq.workers.resolver import ImportNotAllowed, WorkflowLoadError, resolve
+from rollq.workers.resolver import ImportNotAllowed, WorkflowLoadError, active_allowlist, resolve
 
 log = logging.getLogger("rollq.worker")
+
+EXEC_PREFIX = "exec:"  # a command agent: `exec:PROGRAM ARGS...` (rollq.workers.agents.command)
 
 
 def workflow_path(workflow: str, data: Any) -> str:
     """The import path a job runs: its data's `agent_name` picks a built-in loop (verl's convention), a short
-    built-in name stands for its class, anything else is an import path."""
+    built-in name stands for its class, `exec:PROGRAM ARGS...` a command agent, anything else is an import path."""
     agent = data.get("agent_name") if isinstance(data, dict) else None
     if agent:
         try:
@@ -64,6 +68,8 @@ class WorkflowCache:
     def _build(path: str, kwargs: dict[str, Any], agent: AgentOptions | None) -> Any:
         from rollq.workers.agents.runner import AgentWorkflow, is_agent  # the agent stack loads only when used
 
+        if path.startswith(EXEC_PREFIX):
+            return _command_workflow(path, kwargs, agent)
         obj = resolve(path)
         if is_agent(obj):
             if inspect.isclass(obj) and (agent is None or agent.mode == "inline"):
@@ -83,6 +89,27 @@ class WorkflowCache:
                 f"'async def run(self, data, **extra_kwargs)' (got {type(obj).__name__})"
             )
         return obj
+
+
+def _command_workflow(path: str, kwargs: dict[str, Any], agent: AgentOptions | None) -> Any:
+    """`exec:PROGRAM ARGS...`: a command agent (rollq.workers.agents.command), after the allowlist allowed PROGRAM.
+
+    It takes no workflow_kwargs: they would have to become arguments or environment variables, and a job that sets
+    a command's environment (PATH, LD_PRELOAD...) could run what the allowlist refused; fixed arguments belong in
+    the command line, per-sample inputs in the job's data (the program's stdin). Its mode is always its own process:
+    `mode: subproc` is accepted and means the same."""
+    from rollq.workers.agents.command import CommandAgent, parse_command
+    from rollq.workers.agents.runner import AgentWorkflow
+
+    if kwargs:
+        raise WorkflowLoadError(
+            f"command agent {path!r} takes no workflow_kwargs (got {', '.join(sorted(kwargs))}): put fixed "
+            "arguments in the command line and per-sample inputs in the job's data, which it reads on stdin"
+        )
+    argv = parse_command(path, active_allowlist())
+    if agent is not None and agent.mode != "inline":
+        agent = msgspec.structs.replace(agent, mode="inline")  # the command is its own process already
+    return AgentWorkflow(CommandAgent(argv, path), path, None, agent)
 
 
 def _construct(cls: Any, path: str, kwargs: dict[str, Any]) -> Any:

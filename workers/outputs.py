@@ -1,10 +1,18 @@
-"""Turns what `arun_episode` returned into wire Sequences, with a clear error for anything else."""
+"""Turns what `arun_episode` returned into wire Sequences, with a clear error for anything else.
+
+Accepted, besides rollq's own mapping (input_ids, loss_mask, logprobs[, versions, reward]): AReaL's tensor dict
+(`[1, L]` tensors, `rewards`, `attention_mask`: only the positions it marks are kept) and the short template of
+AReaL's add-a-workflow guide, `{"input_ids": prompt, "output_ids": generated, "reward": r}`, whose loss mask,
+logprobs and versions come from the engine response of this episode with exactly those prompt and output ids.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from collections.abc import Sequence as Seq
 from typing import Any
 
+from rollq.engine.types import ModelResponse
 from rollq.protocol.arrays import Float32Array, Int32Array, UInt8Array
 from rollq.protocol.messages import Sequence
 
@@ -28,16 +36,84 @@ def _reward(item: Mapping[str, Any]) -> float:
     return float(value)
 
 
-def to_sequence(item: Any) -> Sequence:
+def _ids(value: Any, field: str) -> list[int]:
+    try:
+        return list(Int32Array.coerce(value, field))
+    except ValueError as exc:
+        raise WorkflowOutputError(str(exc)) from None
+
+
+def _check_batch(item: Mapping[str, Any]) -> None:
+    shape = getattr(item.get("input_ids"), "shape", None)
+    if shape is not None and len(shape) == 2 and shape[0] > 1:
+        raise WorkflowOutputError(
+            f"input_ids: expected a 1-D array, got shape {tuple(shape)}: a trajectory is one sample ([L] or [1, L]); "
+            "return a list of mappings for several sequences (a group's n samples are n jobs, Job.n)"
+        )
+
+
+def _from_template(item: Mapping[str, Any], responses: Seq[ModelResponse], used: set[int]) -> dict[str, Any]:
+    """`{"input_ids": prompt, "output_ids": generated, "reward": r}` -> a full trajectory, from the response the
+    engine returned for exactly that prompt and output in this episode."""
+    prompt, output = _ids(item["input_ids"], "input_ids"), _ids(item["output_ids"], "output_ids")
+    for i, resp in enumerate(responses):
+        if i not in used and resp.input_tokens == prompt and resp.output_tokens == output:
+            used.add(i)
+            n_prompt = len(prompt)
+            return {
+                "input_ids": prompt + output,
+                "loss_mask": [0] * n_prompt + [1] * len(output),
+                "logprobs": [0.0] * n_prompt + list(resp.output_logprobs),
+                "versions": [-1] * n_prompt + list(resp.output_versions),
+                "reward": item.get("reward", item.get("rewards", 0.0)),
+            }
+    seen = "; ".join(f"prompt {len(r.input_tokens)} + output {len(r.output_tokens)} tokens" for r in responses)
+    raise WorkflowOutputError(
+        f"output_ids ({len(output)} tokens after a {len(prompt)}-token prompt) match no engine response of this "
+        f"episode ({len(responses)} responses{': ' + seen if seen else ''}): input_ids must be a response's "
+        "input_tokens and output_ids its output_tokens, unchanged (or return loss_mask and logprobs yourself)"
+    )
+
+
+def _masked(item: Mapping[str, Any]) -> Mapping[str, Any]:
+    """Keep only the positions `attention_mask` marks (AReaL's valid-token mask)."""
+    mask = item.get("attention_mask")
+    if mask is None:
+        return item
+    try:
+        keep = list(UInt8Array.coerce(mask, "attention_mask"))
+    except ValueError as exc:
+        raise WorkflowOutputError(str(exc)) from None
+    if all(keep):
+        return item
+    out = dict(item)
+    for key in ("input_ids", "loss_mask", "logprobs", "versions"):
+        value = item.get(key)
+        if value is None:
+            continue
+        column = value.tolist() if hasattr(value, "tolist") else list(value)
+        if column and isinstance(column[0], list) and len(column) == 1:  # [1, L]
+            column = column[0]
+        if len(column) != len(keep):
+            raise WorkflowOutputError(f"attention_mask has {len(keep)} entries but {key} has {len(column)}")
+        out[key] = [v for v, k in zip(column, keep, strict=True) if k]
+    return out
+
+
+def to_sequence(item: Any, responses: Seq[ModelResponse] = (), used: set[int] | None = None) -> Sequence:
     if not isinstance(item, Mapping):
         raise WorkflowOutputError(
             f"a trajectory must be a mapping with input_ids/loss_mask/logprobs, got {type(item).__name__}"
         )
+    _check_batch(item)
+    if "output_ids" in item and "loss_mask" not in item and "input_ids" in item:
+        item = _from_template(item, responses, used if used is not None else set())
     missing = [k for k in ("input_ids", "loss_mask", "logprobs") if k not in item]
     if missing:
         raise WorkflowOutputError(
             f"trajectory lacks {', '.join(missing)} (has {', '.join(map(str, item)) or 'no keys'})"
         )
+    item = _masked(item)
     try:
         input_ids = Int32Array.coerce(item["input_ids"], "input_ids")
         loss_mask = UInt8Array.coerce(item["loss_mask"], "loss_mask")
@@ -54,16 +130,18 @@ def to_sequence(item: Any) -> Sequence:
         raise WorkflowOutputError(str(exc)) from None
 
 
-def to_sequences(output: Any) -> list[Sequence] | None:
-    """None means the workflow rejected the sample."""
+def to_sequences(output: Any, responses: Seq[ModelResponse] = ()) -> list[Sequence] | None:
+    """None means the workflow rejected the sample. `responses`: what the engine returned during the episode (for
+    the `output_ids` template)."""
     if output is None:
         return None
+    used: set[int] = set()
     if isinstance(output, Mapping):
-        return [to_sequence(output)]
+        return [to_sequence(output, responses, used)]
     if isinstance(output, (list, tuple)):
         if not output:
             raise WorkflowOutputError("the workflow returned an empty list (return None to reject a sample)")
-        return [to_sequence(item) for item in output]
+        return [to_sequence(item, responses, used) for item in output]
     raise WorkflowOutputError(
         f"arun_episode must return a mapping, a list of mappings or None, got {type(output).__name__}"
     )

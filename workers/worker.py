@@ -31,7 +31,7 @@ from rollq.protocol.messages import SCHEMA_VERSION, DeadLetter, ErrorRecord, Job
 from rollq.redis_client import TRANSIENT_ERRORS, ensure_group, is_nogroup, redis_client
 from rollq.workers.batcher import WriteBatcher
 from rollq.workers.config import WorkerConfig
-from rollq.workers.context import ContextConfig, WorkflowContext
+from rollq.workers.context import ContextConfig, EpisodeContext, RecordingEngine, WorkflowContext, episode_scope
 from rollq.workers.loader import WorkflowCache, workflow_path
 from rollq.workers.outputs import to_sequences
 from rollq.workers.proxy.server import ProxyConfig
@@ -94,6 +94,7 @@ class Worker:
         self.name = config.name or default_worker_name()
         self.redis = redis or redis_client(config.redis_url)
         self.engine = engine
+        self._episode_engine = RecordingEngine.wrap(engine)  # keeps each episode's responses (outputs.py uses them)
         self.codec = Codec()
         self.workflows = WorkflowCache()
         # Shared by this worker's workflows (HTTP clients, the agents' recording proxy); closed when it stops.
@@ -101,7 +102,9 @@ class Worker:
             ContextConfig(
                 tokenizer=config.tokenizer,
                 agent_processes=config.agent_processes,
-                proxy=ProxyConfig(host=config.proxy_host, port=config.proxy_port),
+                proxy=ProxyConfig(
+                    host=config.proxy_host, port=config.proxy_port, continuation=config.proxy_continuation
+                ),
                 redis_url=config.redis_url,
                 run=config.run,
             )
@@ -342,7 +345,16 @@ class Worker:
             except WorkflowLoadError as exc:
                 raise _Fatal(self._error(type(exc).__name__, str(exc), runs)) from None
             try:
-                sequences = to_sequences(await workflow.arun_episode(self.engine, job.data))
+                episode = EpisodeContext(
+                    is_eval=job.is_eval,
+                    task_id=job.job_id,
+                    sample_index=job.sample_index,
+                    group_size=job.n,
+                    attempt=runs - 1,
+                )
+                with episode_scope(episode) as responses:  # what workflow_context.get() returns in the episode
+                    output = await workflow.arun_episode(self._episode_engine, job.data)
+                sequences = to_sequences(output, responses)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # the workflow's own failure: retry, then dead-letter

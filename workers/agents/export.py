@@ -1,8 +1,10 @@
 """An agent episode's recorded completions -> rewards per completion -> training sequences.
 
 The completions form a tree by parent links (a request that continues a recorded conversation is its child; `n > 1`
-and an agent that retries from an earlier point make branches). Rewards flow up that tree, not along creation
-order: an unrewarded completion gets `turn_discount` times the mean of its children's rewards, so concurrent
+and an agent that retries from an earlier point make branches). Returns flow up that tree with AReaL's rule
+(`InteractionCache.apply_reward_discount`): a completion's value is its own reward (0 when it has none; an explicit 0
+counts the same) plus `turn_discount` times its child's value, the mean of its children's values when it has several.
+AReaL walks creation order instead; along one linear conversation the two agree, and with the tree concurrent
 sub-agents or abandoned branches don't discount each other.
 """
 
@@ -58,6 +60,7 @@ def assign_rewards(records: list[CompletionRecord], result: Any) -> None:
 
 
 def tree_rewards(records: list[CompletionRecord], turn_discount: float) -> dict[str, float]:
+    """Each completion's return: own reward (or 0) + turn_discount * mean of its children's returns."""
     children: dict[str, list[str]] = {}
     for rec in records:
         if rec.parent is not None:
@@ -66,12 +69,8 @@ def tree_rewards(records: list[CompletionRecord], turn_discount: float) -> dict[
     # A child is always created after its parent, so reverse creation order visits children first.
     for rec in sorted(records, key=lambda r: (r.order, r.choice), reverse=True):
         kids = children.get(rec.key, [])
-        if rec.reward is not None:
-            values[rec.key] = rec.reward
-        elif kids:
-            values[rec.key] = turn_discount * sum(values[k] for k in kids) / len(kids)
-        else:
-            values[rec.key] = 0.0
+        later = sum(values[k] for k in kids) / len(kids) if kids else 0.0
+        values[rec.key] = (rec.reward or 0.0) + turn_discount * later
     return values
 
 
@@ -100,10 +99,18 @@ def _concat(path: list[CompletionRecord], reward: float) -> dict[str, Any]:
     return {"input_ids": ids, "loss_mask": mask, "logprobs": logprobs, "versions": versions, "reward": reward}
 
 
+def _extends(child: CompletionRecord, parent: CompletionRecord) -> bool:
+    """Whether the child's prompt is the parent's exact tokens plus more (the proxy's default continuation; with
+    `continuation = "template"` a child starts a new token sequence)."""
+    n = len(parent.prompt_ids) + len(parent.output_ids)
+    return len(child.prompt_ids) >= n and child.prompt_ids[:n] == parent.full_ids
+
+
 def export(records: list[CompletionRecord], style: str, turn_discount: float) -> list[dict[str, Any]]:
     """`individual`: one sequence per completion. `concat`: one per conversation branch (root to leaf), the leaf's
     exact token sequence with every ancestor's output trained on and everything else (prompts, user and tool
-    turns) masked."""
+    turns) masked. A child whose prompt does not extend its parent's tokens (a re-rendered conversation) starts a
+    new sequence; the parent's then ends with the parent, rewarded with its return."""
     ordered = sorted(records, key=lambda r: (r.order, r.choice))
     rewards = tree_rewards(ordered, turn_discount)
     if style == "individual":
@@ -111,14 +118,14 @@ def export(records: list[CompletionRecord], style: str, turn_discount: float) ->
     if style != "concat":
         raise AgentOutputError(f"unknown export style {style!r} (individual or concat)")
     by_key = {r.key: r for r in ordered}
-    parents = {r.parent for r in ordered if r.parent is not None}
+    extended = {r.parent for r in ordered if r.parent is not None and _extends(r, by_key[r.parent])}
     out = []
     for leaf in ordered:
-        if leaf.key in parents:
+        if leaf.key in extended:
             continue
         path = [leaf]
-        while path[-1].parent is not None:
-            path.append(by_key[path[-1].parent])
+        while path[-1].parent is not None and _extends(path[-1], parent := by_key[path[-1].parent]):
+            path.append(parent)
         out.append(_concat(path[::-1], rewards[leaf.key]))
     return out
 

@@ -55,7 +55,7 @@ class AgentWorkflow:
         if result is None:  # the agent rejected the sample (as arun_episode returning None does)
             return None
         assign_rewards(records, result)
-        return export(records, opts.export, opts.turn_discount)
+        return export(records, opts.export_style, opts.turn_discount)
 
     async def _run_inline(self, ctx: Any, data: Any, urls: dict[str, str], key: str) -> Any:
         agent = self._inline_agent()

@@ -7,6 +7,38 @@ from typing import Any
 import msgspec
 
 from rollq.engine.types import ModelRequest, ModelResponse, SamplingParams
+from rollq.workers.chat_template import encode, prompt_ids
+
+
+def _text_content(message: dict[str, Any]) -> dict[str, Any]:
+    """A message whose content is a list of parts (OpenAI / AReaL `messages_chat`) with its text parts joined."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return message
+    texts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text":
+            raise ValueError(f"message content part of type {kind!r}: the built-in workflows take text only")
+        texts.append(str(part.get("text", "")))
+    return {**message, "content": "".join(texts)}
+
+
+def episode_prompt_ids(tokenizer: Any, data: dict[str, Any], *, tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """The prompt tokens from `data`, with AReaL's data keys too: `input_ids`; `messages` as a chat (a list), or as
+    the already-templated prompt text (a str, as AReaL's vision datasets store it); `messages_chat` (the chat list
+    beside such a text); `prompt` (one user message)."""
+    if data.get("input_ids") is None:
+        messages = data.get("messages")
+        if isinstance(messages, str):
+            if tools:
+                raise ValueError("data['messages'] is already-templated text, so tools can't be added to it")
+            return encode(tokenizer, messages)
+        if messages is None and data.get("messages_chat") is not None:
+            messages = data["messages_chat"]
+        if messages is not None:
+            data = {**data, "messages": [_text_content(m) for m in messages]}
+    return prompt_ids(tokenizer, data, tools=tools)
 
 
 class TokenSequence:
@@ -78,4 +110,4 @@ def group_affinity(data: dict[str, Any]) -> str:
     return str(data.get("group_id") or "")
 
 
-__all__ = ["GenerationConfig", "TokenSequence", "group_affinity"]
+__all__ = ["GenerationConfig", "TokenSequence", "episode_prompt_ids", "group_affinity"]

@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 from rollq.engine.types import InferenceEngine
-from rollq.workers.builtin.episode import GenerationConfig, TokenSequence
-from rollq.workers.chat_template import LazyTokenizer, continuation_ids, prompt_ids, stop_token_ids
+from rollq.workers.builtin.episode import GenerationConfig, TokenSequence, episode_prompt_ids
+from rollq.workers.chat_template import LazyTokenizer, continuation_ids, stop_token_ids
 from rollq.workers.rewards.call import RewardedWorkflow
 
 
@@ -36,7 +36,7 @@ class MultiTurnWorkflow(RewardedWorkflow):
 
     async def arun_episode(self, engine: InferenceEngine, data: dict[str, Any]) -> dict[str, Any] | None:
         tok = await self.tokenizer.get()
-        prompt = prompt_ids(tok, data)
+        prompt = episode_prompt_ids(tok, data)
         prompt_text = tok.decode(prompt)
         seq = TokenSequence()
         seq.add_context(prompt)

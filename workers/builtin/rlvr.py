@@ -6,8 +6,8 @@ from collections.abc import Callable
 from typing import Any
 
 from rollq.engine.types import InferenceEngine
-from rollq.workers.builtin.episode import GenerationConfig, TokenSequence
-from rollq.workers.chat_template import LazyTokenizer, prompt_ids, stop_token_ids
+from rollq.workers.builtin.episode import GenerationConfig, TokenSequence, episode_prompt_ids
+from rollq.workers.chat_template import LazyTokenizer, stop_token_ids
 from rollq.workers.rewards.call import RewardedWorkflow
 
 
@@ -26,7 +26,7 @@ class RLVRWorkflow(RewardedWorkflow):
 
     async def arun_episode(self, engine: InferenceEngine, data: dict[str, Any]) -> dict[str, Any] | None:
         tok = await self.tokenizer.get()
-        prompt = prompt_ids(tok, data)
+        prompt = episode_prompt_ids(tok, data)
         resp = await engine.agenerate(self.generation.request(prompt, data, stop_token_ids=stop_token_ids(tok)))
         seq = TokenSequence()
         seq.add_context(prompt)

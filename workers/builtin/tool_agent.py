@@ -13,8 +13,8 @@ from typing import Any
 import msgspec
 
 from rollq.engine.types import InferenceEngine, ModelRequest, SamplingParams
-from rollq.workers.builtin.episode import TokenSequence, group_affinity
-from rollq.workers.chat_template import LazyTokenizer, continuation_ids, encode, prompt_ids, stop_token_ids
+from rollq.workers.builtin.episode import TokenSequence, episode_prompt_ids, group_affinity
+from rollq.workers.chat_template import LazyTokenizer, continuation_ids, encode, stop_token_ids
 from rollq.workers.resolver import resolve
 from rollq.workers.rewards.call import RewardedWorkflow
 from rollq.workers.tool_calls import ToolRegistry, parse_tool_calls
@@ -76,7 +76,7 @@ class ToolAgentWorkflow(RewardedWorkflow):
     async def arun_episode(self, engine: InferenceEngine, data: dict[str, Any]) -> dict[str, Any] | None:
         c = self.config
         tok = await self.tokenizer.get()
-        prompt = prompt_ids(tok, data, tools=self.registry.schemas)
+        prompt = episode_prompt_ids(tok, data, tools=self.registry.schemas)
         seq = TokenSequence()
         seq.add_context(prompt)
         completion_ids: list[int] = []  # assistant tokens only, for the reward function

@@ -295,6 +295,7 @@ class ChoiceOut(msgspec.Struct, kw_only=True):
     logprobs: list[float]
     completion_tokens: int
     raw_text: str = ""  # the decoded output before the stop string was trimmed
+    record: Any = None  # its CompletionRecord, marked delivered once the response is handed to the client
 
 
 def chat_completion(rid: str, model: str, choices: list[ChoiceOut], prompt_tokens: int, with_logprobs: bool) -> dict:

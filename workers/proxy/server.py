@@ -11,14 +11,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 from aiohttp import web
 
 from rollq.engine.types import InferenceEngine, ModelRequest, SamplingParams
 from rollq.workers.chat_template import stop_token_ids
-from rollq.workers.proxy import anthropic
+from rollq.workers.proxy import anthropic, responses
 from rollq.workers.proxy.chat import (
     BadRequest,
     ChoiceOut,
@@ -47,6 +47,12 @@ class ProxyConfig(msgspec.Struct, kw_only=True, frozen=True):
     model_name: str = "rollq"  # what /v1/models lists; requests may name any model
     default_max_tokens: int = 512  # for chat requests without max_tokens (OpenAI's default is the context size)
     max_body_bytes: int = 64 << 20
+    # How a request that continues a recorded conversation is tokenized. "exact": the parent's exact prompt + output
+    # ids, then only the new turns' tokens (one growing sequence; what the model sampled is what it is trained on).
+    # "template": the chat template renders the whole conversation again, as the model would see it when served
+    # (templates that rewrite earlier turns, e.g. drop their reasoning): a new token sequence, still the parent's
+    # child for rewards.
+    continuation: Literal["exact", "template"] = "exact"
 
 
 class _Prompt(msgspec.Struct, kw_only=True):
@@ -97,6 +103,7 @@ class RecordingProxy:
         app = web.Application(client_max_size=self.config.max_body_bytes)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/responses", self.responses)
         app.router.add_post("/v1/messages", self.messages)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model:.+}", self.model)
@@ -104,7 +111,9 @@ class RecordingProxy:
         return app
 
     async def start(self) -> RecordingProxy:
-        self._runner = web.AppRunner(self.app(), access_log=None, handle_signals=False)
+        # handler_cancellation: a client that goes away (an SDK timing out before it retries) cancels its handler,
+        # and with it the generation, which is then never recorded.
+        self._runner = web.AppRunner(self.app(), access_log=None, handle_signals=False, handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.host, self.config.port)
         await site.start()
@@ -208,6 +217,7 @@ class RecordingProxy:
                     logprobs=list(resp.output_logprobs),
                     completion_tokens=len(resp.output_tokens),
                     raw_text=raw,
+                    record=record,
                 )
             )
         return choices
@@ -216,6 +226,10 @@ class RecordingProxy:
         match = session.chat_parent(messages, tools)
         if match is not None:
             parent, start = match
+            if self.config.continuation == "template":
+                return _Prompt(
+                    ids=self.prompts.chat(messages, tools), parent=parent.key, messages=messages, tools=tools
+                )
             suffix = self.prompts.continuation(parent.output_ids, messages[start:])
             return _Prompt(ids=parent.full_ids + suffix, parent=parent.key, messages=messages, tools=tools)
         return _Prompt(ids=self.prompts.chat(messages, tools), parent=None, messages=messages, tools=tools)
@@ -223,19 +237,42 @@ class RecordingProxy:
     def _max_tokens(self, session: Session) -> int:
         return int(session.defaults.get("max_tokens") or self.config.default_max_tokens)
 
-    async def _sse(self, request: web.Request, frames: Any, error_frame: Any) -> web.StreamResponse:
+    async def _deliver(self, request: web.Request, body: Any, choices: list[ChoiceOut]) -> web.Response:
+        """Send a finished response. Its completions count (`delivered`) only once it is handed to the client's
+        connection: marked just before the bytes go out (the client can't act on them earlier), unmarked if the
+        connection is gone."""
+        resp = _json_response(body)
+        try:
+            await resp.prepare(request)
+            _mark_delivered(choices, True)
+            await resp.write_eof()
+        except ConnectionResetError:
+            _mark_delivered(choices, False)
+        except BaseException:
+            _mark_delivered(choices, False)
+            raise
+        return resp
+
+    async def _sse(
+        self, request: web.Request, frames: Any, error_frame: Any, finals: list[ChoiceOut]
+    ) -> web.StreamResponse:
         """Write `frames` (an async iterator of bytes) as they come. Once streaming began the status is sent, so a
-        generation failure becomes an error event."""
+        generation failure becomes an error event. The choices collected in `finals` count as delivered once their
+        last frames are handed to the connection."""
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
         try:
             async for frame in frames:
+                _mark_delivered(finals, True)
                 await resp.write(frame)
+            await resp.write_eof()
         except (ConnectionResetError, asyncio.CancelledError):
+            _mark_delivered(finals, False)
             raise  # the client went away; stream_deltas cancels the generation
         except Exception as exc:
+            _mark_delivered(finals, False)
             await resp.write(error_frame(f"generation failed: {type(exc).__name__}: {exc}"))
-        await resp.write_eof()
+            await resp.write_eof()
         return resp
 
     def _live(
@@ -247,15 +284,18 @@ class RecordingProxy:
         parse_tools: bool,
         rid: str,
         with_pieces: bool,
+        finals: list[ChoiceOut],
     ) -> Any:
+        """The deltas of a streamed generation; each choice's final result is appended to `finals`."""
         streams = [TextStream(self.tokenizer, params.stop, parse_tools) for _ in range(params.n)]
-        return stream_deltas(
+        deltas = stream_deltas(
             lambda callbacks: self._generate(
                 session, prompt, params, parse_tools=parse_tools, rid=rid, want_pieces=False, on_tokens=callbacks
             ),
             streams,
             with_pieces=with_pieces,
         )
+        return _collect_finals(deltas, finals)
 
     # -- OpenAI ------------------------------------------------------------------------------------------------------
 
@@ -278,11 +318,15 @@ class RecordingProxy:
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         model = str(body.get("model") or self.config.model_name)
         if params.stream:
-            deltas = self._live(session, prompt, params, parse_tools=parse_tools, rid=rid, with_pieces=params.logprobs)
+            finals: list[ChoiceOut] = []
+            deltas = self._live(
+                session, prompt, params, parse_tools=parse_tools, rid=rid, with_pieces=params.logprobs, finals=finals
+            )
             return await self._sse(
                 request,
                 _data_frames(chat_stream(rid, model, deltas, params.n, len(prompt.ids), params)),
                 _openai_error_frame,
+                finals,
             )
         try:
             choices = await self._generate(
@@ -290,7 +334,9 @@ class RecordingProxy:
             )
         except Exception as exc:  # the engine pool's failure: the agent sees a server error, as with a real API
             return _openai_error(f"generation failed: {type(exc).__name__}: {exc}", 502, "server_error")
-        return _json_response(chat_completion(rid, model, choices, len(prompt.ids), params.logprobs))
+        return await self._deliver(
+            request, chat_completion(rid, model, choices, len(prompt.ids), params.logprobs), choices
+        )
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         try:
@@ -313,15 +359,18 @@ class RecordingProxy:
         rid = f"cmpl-{uuid.uuid4().hex}"
         model = str(body.get("model") or self.config.model_name)
         if params.stream:
-            deltas = self._live(session, prompt, params, parse_tools=False, rid=rid, with_pieces=False)
-            return await self._sse(request, _data_frames(text_stream(rid, model, deltas)), _openai_error_frame)
+            finals: list[ChoiceOut] = []
+            deltas = self._live(session, prompt, params, parse_tools=False, rid=rid, with_pieces=False, finals=finals)
+            return await self._sse(request, _data_frames(text_stream(rid, model, deltas)), _openai_error_frame, finals)
         try:
             choices = await self._generate(
                 session, prompt, params, parse_tools=False, rid=rid, want_pieces=params.logprobs
             )
         except Exception as exc:
             return _openai_error(f"generation failed: {type(exc).__name__}: {exc}", 502, "server_error")
-        return _json_response(text_completion(rid, model, choices, len(prompt_ids), params.logprobs))
+        return await self._deliver(
+            request, text_completion(rid, model, choices, len(prompt_ids), params.logprobs), choices
+        )
 
     def _completion_prompt(self, prompt: Any) -> list[int]:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -362,16 +411,91 @@ class RecordingProxy:
         mid = anthropic.new_message_id()
         model = str(body.get("model") or self.config.model_name)
         if params.stream:
-            deltas = self._live(session, prompt, params, parse_tools=parse_tools, rid=mid, with_pieces=False)
+            finals: list[ChoiceOut] = []
+            deltas = self._live(
+                session, prompt, params, parse_tools=parse_tools, rid=mid, with_pieces=False, finals=finals
+            )
             events = anthropic.stream_events(mid, model, deltas, len(prompt.ids), params.stop)
-            return await self._sse(request, _event_frames(events), _anthropic_error_frame)
+            return await self._sse(request, _event_frames(events), _anthropic_error_frame, finals)
         try:
             [choice] = await self._generate(
                 session, prompt, params, parse_tools=parse_tools, rid=mid, want_pieces=False
             )
         except Exception as exc:
             return _anthropic_error(f"generation failed: {type(exc).__name__}: {exc}", 502, "api_error")
-        return _json_response(anthropic.message(mid, model, choice, len(prompt.ids), params.stop))
+        return await self._deliver(
+            request, anthropic.message(mid, model, choice, len(prompt.ids), params.stop), [choice]
+        )
+
+    # -- OpenAI Responses --------------------------------------------------------------------------------------------
+
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        try:
+            session = self._session(request)
+            body = await self._body(request)
+            req = responses.parse_request(body, self._max_tokens(session))
+            history: list[Any] = []
+            if req.previous_response_id is not None:
+                history = self._response_history(session, req.previous_response_id)
+            conversation = history + req.input
+            prompt = self._chat_prompt(session, req.messages(history), req.tools)
+        except _Unauthorized as exc:
+            return _openai_error(str(exc), 401, "authentication_error")
+        except BadRequest as exc:
+            return _openai_error(str(exc), 400, param=exc.param)
+        rid = responses.new_response_id()
+        model = str(body.get("model") or self.config.model_name)
+        params = req.params
+
+        def remember(choice: ChoiceOut) -> None:
+            session.response_inputs[rid] = conversation
+
+        if params.stream:
+            finals: list[ChoiceOut] = []
+            deltas = self._live(
+                session,
+                prompt,
+                params,
+                parse_tools=req.parse_tools,
+                rid=rid,
+                with_pieces=params.logprobs,
+                finals=finals,
+            )
+            events = responses.stream_events(rid, model, req, deltas, len(prompt.ids), remember)
+            return await self._sse(request, _event_frames(events), responses.error_frame, finals)
+        try:
+            [choice] = await self._generate(
+                session, prompt, params, parse_tools=req.parse_tools, rid=rid, want_pieces=params.logprobs
+            )
+        except Exception as exc:
+            return _openai_error(f"generation failed: {type(exc).__name__}: {exc}", 502, "server_error")
+        remember(choice)
+        return await self._deliver(request, responses.response(rid, model, req, choice, len(prompt.ids)), [choice])
+
+    @staticmethod
+    def _response_history(session: Session, response_id: str) -> list[Any]:
+        """The conversation of an earlier response of this episode, its reply included (instructions are not
+        carried over, as with OpenAI)."""
+        record = session.records.get(response_id)
+        inputs = session.response_inputs.get(response_id)
+        if record is None or inputs is None or not record.delivered:
+            raise BadRequest(
+                f"previous_response_id {response_id!r} is not a response of this episode", "previous_response_id"
+            )
+        return [*inputs, record.reply]
+
+
+def _mark_delivered(choices: list[ChoiceOut], delivered: bool) -> None:
+    for choice in choices:
+        if choice.record is not None:
+            choice.record.delivered = delivered
+
+
+async def _collect_finals(deltas: Any, finals: list[ChoiceOut]) -> Any:
+    async for delta in deltas:
+        if delta.final is not None:
+            finals.append(delta.final)
+        yield delta
 
 
 async def _data_frames(chunks: Any) -> Any:

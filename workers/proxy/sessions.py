@@ -3,6 +3,9 @@
 An agent episode gets a session key; it is the only credential the proxy accepts for that episode's records, so
 concurrent episodes of one worker can neither see nor extend each other's conversations. A completion's parent is
 the earlier completion (of the same session) whose conversation, including its own reply, the new request extends.
+
+Only delivered completions count: one whose response never reached the client (it timed out and retried, or went
+away) is not the agent's history, so it is never rewarded, trained or used as a parent.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ class CompletionRecord(msgspec.Struct, kw_only=True):
     tools: Any = None
     reply: Any = None
     reward: float | None = None
+    delivered: bool = False  # the whole response was handed to the client's connection
 
     @property
     def key(self) -> str:
@@ -50,6 +54,8 @@ class Session:
         self.key = key
         self.defaults = defaults or {}  # per-episode request defaults (max_tokens)
         self.records: dict[str, CompletionRecord] = {}
+        # Responses API: each response's conversation without its instructions (for previous_response_id).
+        self.response_inputs: dict[str, list[Any]] = {}
         self.closed = False
         self._order = 0
 
@@ -63,14 +69,15 @@ class Session:
         self.records[record.key] = record
 
     def ordered(self) -> list[CompletionRecord]:
-        return sorted(self.records.values(), key=lambda r: (r.order, r.choice))
+        """The delivered completions in creation order."""
+        return sorted((r for r in self.records.values() if r.delivered), key=lambda r: (r.order, r.choice))
 
     def chat_parent(self, messages: list[Any], tools: Any) -> tuple[CompletionRecord, int] | None:
         """The record whose messages + reply are the longest prefix of `messages` (same tools), and where the new
         messages start."""
         best: tuple[CompletionRecord, int] | None = None
         for rec in self.records.values():
-            if rec.messages is None or rec.tools != tools:
+            if rec.messages is None or rec.tools != tools or not rec.delivered:
                 continue
             k = len(rec.messages)
             if len(messages) <= k or (best is not None and k + 1 <= best[1]):
@@ -84,7 +91,12 @@ class Session:
         best: CompletionRecord | None = None
         for rec in self.records.values():
             n = len(rec.prompt_ids) + len(rec.output_ids)
-            if n <= len(prompt_ids) and (best is None or n > len(best.full_ids)) and prompt_ids[:n] == rec.full_ids:
+            if (
+                rec.delivered
+                and n <= len(prompt_ids)
+                and (best is None or n > len(best.full_ids))
+                and prompt_ids[:n] == rec.full_ids
+            ):
                 best = rec
         return best
 

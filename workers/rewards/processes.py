@@ -9,14 +9,23 @@ process SIGKILLed and raises `RewardTimeout` (never a silent 0 reward), and a cr
 child dies), hence this small pool: one `Pipe` per child, at most `max_workers` calls at once, children started
 lazily and reused, because a fresh process costs tens to hundreds of milliseconds while a reused one costs well
 under one.
+
+AReaL's signature is accepted (`AsyncRewardWrapper(reward_fn, timeout_seconds=15, max_workers=None, max_retries=3)`),
+and, as in AReaL, wrappers share processes: AReaL's agents build a new wrapper inside every `run()`. Inside a rollq
+worker, wrappers of the same function and settings share one pool that the worker closes when it stops (close() on
+such a wrapper does nothing); elsewhere a wrapper owns its pool, closed by close() or when it is garbage-collected.
+Unlike AReaL, a timeout never turns into a silent 0: the call is retried `max_retries` times (each in a fresh
+process), then RewardTimeout is raised.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import multiprocessing
 import signal
 import traceback
+import weakref
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler
@@ -29,6 +38,7 @@ from rollq.workers.rewards.values import as_reward
 if TYPE_CHECKING:
     from multiprocessing.context import ForkContext, ForkServerContext, SpawnContext
 
+DEFAULT_MAX_WORKERS = 4  # what max_workers=None means
 STARTUP_TIMEOUT_S = 60.0  # a new child must be importing-done and ready within this; not part of the call timeout
 JOIN_TIMEOUT_S = 5.0  # how long close() lets an idle child exit on its own before killing it
 
@@ -40,9 +50,10 @@ class RewardTimeout(Exception):
 class RewardError(Exception):
     """The reward function raised, or its process died (os._exit, segfault, OOM kill) while running it."""
 
-    def __init__(self, message: str, remote_traceback: str = "") -> None:
+    def __init__(self, message: str, remote_traceback: str = "", *, process_died: bool = False) -> None:
         super().__init__(message)
         self.remote_traceback = remote_traceback
+        self.process_died = process_died
 
 
 class RewardNotANumber(Exception):
@@ -104,14 +115,22 @@ class _Child(msgspec.Struct, frozen=True):  # frozen: hashable, kept in a set
         return self.process.pid
 
 
+# Set by the worker's WorkflowContext: `share(key, factory)` returns the pool registered under key (built once).
+shared_pools: contextvars.ContextVar[Callable[[Any, Callable[[], Any]], Any] | None] = contextvars.ContextVar(
+    "rollq_shared_reward_pools", default=None
+)
+
+
 class AsyncRewardWrapper:
-    """`await wrapper(*args, **kwargs) -> float`, running the picklable module-level `fn` in a child process."""
+    """`await wrapper(*args, **kwargs) -> float`, running the picklable module-level `reward_fn` in a child process
+    (AReaL's `areal.api.reward_api.AsyncRewardWrapper` signature; `max_workers=None`: DEFAULT_MAX_WORKERS)."""
 
     def __init__(
         self,
-        fn: Callable[..., Any],
+        reward_fn: Callable[..., Any],
         timeout_seconds: float = 15.0,
-        max_workers: int = 4,
+        max_workers: int | None = None,
+        max_retries: int = 0,
         *,
         start_method: str = "forkserver",
         accept: Callable[[Any], Any] = as_reward,
@@ -119,20 +138,88 @@ class AsyncRewardWrapper:
         expected: str = "a finite number",
     ) -> None:
         """`accept` (module-level, runs in the child) maps a return value to the result, or None when it is not
-        one; `what` and `expected` word the errors. The defaults make it a reward function runner."""
+        one; `what` and `expected` word the errors. The defaults make it a reward function runner. `max_retries`:
+        further tries after a timeout or a dead process (an exception the function raises is not retried)."""
         try:
             # Children receive fn by pickle (module + name); a lambda or closure should fail here, not per call.
-            ForkingPickler.dumps(fn)
+            pickled = bytes(ForkingPickler.dumps(reward_fn))
         except Exception as exc:
-            raise TypeError(f"reward function {fn!r} must be a picklable module-level function: {exc}") from exc
+            raise TypeError(f"reward function {reward_fn!r} must be a picklable module-level function: {exc}") from exc
+        if max_retries < 0:
+            raise ValueError("max_retries must be >= 0")
+        self.fn = self.reward_fn = reward_fn
+        self.max_retries = max_retries
+        config = RewardConfig(
+            timeout_seconds=timeout_seconds,
+            max_workers=DEFAULT_MAX_WORKERS if max_workers is None else max_workers,
+            start_method=start_method,
+        )
+        self.config = config
+        self.timeout_seconds, self.max_workers = config.timeout_seconds, config.max_workers
+
+        def build() -> _Pool:
+            return _Pool(reward_fn, config, accept=accept, what=what, expected=expected)
+
+        share = shared_pools.get()
+        if share is not None:
+            self._pool: _Pool = share(("reward-pool", pickled, config, accept, what, expected), build)
+            self._owned = False
+        else:
+            self._pool = build()
+            self._owned = True
+            weakref.finalize(self, self._pool.kill_now)
+
+    @property
+    def pids(self) -> list[int]:
+        """Pids of the live children (idle and busy)."""
+        return self._pool.pids
+
+    async def __call__(self, *args: Any, **kwargs: Any) -> float:
+        for attempt in range(self.max_retries + 1):
+            try:
+                return await self._pool(*args, **kwargs)
+            except RewardTimeout:
+                if attempt == self.max_retries:
+                    raise
+            except RewardError as exc:
+                if not exc.process_died or attempt == self.max_retries:
+                    raise
+        raise AssertionError("unreachable")
+
+    async def close(self) -> None:
+        """Stop the children of an owned pool (a worker's shared pool is closed by the worker)."""
+        if self._owned:
+            await self._pool.close()
+
+    async def __aenter__(self) -> AsyncRewardWrapper:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+
+class _Pool:
+    """The child processes of one reward function (see the module docstring)."""
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        config: RewardConfig,
+        *,
+        accept: Callable[[Any], Any] = as_reward,
+        what: str = "reward function",
+        expected: str = "a finite number",
+    ) -> None:
         self.fn = fn
         self.accept = accept
         self.what = what
         self.expected = expected
-        self.config = RewardConfig(timeout_seconds=timeout_seconds, max_workers=max_workers, start_method=start_method)
+        self.config = config
         # get_context(str) is typed as BaseContext, which declares no Process; each concrete context has one.
-        self._ctx = cast("ForkServerContext | ForkContext | SpawnContext", multiprocessing.get_context(start_method))
-        self._slots = asyncio.Semaphore(max_workers)
+        self._ctx = cast(
+            "ForkServerContext | ForkContext | SpawnContext", multiprocessing.get_context(config.start_method)
+        )
+        self._slots = asyncio.Semaphore(config.max_workers)
         self._idle: list[_Child] = []
         self._children: set[_Child] = set()  # idle and busy, so close() can reach all of them
         self._closed = False
@@ -185,7 +272,8 @@ class AsyncRewardWrapper:
             await _reap(child)
             raise RewardError(
                 f"worker process {child.pid} died while running {self.what} {_name(self.fn)} "
-                f"(exit code {child.process.exitcode})"
+                f"(exit code {child.process.exitcode})",
+                process_died=True,
             ) from None
 
     def _unpack(self, reply: tuple) -> float:
@@ -255,11 +343,15 @@ class AsyncRewardWrapper:
             self._children.discard(child)
             child.conn.close()
 
-    async def __aenter__(self) -> AsyncRewardWrapper:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.close()
+    def kill_now(self) -> None:
+        """Synchronous last resort (the owning wrapper was garbage-collected unclosed): kill every child."""
+        self._closed = True
+        for child in list(self._children):
+            if child.process.is_alive():
+                child.process.kill()
+            child.conn.close()
+        self._children.clear()
+        self._idle.clear()
 
 
 async def _wait_readable(conn: Connection, timeout: float) -> None:
@@ -298,9 +390,11 @@ def _name(fn: Callable[..., Any]) -> str:
 
 
 __all__ = [
+    "DEFAULT_MAX_WORKERS",
     "AsyncRewardWrapper",
     "RewardConfig",
     "RewardError",
     "RewardNotANumber",
     "RewardTimeout",
+    "shared_pools",
 ]

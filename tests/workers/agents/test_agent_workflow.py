@@ -66,7 +66,8 @@ async def test_individual_export_with_turn_discount(redis, redis_url, run_name, 
 async def test_dict_rewards_by_completion_id(redis, redis_url, run_name, pool):
     [t] = await run_jobs(redis, redis_url, run_name, pool, "tests.agents:DictRewardAgent")
     assert t.status == "ok", t.error
-    assert [s.reward for s in t.sequences] == [0.5, 1.0]
+    # AReaL's return: the tool call's own 0.5 plus the answer's 1.0 (turn_discount 1.0)
+    assert [s.reward for s in t.sequences] == [1.5, 1.0]
 
 
 async def test_subproc_sync_agent_reads_the_proxy_from_the_environment(redis, redis_url, run_name, pool):

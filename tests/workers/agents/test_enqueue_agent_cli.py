@@ -104,7 +104,7 @@ async def test_enqueue_wait_runs_an_openai_sdk_agent_token_exactly(tmp_path, red
                 "--n",
                 "2",
                 "--wait",
-                "--export",
+                "--export-style",
                 "concat",
                 "--redis",
                 redis_url,

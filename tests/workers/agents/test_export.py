@@ -49,6 +49,23 @@ def test_dict_rewards_and_discount_along_parent_links():
     assert values == pytest.approx({"b": 1.0, "a": 0.9, "side": 0.0, "root": 0.9 * (0.9 + 0.0) / 2})
 
 
+def test_a_rewarded_completion_also_gets_its_discounted_child_return_as_in_areal():
+    """AReaL's apply_reward_discount: value = own reward (unset or an explicit 0 alike) + discount * later value."""
+    records = conversation()[:3]  # root -> a -> b
+    assign_rewards(records, {"root": 0.0, "a": 0.5, "b": 1.0})
+    assert tree_rewards(records, 0.9) == pytest.approx({"b": 1.0, "a": 0.5 + 0.9, "root": 0.0 + 0.9 * (0.5 + 0.9)})
+    unset = conversation()[:3]
+    assign_rewards(unset, {"a": 0.5, "b": 1.0})  # root unset: the same as its explicit 0 above
+    assert tree_rewards(unset, 0.9) == tree_rewards(records, 0.9)
+
+
+def test_the_areal_docs_example_a_b_c():
+    """docs/en/reference/agent_workflow.md: A -> B -> C (leaf, reward 1.0), discount 0.9 -> B 0.9, A 0.81."""
+    records = conversation()[:3]
+    assign_rewards(records, 1.0)  # the last completion, b
+    assert tree_rewards(records, 0.9) == pytest.approx({"b": 1.0, "a": 0.9, "root": 0.81})
+
+
 def test_n_choices_share_a_response_id_and_can_be_rewarded_one_by_one():
     records = [rec("r", 1, None, [1], [2]), rec("r", 1, None, [1], [3], choice=1)]
     assign_rewards(records, {"r": 0.25})
@@ -101,8 +118,11 @@ def test_concat_export_one_sequence_per_branch_with_every_model_turn_trained():
     assert side["input_ids"] == [1, 2, 3, 4, 11, 12] and side["loss_mask"] == [0, 0, 1, 1, 0, 1]
 
 
-def test_concat_refuses_a_child_that_does_not_extend_its_parent():
+def test_concat_starts_a_new_sequence_where_a_child_does_not_extend_its_parent():
+    """A re-rendered conversation (the proxy's `template` continuation) is not a token extension: the child starts
+    its own sequence, and the parent's sequence ends with the parent, rewarded with its return."""
     records = [rec("p", 1, None, [1], [2]), rec("c", 2, "p", [1, 9, 3], [4])]
     assign_rewards(records, 1.0)
-    with pytest.raises(AgentOutputError, match="does not extend"):
-        export(records, "concat", 1.0)
+    p, c = export(records, "concat", 0.5)
+    assert (p["input_ids"], p["loss_mask"], p["reward"]) == ([1, 2], [0, 1], 0.5)
+    assert (c["input_ids"], c["loss_mask"], c["reward"]) == ([1, 9, 3, 4], [0, 0, 0, 1], 1.0)

@@ -1,0 +1,362 @@
+"""Command agents (`exec:PROGRAM ARGS...`) end to end in a real worker: Redis streams, the worker's recording proxy, a
+real EnginePool and a scripted engine server. A Node agent on the official openai SDK and a curl script yield
+token-exact trajectories; timeouts and cancellation kill the whole process group; failures say why; the allowlist
+is checked before anything runs."""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import json
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
+
+import httpx
+import pytest
+
+from rollq.engine.client import parse_generate
+from rollq.engine.pool import EnginePool, PoolConfig
+from rollq.producer.producer import JobRequest, Producer
+from rollq.protocol.messages import AgentOptions
+from rollq.workers.agents.command import CommandAgent, CommandError
+from rollq.workers.agents.export import AgentOutputError
+from rollq.workers.loader import WorkflowCache
+from rollq.workers.resolver import Allowlist, ImportNotAllowed, WorkflowLoadError, enforcing
+from tests.agents import ANSWER, CALL_ADD, SCRIPT
+from tests.helpers import running_worker, wait_until
+from tests.scripted import scripted_engine, tiny_tokenizer
+
+HERE = Path(__file__).parent
+NODE_DIR = HERE / "node"
+QUESTION = "What is 2 + 3?"
+
+
+class Stack:
+    def __init__(self, engine_url: str, pool: EnginePool) -> None:
+        self.engine_url, self.pool = engine_url, pool
+
+
+@pytest.fixture
+async def stack():
+    async with scripted_engine(SCRIPT) as engine, EnginePool(PoolConfig(urls=[engine.url])) as pool:
+        yield Stack(engine.url, pool)
+
+
+async def run_jobs(redis, redis_url, run, stack, workflow, *, allow, data=None, n=1, jobs=1, **options):
+    agent = AgentOptions(**options) if options else None
+    async with running_worker(redis_url, run, engine=stack.pool, max_attempts=1, concurrency=8, allow=allow):
+        producer = Producer(redis, run)
+        consumer = producer.consumer()
+        await consumer.setup()
+        reqs = [
+            JobRequest(workflow=workflow, job_id=f"j{i}", n=n, data=data or {"question": QUESTION}, agent=agent)
+            for i in range(jobs)
+        ]
+        await producer.submit_many(reqs)
+        return sorted(
+            [t async for t in producer.wait_for({r.job_id: n for r in reqs}, timeout_s=60, consumer=consumer)],
+            key=lambda t: (t.job_id, t.sample_index),
+        )
+
+
+async def assert_token_exact(engine_url: str, seq) -> list[int]:
+    """The sequence's trained tokens and their logprobs are exactly what the engine generates for its prompt."""
+    ids, mask = list(seq.input_ids), list(seq.loss_mask)
+    start = mask.index(1)
+    assert mask == [0] * start + [1] * (len(ids) - start)
+    async with httpx.AsyncClient(timeout=30) as client:
+        resp = await client.post(
+            f"{engine_url}/generate",
+            json={"input_ids": ids[:start], "sampling_params": {"max_new_tokens": 64}, "return_logprob": True},
+        )
+    direct = parse_generate(resp.json())
+    assert ids[start:] == direct.output_ids
+    assert list(seq.logprobs[start:]) == list(array.array("f", direct.output_logprobs))
+    assert len(seq.versions) == len(ids)
+    return ids[start:]
+
+
+def script(tmp_path: Path, name: str, body: str) -> Path:
+    path = tmp_path / name
+    path.write_text("#!/bin/sh\n" + body)
+    path.chmod(0o755)
+    return path
+
+
+def exec_spec(*argv: object) -> str:
+    return "exec:" + shlex.join(str(a) for a in argv)
+
+
+def pids_from(pidfile: Path) -> list[int] | None:
+    try:
+        return [int(p) for p in pidfile.read_text().split()] or None
+    except FileNotFoundError:
+        return None
+
+
+def gone(pid: int) -> bool:
+    """No such process, or only its zombie (dead; a container's init may be slow to reap orphans)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
+
+
+# Backgrounds a child that holds stdout open, records both pids (atomically), then waits for the child.
+SLEEPER = 'sleep 300 &\necho "$$ $!" > "$1.tmp" && mv "$1.tmp" "$1"\nwait\n'
+
+
+# -- agents in other languages -------------------------------------------------------------------------------------
+
+
+async def test_node_agent_on_the_official_openai_sdk_is_token_exact(redis, redis_url, run_name, stack):
+    if shutil.which("node") is None or shutil.which("npm") is None:
+        pytest.skip("node and npm are not installed: the Node agent test needs them (apt-get install nodejs npm)")
+    if not (NODE_DIR / "node_modules" / "openai").is_dir():
+        pytest.fail(f"the Node agent's packages are missing: run the set-up line (cd {NODE_DIR} && npm ci)")
+    trajs = await run_jobs(
+        redis,
+        redis_url,
+        run_name,
+        stack,
+        exec_spec("node", NODE_DIR / "agent.mjs"),
+        allow=["command:node"],
+        n=2,
+        jobs=2,
+        timeout_seconds=60,
+    )
+    assert [t.status for t in trajs] == ["ok"] * 4, [t.error for t in trajs]
+    tok = tiny_tokenizer()
+    for t in trajs:
+        first, second = t.sequences  # the tool call, then the answer after the tool's result
+        out1 = await assert_token_exact(stack.engine_url, first)
+        out2 = await assert_token_exact(stack.engine_url, second)
+        assert tok.decode(out1, skip_special_tokens=True) == CALL_ADD
+        assert tok.decode(out2, skip_special_tokens=True) == ANSWER
+        assert list(second.input_ids[: len(first.input_ids)]) == list(first.input_ids)  # nothing re-tokenized
+        assert (first.reward, second.reward) == (1.0, 1.0)
+
+
+async def test_curl_script_agent_is_token_exact(redis, redis_url, run_name, stack):
+    body = {"model": "policy", "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 64}
+    [t] = await run_jobs(
+        redis,
+        redis_url,
+        run_name,
+        stack,
+        exec_spec("sh", HERE / "curl_agent.sh"),
+        allow=["command:sh"],  # `command:NAME` allows the program named NAME (found on the worker's PATH)
+        data=body,
+    )
+    assert t.status == "ok", t.error
+    [seq] = t.sequences
+    out = await assert_token_exact(stack.engine_url, seq)
+    assert tiny_tokenizer().decode(out, skip_special_tokens=True) == CALL_ADD
+    assert seq.reward == 1.0
+
+
+async def test_dict_rewards_and_a_null_rejection(redis, redis_url, run_name, stack, tmp_path):
+    # The reward keyed by the completion's id (read from the response curl printed); then a program that prints
+    # null rejects its sample, as a Python agent returning None does.
+    keyed = script(
+        tmp_path,
+        "keyed.sh",
+        'body=$(curl -sS --fail-with-body -H "Authorization: Bearer $OPENAI_API_KEY" \\\n'
+        '  -H "Content-Type: application/json" --data-binary @- "$OPENAI_BASE_URL/chat/completions")\n'
+        'id=$(echo "$body" | grep -o \'"id": *"[^"]*"\' | head -n 1 | cut -d\'"\' -f4)\n'
+        'printf \'{"%s": 0.25}\\n\' "$id"\n',
+    )
+    body = {"model": "policy", "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 64}
+    [t] = await run_jobs(
+        redis, redis_url, run_name, stack, exec_spec(keyed), allow=[f"command:{tmp_path}/*"], data=body
+    )
+    assert t.status == "ok", t.error
+    assert [s.reward for s in t.sequences] == [0.25]
+
+    rejecting = script(tmp_path, "rejecting.sh", "cat >/dev/null\necho null\n")
+    [t] = await run_jobs(redis, redis_url, run_name + "r", stack, exec_spec(rejecting), allow=[f"command:{tmp_path}/*"])
+    assert t.status == "rejected" and not t.sequences, t.error
+
+
+# -- lifetime: the whole process group dies with the episode -----------------------------------------------------------
+
+
+async def test_timeout_kills_the_process_group(redis, redis_url, run_name, stack, tmp_path):
+    sleeper, pidfile = script(tmp_path, "sleeper.sh", SLEEPER), tmp_path / "pids"
+    [t] = await run_jobs(
+        redis,
+        redis_url,
+        run_name,
+        stack,
+        exec_spec(sleeper, pidfile),
+        allow=[f"command:{tmp_path}/*"],  # a path pattern: programs under one folder
+        timeout_seconds=2.0,
+    )
+    assert t.status == "error" and t.error.type == "AgentTimeout" and "longer than 2s" in t.error.message, t.error
+    pids = pids_from(pidfile)
+    assert pids and len(pids) == 2  # the shell and the child it started
+    await wait_until(lambda: all(gone(p) for p in pids), 10, what=f"pids {pids} gone")
+
+
+async def test_cancelling_an_episode_kills_the_process_group(tmp_path):
+    sleeper, pidfile = script(tmp_path, "sleeper.sh", SLEEPER), tmp_path / "pids"
+    agent = CommandAgent([str(sleeper), str(pidfile)])
+    task = asyncio.create_task(agent.run({"x": 1}, "http://127.0.0.1:9/v1", "key", "http://127.0.0.1:9"))
+    pids = await wait_until(lambda: pids_from(pidfile), 10, what="the agent's pids")
+    assert not any(gone(p) for p in pids)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(task, 10)
+    await wait_until(lambda: all(gone(p) for p in pids), 10, what=f"pids {pids} gone")
+
+
+async def test_leftover_children_die_when_the_program_exits(tmp_path):
+    # The child keeps stdout open after the program printed its result and exited: it is killed, not waited for.
+    leaver = script(tmp_path, "leaver.sh", 'sleep 300 &\necho "$$ $!" > "$1"\necho null\n')
+    pidfile = tmp_path / "pids"
+    result = await asyncio.wait_for(
+        CommandAgent([str(leaver), str(pidfile)]).run({}, "http://127.0.0.1:9/v1", "key", "http://127.0.0.1:9"), 10
+    )
+    assert result is None
+    pids = pids_from(pidfile)
+    assert pids is not None
+    await wait_until(lambda: all(gone(p) for p in pids), 10, what=f"pids {pids} gone")
+
+
+def test_on_uvloop_the_workers_loop(tmp_path):
+    # `rollq worker` runs on uvloop (the tests above on asyncio's loop): its subprocess transports work the same.
+    import uvloop
+
+    leaver, pidfile = script(tmp_path, "leaver.sh", 'sleep 300 &\necho "$$ $!" > "$1"\ncat\necho 0.5\n'), tmp_path / "p"
+    sleeper, sleeper_pids = script(tmp_path, "sleeper.sh", SLEEPER), tmp_path / "sleeper-pids"
+
+    async def main() -> None:
+        run = CommandAgent([str(leaver), str(pidfile)]).run({"big": "x" * 1_000_000}, "http://h/v1", "k", "http://h")
+        assert await asyncio.wait_for(run, 10) == 0.5
+        task = asyncio.create_task(CommandAgent([str(sleeper), str(sleeper_pids)]).run({}, "http://h/v1", "k", "h"))
+        pids = await wait_until(lambda: pids_from(sleeper_pids), 10, what="the agent's pids")
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(task, 10)
+        pids += pids_from(pidfile) or []
+        await wait_until(lambda: all(gone(p) for p in pids), 10, what=f"pids {pids} gone")
+        with pytest.raises(CommandError, match="exited with code 4"):
+            await asyncio.wait_for(CommandAgent(["sh", "-c", "exit 4"]).run({}, "http://h/v1", "k", "h"), 10)
+
+    uvloop.run(main())
+
+
+async def test_the_contract_environment_and_stdin(tmp_path):
+    # Everything on stdout but the last line is ignored; a chatty program (far more than a pipe holds, on stdout and
+    # stderr) never blocks, and what it read on stdin is the job's data.
+    echo = script(
+        tmp_path,
+        "echo.sh",
+        "head -c 1000000 /dev/zero | tr '\\0' x\necho\nhead -c 300000 /dev/zero >&2\n"
+        'cat > "$1/stdin.json"\n'
+        'printf "%s\\n" "$OPENAI_BASE_URL" "$OPENAI_API_KEY" "$ANTHROPIC_BASE_URL" "$ANTHROPIC_API_KEY" > "$1/env"\n'
+        "echo 0.5\n",
+    )
+    data = {"q": "hi", "n": [1, 2]}
+    got = await asyncio.wait_for(
+        CommandAgent([str(echo), str(tmp_path)]).run(data, "http://proxy/v1", "sess-key", "http://proxy"), 30
+    )
+    assert got == 0.5
+    assert json.loads((tmp_path / "stdin.json").read_text()) == data
+    assert (tmp_path / "env").read_text().split() == ["http://proxy/v1", "sess-key", "http://proxy", "sess-key"]
+
+
+# -- failures say why --------------------------------------------------------------------------------------------------
+
+
+async def test_non_zero_exit_carries_the_code_and_the_stderr_tail(redis, redis_url, run_name, stack, tmp_path):
+    failing = script(
+        tmp_path,
+        "failing.sh",
+        'i=0\nwhile [ $i -lt 200 ]; do echo "noise line $i, padding padding padding" >&2; i=$((i+1)); done\n'
+        "echo 'the environment exploded' >&2\nexit 3\n",
+    )
+    [t] = await run_jobs(redis, redis_url, run_name, stack, exec_spec(failing), allow=[f"command:{tmp_path}/*"])
+    assert t.status == "error" and t.error.type == "CommandError", t.error
+    assert "exited with code 3" in t.error.message and "the environment exploded" in t.error.message
+    assert "noise line 199," in t.error.message and "noise line 0," not in t.error.message  # only the tail
+    assert len(t.error.message) < 2048 + 500
+
+
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ("echo 1.0\necho all done", "it printed 'all done'"),
+        ("echo '\"great\"'", "it printed '\"great\"'"),
+        ('echo \'{"x": "high"}\'', 'it printed \'{"x": "high"}\''),
+        ("echo true", "it printed 'true'"),
+        ("echo Infinity", "it printed 'Infinity'"),
+        ("cat >/dev/null", "printed nothing on stdout"),
+    ],
+)
+async def test_a_last_line_that_is_no_result_is_a_clear_error(tmp_path, body, message):
+    bad = script(tmp_path, "bad.sh", body + "\n")
+    with pytest.raises(AgentOutputError) as info:
+        await asyncio.wait_for(CommandAgent([str(bad)]).run({}, "http://h/v1", "k", "http://h"), 10)
+    assert message in str(info.value)
+
+
+async def test_a_last_line_that_is_not_json_fails_the_job(redis, redis_url, run_name, stack, tmp_path):
+    chatty = script(tmp_path, "chatty.sh", "echo 1.0\necho all done\n")
+    [t] = await run_jobs(redis, redis_url, run_name, stack, exec_spec(chatty), allow=[f"command:{tmp_path}/*"])
+    assert t.status == "error" and t.error.type == "AgentOutputError", t.error
+    assert "last stdout line must be JSON" in t.error.message and "'all done'" in t.error.message
+
+
+@pytest.mark.parametrize(
+    "workflow, allow, error_type, message",
+    [
+        ("exec:{marker}", ["tests"], "ImportNotAllowed", "is not allowed here"),
+        ("exec:{marker}", ["command:marker.sh"], "ImportNotAllowed", "is not allowed here"),  # no basename match
+        ("exec:{tmp}/../{tmpname}/marker.sh", ["command:*"], "ImportNotAllowed", "'..' path component"),
+        ("exec:sh -c 'touch {tmp}/ran", ["command:*"], "WorkflowLoadError", "No closing quotation"),
+        ("exec:  ", ["command:*"], "WorkflowLoadError", "names no command"),
+        ("exec:no-such-program-here", ["command:*"], "WorkflowLoadError", "not an executable on the worker's PATH"),
+    ],
+)
+async def test_refused_commands_never_run_and_are_dead_lettered(
+    redis, redis_url, run_name, stack, tmp_path, workflow, allow, error_type, message
+):
+    marker = script(tmp_path, "marker.sh", 'touch "$(dirname "$0")/ran"\necho 1.0\n')
+    workflow = workflow.format(marker=marker, tmp=tmp_path, tmpname=tmp_path.name)
+    [t] = await run_jobs(redis, redis_url, run_name, stack, workflow, allow=allow)
+    assert t.status == "error" and t.error.type == error_type and message in t.error.message, t.error
+    dead = await redis.xrange(f"rollq:{{{run_name}}}:dead")
+    assert len(dead) == 1
+    assert not (tmp_path / "ran").exists()  # refused before anything ran
+
+
+def test_workflow_kwargs_are_refused_and_subproc_mode_means_the_same(tmp_path):
+    cache = WorkflowCache()
+    with enforcing(Allowlist(patterns=("command:sh",))):
+        with pytest.raises(WorkflowLoadError, match="takes no workflow_kwargs"):
+            cache.get("exec:sh -c 'echo 1'", {"x": 1})
+        with pytest.raises(ImportNotAllowed):
+            cache.get("exec:/bin/sh -c 'echo 1'", None)  # as written: /bin/sh is not `sh`
+        wf = cache.get("exec:sh -c 'echo 1'", None, AgentOptions(mode="subproc", timeout_seconds=5))
+    assert wf.options.mode == "inline" and wf.options.timeout_seconds == 5
+    assert wf.target.argv == ["sh", "-c", "echo 1"]
+    # Without an active allowlist (trusted local code) any command runs.
+    assert WorkflowCache().get(f"exec:{shutil.which('sh')} -c true", None).target.argv[0] == shutil.which("sh")
+
+
+async def test_a_program_that_cannot_start(tmp_path):
+    not_executable = tmp_path / "plain.txt"
+    not_executable.write_text("echo 1.0\n")
+    with pytest.raises(CommandError, match="cannot start"):
+        await CommandAgent([str(not_executable)]).run({}, "http://h/v1", "k", "http://h")
+
+
+def test_the_node_lockfile_pins_the_sdk():
+    lock = (NODE_DIR / "package-lock.json").read_text()
+    assert '"node_modules/openai"' in lock
+    ignored = subprocess.run(["git", "check-ignore", "-q", str(NODE_DIR / "node_modules")], cwd=HERE, check=False)
+    assert ignored.returncode == 0, "node_modules must be git-ignored"

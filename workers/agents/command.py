@@ -1,0 +1,250 @@
+"""Command agents: an agent in any language, run as a process per episode (a job's workflow `exec:PROGRAM ARGS...`).
+
+The contract, for the program:
+- environment: the worker's, plus OPENAI_BASE_URL (the recording proxy's base URL, ending /v1), OPENAI_API_KEY (the
+  episode's session key), ANTHROPIC_BASE_URL (the proxy's root URL) and ANTHROPIC_API_KEY (the same key). The
+  official SDKs read these, so an unmodified agent talks to the proxy and every completion is recorded token-exactly;
+- stdin: the job's data as one JSON document, then end of file;
+- stdout: the LAST non-empty line is the result, as JSON: a number (the reward of the last completion), an object
+  `{completion_id: reward}`, or `null` (the agent rejects the sample). Anything before that line is logged at debug
+  level and otherwise ignored; a last line that is not such JSON fails the episode with an error quoting it;
+- exit: 0. Any other exit status fails the episode with the status and the last 2 KiB of stderr;
+- lifetime: the program runs in a process group (session) of its own. The group is killed (SIGKILL) at the episode
+  timeout (AgentOptions.timeout_seconds), when the episode is cancelled, and when the program exits, so nothing the
+  agent started outlives its episode.
+
+`CommandAgent` is an ordinary inline agent (`async def run(...)`), so AgentWorkflow opens and closes the proxy
+session, applies the timeout and turns the result into rewards and trajectories exactly as for a Python agent. It
+never blocks the worker's loop: output is consumed as it arrives (a chatty agent never fills a pipe) and only the
+last stdout line and the stderr tail are kept, so memory stays bounded whatever the program prints.
+
+The allowlist: `parse_command` checks the program *as written* in the job (not its basename, which any file could
+share) against the worker's `command:NAME` patterns, before anything runs. `command:node` allows `exec:node a.js`
+(found on the worker's PATH); `command:/opt/agents/*` allows any program named by a path under /opt/agents. A path
+with a `..` component is refused while an allowlist is active (it could leave an allowed folder). Without an active
+allowlist (trusted local code) any command runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shlex
+import shutil
+import signal
+from typing import Any, cast
+
+import msgspec
+
+from rollq.workers.agents.export import AgentOutputError
+from rollq.workers.agents.subproc import agent_result
+from rollq.workers.resolver import Allowlist, ImportNotAllowed, WorkflowLoadError
+
+log = logging.getLogger("rollq.worker")
+
+EXEC_PREFIX = "exec:"
+STDERR_TAIL_BYTES = 2048  # how much of stderr an error carries
+MAX_LINE_BYTES = 1 << 20  # the result line may be this long (a {completion_id: reward} object for many completions)
+PIPE_DRAIN_S = 5.0  # after the group is killed, how long to wait for output still in the pipes
+
+
+class CommandError(Exception):
+    """The command could not start, exited with a non-zero status or was killed by a signal."""
+
+
+def is_command(workflow: str) -> bool:
+    return workflow.startswith(EXEC_PREFIX)
+
+
+def parse_command(workflow: str, allowlist: Allowlist | None) -> list[str]:
+    """`exec:PROGRAM ARGS...` -> argv (shell-style split, no shell runs), after the allowlist allowed PROGRAM.
+    Raises WorkflowLoadError (malformed, not found) or ImportNotAllowed before anything runs."""
+    spec = workflow[len(EXEC_PREFIX) :] if is_command(workflow) else workflow
+    try:
+        argv = shlex.split(spec)
+    except ValueError as exc:
+        raise WorkflowLoadError(f"cannot split command {spec!r} shell-style: {exc}") from None
+    if not argv:
+        raise WorkflowLoadError(f"workflow {workflow!r} names no command: write 'exec:PROGRAM ARGS...'")
+    program = argv[0]
+    if allowlist is not None:
+        if ".." in program.split("/"):
+            raise ImportNotAllowed(f"command {program!r} has a '..' path component; name it without one")
+        allowlist.check_command(program)
+    if shutil.which(program) is None:
+        where = "is not an executable file" if "/" in program else "is not an executable on the worker's PATH"
+        raise WorkflowLoadError(f"command {program!r} {where}")
+    return argv
+
+
+class _Output(asyncio.SubprocessProtocol):
+    """Consumes the program's stdout and stderr as they arrive, keeping the last stdout line and the stderr tail."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.last_line: bytes | None = None  # the last complete non-empty stdout line
+        self.last_too_long = False  # the last line was longer than MAX_LINE_BYTES (its start was dropped)
+        self._partial = bytearray()
+        self._partial_too_long = False
+        self.stderr_tail = bytearray()
+        self.exited = asyncio.Event()  # the program (the group's leader) exited
+        self.closed = asyncio.Event()  # the program exited and every pipe is closed
+
+    def pipe_data_received(self, fd: int, data: bytes) -> None:
+        if fd == 2:
+            self.stderr_tail += data
+            del self.stderr_tail[:-STDERR_TAIL_BYTES]
+            return
+        *lines, rest = data.split(b"\n")
+        for line in lines:
+            self._partial += line
+            self._line(bytes(self._partial), self._partial_too_long)
+            self._partial.clear()
+            self._partial_too_long = False
+        self._partial += rest
+        if len(self._partial) > MAX_LINE_BYTES:
+            del self._partial[:-MAX_LINE_BYTES]
+            self._partial_too_long = True
+
+    def _line(self, line: bytes, too_long: bool) -> None:
+        if not line.strip():
+            return
+        if self.last_line is not None and log.isEnabledFor(logging.DEBUG):
+            log.debug("%s: %s", self.name, self.last_line[:500].decode(errors="replace").rstrip())
+        self.last_line, self.last_too_long = line, too_long
+
+    def finish_stdout(self) -> None:
+        if self._partial:
+            self._line(bytes(self._partial), self._partial_too_long)
+            self._partial.clear()
+
+    def process_exited(self) -> None:
+        self.exited.set()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.exited.set()
+        self.closed.set()
+
+
+class CommandAgent:
+    """Runs `argv` once per episode against the recording proxy (see the module's docstring for the contract)."""
+
+    def __init__(self, argv: list[str], name: str | None = None) -> None:
+        if not argv:
+            raise ValueError("a command agent needs a program to run")
+        self.argv = list(argv)
+        self.name = name or EXEC_PREFIX + shlex.join(self.argv)
+
+    async def run(self, data: Any, base_url: str, api_key: str, anthropic_base_url: str) -> Any:
+        try:
+            payload = msgspec.json.encode(data) + b"\n"
+        except (TypeError, msgspec.EncodeError) as exc:
+            raise AgentOutputError(f"{self.name}: the job's data cannot be written as JSON: {exc}") from None
+        env = {
+            **os.environ,
+            "OPENAI_BASE_URL": base_url,
+            "OPENAI_API_KEY": api_key,
+            "ANTHROPIC_BASE_URL": anthropic_base_url,
+            "ANTHROPIC_API_KEY": api_key,
+        }
+        loop = asyncio.get_running_loop()
+        out = _Output(self.name)
+        try:
+            transport, _ = await loop.subprocess_exec(
+                lambda: out,
+                *self.argv,
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                env=env,
+                start_new_session=True,  # its own process group, killed as a whole
+            )
+        except OSError as exc:
+            raise CommandError(f"{self.name}: cannot start {self.argv[0]!r}: {exc}") from None
+        pid = transport.get_pid()
+        try:
+            _write_stdin(transport, payload)
+            await out.exited.wait()
+            _kill_group(pid)  # what it left running dies with the episode (and lets go of the pipes)
+            try:
+                await asyncio.wait_for(out.closed.wait(), PIPE_DRAIN_S)
+            except TimeoutError:  # a process that left the group holds a pipe: use what arrived
+                log.warning("%s: output pipes still open %gs after the program exited", self.name, PIPE_DRAIN_S)
+            code = transport.get_returncode()
+        finally:
+            if transport.get_returncode() is None:  # timed out or cancelled: kill the whole group, reap the leader
+                _kill_group(pid)
+                try:
+                    await asyncio.wait_for(out.exited.wait(), PIPE_DRAIN_S)
+                except TimeoutError:
+                    log.warning("%s: pid %d did not exit %gs after SIGKILL", self.name, pid, PIPE_DRAIN_S)
+            transport.close()
+        if code != 0:
+            raise CommandError(f"{self.name} {_status(code)}; {_tail(out.stderr_tail)}")
+        out.finish_stdout()
+        return self._result(out)
+
+    def _result(self, out: _Output) -> Any:
+        if out.last_line is None:
+            raise AgentOutputError(
+                f"{self.name} printed nothing on stdout: its last line must be its result as JSON (a reward, "
+                "{completion_id: reward} or null)"
+            )
+        shown = out.last_line[:200].decode(errors="replace").strip() + ("..." if len(out.last_line) > 200 else "")
+        if out.last_too_long:
+            raise AgentOutputError(f"{self.name}: its last stdout line is longer than {MAX_LINE_BYTES} bytes")
+        try:
+            value = msgspec.json.decode(out.last_line)
+        except msgspec.DecodeError:
+            value = _NOT_JSON
+        checked = None if value is _NOT_JSON else agent_result(value)
+        if checked is None:
+            raise AgentOutputError(
+                f"{self.name}: its last stdout line must be JSON, a reward (a finite number), "
+                f"{{completion_id: reward}} or null; it printed {shown!r}"
+            )
+        return checked[1]
+
+
+_NOT_JSON = object()
+
+
+def _write_stdin(transport: asyncio.SubprocessTransport, payload: bytes) -> None:
+    """The data, buffered by the loop (a program that never reads stdin cannot block us), then end of file."""
+    stdin = cast(asyncio.WriteTransport | None, transport.get_pipe_transport(0))  # uvloop's is no subclass
+    if stdin is None or stdin.is_closing():
+        return  # the program exited (or closed stdin) already; how it ended tells the rest
+    try:
+        stdin.write(payload)
+        stdin.close()
+    except (OSError, RuntimeError):  # closed under us (uvloop raises RuntimeError): same as above
+        pass
+
+
+def _kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass  # the group is gone already
+
+
+def _status(code: int | None) -> str:
+    if code is not None and code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def _tail(stderr: bytearray) -> str:
+    if not stderr.strip():
+        return "stderr was empty"
+    text = stderr.decode(errors="replace").strip()
+    if len(stderr) >= STDERR_TAIL_BYTES:
+        return f"stderr (its last {STDERR_TAIL_BYTES} bytes):\n{text}"
+    return f"stderr:\n{text}"
+
+
+__all__ = ["EXEC_PREFIX", "CommandAgent", "CommandError", "is_command", "parse_command"]
