@@ -47,6 +47,7 @@ class WaitAgent:
 
         client = AsyncOpenAI(base_url=base_url, api_key=api_key, http_client=http_client, max_retries=0)
         messages: list[dict[str, Any]] = [{"role": "user", "content": data.get("question", QUESTION)}]
+        calls = 0
         for _ in range(self.max_turns):
             resp = await client.chat.completions.create(
                 model="policy", messages=messages, tools=[WAIT_TOOL], max_tokens=self.max_tokens
@@ -56,9 +57,14 @@ class WaitAgent:
             if not message.tool_calls:
                 return reward(message.content)
             for call in message.tool_calls:
-                await asyncio.sleep(self.tool_s)  # the environment step
+                await asyncio.sleep(self.tool_seconds(data, calls))  # the environment step
+                calls += 1
                 messages.append({"role": "tool", "tool_call_id": call.id, "content": TOOL_RESULT})
         return 0.0
+
+    def tool_seconds(self, data: dict, call: int) -> float:
+        """How long tool call number `call` of the episode takes."""
+        return self.tool_s
 
 
 def tool_latency_s(episode: int, turn: int, median_s: float, sigma: float) -> float:
@@ -74,25 +80,8 @@ class LongTailAgent(WaitAgent):
         super().__init__(tool_median_s, max_turns, max_tokens)
         self.tool_sigma = tool_sigma
 
-    async def run(self, data: dict, base_url: str, api_key: str, http_client: Any) -> float:
-        from openai import AsyncOpenAI
-
-        client = AsyncOpenAI(base_url=base_url, api_key=api_key, http_client=http_client, max_retries=0)
-        messages: list[dict[str, Any]] = [{"role": "user", "content": data.get("question", QUESTION)}]
-        calls = 0
-        for _ in range(self.max_turns):
-            resp = await client.chat.completions.create(
-                model="policy", messages=messages, tools=[WAIT_TOOL], max_tokens=self.max_tokens
-            )
-            message = resp.choices[0].message
-            messages.append(message.model_dump(exclude_none=True))
-            if not message.tool_calls:
-                return reward(message.content)
-            for call in message.tool_calls:
-                await asyncio.sleep(tool_latency_s(data["i"], calls, self.tool_s, self.tool_sigma))
-                calls += 1
-                messages.append({"role": "tool", "tool_call_id": call.id, "content": TOOL_RESULT})
-        return 0.0
+    def tool_seconds(self, data: dict, call: int) -> float:
+        return tool_latency_s(data["i"], call, self.tool_s, self.tool_sigma)
 
 
 class RawWaitAgent(WaitAgent):

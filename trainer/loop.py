@@ -21,7 +21,7 @@ import time
 import uuid
 from collections import Counter
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 import redis.asyncio as aioredis
 
@@ -48,6 +48,17 @@ CONSUMER_NAME = "trainer"  # fixed: a restarted trainer first re-reads what its 
 KEEP_WEIGHT_VERSIONS = 2  # an engine being reconciled may still read the previous version
 PLOT_EVERY_STEPS = 20  # plot.png follows a long run
 RATE_WINDOW_S = 10.0  # throughput figures average over at least this long (reads come in bursts)
+
+
+# rollq's built-in loops (by short name) take a `tokenizer`; they must tokenize as the trained model does.
+_TOKENIZING_BUILTINS = ("rlvr", "multi_turn", "tool_agent")
+
+
+def builtin_kwargs(cfg: TrainConfig) -> dict[str, Any]:
+    """The workflow's kwargs, with the trained model as a built-in loop's tokenizer unless one is given."""
+    if cfg.workflow in _TOKENIZING_BUILTINS and "tokenizer" not in cfg.workflow_kwargs:
+        return {**cfg.workflow_kwargs, "tokenizer": cfg.model}
+    return cfg.workflow_kwargs
 
 
 class Trainer:
@@ -163,7 +174,7 @@ class Trainer:
             prefix=prefix,
             group_size=cfg.group_size,
             workflow=cfg.workflow,
-            workflow_kwargs=cfg.workflow_kwargs,
+            workflow_kwargs=builtin_kwargs(cfg),
             next_index=self.state.next_group,
         )
         self.collector = GroupCollector(

@@ -230,6 +230,8 @@ async def run_stack(cfg: TrainConfig, stack_cfg: UpConfig) -> list[StepRecord]:
                     str(stack_cfg.concurrency),
                     "--wait-redis",
                     "30",
+                    "--tokenizer",  # the agents' proxy renders and tokenizes as the served model does
+                    cfg.model,
                     *allow,
                     *[a for u in urls for a in ("--engine", u)],
                 ],

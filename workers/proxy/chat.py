@@ -203,13 +203,18 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
     return [normalize_message(m, i) for i, m in enumerate(messages)]
 
 
-def normalize_tools(tools: Any) -> list[dict[str, Any]] | None:
-    if tools is None or tools == []:
-        return None
+def tool_list(tools: Any) -> list[Any]:
+    """A request's `tools` as a list ([] for none)."""
+    if tools is None:
+        return []
     if not isinstance(tools, list):
         raise BadRequest("'tools' must be a list of function tools", "tools")
+    return tools
+
+
+def normalize_tools(tools: Any) -> list[dict[str, Any]] | None:
     out = []
-    for i, tool in enumerate(tools):
+    for i, tool in enumerate(tool_list(tools)):
         fn = tool.get("function") if isinstance(tool, dict) else None
         if (
             not isinstance(tool, dict)
@@ -219,7 +224,7 @@ def normalize_tools(tools: Any) -> list[dict[str, Any]] | None:
         ):
             raise BadRequest(f'tools[{i}] must be {{"type": "function", "function": {{"name": ..., ...}}}}', "tools")
         out.append({"type": "function", "function": fn})
-    return out
+    return out or None
 
 
 def tool_choice_allows_calls(choice: Any, tools: list | None) -> bool:

@@ -30,7 +30,9 @@ from rollq.workers.proxy.chat import (
     number,
     token_logprobs,
     tool_choice_allows_calls,
+    tool_list,
 )
+from rollq.workers.proxy.chat import normalize_tools as chat_tools
 
 _LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
@@ -166,13 +168,10 @@ def normalize_input(items: Any) -> list[dict[str, Any]]:
 
 
 def normalize_tools(tools: Any) -> list[dict[str, Any]] | None:
-    """Function tools in the chat-completions form the template renders (hosted tools are refused)."""
-    if tools is None or tools == []:
-        return None
-    if not isinstance(tools, list):
-        raise BadRequest("'tools' must be a list of function tools", "tools")
-    out = []
-    for i, tool in enumerate(tools):
+    """Function tools (flat in the Responses API) in the chat-completions form the template renders; hosted tools
+    are refused."""
+    wrapped = []
+    for i, tool in enumerate(tool_list(tools)):
         kind = tool.get("type") if isinstance(tool, dict) else None
         if kind != "function":
             raise BadRequest(
@@ -182,8 +181,8 @@ def normalize_tools(tools: Any) -> list[dict[str, Any]] | None:
             )
         if not isinstance(tool.get("name"), str):
             raise BadRequest(f"tools[{i}]: a function tool needs a 'name'", "tools")
-        out.append({"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}})
-    return out
+        wrapped.append({"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}})
+    return chat_tools(wrapped)
 
 
 def tool_choice(choice: Any) -> Any:

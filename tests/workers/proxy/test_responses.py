@@ -160,6 +160,7 @@ async def test_reasoning_items_and_ignored_fields_are_accepted(stack):
     ("body", "param", "words"),
     [
         ({"tools": [{"type": "web_search"}]}, "tools", "'web_search' is not supported"),
+        ({"tools": [{"type": "function", "parameters": {}}]}, "tools", "needs a 'name'"),
         ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}}, "text.format", "'json_schema'"),
         ({"conversation": "conv_1"}, "conversation", "not supported"),
         ({"background": True}, "background", "not supported"),
