@@ -118,3 +118,62 @@ class HangingSyncAgent:
 
         time.sleep(3600)
         return 0.0
+
+
+# -- agents for agent host processes (tests/workers/agents/test_agent_hosts.py) ----------------------------------------
+
+
+def _record(path: str, line: str) -> None:
+    """One line appended to a side-channel file the test reads (written whole, so a reader never sees half)."""
+    with open(path, "a") as f:
+        f.write(line + "\n")
+
+
+class PidAgent(CalculatorAgent):
+    """CalculatorAgent that records the pid of the process it ran in, and the pids of an AsyncRewardWrapper it
+    builds per run (AReaL's agents do): `pid reward_pid...` per episode, in `record`."""
+
+    def __init__(self, record: str, max_turns: int = 4) -> None:
+        super().__init__(max_turns)
+        self.record = record
+
+    async def run(self, data: dict, **extra_kwargs: Any) -> float:
+        from rollq.workers.api import AsyncRewardWrapper
+        from tests import reward_fns
+
+        reward = await super().run(data, **extra_kwargs)
+        grade = AsyncRewardWrapper(reward_fns.sleepy, max_workers=1)
+        reward = await grade(0.0, value=reward)
+        _record(self.record, " ".join(map(str, [os.getpid(), *grade.pids])))
+        return reward
+
+
+class StuckAgent:
+    """One model call (unless `model` is false), records its pid, then never finishes: `how` = "sleep"
+    (cooperative: an await that a cancel ends; records `<record>.cancelled` then) or "spin" (CPU-bound: blocks its
+    event loop, so only killing its process ends it)."""
+
+    def __init__(self, record: str, how: str = "sleep", model: bool = True) -> None:
+        self.record = record
+        self.how = how
+        self.model = model
+
+    async def run(self, data: dict, base_url: str, api_key: str, http_client: Any) -> float:
+        import asyncio
+
+        from openai import AsyncOpenAI
+
+        if self.model:
+            client = AsyncOpenAI(base_url=base_url, api_key=api_key, http_client=http_client, max_retries=0)
+            messages: list[dict[str, Any]] = [{"role": "user", "content": data["question"]}]
+            await client.chat.completions.create(model="policy", messages=messages, max_tokens=64)
+        _record(self.record, str(os.getpid()))
+        if self.how == "spin":
+            while True:
+                pass
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            _record(self.record + ".cancelled", str(os.getpid()))
+            raise
+        return 1.0

@@ -55,6 +55,16 @@ class WorkerConfig(RunSettings, kw_only=True):
         ),
     ] = "tiny"
     agent_processes: Annotated[int, setting("subproc-mode agents running at once", metavar="N", ge=1, group=AGENTS)] = 4
+    agent_hosts: Annotated[
+        int,
+        setting(
+            "processes that run inline agents' episodes (each many at once, its own event loop and HTTP client); "
+            "0 = the worker's own event loop",
+            metavar="N",
+            ge=0,
+            group=AGENTS,
+        ),
+    ] = 0
     proxy_host: Annotated[str, setting("where the agents' OpenAI-compatible proxy listens", group=AGENTS)] = "127.0.0.1"
     proxy_port: Annotated[int, setting("its port (0: a free one)", ge=0, le=65535, group=AGENTS)] = 0
     proxy_continuation: Annotated[

@@ -32,6 +32,7 @@ class ContextConfig(msgspec.Struct, kw_only=True, frozen=True):
     tokenizer: str = "tiny"  # the proxy's chat template and tokenizer: "tiny" or an HF directory (the engine's)
     proxy: ProxyConfig = ProxyConfig()
     agent_processes: int = 4  # subproc-mode agents running at once
+    agent_hosts: int = 0  # processes running inline agents' episodes (rollq.workers.agents.hosts); 0 = this loop
     http_max_connections: int = 1024
     redis_url: str = DEFAULT_REDIS_URL  # the worker's Redis (remote rewards reach their reward workers through it)
     run: str = "default"  # the worker's run (remote rewards go to its reward workers unless a job names another)

@@ -14,12 +14,11 @@ import msgspec
 
 from rollq.engine.types import InferenceEngine
 from rollq.protocol.messages import AgentOptions
+from rollq.workers.agents.command import is_command
 from rollq.workers.builtin import BUILTIN_WORKFLOWS, resolve_agent_name
 from rollq.workers.resolver import ImportNotAllowed, WorkflowLoadError, active_allowlist, resolve
 
 log = logging.getLogger("rollq.worker")
-
-EXEC_PREFIX = "exec:"  # a command agent: `exec:PROGRAM ARGS...` (rollq.workers.agents.command)
 
 
 def workflow_path(workflow: str, data: Any) -> str:
@@ -68,7 +67,7 @@ class WorkflowCache:
     def _build(path: str, kwargs: dict[str, Any], agent: AgentOptions | None) -> Any:
         from rollq.workers.agents.runner import AgentWorkflow, is_agent  # the agent stack loads only when used
 
-        if path.startswith(EXEC_PREFIX):
+        if is_command(path):
             return _command_workflow(path, kwargs, agent)
         obj = resolve(path)
         if is_agent(obj):

@@ -102,6 +102,7 @@ class Worker:
             ContextConfig(
                 tokenizer=config.tokenizer,
                 agent_processes=config.agent_processes,
+                agent_hosts=config.agent_hosts,
                 proxy=ProxyConfig(
                     host=config.proxy_host, port=config.proxy_port, continuation=config.proxy_continuation
                 ),

@@ -1,8 +1,9 @@
 """AgentWorkflow: runs an agent (any object with `run(self, data, **extra_kwargs)`) as a rollout workflow.
 
-Per episode: open a proxy session, run the agent against the proxy (inline in the worker's loop, or in a pooled
-process), close the session, turn the agent's return value into per-completion rewards and export the recorded
-completions as trajectories. The agent needs no change but its base URL and API key.
+Per episode: open a proxy session, run the agent against the proxy (inline in the worker's loop or, with
+`agent_hosts`, in one of the worker's agent host processes; or in a pooled process), close the session, turn the
+agent's return value into per-completion rewards and export the recorded completions as trajectories. The agent
+needs no change but its base URL and API key.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 
 from rollq.engine.types import InferenceEngine
 from rollq.protocol.messages import AgentOptions
+from rollq.workers.agents.command import is_command
 from rollq.workers.agents.export import AgentOutputError, assign_rewards, export
 from rollq.workers.agents.subproc import agent_result, extra_kwargs_for, run_agent
 from rollq.workers.context import workflow_context
@@ -61,6 +63,8 @@ class AgentWorkflow:
         agent = self._inline_agent()
         offered = {**urls, "api_key": key}
         if inspect.iscoroutinefunction(agent.run):
+            if ctx.config.agent_hosts > 0 and not is_command(self.path):
+                return await self._run_hosted(ctx, data, urls, key)
             offered["http_client"] = ctx.http_client()
             call = agent.run(data, **extra_kwargs_for(agent.run, offered))
         else:  # a synchronous agent: a thread, so the loop (and the proxy it talks to) keeps running
@@ -69,6 +73,33 @@ class AgentWorkflow:
             return await asyncio.wait_for(call, self.options.timeout_seconds)
         except TimeoutError:
             raise AgentTimeout(f"agent {self.path} ran longer than {self.options.timeout_seconds:g}s") from None
+
+    async def _run_hosted(self, ctx: Any, data: Any, urls: dict[str, str], key: str) -> Any:
+        """An async agent's episode in one of the worker's agent host processes (rollq.workers.agents.hosts)."""
+        from rollq.workers.agents.hosts import AgentHosts, AgentHostStuck
+
+        timeout = self.options.timeout_seconds
+        hosts = ctx.pool(("agent-hosts",), lambda: AgentHosts(ctx.config.agent_hosts, ctx.config))
+        kwargs_json = json.dumps(self.kwargs, sort_keys=True)
+        try:
+            reply = await hosts.run(
+                self.path, kwargs_json, data, urls, key, active_allowlist(), workflow_context.get(), timeout
+            )
+        except AgentHostStuck as exc:
+            raise AgentTimeout(f"agent {self.path} ran longer than {timeout:g}s; {exc}") from None
+        tag = reply[0]
+        if tag == "ok":
+            return reply[3]
+        if tag == "timeout":
+            raise AgentTimeout(f"agent {self.path} ran longer than {timeout:g}s")
+        if tag == "bad":
+            raise AgentOutputError(
+                f"agent {self.path} returned {reply[2]} {reply[3]}: a reward must be a finite number, a "
+                "{completion_id: reward} mapping or None"
+            )
+        _, _, type_name, text, tb = reply
+        # The agent's own exception, with the host's traceback in the message so the dead letter shows it.
+        raise AgentError(f"agent {self.path} raised {type_name}: {text}\n{tb}".rstrip())
 
     async def _run_subproc(self, ctx: Any, data: Any, urls: dict[str, str], key: str) -> Any:
         timeout = self.options.timeout_seconds
@@ -98,7 +129,8 @@ class AgentWorkflow:
 
 
 class AgentError(Exception):
-    """The agent raised (subproc mode; inline agents' exceptions propagate as they are)."""
+    """The agent raised (subproc mode and agent hosts; inline agents' exceptions in the worker's loop propagate as
+    they are)."""
 
 
 def is_agent(obj: Any) -> bool:
