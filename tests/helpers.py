@@ -18,6 +18,15 @@ from rollq.workers.worker import Worker
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists (a zombie counts until reaped)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 async def wait_until(predicate: Callable, timeout_s: float = 10.0, interval_s: float = 0.02, what: str = "condition"):
     """Bounded wait for a condition that has no event to await (another process's progress)."""
     deadline = time.monotonic() + timeout_s

@@ -10,14 +10,7 @@ import pytest
 
 from rollq.workers.rewards.processes import AsyncRewardWrapper, RewardError, RewardNotANumber, RewardTimeout
 from tests import reward_fns
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+from tests.helpers import pid_alive
 
 
 @pytest.fixture
@@ -100,7 +93,7 @@ async def test_crashing_process_gives_reward_error_and_is_replaced(wrapper):
     dead = int(await wrapper("pid_of_worker"))
     with pytest.raises(RewardError, match="exit code 3"):
         await wrapper("hard_exit", 3)
-    assert not _pid_alive(dead)
+    assert not pid_alive(dead)
     assert await wrapper("exact_match", "42") == 1.0
     assert dead not in wrapper.pids
 
@@ -121,7 +114,7 @@ async def test_cancelled_call_kills_its_worker(wrapper, tmp_path):
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    assert not _pid_alive(int(pid_file.read_text()))
+    assert not pid_alive(int(pid_file.read_text()))
     assert wrapper.pids == []
 
 
@@ -131,7 +124,7 @@ async def test_close_stops_every_child():
     pids = w.pids
     assert len(pids) == 2
     await w.close()
-    assert not any(_pid_alive(pid) for pid in pids)
+    assert not any(pid_alive(pid) for pid in pids)
     with pytest.raises(RuntimeError, match="closed"):
         await w(0.0)
 

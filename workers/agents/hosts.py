@@ -50,6 +50,7 @@ import msgspec
 
 from rollq.workers.context import ContextConfig, EpisodeContext, WorkflowContext, episode_scope
 from rollq.workers.resolver import Allowlist, enforcing, resolve
+from rollq.workers.rewards.processes import join_all
 
 if TYPE_CHECKING:
     from multiprocessing.context import ForkServerContext, SpawnContext
@@ -434,21 +435,13 @@ class AgentHosts:
             host.send(["stop"])
             host.dead = host.dead or "closed"
         processes = [h.process for h in hosts if h.process is not None and h.process.pid is not None]
-        await asyncio.to_thread(_join_all, processes)
+        await asyncio.to_thread(join_all, processes)
         readers = [h.reader_task for h in hosts if h.reader_task is not None]
         if readers:
             await asyncio.wait(readers, timeout=JOIN_TIMEOUT_S)
         for host in hosts:
             if host.writer is not None:
                 host.writer.close()
-
-
-def _join_all(processes: list[Any]) -> None:
-    for process in processes:
-        process.join(JOIN_TIMEOUT_S)
-        if process.is_alive():
-            process.kill()
-            process.join(JOIN_TIMEOUT_S)
 
 
 __all__ = ["HOST_GRACE_S", "AgentHostError", "AgentHostStuck", "AgentHosts"]

@@ -338,7 +338,7 @@ class _Pool:
         busy = [c for c in self._children if c not in idle]
         for child in busy:
             child.process.kill()
-        await asyncio.to_thread(_join_all, [c.process for c in idle + busy])
+        await asyncio.to_thread(join_all, [c.process for c in idle + busy])
         for child in idle:
             self._children.discard(child)
             child.conn.close()
@@ -377,7 +377,7 @@ async def _reap(child: _Child) -> None:
     await asyncio.to_thread(child.process.join, JOIN_TIMEOUT_S)
 
 
-def _join_all(processes: list[Any]) -> None:
+def join_all(processes: list[Any]) -> None:
     for process in processes:
         process.join(JOIN_TIMEOUT_S)
         if process.is_alive():

@@ -20,7 +20,7 @@ from rollq.protocol.messages import AgentOptions
 from rollq.workers.agents.hosts import HOST_GRACE_S, AgentHosts
 from rollq.workers.resolver import Allowlist
 from tests.agents import CALL_ADD, SCRIPT
-from tests.helpers import running_worker, wait_until
+from tests.helpers import pid_alive, running_worker, wait_until
 from tests.scripted import tiny_tokenizer
 
 
@@ -65,14 +65,6 @@ class Jobs:
             )
         ]
         return sorted(got, key=lambda t: (t.job_id, t.sample_index))
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def _lines(path: Path) -> list[list[int]]:
@@ -121,7 +113,7 @@ async def test_hosted_agent_runs_in_another_process_token_exactly_as_inline(redi
         by_host.setdefault(host, set()).add(reward_pid)
     assert all(len(p) == 1 for p in by_host.values()), by_host
     gone = [p for pids in hosted_pids for p in pids]
-    await wait_until(lambda: not any(map(_alive, gone)), timeout_s=10, what="hosts and their pools to exit")
+    await wait_until(lambda: not any(map(pid_alive, gone)), timeout_s=10, what="hosts and their pools to exit")
 
 
 async def test_many_concurrent_episodes_spread_over_two_hosts(redis, redis_url, run_name, pool, tmp_path):
@@ -138,7 +130,7 @@ async def test_many_concurrent_episodes_spread_over_two_hosts(redis, redis_url, 
     assert [t.status for t in trajs] == ["ok"] * 48, [t.error for t in trajs if t.status != "ok"][:3]
     assert all([s.reward for s in t.sequences] == [1.0, 1.0] for t in trajs)
     assert len(host_pids) == 2 and os.getpid() not in host_pids
-    await wait_until(lambda: not any(map(_alive, host_pids)), timeout_s=10, what="the hosts to exit at worker stop")
+    await wait_until(lambda: not any(map(pid_alive, host_pids)), timeout_s=10, what="the hosts to exit at worker stop")
 
 
 async def test_timeout_cancels_the_episode_in_its_host_which_stays_usable(redis, redis_url, run_name, pool, tmp_path):
@@ -171,7 +163,7 @@ async def test_cpu_stuck_agent_gets_its_host_killed_and_the_next_episode_works(
         assert t.status == "error" and t.error.type == "AgentTimeout", t.error
         assert "longer than 1s" in t.error.message and "host was killed" in t.error.message, t.error.message
         [spun] = _lines(stuck)
-        await wait_until(lambda: not _alive(spun[0]), timeout_s=10, what="the stuck host to be gone")
+        await wait_until(lambda: not pid_alive(spun[0]), timeout_s=10, what="the stuck host to be gone")
         [ok] = await jobs.run("tests.agents:PidAgent", kwargs={"record": str(record)})
         assert ok.status == "ok", ok.error
     assert _lines(record)[0][0] not in (spun[0], os.getpid())  # a replacement host
@@ -235,4 +227,4 @@ async def test_cancelling_an_episode_cancels_its_task_in_the_host(tmp_path):
         assert refused[0] == "raised" and refused[2] == "ImportNotAllowed"  # the allowlist is checked in the host
     finally:
         await hosts.close()
-    await wait_until(lambda: not _alive(host), timeout_s=10, what="the host to exit")
+    await wait_until(lambda: not pid_alive(host), timeout_s=10, what="the host to exit")

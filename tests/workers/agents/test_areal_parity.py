@@ -5,8 +5,6 @@ export_style, turn_discount)."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from rollq.engine.pool import EnginePool, PoolConfig
@@ -19,7 +17,7 @@ from rollq.workers.context import WorkflowContext
 from rollq.workers.outputs import WorkflowOutputError, to_sequences
 from rollq.workers.rewards.processes import DEFAULT_MAX_WORKERS, AsyncRewardWrapper
 from tests import reward_fns
-from tests.helpers import running_worker
+from tests.helpers import pid_alive, running_worker
 from tests.scripted import scripted_engine, tiny_tokenizer
 
 QUESTION = {"messages": [{"role": "user", "content": "What is 2 + 3?"}], "answer": "5"}
@@ -122,15 +120,7 @@ async def test_reward_wrappers_built_per_run_share_the_workers_processes():
         await first.close()  # shared: nothing stops
         second = AsyncRewardWrapper(reward_fns.sleepy)
         assert await second(0.0) == 1.0 and second.pids == pids
-    assert pids and not any(_alive(p) for p in pids)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+    assert pids and not any(pid_alive(p) for p in pids)
 
 
 @pytest.mark.slow  # reward processes start (~5 s)
