@@ -1,12 +1,17 @@
 """The workflow allowlist: every import a job causes (its workflow, a reward function, tools) is checked before
 anything is imported or constructed; a job naming anything else is dead-lettered, having run nothing."""
 
+import asyncio
+import json
 import sys
 import textwrap
 
 import pytest
 
 from rollq.producer import Producer
+from rollq.protocol.codec import Codec
+from rollq.protocol.keys import PAYLOAD_FIELD, RunKeys
+from rollq.protocol.messages import Job
 from rollq.workers.resolver import (
     Allowlist,
     ImportNotAllowed,
@@ -131,3 +136,48 @@ async def test_jobs_naming_paths_outside_the_allowlist_run_nothing_and_are_dead_
         assert error.attempt == 1  # deterministic: dead-lettered at once, not retried
     dead = await redis.xrange(f"rollq:{{{run_name}}}:dead")
     assert len(dead) == 4
+
+
+async def test_the_allowlist_holds_on_every_submission_path(redis, redis_url, run_name, tmp_path):
+    """The same refused job (subprocess.Popen running `touch`) by every path another service can take: the `rollq
+    enqueue` CLI, raw stream entries in msgpack and in JSON (what a non-Python producer writes), and a command agent
+    (`exec:touch ...`) without a `command:` pattern. Nothing runs; each is dead-lettered with the allowlist's message.
+    (The Python producer is covered above, the HTTP ingress in tests/producer.)"""
+    touched = {name: tmp_path / f"touched-{name}" for name in ("cli", "msgpack", "json", "exec")}
+    popen = "subprocess:Popen"
+    jobs_file = tmp_path / "jobs.jsonl"
+    jobs_file.write_text('{"data": null}\n')
+    keys = RunKeys(run_name)
+    codec = Codec()
+    producer = Producer(redis, run_name)
+    async with running_worker(redis_url, run_name, max_attempts=3):
+        cli = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "rollq", "enqueue", str(jobs_file), "--workflow", popen, "--kwargs",
+            json.dumps({"args": ["touch", str(touched["cli"])]}), "--redis", redis_url, "--run", run_name,
+            "--wait", "--timeout", "30", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        out, err = await asyncio.wait_for(cli.communicate(), 60)
+        assert b"ImportNotAllowed" in out + err, (out, err)
+        raw = Job(
+            job_id="msgpack",
+            workflow=popen,
+            workflow_kwargs={"args": ["touch", str(touched["msgpack"])]},
+            reply_to=producer.reply_to,
+        )
+        await redis.xadd(keys.jobs, {PAYLOAD_FIELD: codec.encode(raw)})
+        as_json = {
+            "job_id": "json",
+            "workflow": popen,
+            "workflow_kwargs": {"args": ["touch", str(touched["json"])]},
+            "reply_to": producer.reply_to,
+        }
+        await redis.xadd(keys.jobs, {PAYLOAD_FIELD: json.dumps(as_json)})
+        await producer.submit(f"exec:touch {touched['exec']}", job_id="exec")
+        trajs = {t.job_id: t async for t in producer.wait_for({"msgpack": 1, "json": 1, "exec": 1}, timeout_s=20)}
+    assert not any(path.exists() for path in touched.values())
+    for job_id in ("msgpack", "json"):
+        error = trajs[job_id].error
+        assert trajs[job_id].status == "error" and error.type == "ImportNotAllowed", error
+        assert f"import path {popen!r} is not allowed" in error.message
+    error = trajs["exec"].error
+    assert error.type == "ImportNotAllowed" and "command 'touch' is not allowed" in error.message, error
