@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
 import uuid
 from typing import IO, Any
 
 import msgspec
+import redis.asyncio as aioredis
 import uvloop
 
 from rollq.producer.config import EnqueueConfig, StatusConfig
 from rollq.producer.jsonl import JsonlError, json_objects
 from rollq.producer.producer import JobRequest, Producer
-from rollq.producer.status import format_status, gather_status
+from rollq.producer.status import format_status, gather_status, render_status
 from rollq.protocol.codec import Codec
 from rollq.protocol.keys import RunKeys, inflight_key
 from rollq.protocol.messages import AgentOptions
@@ -75,7 +77,7 @@ async def _enqueue(args: EnqueueConfig, requests: list[JobRequest]) -> int:
             return 0
         out = open(args.output, "w") if args.output else sys.stdout
         codec = Codec()
-        counts = {"ok": 0, "rejected": 0, "error": 0}
+        counts = {"ok": 0, "rejected": 0, "error": 0, "cancelled": 0}
         try:
             expected = {r.job_id: args.n for r in admitted}
             async for traj in producer.wait_for(expected, timeout_s=args.timeout or None, consumer=consumer):
@@ -116,7 +118,12 @@ def enqueue(args: EnqueueConfig) -> int:
         return 2
     for request in requests:
         request.is_eval = args.is_eval
-    return uvloop.run(_enqueue(args, requests))
+        request.job_class = args.job_class
+    try:
+        return uvloop.run(_enqueue(args, requests))
+    except ValueError as exc:  # an unknown job class, a job that can never fit its bound
+        print(f"rollq enqueue: {exc}", file=sys.stderr)
+        return 2
 
 
 def _agent_options(args: EnqueueConfig) -> AgentOptions | None:
@@ -133,12 +140,34 @@ def _agent_options(args: EnqueueConfig) -> AgentOptions | None:
 async def _status(args: StatusConfig) -> int:
     redis = redis_client(args.redis_url, retries=0)
     try:
-        st = await gather_status(redis, args.run)
+        if not args.watch:
+            st = await gather_status(redis, args.run)
+            print(msgspec.json.encode(st).decode() if args.json else format_status(st))
+        elif args.json:  # JSON lines, one per refresh
+            while True:
+                print(msgspec.json.encode(await gather_status(redis, args.run)).decode(), flush=True)
+                await asyncio.sleep(args.watch)
+        else:
+            await _watch(redis, args)
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        pass
     finally:
         await redis.aclose()
-    print(msgspec.json.encode(st).decode() if args.json else format_status(st))
     return 0
 
 
+async def _watch(redis: aioredis.Redis, args: StatusConfig) -> None:
+    """A live terminal view (rich), redrawn every `args.watch` seconds until Ctrl-C."""
+    from rich.live import Live
+
+    with Live(render_status(await gather_status(redis, args.run)), auto_refresh=False, screen=False) as live:
+        while True:
+            await asyncio.sleep(args.watch)
+            live.update(render_status(await gather_status(redis, args.run)), refresh=True)
+
+
 def status(args: StatusConfig) -> int:
-    return uvloop.run(_status(args))
+    try:
+        return uvloop.run(_status(args))
+    except KeyboardInterrupt:  # Ctrl-C ends --watch
+        return 0

@@ -58,16 +58,42 @@ class EnqueueConfig(RunSettings, kw_only=True):
     is_eval: Annotated[
         bool, setting("evaluation samples (workflows read workflow_context.get().is_eval; AReaL's name)")
     ] = False
+    job_class: Annotated[
+        str, setting("the jobs' class (`rollq classes`): its stream, priority, share and budget", metavar="NAME")
+    ] = "train"
     agent_timeout: Annotated[float, setting("an episode's time limit", metavar="S", gt=0, group=AGENTS)] = 600.0
     max_tokens: Annotated[
         int, setting("default max_tokens of the agent's requests (0 = the proxy's)", metavar="N", ge=0, group=AGENTS)
     ] = 0
 
 
+class ClassesConfig(RunSettings, kw_only=True):
+    """Define the run's job classes (`rollq classes set NAME ...`) or list them (`rollq classes list`)."""
+
+    action: Annotated[
+        Literal["list", "set", "delete"],
+        setting("list the classes, set (create or change) one, or delete one whose stream is empty", positional=True),
+    ] = "list"
+    name: Annotated[str, setting("the class (set, delete)", positional=True)] = ""
+    priority: Annotated[int, setting("higher is served first (strict priority between levels)", metavar="P")] = 0
+    weight: Annotated[
+        float, setting("share among the classes of its priority level (deficit round robin)", metavar="W", gt=0)
+    ] = 1.0
+    max_inflight: Annotated[
+        int, setting("admission budget: samples queued or running at most (0 = no bound)", metavar="N", ge=0)
+    ] = 0
+    json: Annotated[bool, setting("machine-readable output (list)")] = False
+
+
 class StatusConfig(RunSettings, kw_only=True):
     """Queue lengths, pending work, dead letters, live workers and the trainer's ledger."""
 
-    json: Annotated[bool, setting("machine-readable output")] = False
+    json: Annotated[
+        bool, setting("machine-readable output (one JSON object per line; with --watch, one per refresh)")
+    ] = False
+    watch: Annotated[
+        float, setting("refresh every S seconds as a live view until Ctrl-C (0 = print once)", metavar="S", ge=0)
+    ] = 0.0
 
 
-__all__ = ["EnqueueConfig", "StatusConfig"]
+__all__ = ["ClassesConfig", "EnqueueConfig", "StatusConfig"]

@@ -14,8 +14,8 @@ import redis.asyncio as aioredis
 from rollq.producer.results import ResultConsumer
 from rollq.protocol import scripts
 from rollq.protocol.codec import Codec
-from rollq.protocol.keys import WORKER_GROUP, RunKeys, inflight_key
-from rollq.protocol.messages import AgentOptions, Job, Trajectory
+from rollq.protocol.keys import DEFAULT_CLASS, WORKER_GROUP, RunKeys, inflight_key, validate_class_name
+from rollq.protocol.messages import AgentOptions, Job, JobClass, Trajectory, job_classes
 from rollq.redis_client import ensure_group
 
 DEFAULT_SEEN_TTL_S = 7 * 24 * 3600
@@ -31,6 +31,7 @@ class JobRequest(msgspec.Struct, kw_only=True):
     workflow_kwargs: dict[str, Any] | None = None
     agent: AgentOptions | None = None  # how an agent workflow is run and exported
     is_eval: bool = False  # an evaluation sample (the workflow reads it as workflow_context.get().is_eval)
+    job_class: str = DEFAULT_CLASS  # its job class (`rollq classes set`): stream, priority, share, admission budget
 
 
 class SubmitResult(msgspec.Struct, frozen=True):
@@ -43,11 +44,24 @@ class BackpressureError(ValueError):
     """A request that can never be admitted (more samples than the in-flight bound)."""
 
 
+class QueueFull(Exception):
+    """`submit_many(..., wait=False)`: an in-flight bound (the reply stream's or the job class's) has no room now.
+    `admitted` holds the results of the jobs submitted before the one that did not fit (none with atomic=True)."""
+
+    def __init__(self, message: str, *, bound: str, job_class: str, admitted: list[SubmitResult]) -> None:
+        super().__init__(message)
+        self.bound = bound  # "reply" or "class"
+        self.job_class = job_class
+        self.admitted = admitted
+
+
 class Producer:
     """Submits jobs to a run's queue.
 
     Idempotent by job id: a job id seen before (within ``seen_ttl_s``) is never queued again. With ``max_inflight``
-    set, submission waits while that many samples for this reply stream are admitted but not yet consumed.
+    set, submission waits while that many samples for this reply stream are admitted but not yet consumed. Each job
+    goes to its class's stream (`JobRequest.job_class`, default `train`); a class with `max_inflight` admits at most
+    that many samples not yet finished by a worker, whoever submits them.
     """
 
     def __init__(
@@ -74,7 +88,9 @@ class Producer:
         self.poll_interval_s = poll_interval_s
         self.codec = Codec()
         self._submit = redis.register_script(scripts.SUBMIT)
-        self._group_ready = False
+        self._groups_ready: set[str] = set()
+        self._classes: dict[str, JobClass] = {}
+        self._classes_at = -1e9
 
     async def inflight(self) -> int:
         return int(await self.redis.get(inflight_key(self.reply_to)) or 0)
@@ -91,30 +107,52 @@ class Producer:
         req = JobRequest(workflow=workflow, data=data, n=n, job_id=job_id, workflow_kwargs=workflow_kwargs)
         return (await self.submit_many([req]))[0]
 
-    async def submit_many(self, requests: Iterable[JobRequest]) -> list[SubmitResult]:
-        """Submit in chunks (one atomic SUBMIT call each), in order; waits (backpressure) where the in-flight bound
-        is reached."""
+    async def classes(self, *, max_age_s: float = 1.0) -> dict[str, JobClass]:
+        """The run's job classes (cached for `max_age_s`; the SUBMIT script reads the bounds itself)."""
+        if time.monotonic() - self._classes_at > max_age_s:
+            stored = await self.redis.hgetall(self.keys.classes)  # type: ignore[misc]  # redis-py stub: sync|async
+            self._classes = job_classes(stored)
+            self._classes_at = time.monotonic()
+        return self._classes
+
+    async def submit_many(
+        self, requests: Iterable[JobRequest], *, atomic: bool = False, wait: bool = True
+    ) -> list[SubmitResult]:
+        """Submit in chunks (one atomic SUBMIT call each), in order; waits (backpressure) where an in-flight bound
+        (this reply stream's, or a job class's) is reached. `atomic`: all the requests in one call, admitted all
+        or nothing (a batch). `wait=False`: raise `QueueFull` instead of waiting for room."""
         reqs = list(requests)
         for req in reqs:
             self._check(req)
-        if not self._group_ready:
-            await ensure_group(self.redis, self.keys.jobs, WORKER_GROUP)
-            self._group_ready = True
+        await self._prepare(reqs)
         out: list[SubmitResult] = []
         pending = [(req, req.job_id or uuid.uuid4().hex) for req in reqs]
         while pending:
-            chunk = pending[: self.chunk_size]
-            replies = await self._submit_chunk(chunk)
-            done = 0
-            for (_, job_id), status, info in zip(chunk, replies[0::2], replies[1::2], strict=True):
-                status = int(status)
-                if status == -1:  # full: this job and the later ones wait, so order is kept
-                    break
-                out.append(SubmitResult(job_id, status == 1, info.decode() if status == 0 else self.reply_to))
-                done += 1
+            chunk = pending if atomic else pending[: self.chunk_size]
+            replies = await self._submit_chunk(chunk, atomic=atomic)
+            statuses = [
+                (int(st), info.decode() if isinstance(info, bytes) else str(info))
+                for st, info in zip(replies[0::2], replies[1::2], strict=True)
+            ]
+            stop = next((k for k, (st, _) in enumerate(statuses) if st in (-1, -2)), None)
+            done = len(chunk) if stop is None else (0 if atomic else stop)
+            for (_, job_id), (st, info) in zip(chunk[:done], statuses[:done], strict=True):
+                out.append(SubmitResult(job_id, st == 1, info if st == 0 else self.reply_to))
             pending = pending[done:]
-            if pending and done < len(chunk):
-                await self._wait_for_room(pending[0][0].n)
+            if stop is None:
+                continue
+            req = chunk[stop][0]
+            st, info = statuses[stop]
+            if st == -2:
+                raise ValueError(f"unknown job class {info!r} (define it with `rollq classes set {info}`)")
+            if not wait:
+                raise QueueFull(
+                    f"no room for job {chunk[stop][1]!r}: the {info} in-flight bound is reached",
+                    bound=info,
+                    job_class=req.job_class,
+                    admitted=out,
+                )
+            await self._wait_for_room(req)
         return out
 
     def _check(self, req: JobRequest) -> None:
@@ -126,14 +164,41 @@ class Producer:
             raise BackpressureError(f"a job of n={req.n} samples can never fit max_inflight={self.max_inflight}")
         if req.job_id is not None and (not req.job_id or len(req.job_id) > 512):
             raise ValueError("job_id must be a non-empty string of at most 512 characters")
+        validate_class_name(req.job_class)
 
-    async def _submit_chunk(self, chunk: list[tuple[JobRequest, str]]) -> list[Any]:
-        """One SUBMIT call for a chunk of jobs: idempotency marker, in-flight bound and n XADDs each, atomically."""
+    async def _prepare(self, reqs: list[JobRequest]) -> None:
+        """Refuse unknown classes and requests bigger than their class's bound before anything is queued; create
+        the workers' group on each class stream the first time."""
+        names = {req.job_class for req in reqs}
+        if names != {DEFAULT_CLASS}:
+            classes = await self.classes()
+            unknown = sorted(names - classes.keys())
+            if unknown:
+                raise ValueError(
+                    f"unknown job class(es) {', '.join(unknown)} in run {self.keys.run!r} "
+                    f"(define them with `rollq classes set NAME`)"
+                )
+            for req in reqs:
+                bound = classes[req.job_class].max_inflight
+                if bound and req.n > bound:
+                    raise BackpressureError(
+                        f"a job of n={req.n} samples can never fit class {req.job_class!r} max_inflight={bound}"
+                    )
+        for name in names:
+            stream = self.keys.job_stream(name)
+            if stream not in self._groups_ready:
+                await ensure_group(self.redis, stream, WORKER_GROUP)
+                self._groups_ready.add(stream)
+
+    async def _submit_chunk(self, chunk: list[tuple[JobRequest, str]], *, atomic: bool = False) -> list[Any]:
+        """One SUBMIT call for a chunk of jobs: idempotency marker, in-flight bounds and n XADDs each, atomically."""
         now = time.time()
-        keys: list[str] = [self.keys.jobs, inflight_key(self.reply_to)]
-        args: list[Any] = [self.seen_ttl_s, self.max_inflight, self.reply_to]
+        keys: list[str] = [inflight_key(self.reply_to), self.keys.classes]
+        args: list[Any] = [self.seen_ttl_s, self.max_inflight, self.reply_to, 1 if atomic else 0]
         for req, job_id in chunk:
             keys.append(self.keys.job_seen(job_id))
+            keys.append(self.keys.job_stream(req.job_class))
+            args.append(req.job_class)
             args.append(req.n)
             args.extend(
                 self.codec.encode(
@@ -148,16 +213,34 @@ class Producer:
                         is_eval=req.is_eval,
                         reply_to=self.reply_to,
                         submitted_at=now,
+                        job_class=req.job_class,
                     )
                 )
                 for i in range(req.n)
             )
-        replies: list[Any] = await self._submit(keys=keys, args=args)  # one reply per job of the chunk
+        replies: list[Any] = await self._submit(keys=keys, args=args)  # one reply pair per job of the chunk
         return replies
 
-    async def _wait_for_room(self, n: int) -> None:
+    async def _wait_for_room(self, req: JobRequest) -> None:
+        """Poll until both bounds have room for `req` (the SUBMIT call that follows decides)."""
         delay = self.poll_interval_s
-        while await self.inflight() + n > self.max_inflight:
+        while True:
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.get(inflight_key(self.reply_to))
+            pipe.xlen(self.keys.job_stream(req.job_class))
+            pipe.hget(self.keys.classes, req.job_class)
+            inflight, queued, stored = await pipe.execute()
+            classes = job_classes({req.job_class: stored} if stored is not None else {})
+            if req.job_class not in classes:
+                raise ValueError(f"unknown job class {req.job_class!r} (it was removed while jobs waited)")
+            bound = classes[req.job_class].max_inflight
+            if bound and req.n > bound:
+                raise BackpressureError(
+                    f"a job of n={req.n} samples can never fit class {req.job_class!r} max_inflight={bound}"
+                )
+            reply_ok = not self.max_inflight or int(inflight or 0) + req.n <= self.max_inflight
+            if reply_ok and (not bound or int(queued) + req.n <= bound):
+                return
             await asyncio.sleep(delay)
             delay = min(delay * 1.5, 0.5)
 

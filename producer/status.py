@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import redis.asyncio as aioredis
@@ -12,6 +12,9 @@ from redis.exceptions import ResponseError
 
 from rollq.protocol.codec import Codec, CodecError
 from rollq.protocol.keys import PAYLOAD_FIELD, RunKeys, inflight_key
+
+if TYPE_CHECKING:
+    from rich.console import RenderableType
 
 WORKER_TTL_S = 15.0  # a worker that has not sent a heartbeat for this long is reported dead
 
@@ -134,6 +137,66 @@ async def _trainer_status(redis: aioredis.Redis, keys: RunKeys) -> TrainerStatus
     if "eta" in raw and "batch" in raw:
         bound = (raw["eta"] + raw.get("version", 0) + 1) * raw["batch"]
     return TrainerStatus(raw.get("version", 0), raw.get("admitted", 0), raw.get("released", 0), bound)
+
+
+def render_status(st: RunStatus) -> RenderableType:
+    """`rollq status --watch`: the same facts as format_status, as rich tables."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    queues = Table(title=f"run {st.run}: streams", title_justify="left", expand=False)
+    for col in ("stream", "entries", "in flight", "group", "pending", "unread", "consumers"):
+        if col == "stream":
+            queues.add_column(col, overflow="fold")
+        else:
+            queues.add_column(col, justify="left" if col == "group" else "right")
+    for s in [st.jobs, *st.results]:
+        inflight = "" if s.inflight is None else str(s.inflight)
+        if not s.groups:
+            queues.add_row(s.key, str(s.length), inflight, "", "", "", "")
+        for i, g in enumerate(s.groups):
+            lag = "?" if g.lag is None else str(g.lag)
+            first = i == 0
+            queues.add_row(
+                s.key if first else "",
+                str(s.length) if first else "",
+                inflight if first else "",
+                g.name,
+                str(g.pending),
+                lag,
+                str(len(g.consumers)),
+            )
+    workers = Table(title="workers", title_justify="left")
+    for col in ("worker", "state", "running", "completed", "dead-lettered", "last seen"):
+        workers.add_column(col, justify="left" if col in ("worker", "state") else "right")
+    for w in st.workers:
+        workers.add_row(
+            w.name,
+            Text("alive", style="green") if w.alive else Text("gone", style="red"),
+            str(w.info.get("running", "?")),
+            str(w.info.get("completed", "?")),
+            str(w.info.get("dead_lettered", "?")),
+            f"{w.last_seen_s:.1f}s",
+        )
+    parts: list[RenderableType] = [queues, workers]
+    dead = Table(title=f"dead letters: {st.dead_letters}", title_justify="left")
+    for col in ("entry", "job", "error", "message"):
+        dead.add_column(col, overflow="fold")
+    for d in st.recent_dead_letters:
+        dead.add_row(d.entry_id, d.job_id or "?", d.error_type, d.message[:200])
+    parts.append(dead)
+    if st.trainer is not None:
+        t = st.trainer
+        bound = f" of at most {t.bound}" if t.bound is not None else ""
+        parts.append(
+            Text(
+                f"trainer: policy version {t.version}; {t.admitted} samples admitted{bound}, "
+                f"{t.released} given back by dropped groups"
+            )
+        )
+    parts.append(Text(time.strftime("updated %H:%M:%S"), style="dim"))
+    return Group(*parts)
 
 
 def _stream_lines(st: StreamStatus) -> list[str]:

@@ -2,12 +2,23 @@
 
 from rollq.protocol.arrays import Float32Array, Int32Array, UInt8Array
 from rollq.protocol.codec import Codec, CodecError
-from rollq.protocol.keys import DEFAULT_RESULTS_GROUP, WORKER_GROUP, RunKeys
-from rollq.protocol.messages import SCHEMA_VERSION, AgentOptions, DeadLetter, ErrorRecord, Job, Sequence, Trajectory
+from rollq.protocol.keys import DEFAULT_CLASS, DEFAULT_RESULTS_GROUP, WORKER_GROUP, RunKeys
+from rollq.protocol.messages import (
+    SCHEMA_VERSION,
+    AgentOptions,
+    DeadLetter,
+    ErrorRecord,
+    Job,
+    JobClass,
+    Sequence,
+    Trajectory,
+    job_classes,
+)
 
 __all__ = [
     "AgentOptions",
     "Codec",
+    "DEFAULT_CLASS",
     "CodecError",
     "DEFAULT_RESULTS_GROUP",
     "DeadLetter",
@@ -15,10 +26,12 @@ __all__ = [
     "Float32Array",
     "Int32Array",
     "Job",
+    "JobClass",
     "RunKeys",
     "SCHEMA_VERSION",
     "Sequence",
     "Trajectory",
     "UInt8Array",
     "WORKER_GROUP",
+    "job_classes",
 ]

@@ -10,6 +10,7 @@ import msgspec
 _RUN_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 
 WORKER_GROUP = "workers"
+DEFAULT_CLASS = "train"  # the job class of jobs that name none; it always exists
 DEFAULT_RESULTS_GROUP = "trainer"
 PAYLOAD_FIELD = b"d"
 
@@ -18,6 +19,12 @@ def validate_run_name(run: str) -> str:
     if not _RUN_NAME.match(run):
         raise ValueError(f"run name {run!r} must be 1-64 characters of letters, digits, '_', '.', '-'")
     return run
+
+
+def validate_class_name(name: str) -> str:
+    if not _RUN_NAME.match(name):
+        raise ValueError(f"job class name {name!r} must be 1-64 characters of letters, digits, '_', '.', '-'")
+    return name
 
 
 class RunKeys(msgspec.Struct, frozen=True):
@@ -32,7 +39,26 @@ class RunKeys(msgspec.Struct, frozen=True):
 
     @property
     def jobs(self) -> str:
+        """The default class's stream on partition 0 (the key rollq always used)."""
         return f"{self.prefix}:jobs"
+
+    def job_stream(self, job_class: str = DEFAULT_CLASS, partition: int = 0) -> str:
+        """The stream of one job class on one partition. Named once for class x partition:
+
+        - partition 0 keeps the run's hash tag: `rollq:{run}:jobs` (the default class) or `rollq:{run}:jobs:<class>`;
+        - partition p > 0 gets a hash tag of its own, `rollq:{run/p<p>}:jobs[:<class>]` ('/' can't occur in a run
+          name, so no other run's tag collides), so a run's partitions can spread over Redis Cluster shards.
+        """
+        validate_class_name(job_class)
+        if partition < 0:
+            raise ValueError(f"partition must be >= 0, got {partition}")
+        prefix = self.prefix if partition == 0 else f"rollq:{{{self.run}/p{partition}}}"
+        return f"{prefix}:jobs" if job_class == DEFAULT_CLASS else f"{prefix}:jobs:{job_class}"
+
+    @property
+    def classes(self) -> str:
+        """Hash: job class name -> JSON `JobClass` (priority, weight, max_inflight). `train` exists when absent."""
+        return f"{self.prefix}:classes"
 
     @property
     def results(self) -> str:
@@ -84,6 +110,17 @@ class RunKeys(msgspec.Struct, frozen=True):
 
     def owns(self, key: str) -> bool:
         return key.startswith(self.prefix + ":")
+
+    def job_control(self, job_id: str) -> str:
+        """Hash: a cancellable job's record (`Job.cancellable`, e.g. the ingress's jobs): `n`, `cancelled` once
+        cancelled, `s<i>` once sample i started, `c<i>` once its `cancelled` result was published. Expires with the
+        job's retention; the ingress's idempotency marker."""
+        return f"{self.prefix}:ctl:{job_id}"
+
+    def job_results(self, job_id: str) -> str:
+        """A job's own results stream (the ingress's jobs: their SSE event ids are its entry ids); expires with the
+        job's retention. Outside `:results:*`, so `rollq status` does not list one per job."""
+        return f"{self.prefix}:jobres:{job_id}"
 
 
 def inflight_key(reply_stream: str) -> str:

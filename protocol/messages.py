@@ -3,15 +3,19 @@ SCHEMA_VERSION."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Literal
 
 import msgspec
 
 from rollq.protocol.arrays import Float32Array, Int32Array, UInt8Array
+from rollq.protocol.keys import DEFAULT_CLASS, validate_class_name
 
 SCHEMA_VERSION = 1
 
-TrajectoryStatus = Literal["ok", "rejected", "error"]
+# "cancelled": the sample was cancelled before it started (`Job.cancellable` jobs; it never ran). Consumers that
+# know only the first three treat it as they treat "error": not trainable.
+TrajectoryStatus = Literal["ok", "rejected", "error", "cancelled"]
 
 
 ExportStyle = Literal["individual", "concat"]
@@ -57,7 +61,51 @@ class Job(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     attempt: int = 0  # failed runs before this one (the workflow raised)
     submitted_at: float = 0.0
     is_eval: bool = False  # an evaluation sample (workflows read it as workflow_context.get().is_eval)
+    # Has a control record (RunKeys.job_control): the worker marks each sample started there before running it, and
+    # skips (acks, publishes a "cancelled" result for) a sample whose job was cancelled first. The ingress sets it.
+    cancellable: bool = False
+    job_class: str = DEFAULT_CLASS  # the class whose stream holds it (JobClass); "train" when absent
     schema: int = SCHEMA_VERSION
+
+
+class JobClass(msgspec.Struct, kw_only=True, frozen=True):
+    """A class of jobs sharing the engines with the others. Stored per run as JSON in the `RunKeys.classes` hash
+    (name -> this), so every service and language sees the same definitions.
+
+    Workers serve a higher `priority` first (strict priority between levels); classes of one level share the
+    workers by `weight` (deficit round robin: with both backlogged, weights 3:1 get 75 % : 25 % of the starts).
+    `max_inflight` bounds the samples admitted to the class and not yet finished (0 = no bound). Its engine
+    requests carry `priority`."""
+
+    name: str
+    priority: int = 0
+    weight: float = 1.0
+    max_inflight: int = 0
+
+    def __post_init__(self) -> None:
+        validate_class_name(self.name)
+        if not self.weight > 0:
+            raise ValueError(f"job class {self.name!r}: weight must be > 0, got {self.weight}")
+        if self.max_inflight < 0:
+            raise ValueError(f"job class {self.name!r}: max_inflight must be >= 0, got {self.max_inflight}")
+
+
+DEFAULT_JOB_CLASS = JobClass(name=DEFAULT_CLASS)
+
+
+def job_classes(stored: Mapping[Any, Any]) -> dict[str, JobClass]:
+    """The run's classes from the `RunKeys.classes` hash (HGETALL's reply), `train` included even when absent.
+    An entry that does not decode is left out (and its stream unread) rather than stopping every worker."""
+    out = {DEFAULT_CLASS: DEFAULT_JOB_CLASS}
+    for name, raw in stored.items():
+        try:
+            cls = msgspec.json.decode(raw, type=JobClass)
+        except (msgspec.DecodeError, ValueError):
+            continue
+        key = name.decode() if isinstance(name, bytes) else str(name)
+        if cls.name == key:
+            out[key] = cls
+    return out
 
 
 class ErrorRecord(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):

@@ -1,43 +1,89 @@
 """Lua scripts: the atomic steps of the queue protocol. Every key a script touches is passed in KEYS and shares
 the run's hash tag, so the scripts also run on Redis Cluster."""
 
-# KEYS: jobs stream, inflight counter, then one job_seen key per job. ARGV: seen_ttl_s, max_inflight (0 = no
-# bound), reply_to, then per job: n followed by its n payloads. Jobs are taken in order; returns per job a pair
-# (1, "") admitted, (0, reply_to of the first submission) duplicate, or (-1, inflight) full: that job and every later
-# one in the call are left out, so the caller can wait and resubmit them in order.
+# KEYS: the reply stream's in-flight counter, the run's classes hash, then per job its job_seen key and its class's
+# job stream. ARGV: seen_ttl_s, max_inflight of the reply stream (0 = no bound), reply_to, all_or_nothing ("1": admit
+# every job of the call or none), then per job: its class, n, and its n payloads.
+# A class's in-flight count is its stream's length: workers XDEL every entry they ack, so the stream holds exactly
+# the samples queued or running (no counter to drift). Its bound is the `max_inflight` of the class's JSON in the
+# classes hash (0 = none); `train` exists when absent. Jobs are taken in order; returns per job a pair
+# (1, "") admitted, (0, reply_to of the first submission) duplicate, (-1, "reply" | "class") full: that job and
+# every later one in the call are left out (later ones: (-1, "")), so the caller can wait and resubmit them in
+# order, or (-2, class) an unknown class, which stops the call the same way. With all_or_nothing, a call that
+# leaves any job out writes nothing: the jobs that would have been admitted answer (-3, "").
 SUBMIT = """
-local out = {}
 local max_inflight = tonumber(ARGV[2])
-local cur = tonumber(redis.call('GET', KEYS[2]) or '0')
+local cur = tonumber(redis.call('GET', KEYS[1]) or '0')
+local bounds, lens, marked = {}, {}, {}
+local status, info, firsts, counts = {}, {}, {}, {}
 local added = 0
-local a = 4
-local full = false
-for k = 3, #KEYS do
-  local n = tonumber(ARGV[a])
-  local seen = (not full) and redis.call('GET', KEYS[k])
-  if full then
-    out[#out + 1] = -1; out[#out + 1] = ''
-  elseif seen then
-    out[#out + 1] = 0; out[#out + 1] = seen
-  elseif max_inflight > 0 and cur + added + n > max_inflight then
-    full = true
-    out[#out + 1] = -1; out[#out + 1] = tostring(cur + added)
+local a = 5
+local stopped = false
+local jobs = (#KEYS - 2) / 2
+for j = 1, jobs do
+  local seen_key, stream = KEYS[1 + 2 * j], KEYS[2 + 2 * j]
+  local cls, n = ARGV[a], tonumber(ARGV[a + 1])
+  firsts[j], counts[j] = a + 2, n
+  a = a + 2 + n
+  if stopped then
+    status[j], info[j] = -1, ''
   else
-    redis.call('SET', KEYS[k], ARGV[3], 'EX', ARGV[1])
-    for i = 1, n do redis.call('XADD', KEYS[1], '*', 'd', ARGV[a + i]) end
-    added = added + n
-    out[#out + 1] = 1; out[#out + 1] = ''
+    local seen = marked[seen_key] or redis.call('GET', seen_key)
+    if seen then
+      status[j], info[j] = 0, seen
+    else
+      if bounds[cls] == nil then
+        local def = redis.call('HGET', KEYS[2], cls)
+        if def then
+          local ok, decoded = pcall(cjson.decode, def)
+          bounds[cls] = (ok and type(decoded) == 'table' and tonumber(decoded['max_inflight'])) or 0
+        elseif cls == 'train' then
+          bounds[cls] = 0
+        else
+          bounds[cls] = false
+        end
+      end
+      if lens[stream] == nil then lens[stream] = redis.call('XLEN', stream) end
+      if bounds[cls] == false then
+        stopped = true
+        status[j], info[j] = -2, cls
+      elseif max_inflight > 0 and cur + added + n > max_inflight then
+        stopped = true
+        status[j], info[j] = -1, 'reply'
+      elseif bounds[cls] > 0 and lens[stream] + n > bounds[cls] then
+        stopped = true
+        status[j], info[j] = -1, 'class'
+      else
+        status[j], info[j] = 1, ''
+        marked[seen_key] = ARGV[3]
+        lens[stream] = lens[stream] + n
+        added = added + n
+      end
+    end
   end
-  a = a + n + 1
 end
-if added > 0 then redis.call('INCRBY', KEYS[2], added) end
+local out = {}
+local write = not (stopped and ARGV[4] == '1')
+for j = 1, jobs do
+  if status[j] == 1 then
+    if write then
+      redis.call('SET', KEYS[1 + 2 * j], ARGV[3], 'EX', ARGV[1])
+      local stream = KEYS[2 + 2 * j]
+      for i = firsts[j], firsts[j] + counts[j] - 1 do redis.call('XADD', stream, '*', 'd', ARGV[i]) end
+    else
+      status[j] = -3
+    end
+  end
+  out[#out + 1] = status[j]; out[#out + 1] = info[j]
+end
+if write and added > 0 then redis.call('INCRBY', KEYS[1], added) end
 return out
 """
 
-# KEYS: jobs stream, reply stream, dead-letter stream. ARGV: group, entry id, trajectory payload or "",
-# dead-letter payload or "". Publishes and acks in one step; returns 0 (and writes nothing) when the entry was
-# already acked, e.g. by another worker that reclaimed it. (Successful trajectories, the hot path, are published
-# with XACK+XDEL+XADD in MULTI/EXEC instead: no Lua copy of the payload; consumers drop the rare duplicate.)
+# KEYS: the entry's job stream (its class's), reply stream, dead-letter stream. ARGV: group, entry id, trajectory
+# payload or "", dead-letter payload or "". Publishes and acks in one step; returns 0 (and writes nothing) when the
+# entry was already acked, e.g. by another worker that reclaimed it. (Successful trajectories, the hot path, are
+# published with XACK+XDEL+XADD in MULTI/EXEC instead: no Lua copy of the payload; consumers drop the rare duplicate.)
 FINISH = """
 if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
 redis.call('XDEL', KEYS[1], ARGV[2])
@@ -46,7 +92,8 @@ if ARGV[4] ~= '' then redis.call('XADD', KEYS[3], '*', 'd', ARGV[4]) end
 return 1
 """
 
-# KEYS: jobs stream. ARGV: group, entry id, new job payload. Acks the entry and queues the job again.
+# KEYS: the entry's job stream. ARGV: group, entry id, new job payload. Acks the entry and queues the job again (at
+# the tail of the same stream, so its class's in-flight count, the stream's length, does not change).
 REQUEUE = """
 if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
 redis.call('XDEL', KEYS[1], ARGV[2])
@@ -107,5 +154,110 @@ return redis.call('XTRIM', KEYS[1], 'MINID', bound)
 SEEN = """
 local out = {}
 for i = 1, #KEYS do out[i] = redis.call('HEXISTS', KEYS[i], ARGV[i]) end
+return out
+"""
+
+# -- cancellable jobs (the ingress) --------------------------------------------------------------------------------
+
+# KEYS: the run's classes hash, the job streams the batch uses, then per job its control hash (RunKeys.job_control)
+# and its results stream (RunKeys.job_results). ARGV: number of job streams, max_queued (0 = no bound), retention_s,
+# then per stream its class, then per job: the index (1-based) of its stream, n, and its n payloads.
+# All or nothing: a job whose control hash exists is a duplicate (nothing queued for it); when the new samples would
+# push a stream past max_queued or past its class's `max_inflight` (as SUBMIT: a stream's length is what is queued
+# or running, workers delete what they ack), nothing is queued at all: the reply is {-1, stream index, its length,
+# the bound}; an unknown class: {-2, stream index}. Otherwise each new job gets its control hash (n) and an empty
+# results stream (group "ingress", so it exists to carry a TTL), both expiring after retention_s, and its n
+# entries; the reply is {1, then per job 1 (admitted) or 0 (duplicate)}.
+INGRESS_SUBMIT = """
+local nstreams = tonumber(ARGV[1])
+local max_queued = tonumber(ARGV[2])
+local ttl = ARGV[3]
+local njobs = (#KEYS - 1 - nstreams) / 2
+local out = {1}
+local adding = {}
+for s = 1, nstreams do adding[s] = 0 end
+local a = 4 + nstreams
+for j = 1, njobs do
+  local s, n = tonumber(ARGV[a]), tonumber(ARGV[a + 1])
+  if redis.call('EXISTS', KEYS[1 + nstreams + 2 * j - 1]) == 1 then
+    out[j + 1] = 0
+  else
+    out[j + 1] = 1
+    adding[s] = adding[s] + n
+  end
+  a = a + n + 2
+end
+for s = 1, nstreams do
+  if adding[s] > 0 then
+    local cls = ARGV[3 + s]
+    local bound = max_queued
+    local def = redis.call('HGET', KEYS[1], cls)
+    if def then
+      local ok, decoded = pcall(cjson.decode, def)
+      local b = (ok and type(decoded) == 'table' and tonumber(decoded['max_inflight'])) or 0
+      if b > 0 and (bound == 0 or b < bound) then bound = b end
+    elseif cls ~= 'train' then
+      return {-2, s}
+    end
+    if bound > 0 then
+      local queued = redis.call('XLEN', KEYS[1 + s])
+      if queued + adding[s] > bound then return {-1, s, queued, bound} end
+    end
+  end
+end
+a = 4 + nstreams
+for j = 1, njobs do
+  local s, n = tonumber(ARGV[a]), tonumber(ARGV[a + 1])
+  if out[j + 1] == 1 then
+    local ctl, res = KEYS[1 + nstreams + 2 * j - 1], KEYS[1 + nstreams + 2 * j]
+    redis.call('HSET', ctl, 'n', n)
+    redis.call('EXPIRE', ctl, ttl)
+    redis.call('DEL', res)
+    redis.call('XGROUP', 'CREATE', res, 'ingress', '$', 'MKSTREAM')
+    redis.call('EXPIRE', res, ttl)
+    for i = 1, n do redis.call('XADD', KEYS[1 + s], '*', 'd', ARGV[a + 1 + i]) end
+  end
+  a = a + n + 2
+end
+return out
+"""
+
+# KEYS: control hash, job stream, reply stream. ARGV: group, entry id, sample index, a "cancelled" trajectory
+# payload. Run by a worker before it runs a sample of a cancellable job. Returns 1 (go: sample marked started) or 0
+# (don't run it: the entry is acked and deleted; when the job was cancelled, its "cancelled" result is published
+# unless the cancel already did; when the control hash has expired, nobody can read the result: nothing is published).
+START_SAMPLE = """
+local exists = redis.call('EXISTS', KEYS[1]) == 1
+local cancelled = exists and redis.call('HEXISTS', KEYS[1], 'cancelled') == 1
+if exists and not cancelled then
+  redis.call('HSET', KEYS[1], 's' .. ARGV[3], 1)
+  return 1
+end
+if redis.call('XACK', KEYS[2], ARGV[1], ARGV[2]) == 1 then
+  redis.call('XDEL', KEYS[2], ARGV[2])
+  if cancelled and redis.call('HSETNX', KEYS[1], 'c' .. ARGV[3], 1) == 1 then
+    redis.call('XADD', KEYS[3], '*', 'd', ARGV[4])
+  end
+end
+return 0
+"""
+
+# KEYS: control hash, results stream. ARGV: one "cancelled" trajectory payload per sample index 0..n-1. Marks the job
+# cancelled and publishes the result of every sample that has not started (and has no result of this kind yet), so
+# waiters see all n samples accounted for at once; a worker that later takes such a sample acks it without running
+# it (START_SAMPLE). Returns {-1} when the job is unknown (or expired), else {1 if it was cancelled before, 0 if
+# not, then the indices of the samples that had started}.
+CANCEL_JOB = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return {-1} end
+local before = redis.call('HSETNX', KEYS[1], 'cancelled', 1) == 0 and 1 or 0
+local out = {before}
+for i = 1, #ARGV do
+  local idx = tostring(i - 1)
+  if redis.call('HEXISTS', KEYS[1], 's' .. idx) == 1 then
+    out[#out + 1] = i - 1
+  elseif redis.call('HSETNX', KEYS[1], 'c' .. idx, 1) == 1 then
+    redis.call('XADD', KEYS[2], '*', 'd', ARGV[i])
+  end
+end
 return out
 """

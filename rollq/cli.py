@@ -30,7 +30,8 @@ from rollq.config import (
     section_values,
 )
 from rollq.engine.server.config import EngineConfig
-from rollq.producer.config import EnqueueConfig, StatusConfig
+from rollq.producer.config import ClassesConfig, EnqueueConfig, StatusConfig
+from rollq.producer.ingress.config import IngressConfig
 from rollq.trainer.config import TrainConfig, UpConfig
 from rollq.workers.config import WorkerConfig
 from rollq.workers.rewards.config import RewardWorkerConfig
@@ -76,6 +77,18 @@ COMMANDS = (
         "queue lengths, pending work, dead letters, live workers, the trainer's ledger",
         "rollq.producer.commands:status",
         (Section("status", StatusConfig),),
+    ),
+    Command(
+        "classes",
+        "list or set the run's job classes (priority, fair-share weight, admission budget)",
+        "rollq.producer.classes:classes",
+        (Section("classes", ClassesConfig),),
+    ),
+    Command(
+        "ingress",
+        "serve the HTTP ingress: other services submit jobs, stream results (SSE) and cancel",
+        "rollq.producer.ingress.commands:ingress",
+        (Section("ingress", IngressConfig),),
     ),
     Command(
         "engine",

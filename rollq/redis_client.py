@@ -5,7 +5,10 @@ A leaf module shared by every service (it imports no service and not the CLI).""
 from __future__ import annotations
 
 import os
+import time
+from typing import Any, NamedTuple
 
+import redis
 import redis.asyncio as aioredis
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import BusyLoadingError, ConnectionError, TimeoutError
@@ -68,3 +71,38 @@ async def wait_for_redis(url: str, wait_s: float) -> None:
                 await asyncio.sleep(0.5)
     finally:
         await client.aclose()
+
+
+class StreamStats(NamedTuple):
+    """One stream as its consumer group sees it (read by the services' Prometheus collectors at scrape time)."""
+
+    length: int  # XLEN: entries in the stream (rollq deletes a job entry when it is acked: queued + running)
+    lag: int | None  # entries the group has not read yet (None: Redis could not tell, or no such group)
+    pending: int  # read by a consumer of the group and not acked yet
+    oldest_age_s: float  # age of the oldest entry (0 when empty), from its id's milliseconds
+
+
+def stream_stats(client: redis.Redis, stream: str, group: str) -> StreamStats:
+    """XLEN, XINFO GROUPS (lag, pending) and the oldest entry's age, over a synchronous client (a scrape thread)."""
+    from redis.exceptions import ResponseError
+
+    pipe = client.pipeline(transaction=False)
+    pipe.xlen(stream)
+    pipe.xrange(stream, count=1)
+    length, first = pipe.execute()
+    lag: int | None = None
+    pending = 0
+    try:
+        groups: Any = client.xinfo_groups(stream)  # redis-py stub: sync|async union
+    except ResponseError:  # no such stream yet
+        groups = []
+    for g in groups:
+        name = g["name"].decode() if isinstance(g["name"], bytes) else g["name"]
+        if name == group:
+            pending = int(g["pending"])
+            lag = None if g.get("lag") is None else int(g["lag"])
+    oldest = 0.0
+    if first:
+        millis = int(first[0][0].split(b"-")[0])
+        oldest = max(0.0, time.time() - millis / 1000)
+    return StreamStats(int(length), lag, pending, oldest)

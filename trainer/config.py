@@ -115,6 +115,10 @@ class TrainConfig(RunSettings, kw_only=True):
             group=UPDATES,
         ),
     ] = 60.0
+    metrics_port: Annotated[
+        int,
+        setting("serve Prometheus /metrics on this port (0 = off)", metavar="PORT", ge=0, le=65535, group=WHERE),
+    ] = 0
     checkpoint_every: Annotated[
         int,
         setting(

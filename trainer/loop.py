@@ -154,6 +154,18 @@ class Trainer:
             waited += 0.5
 
     async def run(self) -> list[StepRecord]:
+        """Train `steps` steps; with `metrics_port` set, /metrics is served meanwhile (trainer/exporter.py)."""
+        if not self.cfg.metrics_port:
+            return await self._run()
+        from rollq.trainer.exporter import TrainerMetrics
+
+        server = TrainerMetrics(self.cfg, self.pool, self.metrics).serve(self.cfg.metrics_port)
+        try:
+            return await self._run()
+        finally:
+            server.close()
+
+    async def _run(self) -> list[StepRecord]:
         cfg = self.cfg
         if cfg.pause_mode == "in_place":
             log.warning(

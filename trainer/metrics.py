@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import sys
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
@@ -60,12 +61,15 @@ class MetricsLog:
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.out = out if out is not None else sys.stderr
+        self.observers: list[Callable[[StepRecord], None]] = []  # e.g. the Prometheus exporter (trainer/exporter.py)
 
     def write(self, record: StepRecord, total_steps: int | None = None) -> None:
         with self.path.open("ab") as f:
             f.write(msgspec.json.encode(record) + b"\n")
         self.out.write(progress_line(record, total_steps) + "\n")
         self.out.flush()
+        for observe in self.observers:
+            observe(record)
 
     def read(self) -> list[StepRecord]:
         if not self.path.exists():

@@ -14,6 +14,7 @@ from rollq.engine.registry import EngineRegistry
 from rollq.redis_client import redis_client, wait_for_redis
 from rollq.workers.chat_template import StopTextDecoder
 from rollq.workers.config import WorkerConfig
+from rollq.workers.metrics import WorkerMetrics
 from rollq.workers.worker import Worker
 
 
@@ -25,12 +26,15 @@ async def serve(cfg: WorkerConfig) -> int:
     registry_client = redis_client(cfg.redis_url)
     pool.follow(EngineRegistry(registry_client, cfg.run))
     worker = Worker(cfg, engine=pool)
+    metrics = WorkerMetrics(worker, pool).serve(cfg.metrics_port) if cfg.metrics_port else None
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, worker.request_stop)
     try:
         await worker.run()
     finally:
+        if metrics is not None:
+            metrics.close()
         await worker.redis.aclose()
         await pool.close()
         await registry_client.aclose()

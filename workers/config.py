@@ -38,12 +38,18 @@ class WorkerConfig(RunSettings, kw_only=True):
     reclaim_interval_ms: Annotated[
         int, setting("how often dead workers' jobs are looked for; 0 = lease_ms / 4", metavar="MS", ge=0)
     ] = 0
+    classes_refresh_ms: Annotated[
+        int, setting("how often the run's job classes (`rollq classes`) are re-read", metavar="MS", ge=10)
+    ] = 1_000
     heartbeat_ms: Annotated[int, setting("how often the worker reports itself alive", metavar="MS", ge=1)] = 2_000
     block_ms: Annotated[
         int, setting("longest blocking read; bounds how fast a stop is noticed", metavar="MS", ge=1)
     ] = 500
     drain_grace: Annotated[float, setting("seconds in-flight jobs get to finish on SIGTERM", metavar="S", ge=0)] = 30.0
     wait_redis: Annotated[float, setting("wait up to S seconds for Redis at start", metavar="S", ge=0)] = 0.0
+    metrics_port: Annotated[
+        int, setting("serve Prometheus /metrics on this port (0 = off)", metavar="PORT", ge=0, le=65535)
+    ] = 0
     publish_batch: Annotated[int, setting("trajectories published per Redis round trip at most", metavar="N", ge=1)] = (
         256
     )

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import copy
 from collections.abc import Iterator
 from typing import Any
 
@@ -50,6 +51,14 @@ class EpisodeContext(msgspec.Struct, kw_only=True, frozen=True):
     sample_index: int = 0  # index of this sample within its group, 0..group_size-1
     group_size: int = 1  # the job's n
     attempt: int = 0  # earlier failed runs of this sample
+    job_class: str = "train"  # the job's class (its stream)
+    # The class's priority, carried by the episode's engine requests that set none (RecordingEngine). None for
+    # priority 0, SGLang's default: only a run that uses priorities needs --enable-priority-scheduling.
+    priority: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.priority == 0:
+            msgspec.structs.force_setattr(self, "priority", None)
 
 
 class _Recording:
@@ -80,7 +89,8 @@ def episode_scope(ctx: EpisodeContext) -> Iterator[list[ModelResponse]]:
 
 
 class RecordingEngine:
-    """Wraps the engine handed to workflows: every response is also kept for the episode that asked for it."""
+    """Wraps the engine handed to workflows: every response is also kept for the episode that asked for it, and
+    a request that sets no `priority` gets its episode's job class priority."""
 
     def __init__(self, inner: InferenceEngine) -> None:
         self.inner = inner
@@ -90,6 +100,10 @@ class RecordingEngine:
         return None if engine is None else cls(engine)
 
     async def agenerate(self, req: ModelRequest, on_tokens: ProgressCallback | None = None) -> ModelResponse:
+        episode = _EPISODE.get()
+        if episode is not None and episode.priority is not None and req.priority is None:
+            req = copy.copy(req)  # the caller's request stays as it was
+            req.priority = episode.priority
         if on_tokens is None:
             resp = await self.inner.agenerate(req)
         else:

@@ -9,6 +9,7 @@ enough to be reclaimed.
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import json
 import logging
@@ -17,6 +18,7 @@ import socket
 import time
 import traceback
 import uuid
+from collections.abc import Callable
 
 import msgspec
 import redis.asyncio as aioredis
@@ -26,12 +28,22 @@ from redis.typing import StreamIdT
 from rollq.engine.types import InferenceEngine
 from rollq.protocol import scripts
 from rollq.protocol.codec import Codec, CodecError
-from rollq.protocol.keys import PAYLOAD_FIELD, WORKER_GROUP, RunKeys
-from rollq.protocol.messages import SCHEMA_VERSION, DeadLetter, ErrorRecord, Job, Trajectory
+from rollq.protocol.keys import DEFAULT_CLASS, PAYLOAD_FIELD, WORKER_GROUP, RunKeys
+from rollq.protocol.messages import (
+    SCHEMA_VERSION,
+    DeadLetter,
+    ErrorRecord,
+    Job,
+    JobClass,
+    Sequence,
+    Trajectory,
+    job_classes,
+)
 from rollq.redis_client import TRANSIENT_ERRORS, ensure_group, is_nogroup, redis_client
 from rollq.workers.batcher import WriteBatcher
 from rollq.workers.config import WorkerConfig
 from rollq.workers.context import ContextConfig, EpisodeContext, RecordingEngine, WorkflowContext, episode_scope
+from rollq.workers.fair_share import FairShare
 from rollq.workers.loader import WorkflowCache, workflow_path
 from rollq.workers.outputs import to_sequences
 from rollq.workers.proxy.server import ProxyConfig
@@ -53,6 +65,9 @@ class WorkerStats(msgspec.Struct):
 class _Running(msgspec.Struct):
     task: asyncio.Task
     payload: bytes | None
+
+
+Entry = tuple[bytes, dict | None]  # a stream entry as XREADGROUP returns it
 
 
 class _Fatal(Exception):
@@ -115,9 +130,19 @@ class Worker:
             patterns=tuple(config.allow), setting="--allow PATTERN (worker.allow, ROLLQ_WORKER_ALLOW)"
         )
         self.stats = WorkerStats()
+        # Called with (job class, outcome, seconds, sequences) as each run of a job ends (workers/metrics.py).
+        self.episode_observers: list[Callable[[str, str, float, list[Sequence] | None], None]] = []
         self._finish = self.redis.register_script(scripts.FINISH)
         self._requeue = self.redis.register_script(scripts.REQUEUE)
-        self._running: dict[str, _Running] = {}
+        self._running: dict[tuple[str, str], _Running] = {}  # (job stream, entry id) -> its task
+        # Job classes (RunKeys.classes, refreshed every classes_refresh_ms): class -> stream, and the DRR state.
+        self._classes: dict[str, JobClass] = job_classes({})
+        self._streams: dict[str, str] = {DEFAULT_CLASS: self.keys.jobs}
+        self._class_of: dict[str, JobClass] = {self.keys.jobs: self._classes[DEFAULT_CLASS]}  # stream -> class
+        self._fair = FairShare(self._classes.values())
+        self._groups: set[str] = set()  # streams whose consumer group this worker has ensured
+        self._own: dict[str, str] = {}  # stream -> cursor through this consumer's own pending entries (a restart)
+        self._held: list[tuple[str, Entry]] = []  # read by a blocking multi-stream read beyond the free slots
         self._stop = asyncio.Event()
         self._slot_free = asyncio.Event()
         self._batcher: WriteBatcher | None = None
@@ -162,6 +187,11 @@ class Worker:
         return self.stats
 
     async def _drain(self) -> None:
+        held, self._held = self._held, []  # read but never started: back to their streams
+        for stream, (raw_id, fields) in held:
+            payload = (fields or {}).get(PAYLOAD_FIELD)
+            if payload is not None:
+                await self._writes.script(self._requeue, [stream], [WORKER_GROUP, raw_id.decode(), payload])
         if not self._running:
             return
         log.info("draining %d in-flight jobs (grace %.1fs)", len(self._running), self.cfg.drain_grace)
@@ -169,14 +199,14 @@ class Worker:
         _, unfinished = await asyncio.wait(tasks, timeout=self.cfg.drain_grace)
         if not unfinished:
             return
-        left = {eid: r.payload for eid, r in self._running.items() if r.task in unfinished}
+        left = {key: r.payload for key, r in self._running.items() if r.task in unfinished}
         for task in unfinished:
             task.cancel()
         await asyncio.gather(*unfinished, return_exceptions=True)
-        # Hand the unfinished jobs back to the queue (same attempt: a drain is not a failure).
+        # Hand the unfinished jobs back to their streams (same attempt: a drain is not a failure).
         waits = [
-            self._writes.script(self._requeue, [self.keys.jobs], [WORKER_GROUP, eid, payload])
-            for eid, payload in left.items()
+            self._writes.script(self._requeue, [stream], [WORKER_GROUP, eid, payload])
+            for (stream, eid), payload in left.items()
             if payload is not None
         ]
         await asyncio.wait_for(asyncio.gather(*waits, return_exceptions=True), timeout=10)
@@ -194,10 +224,9 @@ class Worker:
     # -- reading -------------------------------------------------------------------------------------------------
 
     async def _consume_loop(self) -> None:
-        own_cursor: str | None = "0"  # first re-read what an earlier life of this consumer name left pending
         next_reclaim = 0.0
+        next_classes = 0.0
         delay = 0.05
-        group_ready = False
         while not self._stop.is_set():
             free = self.cfg.concurrency - len(self._running)
             if free <= 0:
@@ -206,33 +235,43 @@ class Worker:
                     await self._slot_free.wait()
                 continue
             try:
-                if not group_ready:
-                    await ensure_group(self.redis, self.keys.jobs, WORKER_GROUP)
-                    group_ready = True
-                    self.ready.set()
-                if own_cursor is not None:
-                    entries = await self._read(own_cursor, free, block=None)
-                    if entries:
-                        own_cursor = entries[-1][0].decode()
-                        await self._start(entries, await self._deliveries(entries))
-                    else:
-                        own_cursor = None
-                    continue
                 now = time.monotonic()
+                if now >= next_classes or len(self._groups) < len(self._streams):
+                    next_classes = now + self.cfg.classes_refresh_ms / 1000
+                    await self._refresh_classes()
+                    self.ready.set()
+                if self._held:
+                    take, self._held = self._held[:free], self._held[free:]
+                    for stream, entry in take:
+                        await self._start(stream, [entry], await self._deliveries(stream, [entry]))
+                    continue
+                if self._own:  # first re-read what an earlier life of this consumer name left pending
+                    stream, cursor = next(iter(self._own.items()))
+                    entries = await self._read(stream, cursor, free, block=None)
+                    if entries:
+                        self._own[stream] = entries[-1][0].decode()
+                        await self._start(stream, entries, await self._deliveries(stream, entries))
+                    else:
+                        del self._own[stream]
+                    continue
                 if now >= next_reclaim:
                     next_reclaim = now + self.cfg.reclaim_interval_ms / 1000
                     claimed = await self._reclaim(free)
                     if claimed:
                         continue
-                entries = await self._read(">", free, block=self.cfg.block_ms)
-                if entries:
-                    await self._start(entries, [1] * len(entries))
+                if len(self._streams) == 1:  # one class (the usual case): one blocking read, as ever
+                    stream = self._streams[DEFAULT_CLASS]
+                    entries = await self._read(stream, ">", free, block=self.cfg.block_ms)
+                    if entries:
+                        await self._start(stream, entries, [1] * len(entries))
+                else:
+                    await self._read_classes(free)
                 delay = 0.05
             except ResponseError as exc:
                 if not is_nogroup(exc):
                     raise
                 log.warning("consumer group is gone (Redis lost its data?); recreating it")
-                group_ready = False
+                self._groups.clear()
             except TRANSIENT_ERRORS as exc:
                 log.warning("redis unavailable (%s); retrying in %.2fs", exc, delay)
                 try:
@@ -241,57 +280,126 @@ class Worker:
                     pass
                 delay = min(delay * 2, 2.0)
 
-    async def _read(self, start: str, count: int, block: int | None) -> list[tuple[bytes, dict | None]]:
-        reply = await self.redis.xreadgroup(WORKER_GROUP, self.name, {self.keys.jobs: start}, count=count, block=block)
+    async def _refresh_classes(self) -> None:
+        """Follow the run's job classes (RunKeys.classes): their streams, priorities and weights."""
+        classes = job_classes(await self.redis.hgetall(self.keys.classes))  # type: ignore[misc]  # sync|async stub
+        if classes != self._classes:
+            names = ", ".join(f"{c.name} (priority {c.priority}, weight {c.weight:g})" for c in classes.values())
+            log.info("job classes: %s", names)
+            self._classes = classes
+            self._fair.update(classes.values())
+            self._streams = {name: self.keys.job_stream(name) for name in self._fair.order()}
+            self._class_of = {self._streams[name]: c for name, c in classes.items()}
+        for stream in self._streams.values():
+            if stream not in self._groups:
+                await ensure_group(self.redis, stream, WORKER_GROUP)
+                self._groups.add(stream)
+                self._own.setdefault(stream, "0")
+
+    async def _read_classes(self, free: int) -> None:
+        """Fill `free` slots across the class streams: strict priority between levels, DRR by weight within one.
+        One pipelined non-blocking read per round; a class that comes back short is out for this fill, and its
+        slots go to the rest. When every class is empty, one blocking read on all of them."""
+        candidates = set(self._streams)
+        started = 0
+        while free > 0 and candidates:
+            order = self._fair.allocate(free, candidates)
+            plan = collections.Counter(order)
+            pipe = self.redis.pipeline(transaction=False)
+            for name, count in plan.items():
+                pipe.xreadgroup(WORKER_GROUP, self.name, {self._streams[name]: ">"}, count=count)
+            replies = await pipe.execute()
+            got: dict[str, list[Entry]] = {}
+            for (name, count), reply in zip(plan.items(), replies, strict=True):
+                got[name] = list(reversed(reply[0][1])) if reply else []
+                if len(got[name]) < count:
+                    self._fair.exhausted(name)
+                    candidates.discard(name)
+            for name in order:  # start them in DRR order, so start order shows the shares slot by slot
+                if got[name]:
+                    await self._start(self._streams[name], [got[name].pop()], [1])
+                    free -= 1
+                    started += 1
+        if started:
+            return
+        streams = list(self._streams.values())  # highest priority first
+        count = max(1, free // len(streams))
+        reply = await self.redis.xreadgroup(
+            WORKER_GROUP, self.name, dict.fromkeys(streams, ">"), count=count, block=self.cfg.block_ms
+        )
+        woke = sorted(
+            ((key.decode() if isinstance(key, bytes) else key, entries) for key, entries in reply or []),
+            key=lambda kv: streams.index(kv[0]),
+        )
+        for stream, entries in woke:
+            take = entries[:free]
+            self._held.extend((stream, e) for e in entries[free:])  # started first when slots free up
+            if take:
+                await self._start(stream, take, [1] * len(take))
+                free -= len(take)
+
+    async def _read(self, stream: str, start: str, count: int, block: int | None) -> list[Entry]:
+        reply = await self.redis.xreadgroup(WORKER_GROUP, self.name, {stream: start}, count=count, block=block)
         return reply[0][1] if reply else []
 
     async def _reclaim(self, count: int) -> bool:
-        """Take over jobs whose worker stopped refreshing their lease (it died)."""
-        reply = await self.redis.xautoclaim(
-            self.keys.jobs, WORKER_GROUP, self.name, self.cfg.lease_ms, "0-0", count=count
-        )
-        entries = [e for e in reply[1] if e[0].decode() not in self._running]
-        if not entries:
-            return False
-        self.stats.reclaimed += len(entries)
-        log.info("reclaimed %d jobs from dead workers", len(entries))
-        await self._start(entries, await self._deliveries(entries))
-        return True
+        """Take over jobs whose worker stopped refreshing their lease (it died), stream by stream (highest
+        priority first)."""
+        claimed = 0
+        for stream in self._streams.values():
+            if count - claimed <= 0:
+                break
+            reply = await self.redis.xautoclaim(
+                stream, WORKER_GROUP, self.name, self.cfg.lease_ms, "0-0", count=count - claimed
+            )
+            entries = [e for e in reply[1] if (stream, e[0].decode()) not in self._running]
+            if not entries:
+                continue
+            self.stats.reclaimed += len(entries)
+            claimed += len(entries)
+            log.info("reclaimed %d jobs of %s from dead workers", len(entries), stream)
+            await self._start(stream, entries, await self._deliveries(stream, entries))
+        return claimed > 0
 
-    async def _deliveries(self, entries: list[tuple[bytes, dict | None]]) -> list[int]:
+    async def _deliveries(self, stream: str, entries: list[Entry]) -> list[int]:
         pipe = self.redis.pipeline(transaction=False)
         for eid, _ in entries:
-            pipe.xpending_range(self.keys.jobs, WORKER_GROUP, min=eid, max=eid, count=1)
+            pipe.xpending_range(stream, WORKER_GROUP, min=eid, max=eid, count=1)
         replies = await pipe.execute()
         return [int(r[0]["times_delivered"]) if r else 1 for r in replies]
 
-    async def _start(self, entries: list[tuple[bytes, dict | None]], deliveries: list[int]) -> None:
+    async def _start(self, stream: str, entries: list[Entry], deliveries: list[int]) -> None:
         for (raw_id, fields), count in zip(entries, deliveries, strict=True):
             eid = raw_id.decode()
-            if eid in self._running:
+            if (stream, eid) in self._running:
                 continue
             payload = (fields or {}).get(PAYLOAD_FIELD)
-            task = asyncio.create_task(self._handle(eid, payload, fields, count), name=f"job-{eid}")
-            self._running[eid] = _Running(task, payload)
-            task.add_done_callback(functools.partial(self._job_done, eid))
+            task = asyncio.create_task(self._handle(eid, payload, fields, count, stream), name=f"job-{eid}")
+            self._running[(stream, eid)] = _Running(task, payload)
+            task.add_done_callback(functools.partial(self._job_done, (stream, eid)))
 
-    def _job_done(self, eid: str, task: asyncio.Task) -> None:
-        self._running.pop(eid, None)
+    def _job_done(self, key: tuple[str, str], task: asyncio.Task) -> None:
+        self._running.pop(key, None)
         self._slot_free.set()
         if not task.cancelled() and task.exception() is not None:
             # Not the workflow's failure (that is handled in _handle): the job stays pending and is reclaimed.
-            log.error("job entry %s could not be finished: %r", eid, task.exception())
+            log.error("job entry %s of %s could not be finished: %r", key[1], key[0], task.exception())
 
     # -- leases and liveness ---------------------------------------------------------------------------------------
 
     async def _lease_loop(self) -> None:
         while True:
             await asyncio.sleep(self.cfg.lease_refresh_ms / 1000)
-            ids: list[StreamIdT] = list(self._running)
-            if not ids:
+            by_stream: dict[str, list[StreamIdT]] = {}
+            for stream, eid in [*self._running, *((s, e[0].decode()) for s, e in self._held)]:
+                by_stream.setdefault(stream, []).append(eid)
+            if not by_stream:
                 continue
             try:
-                await self.redis.xclaim(self.keys.jobs, WORKER_GROUP, self.name, 0, ids, justid=True)
+                pipe = self.redis.pipeline(transaction=False)
+                for stream, ids in by_stream.items():
+                    pipe.xclaim(stream, WORKER_GROUP, self.name, 0, ids, justid=True)
+                await pipe.execute()
             except TRANSIENT_ERRORS:
                 pass  # Redis is away; the next tick tries again
             except ResponseError as exc:
@@ -325,12 +433,33 @@ class Worker:
             type=exc_type, message=message, traceback=tb, worker_id=self.name, attempt=attempt, at=time.time()
         )
 
-    async def _handle(self, eid: str, payload: bytes | None, fields: dict | None, deliveries: int) -> None:
+    async def _handle(
+        self, eid: str, payload: bytes | None, fields: dict | None, deliveries: int, stream: str = ""
+    ) -> None:
         started = time.time()
+        jobs = stream or self.keys.jobs  # the entry's own (class's) stream: acks, retries and dead letters go there
         job: Job | None = None
         try:
             job = self._decode(eid, payload, fields)
             reply_to = job.reply_to or self.keys.results
+            if job.cancellable:  # mark the sample started, unless its job was cancelled (then it is acked, not run)
+                skipped = Trajectory(
+                    job_id=job.job_id,
+                    sample_index=job.sample_index,
+                    n=job.n,
+                    status="cancelled",
+                    worker_id=self.name,
+                    workflow=job.workflow,
+                    submitted_at=job.submitted_at,
+                    started_at=started,
+                    finished_at=started,
+                )
+                if not await self._writes.script(
+                    self.redis.register_script(scripts.START_SAMPLE),
+                    [self.keys.job_control(job.job_id), jobs, reply_to],
+                    [WORKER_GROUP, eid, job.sample_index, self.codec.encode(skipped)],
+                ):
+                    return
             runs = job.attempt + deliveries
             if runs > self.cfg.max_attempts:
                 raise _Fatal(
@@ -346,12 +475,15 @@ class Worker:
             except WorkflowLoadError as exc:
                 raise _Fatal(self._error(type(exc).__name__, str(exc), runs)) from None
             try:
+                job_class = self._class_of.get(jobs) or self._classes.get(job.job_class) or self._classes[DEFAULT_CLASS]
                 episode = EpisodeContext(
                     is_eval=job.is_eval,
                     task_id=job.job_id,
                     sample_index=job.sample_index,
                     group_size=job.n,
                     attempt=runs - 1,
+                    job_class=job_class.name,
+                    priority=job_class.priority,
                 )
                 with episode_scope(episode) as responses:  # what workflow_context.get() returns in the episode
                     output = await workflow.arun_episode(self._episode_engine, job.data)
@@ -371,10 +503,9 @@ class Worker:
                         error.message,
                     )
                     retry = msgspec.structs.replace(job, attempt=runs)
-                    await self._writes.script(
-                        self._requeue, [self.keys.jobs], [WORKER_GROUP, eid, self.codec.encode(retry)]
-                    )
+                    await self._writes.script(self._requeue, [jobs], [WORKER_GROUP, eid, self.codec.encode(retry)])
                     self.stats.requeued += 1
+                    self._observe(job, "failed", started)
                     return
                 raise _Fatal(error) from None
             traj = Trajectory(
@@ -390,16 +521,22 @@ class Worker:
                 started_at=started,
                 finished_at=time.time(),
             )
-            published = await self._writes.publish(self.keys.jobs, WORKER_GROUP, eid, reply_to, self.codec.encode(traj))
+            published = await self._writes.publish(jobs, WORKER_GROUP, eid, reply_to, self.codec.encode(traj))
             if published:
                 if sequences is None:
                     self.stats.rejected += 1
                 else:
                     self.stats.completed += 1
+                self._observe(job, "rejected" if sequences is None else "ok", started, sequences)
         except _Fatal as fatal:
             await self._dead_letter(
-                eid, payload, job or fatal.job, fatal.error, deliveries, started, decoded=job is not None
+                eid, payload, job or fatal.job, fatal.error, deliveries, started, decoded=job is not None, stream=jobs
             )
+            self._observe(job, "dead_lettered", started)
+
+    def _observe(self, job: Job | None, outcome: str, started: float, sequences: list[Sequence] | None = None) -> None:
+        for observe in self.episode_observers:
+            observe(job.job_class if job else DEFAULT_CLASS, outcome, time.time() - started, sequences)
 
     def _decode(self, eid: str, payload: bytes | None, fields: dict | None) -> Job:
         if payload is None:
@@ -438,6 +575,7 @@ class Worker:
         started: float,
         *,
         decoded: bool,
+        stream: str = "",
     ) -> None:
         log.error("dead-lettering job entry %s: %s: %s", eid, error.type, error.message)
         letter = DeadLetter(
@@ -468,7 +606,7 @@ class Worker:
             )
         done = await self._writes.script(
             self._finish,
-            [self.keys.jobs, reply_to, self.keys.dead],
+            [stream or self.keys.jobs, reply_to, self.keys.dead],
             [WORKER_GROUP, eid, traj_payload, self.codec.encode(letter)],
         )
         if done:

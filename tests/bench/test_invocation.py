@@ -21,6 +21,8 @@ BENCHMARKS = [
     "engine_weights",
     "agents",
     "async_rl",
+    "ingress",
+    "fair_share",
 ]
 
 

@@ -45,6 +45,7 @@ class AgentWorkflow:
         proxy = await ctx.proxy(engine)
         opts = self.options
         session = proxy.sessions.open({"max_tokens": opts.max_tokens} if opts.max_tokens else None)
+        session.priority = workflow_context.get().priority  # the proxy's requests run outside the episode
         urls = {"base_url": proxy.base_url, "anthropic_base_url": proxy.root_url}
         try:
             if opts.mode == "inline":

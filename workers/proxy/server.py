@@ -181,7 +181,9 @@ class RecordingProxy:
         responses = await asyncio.gather(
             *(
                 engine.agenerate(
-                    ModelRequest(input_ids=prompt.ids, sampling=sampling, affinity=session.key),
+                    ModelRequest(
+                        input_ids=prompt.ids, sampling=sampling, affinity=session.key, priority=session.priority
+                    ),
                     on_tokens=on_tokens[i] if on_tokens else None,
                 )
                 for i in range(params.n)

@@ -21,6 +21,9 @@ class RewardWorkerConfig(RunSettings, kw_only=True):
     max_jobs: Annotated[
         int, setting("reward jobs taken from the queue at once (0 = max_workers)", metavar="N", ge=0)
     ] = 0
+    metrics_port: Annotated[
+        int, setting("serve Prometheus /metrics on this port (0 = off)", metavar="PORT", ge=0, le=65535)
+    ] = 0
     allow: Annotated[
         list[str],
         setting(

