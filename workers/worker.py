@@ -134,6 +134,7 @@ class Worker:
         self.episode_observers: list[Callable[[str, str, float, list[Sequence] | None], None]] = []
         self._finish = self.redis.register_script(scripts.FINISH)
         self._requeue = self.redis.register_script(scripts.REQUEUE)
+        self._start_sample = self.redis.register_script(scripts.START_SAMPLE)
         self._running: dict[tuple[str, str], _Running] = {}  # (job stream, entry id) -> its task
         # Job classes (RunKeys.classes, refreshed every classes_refresh_ms): class -> stream, and the DRR state.
         self._classes: dict[str, JobClass] = job_classes({})
@@ -455,7 +456,7 @@ class Worker:
                     finished_at=started,
                 )
                 if not await self._writes.script(
-                    self.redis.register_script(scripts.START_SAMPLE),
+                    self._start_sample,
                     [self.keys.job_control(job.job_id), jobs, reply_to],
                     [WORKER_GROUP, eid, job.sample_index, self.codec.encode(skipped)],
                 ):
