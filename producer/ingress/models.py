@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from rollq.protocol.messages import AgentOptions
+from rollq.protocol.messages import AgentOptions, TrajectoryStatus
 
 JOB_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:@~+=-]{0,199}$"
 NAME_PATTERN = r"^[A-Za-z0-9_.\-]{1,64}$"
@@ -79,12 +79,13 @@ class ErrorView(msgspec.Struct):
 
 
 class TrajectoryView(msgspec.Struct):
-    """One finished sample (the SSE `sample` event's data)."""
+    """One finished sample (the SSE `sample` event's data): protocol.messages.Trajectory's JSON view, token arrays
+    as lists (what the OpenAPI schema describes)."""
 
     job_id: str
     sample_index: int
     n: int
-    status: Literal["ok", "rejected", "error", "cancelled"]
+    status: TrajectoryStatus
     sequences: list[SequenceView] = []
     error: ErrorView | None = None
     worker_id: str = ""
