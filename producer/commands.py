@@ -17,9 +17,9 @@ from rollq.producer.jsonl import JsonlError, json_objects
 from rollq.producer.producer import JobRequest, Producer
 from rollq.producer.status import format_status, gather_status, render_status
 from rollq.protocol.codec import Codec
-from rollq.protocol.keys import RunKeys, inflight_key
+from rollq.protocol.keys import RunKeys, consumed_key, inflight_key
 from rollq.protocol.messages import AgentOptions
-from rollq.redis_client import redis_client
+from rollq.redis_client import TRANSIENT_ERRORS, redis_client
 
 
 class InputError(JsonlError):
@@ -58,11 +58,21 @@ async def _enqueue(args: EnqueueConfig, requests: list[JobRequest]) -> int:
     redis = redis_client(args.redis_url)
     keys = RunKeys(args.run)
     reply_to = keys.reply_stream(f"enqueue-{uuid.uuid4().hex[:12]}") if args.wait else keys.results
-    producer = Producer(redis, args.run, reply_to=reply_to, max_inflight=args.max_inflight)
+    producer = Producer(
+        redis,
+        args.run,
+        reply_to=reply_to,
+        max_inflight=args.max_inflight,
+        reply_ttl_s=args.reply_ttl if args.wait else 0,
+    )
+    keepalive: asyncio.Task[None] | None = None
+    admitted: list[Any] = []
     try:
         if args.wait:  # create the reply group before any worker can publish
-            consumer = producer.consumer(group="enqueue", name="enqueue")
+            consumer = producer.consumer(group="enqueue", name="enqueue", dedup_ttl_s=args.reply_ttl)
             await consumer.setup()
+            await producer.keep_reply_stream()
+            keepalive = asyncio.create_task(_keep_alive(producer, args.reply_ttl / 3), name="reply-keepalive")
         results = await producer.submit_many(requests)
         admitted = [r for r in results if r.admitted]
         dups = len(results) - len(admitted)
@@ -94,10 +104,32 @@ async def _enqueue(args: EnqueueConfig, requests: list[JobRequest]) -> int:
             f"rollq enqueue: {counts['ok']} ok, {counts['rejected']} rejected, {counts['error']} errors",
             file=sys.stderr,
         )
-        await redis.delete(reply_to, inflight_key(reply_to))
         return 0 if counts["error"] == 0 else 1
     finally:
+        if keepalive is not None:
+            keepalive.cancel()
+            await _delete_reply_stream(redis, reply_to, [r.job_id for r in admitted])
         await redis.aclose()
+
+
+async def _keep_alive(producer: Producer, every_s: float) -> None:
+    """Renew the private reply stream's TTL while this command waits (a killed one stops, and its keys expire)."""
+    while True:
+        await asyncio.sleep(every_s)
+        try:
+            await producer.keep_reply_stream()
+        except TRANSIENT_ERRORS:
+            pass  # the next renewal tries again, well within the TTL
+
+
+async def _delete_reply_stream(redis: aioredis.Redis, reply_to: str, job_ids: list[str]) -> None:
+    """The private reply stream, its counter and its duplicate filters; late results for it are dropped by workers."""
+    keys = [reply_to, inflight_key(reply_to), *(consumed_key(reply_to, "enqueue", j) for j in job_ids)]
+    try:
+        for i in range(0, len(keys), 512):
+            await redis.delete(*keys[i : i + 512])
+    except TRANSIENT_ERRORS:
+        pass  # they expire after reply_ttl
 
 
 def enqueue(args: EnqueueConfig) -> int:

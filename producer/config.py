@@ -32,6 +32,14 @@ class EnqueueConfig(RunSettings, kw_only=True):
     max_inflight: Annotated[
         int, setting("backpressure: samples admitted but not consumed (0 = no bound)", metavar="N", ge=0)
     ] = 0
+    reply_ttl: Annotated[
+        int,
+        setting(
+            "--wait: the private reply stream expires S seconds after this command stops renewing it (e.g. killed)",
+            metavar="S",
+            ge=1,
+        ),
+    ] = 3600
     kwargs: Annotated[
         dict[str, Any] | None,
         setting("workflow_kwargs: the workflow class's arguments (a JSON or YAML mapping)", metavar="JSON"),

@@ -62,6 +62,10 @@ class Producer:
     set, submission waits while that many samples for this reply stream are admitted but not yet consumed. Each job
     goes to its class's stream (`JobRequest.job_class`, default `train`); a class with `max_inflight` admits at most
     that many samples not yet finished by a worker, whoever submits them.
+
+    A private ``reply_to`` (any stream but the run's shared results) is created before the first submission:
+    workers publish to a private stream only while it exists. With ``reply_ttl_s`` it and its in-flight counter
+    expire unless `keep_reply_stream()` is called again within that time (the caller's keep-alive).
     """
 
     def __init__(
@@ -74,6 +78,7 @@ class Producer:
         seen_ttl_s: int = DEFAULT_SEEN_TTL_S,
         chunk_size: int = 256,
         poll_interval_s: float = 0.02,
+        reply_ttl_s: int = 0,
     ) -> None:
         self.redis = redis
         self.keys = RunKeys(run)
@@ -87,10 +92,22 @@ class Producer:
         self.chunk_size = chunk_size
         self.poll_interval_s = poll_interval_s
         self.codec = Codec()
+        self.reply_ttl_s = reply_ttl_s
         self._submit = redis.register_script(scripts.SUBMIT)
+        self._keep = redis.register_script(scripts.KEEP_REPLY_STREAM)
         self._groups_ready: set[str] = set()
         self._classes: dict[str, JobClass] = {}
         self._classes_at = -1e9
+
+    @property
+    def private(self) -> bool:
+        """The reply stream is a private one (not the run's shared results stream)."""
+        return self.reply_to != self.keys.results
+
+    async def keep_reply_stream(self) -> None:
+        """Create the private reply stream when missing and renew its TTL (and its in-flight counter's)."""
+        if self.private:
+            await self._keep(keys=[self.reply_to, inflight_key(self.reply_to)], args=[self.reply_ttl_s])
 
     async def inflight(self) -> int:
         return int(await self.redis.get(inflight_key(self.reply_to)) or 0)
@@ -184,6 +201,7 @@ class Producer:
                     raise BackpressureError(
                         f"a job of n={req.n} samples can never fit class {req.job_class!r} max_inflight={bound}"
                     )
+        await self.keep_reply_stream()  # a private reply stream exists before any worker publishes to it
         for name in names:
             stream = self.keys.job_stream(name)
             if stream not in self._groups_ready:

@@ -72,6 +72,7 @@ class ResultConsumer:
         self._seen = redis.register_script(scripts.SEEN)
         self._group_ready = False
         self._own_cursor: str | None = "0"  # walks the entries an earlier life of this consumer name left pending
+        self._held: set[str] = set()  # entry ids handed out by read() and not committed yet
         self._next_claim = 0.0
         self._next_trim = 0.0
 
@@ -79,6 +80,12 @@ class ResultConsumer:
         """Create the consumer group (and stream) if missing; results published from now on are kept for it."""
         await ensure_group(self.redis, self.stream, self.group)
         self._group_ready = True
+
+    def resync(self) -> None:
+        """After Redis was away: walk this consumer's pending list again on the next read (a read whose reply was
+        lost with the connection left its entries pending here), skipping what the caller already holds."""
+        self._own_cursor = "0"
+        self._group_ready = False
 
     async def read(self, count: int = 256, block_ms: int = 1000) -> list[Delivered]:
         """Up to `count` new trajectories, waiting at most `block_ms` for the first. Duplicates and undecodable
@@ -92,7 +99,9 @@ class ResultConsumer:
                 raise
             self._group_ready = False
             return []
-        return await self._filter(raw)
+        out = await self._filter([e for e in raw if e[0].decode() not in self._held])
+        self._held.update(d.entry_id for d in out)
+        return out
 
     async def _read_raw(self, count: int, block_ms: int) -> list[_Entry]:
         if self._own_cursor is not None:
@@ -162,6 +171,7 @@ class ResultConsumer:
             keys.append(consumed_key(self.stream, self.group, d.trajectory.job_id))
             args.extend((d.entry_id, d.trajectory.sample_index))
         fresh = int(await self._commit(keys=keys, args=args))
+        self._held.difference_update(d.entry_id for d in items)
         await self._maybe_trim()
         return fresh
 

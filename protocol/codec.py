@@ -66,13 +66,13 @@ class Codec:
             if payload[:1] == b"{":
                 return self._json_decoder(typ).decode(payload)
             return self._msgpack_decoder(typ).decode(payload)
-        except (msgspec.DecodeError, msgspec.ValidationError, ValueError, NotImplementedError) as exc:
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError, NotImplementedError, RecursionError) as exc:
             raise CodecError(f"cannot decode {typ.__name__}: {exc}") from None
 
     def decode_json(self, payload: bytes | str, typ: type[T]) -> T:
         try:
             return self._json_decoder(typ).decode(payload)
-        except (msgspec.DecodeError, msgspec.ValidationError, ValueError, NotImplementedError) as exc:
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError, NotImplementedError, RecursionError) as exc:
             raise CodecError(f"cannot decode {typ.__name__}: {exc}") from None
 
     def to_builtins(self, msg: Any) -> Any:

@@ -70,6 +70,12 @@ class RunKeys(msgspec.Struct, frozen=True):
         return f"{self.prefix}:dead"
 
     @property
+    def dropped(self) -> str:
+        """Hash: reason -> results a worker dropped instead of publishing (`reply_gone`: the job's private reply
+        stream had expired or been deleted, its caller gone)."""
+        return f"{self.prefix}:dropped"
+
+    @property
     def workers(self) -> str:
         """Sorted set: worker name -> last heartbeat (unix seconds)."""
         return f"{self.prefix}:workers"

@@ -80,16 +80,27 @@ if write and added > 0 then redis.call('INCRBY', KEYS[1], added) end
 return out
 """
 
-# KEYS: the entry's job stream (its class's), reply stream, dead-letter stream. ARGV: group, entry id, trajectory
-# payload or "", dead-letter payload or "". Publishes and acks in one step; returns 0 (and writes nothing) when the
-# entry was already acked, e.g. by another worker that reclaimed it. (Successful trajectories, the hot path, are
+# KEYS: the entry's job stream (its class's), reply stream, dead-letter stream, and (optional) the run's dropped-
+# results hash. ARGV: group, entry id, trajectory payload or "", dead-letter payload or "", and (optional) "1" when
+# the reply stream is a private one that must already exist. Publishes and acks in one step; returns 0 (and writes
+# nothing) when the entry was already acked, e.g. by another worker that reclaimed it, else 1, or 2 when the private
+# reply stream is gone (expired or deleted: its caller left): the trajectory is not published (a stream nobody reads
+# is not recreated) and counted under `reply_gone` in the dropped hash. (Successful trajectories, the hot path, are
 # published with XACK+XDEL+XADD in MULTI/EXEC instead: no Lua copy of the payload; consumers drop the rare duplicate.)
 FINISH = """
 if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
 redis.call('XDEL', KEYS[1], ARGV[2])
-if ARGV[3] ~= '' then redis.call('XADD', KEYS[2], '*', 'd', ARGV[3]) end
+local out = 1
+if ARGV[3] ~= '' then
+  if ARGV[5] == '1' and redis.call('EXISTS', KEYS[2]) == 0 then
+    out = 2
+    if KEYS[4] then redis.call('HINCRBY', KEYS[4], 'reply_gone', 1) end
+  else
+    redis.call('XADD', KEYS[2], '*', 'd', ARGV[3])
+  end
+end
 if ARGV[4] ~= '' then redis.call('XADD', KEYS[3], '*', 'd', ARGV[4]) end
-return 1
+return out
 """
 
 # KEYS: the entry's job stream. ARGV: group, entry id, new job payload. Acks the entry and queues the job again (at
@@ -119,7 +130,7 @@ for i = 1, n do
 end
 if fresh > 0 and ARGV[3] == '1' then
   local left = redis.call('DECRBY', KEYS[2], fresh)
-  if left < 0 then redis.call('SET', KEYS[2], 0) end
+  if left < 0 then redis.call('SET', KEYS[2], 0, 'KEEPTTL') end
 end
 return fresh
 """
@@ -148,6 +159,48 @@ for _, g in ipairs(groups) do
 end
 if bound == '0-0' then return 0 end
 return redis.call('XTRIM', KEYS[1], 'MINID', bound)
+"""
+
+# KEYS: a private reply stream, its in-flight counter. ARGV: ttl_s (0 = none). Creates the stream (empty) when it
+# does not exist, so workers may publish to it (they never create a private reply stream: one that expired stays
+# gone), and gives both keys the TTL (the counter is created at 0 when missing). Its caller runs it again every
+# ttl/3 while alive, so a reply stream whose caller died expires. Returns 1 if the stream was created.
+KEEP_REPLY_STREAM = """
+local created = 0
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  local id = redis.call('XADD', KEYS[1], '*', 'd', '')
+  redis.call('XDEL', KEYS[1], id)
+  created = 1
+end
+local ttl = tonumber(ARGV[1])
+if ttl > 0 then
+  redis.call('EXPIRE', KEYS[1], ttl)
+  redis.call('SET', KEYS[2], 0, 'NX', 'EX', ttl)
+  redis.call('EXPIRE', KEYS[2], ttl)
+end
+return created
+"""
+
+# KEYS: the run's workers sorted set, its worker-info hash. ARGV: cutoff (unix seconds), sweep ("1": also forget
+# info entries that have no heartbeat at all, e.g. left by an older version; O(workers), so run at start only).
+# Forgets workers whose last heartbeat is older than the cutoff: their zset member and their info. Returns how many
+# were forgotten.
+FORGET_WORKERS = """
+local gone = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', '(' .. ARGV[1])
+for i = 1, #gone do
+  redis.call('ZREM', KEYS[1], gone[i])
+  redis.call('HDEL', KEYS[2], gone[i])
+end
+local n = #gone
+if ARGV[2] == '1' then
+  for _, name in ipairs(redis.call('HKEYS', KEYS[2])) do
+    if not redis.call('ZSCORE', KEYS[1], name) then
+      redis.call('HDEL', KEYS[2], name)
+      n = n + 1
+    end
+  end
+end
+return n
 """
 
 # KEYS: one consumed-set key per entry. ARGV: the sample index per entry. Returns 1 per entry already consumed, else 0.

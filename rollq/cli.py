@@ -32,6 +32,7 @@ from rollq.config import (
 from rollq.engine.server.config import EngineConfig
 from rollq.producer.config import ClassesConfig, EnqueueConfig, StatusConfig
 from rollq.producer.ingress.config import IngressConfig
+from rollq.redis_client import RedisUnavailable
 from rollq.trainer.config import TrainConfig, UpConfig
 from rollq.workers.config import WorkerConfig
 from rollq.workers.rewards.config import RewardWorkerConfig
@@ -308,6 +309,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         return invocation.run()
+    except RedisUnavailable as exc:  # an outage outlasted redis_outage_s
+        print(f"rollq {invocation.command.name}: {exc}", file=sys.stderr)
+        return 3
     except (RedisConnectionError, RedisTimeoutError) as exc:
         url = next((s.redis_url for s in invocation.settings if getattr(s, "redis_url", None)), "")
         print(redis_hint(url, str(exc) or type(exc).__name__), file=sys.stderr)

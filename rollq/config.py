@@ -79,6 +79,47 @@ class RunSettings(Settings, kw_only=True):
     run: Annotated[str, setting("run name; namespaces every stream and key", shared=True, pattern=_RUN_NAME)] = (
         DEFAULT_RUN
     )
+    redis_outage_s: Annotated[
+        float,
+        setting("how long a process rides out Redis being away (restart, failover) before it exits", shared=True, ge=0),
+    ] = 60.0
+    redis_tls_ca: Annotated[
+        str | None, setting("CA certificate (PEM) that signed Redis's TLS certificate (rediss://)", shared=True)
+    ] = None
+    redis_tls_cert: Annotated[
+        str | None, setting("client certificate (PEM) for Redis TLS (with tls-auth-clients yes)", shared=True)
+    ] = None
+    redis_tls_key: Annotated[str | None, setting("private key (PEM) of redis_tls_cert", shared=True)] = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        try:
+            self.redis_url = with_tls(self.redis_url, self.redis_tls_ca, self.redis_tls_cert, self.redis_tls_key)
+        except ValueError as exc:
+            raise ValueError(f"redis_url: {exc}") from None
+
+
+# RunSettings' TLS paths as the query arguments of a Redis URL that redis-py's from_url reads (and
+# rollq.redis_client.arq_settings), so every client built from `redis_url` uses them.
+TLS_QUERY_ARGS = {"ca": "ssl_ca_certs", "cert": "ssl_certfile", "key": "ssl_keyfile"}
+
+
+def with_tls(url: str, ca: str | None = None, cert: str | None = None, key: str | None = None) -> str:
+    """`url` with the TLS files added as query arguments (an argument already in the URL wins)."""
+    from urllib.parse import parse_qs, urlencode, urlsplit, urlunsplit
+
+    given = {name: value for name, value in (("ca", ca), ("cert", cert), ("key", key)) if value}
+    if not given:
+        return url
+    parts = urlsplit(url)
+    if parts.scheme != "rediss":
+        raise ValueError(f"redis_tls_{'/'.join(given)} need a rediss:// URL, not {parts.scheme}://")
+    if bool(cert) != bool(key):
+        raise ValueError("redis_tls_cert and redis_tls_key go together")
+    query = parse_qs(parts.query)
+    for name, value in given.items():
+        query.setdefault(TLS_QUERY_ARGS[name], [value])
+    return urlunsplit(parts._replace(query=urlencode(query, doseq=True)))
 
 
 @functools.cache
@@ -201,7 +242,7 @@ def read_document(path: str | os.PathLike[str] | None) -> dict[str, Any]:
     return loaded
 
 
-SHARED_KEYS = tuple(RunSettings.__struct_fields__)  # the top-level keys of the file: redis_url, run
+SHARED_KEYS = tuple(RunSettings.__struct_fields__)  # the top-level keys of the file: redis_url, run, redis_tls_*
 
 
 def check_document(document: Mapping[str, Any], sections: Iterable[str]) -> None:

@@ -4,9 +4,13 @@ A leaf module shared by every service (it imports no service and not the CLI).""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
 import os
 import time
-from typing import Any, NamedTuple
+from collections.abc import Awaitable, Callable
+from typing import Any, NamedTuple, TypeVar
 
 import redis
 import redis.asyncio as aioredis
@@ -14,9 +18,12 @@ from redis.backoff import ExponentialBackoff
 from redis.exceptions import BusyLoadingError, ConnectionError, TimeoutError
 from redis.retry import Retry
 
-from rollq.config import DEFAULT_REDIS_URL
+from rollq.config import DEFAULT_REDIS_URL, TLS_QUERY_ARGS
 
 REDIS_URL_ENV = "ROLLQ_REDIS_URL"
+
+log = logging.getLogger("rollq.redis")
+T = TypeVar("T")
 
 # Errors after which a call is worth repeating once Redis answers again (restart, failover, AOF loading).
 TRANSIENT_ERRORS = (ConnectionError, TimeoutError, BusyLoadingError, OSError)
@@ -36,6 +43,21 @@ def redis_client(url: str, *, retries: int = 3) -> aioredis.Redis:
         health_check_interval=30,
         socket_connect_timeout=5,
     )
+
+
+def arq_settings(url: str) -> Any:
+    """arq's RedisSettings for `url`, with what arq's own `from_dsn` drops: the TLS files that RunSettings folds into
+    the URL's query (`ssl_ca_certs`, `ssl_certfile`, `ssl_keyfile`), so reward workers speak TLS like the rest."""
+    from urllib.parse import parse_qs, urlsplit
+
+    from arq.connections import RedisSettings
+
+    settings = RedisSettings.from_dsn(url)
+    query = {name: values[-1] for name, values in parse_qs(urlsplit(url).query).items()}
+    for name in TLS_QUERY_ARGS.values():
+        if query.get(name):
+            setattr(settings, name, query[name])
+    return settings
 
 
 async def ensure_group(client: aioredis.Redis, stream: str, group: str) -> None:
@@ -71,6 +93,82 @@ async def wait_for_redis(url: str, wait_s: float) -> None:
                 await asyncio.sleep(0.5)
     finally:
         await client.aclose()
+
+
+class RedisUnavailable(Exception):
+    """Redis stayed away longer than the process may wait (`redis_outage_s`): the process should exit."""
+
+    def __init__(self, url: str, what: str, waited_s: float, cause: BaseException) -> None:
+        self.url, self.what, self.waited_s = url, what, waited_s
+        reason = f"{type(cause).__name__}: {cause}" if str(cause) else type(cause).__name__
+        super().__init__(
+            f"cannot reach Redis at {url or '?'}: gave up {what} after waiting {waited_s:.1f}s "
+            f"(redis_outage_s) for it to come back ({reason})"
+        )
+
+
+async def ride_out(
+    op: Callable[[], Awaitable[T]],
+    *,
+    what: str,
+    limit_s: float,
+    url: str = "",
+    recover: Callable[[], Awaitable[object]] | None = None,
+    stop: asyncio.Event | None = None,
+) -> T:
+    """`await op()`, repeated while Redis is away (TRANSIENT_ERRORS), with a backoff capped at 2 s, for up to `limit_s`
+    seconds from the first failure; then raise RedisUnavailable. Once a failed op can be tried again, `recover()`
+    runs first (re-create what a restarted Redis may have lost: consumer groups, the ledger), within the same limit.
+    `op` must be safe to repeat: a reply lost with the connection may mean it was applied. With `stop` set, the
+    wait ends early and the last error is raised."""
+    loop = asyncio.get_running_loop()
+    started: float | None = None
+    delay = 0.05
+    while True:
+        try:
+            if started is not None and recover is not None:
+                await recover()
+            result = await op()
+        except TRANSIENT_ERRORS as exc:
+            now = loop.time()
+            if started is None:
+                started = now
+                log.warning("redis at %s unavailable while %s (%s); waiting up to %.0fs", url, what, exc, limit_s)
+            waited = now - started
+            if waited >= limit_s or (stop is not None and stop.is_set()):
+                raise RedisUnavailable(url, what, waited, exc) from exc
+            pause = min(delay, limit_s - waited)
+            delay = min(delay * 2, 2.0)
+            if stop is None:
+                await asyncio.sleep(pause)
+            else:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), pause)
+            continue
+        if started is not None:
+            log.warning("redis at %s is back after %.1fs (%s)", url, loop.time() - started, what)
+        return result
+
+
+class OutageClock:
+    """For loops that handle TRANSIENT_ERRORS themselves: `failed(exc)` on each error (raises RedisUnavailable past
+    `limit_s` since the first one), `ok()` once a call succeeds again."""
+
+    def __init__(self, url: str, limit_s: float, what: str) -> None:
+        self.url, self.limit_s, self.what = url, limit_s, what
+        self.since: float | None = None
+
+    def failed(self, exc: BaseException) -> None:
+        now = time.monotonic()
+        if self.since is None:
+            self.since = now
+        elif now - self.since >= self.limit_s:
+            raise RedisUnavailable(self.url, self.what, now - self.since, exc) from exc
+
+    def ok(self) -> None:
+        if self.since is not None:
+            log.warning("redis at %s is back after %.1fs (%s)", self.url, time.monotonic() - self.since, self.what)
+            self.since = None
 
 
 class StreamStats(NamedTuple):

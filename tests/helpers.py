@@ -119,3 +119,17 @@ async def wait_registered(redis, run: str, name: str, timeout_s: float = 15.0) -
 
     key = RunKeys(run).workers
     await wait_until(lambda: redis.zscore(key, name), timeout_s, what=f"worker {name} to register")
+
+
+def rss_kib(pid: int) -> tuple[int, int]:
+    """(peak RSS, current RSS) of a live process in KiB, from /proc/<pid>/status (VmHWM, VmRSS; Linux). For the
+    memory-flatness checks of soak runs: sample it over the run and compare quarters."""
+    fields: dict[str, int] = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmHWM", "VmRSS"):
+                fields[key] = int(value.split()[0])  # "  123456 kB"
+    if len(fields) != 2:
+        raise ProcessLookupError(f"process {pid} has no memory figures (a zombie or a kernel thread)")
+    return fields["VmHWM"], fields["VmRSS"]

@@ -17,7 +17,7 @@ import msgspec
 
 from rollq.producer.results import Delivered, ResultConsumer
 from rollq.trainer.batch import Group, model_tokens
-from rollq.trainer.ledger import StalenessLedger
+from rollq.trainer.ledger import Ride, StalenessLedger, direct
 
 log = logging.getLogger("rollq.trainer")
 
@@ -57,7 +57,9 @@ class GroupCollector:
         vocab_size: int,
         on_release: Callable[[], None] = lambda: None,
         give_up_after_failed: int = 0,
+        ride: Ride | None = None,
     ) -> None:
+        self.ride: Ride = ride or direct  # every Redis call: the trainer's rides out an outage
         self.consumer = consumer
         self.ledger = ledger
         self.group_prefix = group_prefix  # this trainer's job ids; anything else is left from an earlier run
@@ -103,7 +105,7 @@ class GroupCollector:
     async def _completed(self, job_id: str, items: list[Delivered], dropped: Counter) -> None:
         if job_id in self.skip:  # trained and checkpointed before a crash: ack only
             self.skip.discard(job_id)
-            await self.consumer.commit(items)
+            await self.ride(lambda: self.consumer.commit(items), "acking a skipped group")
             return
         group = Group(job_id=job_id, samples=[d.trajectory for d in items])
         reason = self._unfit(group)
@@ -113,10 +115,10 @@ class GroupCollector:
             self._complete[job_id] = _Ready(items, group, group.version_range())
 
     async def _drop(self, job_id: str, items: list[Delivered], reason: str, dropped: Counter) -> None:
-        await self.consumer.commit(items)
+        await self.ride(lambda: self.consumer.commit(items), "acking a dropped group")
         dropped[reason] += len(items)
         if reason != "foreign":
-            await self.ledger.release(job_id)
+            await self.ride(lambda: self.ledger.release(job_id), "giving a group back to the ledger")
             self.on_release()
         detail = ""
         if reason == "failed":
@@ -155,7 +157,7 @@ class GroupCollector:
                     groups_needed,
                     sum(map(len, self._partial.values())),
                 )
-            for d in await self.consumer.read(count=512, block_ms=block_ms):
+            for d in await self.ride(lambda: self.consumer.read(count=512, block_ms=block_ms), "reading results"):
                 traj = d.trajectory
                 if not traj.job_id.startswith(self.group_prefix):
                     await self._drop(traj.job_id, [d], "foreign", dropped)

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from functools import partial
 from typing import Any
 
 from rollq.producer.producer import JobRequest, Producer
 from rollq.trainer.data import PromptOrder
-from rollq.trainer.ledger import StalenessLedger
+from rollq.trainer.ledger import Ride, StalenessLedger, direct
 
 log = logging.getLogger("rollq.trainer")
 
@@ -29,7 +30,9 @@ class GroupFeeder:
         workflow_kwargs: dict[str, Any] | None,
         next_index: int = 0,
         recheck_s: float = 1.0,
+        ride: Ride | None = None,
     ) -> None:
+        self.ride: Ride = ride or direct
         self.producer = producer
         self.ledger = ledger
         self.prompts = prompts
@@ -59,7 +62,7 @@ class GroupFeeder:
         while not self._stopping:
             job_id = self.job_id(self.next_index)
             self._room.clear()
-            admission = await self.ledger.admit(job_id, self.group_size)
+            admission = await self.ride(partial(self.ledger.admit, job_id, self.group_size), "admitting a group")
             if not admission.admitted:
                 try:
                     async with asyncio.timeout(self.recheck_s):
@@ -68,17 +71,15 @@ class GroupFeeder:
                     pass
                 continue
             data = {**self.prompts[self.next_index], "group_id": job_id}
-            await self.producer.submit_many(
-                [
-                    JobRequest(
-                        workflow=self.workflow,
-                        data=data,
-                        n=self.group_size,
-                        job_id=job_id,
-                        workflow_kwargs=self.workflow_kwargs,
-                    )
-                ]
+            request = JobRequest(
+                workflow=self.workflow,
+                data=data,
+                n=self.group_size,
+                job_id=job_id,
+                workflow_kwargs=self.workflow_kwargs,
             )
+            # Safe to repeat: SUBMIT's idempotency marker queues a job id once.
+            await self.ride(partial(self.producer.submit_many, [request]), "queueing a group")
             self.next_index += 1
 
 

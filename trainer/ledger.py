@@ -9,6 +9,9 @@ check (oldest token version >= v - eta) makes the bound exact when completions a
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+from typing import Protocol, TypeVar
+
 import msgspec
 import redis.asyncio as aioredis
 
@@ -61,6 +64,20 @@ redis.call('DEL', KEYS[2])
 redis.call('HSET', KEYS[1], 'version', ARGV[1], 'admitted', ARGV[2], 'released', 0, 'batch', ARGV[3], 'eta', ARGV[4])
 return 1
 """
+
+
+T = TypeVar("T")
+
+
+class Ride(Protocol):
+    """How the trainer's parts make a Redis call: `Trainer.ride` rides out an outage (rollq.redis_client.ride_out)."""
+
+    async def __call__(self, op: Callable[[], Awaitable[T]], what: str) -> T: ...
+
+
+async def direct(op: Callable[[], Awaitable[T]], what: str) -> T:
+    """A Ride that just calls (tests that drive a feeder or collector alone)."""
+    return await op()
 
 
 class Admission(msgspec.Struct, frozen=True):
@@ -138,4 +155,4 @@ class StalenessLedger:
         )
 
 
-__all__ = ["Admission", "LedgerState", "StalenessLedger"]
+__all__ = ["Admission", "LedgerState", "Ride", "StalenessLedger", "direct"]

@@ -20,8 +20,9 @@ import shutil
 import time
 import uuid
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, TextIO, TypeVar
 
 import redis.asyncio as aioredis
 
@@ -30,6 +31,7 @@ from rollq.engine.pool import EnginePool
 from rollq.engine.weight_group import DistributedSyncConfig, DistributedWeightSync
 from rollq.producer.producer import Producer
 from rollq.producer.results import Delivered, ResultConsumer
+from rollq.redis_client import ride_out
 from rollq.trainer import checkpoint
 from rollq.trainer.batch import build_batch
 from rollq.trainer.checkpoint import TrainerState
@@ -42,6 +44,7 @@ from rollq.trainer.metrics import MetricsLog, RateWindow, StepRecord, plot
 from rollq.trainer.policy import Policy
 
 log = logging.getLogger("rollq.trainer")
+T = TypeVar("T")
 
 CONSUMER_GROUP = "trainer"
 CONSUMER_NAME = "trainer"  # fixed: a restarted trainer first re-reads what its previous life left pending
@@ -99,6 +102,22 @@ class Trainer:
         self._started = 0.0
         self.feeder: GroupFeeder | None = None
         self.collector: GroupCollector | None = None
+        self._resumed = False  # from here on, a Redis that lost the ledger gets it back from self.state
+
+    async def ride(self, op: Callable[[], Awaitable[T]], what: str) -> T:
+        """A Redis call that rides out an outage of up to `redis_outage_s` (then RedisUnavailable ends the run)."""
+        return await ride_out(
+            op, what=what, limit_s=self.cfg.redis_outage_s, url=self.cfg.redis_url, recover=self._recover
+        )
+
+    async def _recover(self) -> None:
+        """Redis answered again after an outage: re-create what a restart may have lost (the results group, the
+        ledger) and re-read this consumer's pending entries (a read whose reply was lost left some there)."""
+        self.consumer.resync()
+        await self.consumer.setup()
+        if self._resumed and not await self.redis.exists(self.ledger.keys.ledger):
+            await self.ledger.restore(self.state.version, self.state.trained_samples)
+            log.warning("the staleness ledger was gone from Redis after an outage; rebuilt from the trainer's state")
 
     @property
     def checkpoint_path(self) -> Path:
@@ -109,12 +128,13 @@ class Trainer:
     async def _resume(self) -> bool:
         saved = await asyncio.to_thread(checkpoint.load, self.checkpoint_path, self.cfg.device)
         if saved is None:
-            await self.ledger.reset()
+            await self.ride(self.ledger.reset, "resetting the ledger")
             self.metrics.truncate(0)
             return False
         policy_state, self.state = saved
         self.policy.load_state(policy_state)
-        if await self.ledger.restore(self.state.version, self.state.trained_samples):
+        state = self.state
+        if await self.ride(lambda: self.ledger.restore(state.version, state.trained_samples), "restoring the ledger"):
             log.warning("the staleness ledger was gone from Redis; rebuilt from the checkpoint")
         self.metrics.truncate(self.state.step)
         return True
@@ -176,7 +196,8 @@ class Trainer:
         await self.pool.start()
         await self._wait_for_engines()
         resumed = await self._resume()
-        await self.consumer.setup()
+        await self.ride(self.consumer.setup, "creating the results group")
+        self._resumed = True
         await self._publish_weights(self.state.version)  # engines start from the trainer's weights
         prefix = f"{self.state.run_id}-g"
         self.feeder = GroupFeeder(
@@ -188,6 +209,7 @@ class Trainer:
             workflow=cfg.workflow,
             workflow_kwargs=builtin_kwargs(cfg),
             next_index=self.state.next_group,
+            ride=self.ride,
         )
         self.collector = GroupCollector(
             self.consumer,
@@ -197,6 +219,7 @@ class Trainer:
             vocab_size=self.policy.vocab_size,
             on_release=self.feeder.notify,
             give_up_after_failed=0 if resumed else 2 * cfg.batch_samples,
+            ride=self.ride,
         )
         self.collector.skip = set(self.state.unacked_groups)
         log.info(
@@ -252,7 +275,7 @@ class Trainer:
         state.staleness = dict(Counter(state.staleness) + Counter(got.staleness))
         state.unacked_groups += [g.job_id for g in got.groups]
         self._unacked += got.deliveries
-        ledger = await self.ledger.state()
+        ledger = await self.ride(self.ledger.state, "reading the ledger")
         trained = sum(got.staleness.values())
         samples_per_s, tokens_per_s = self._rates.rates(
             t3, self.collector.samples_read, self.collector.model_tokens_read
@@ -291,11 +314,12 @@ class Trainer:
         )
         if state.step % cfg.checkpoint_every == 0 or state.step == cfg.steps:
             await asyncio.to_thread(checkpoint.save, self.checkpoint_path, self.policy.state(), state)
-            await self.consumer.commit(self._unacked)  # the checkpoint holds them now
+            unacked = self._unacked
+            await self.ride(lambda: self.consumer.commit(unacked), "acking trained samples")  # the checkpoint has them
             self._unacked = []
             state.unacked_groups = []
         # New admissions only against versions a checkpoint knows (with checkpoint_every 1: always).
-        await self.ledger.set_version(state.version)
+        await self.ride(lambda: self.ledger.set_version(state.version), "publishing the policy version")
         self.feeder.notify()
         if state.step % PLOT_EVERY_STEPS == 0 and state.step < cfg.steps:
             await self._plot(self.metrics.read())

@@ -10,7 +10,7 @@ import redis.asyncio as aioredis
 from redis.commands.core import AsyncScript
 
 from rollq.protocol.keys import PAYLOAD_FIELD
-from rollq.redis_client import TRANSIENT_ERRORS
+from rollq.redis_client import TRANSIENT_ERRORS, OutageClock, RedisUnavailable
 
 log = logging.getLogger("rollq.worker")
 
@@ -31,6 +31,7 @@ class _PublishOp(NamedTuple):
     entry_id: str
     stream: str
     payload: bytes
+    private: bool = False  # a private reply stream: published only while it exists (XADD NOMKSTREAM)
 
 
 _Op = _ScriptOp | _PublishOp
@@ -41,9 +42,13 @@ class WriteBatcher:
     own (and so is the batch). A batch is repeated until Redis answers, which is safe: the scripts are no-ops for
     entries already acked, and a repeated publish is a duplicate that consumers drop by (job id, sample index)."""
 
-    def __init__(self, redis: aioredis.Redis, max_batch: int = 256) -> None:
+    def __init__(
+        self, redis: aioredis.Redis, max_batch: int = 256, *, outage_s: float = float("inf"), url: str = ""
+    ) -> None:
         self.redis = redis
         self.max_batch = max_batch
+        self.outage_s = outage_s  # past this, a batch fails with RedisUnavailable (its jobs stay pending: reclaimed)
+        self.url = url
         self._queue: list[tuple[_Op, asyncio.Future[Any]]] = []
         self._wake = asyncio.Event()
 
@@ -57,9 +62,12 @@ class WriteBatcher:
         """Run a Lua script; resolves to its reply."""
         return self._submit(_ScriptOp(script, keys, args))
 
-    def publish(self, jobs: str, group: str, entry_id: str, stream: str, payload: bytes) -> asyncio.Future:
-        """Ack and delete the job entry and publish its trajectory, atomically; resolves to 1."""
-        return self._submit(_PublishOp(jobs, group, entry_id, stream, payload))
+    def publish(
+        self, jobs: str, group: str, entry_id: str, stream: str, payload: bytes, *, private: bool = False
+    ) -> asyncio.Future:
+        """Ack and delete the job entry and publish its trajectory, atomically; resolves to 1, or to 0 when `private`
+        and the stream no longer exists (the entry is acked, the trajectory dropped: the stream is not recreated)."""
+        return self._submit(_PublishOp(jobs, group, entry_id, stream, payload, private))
 
     async def run(self) -> None:
         while True:
@@ -77,19 +85,27 @@ class WriteBatcher:
         for publish, _ in publishes:
             acks.setdefault((publish.jobs, publish.group), []).append(publish.entry_id)
         delay = 0.05
+        clock = OutageClock(self.url, self.outage_s, f"publishing {len(batch)} results")
         while True:
             try:
                 pipe = self.redis.pipeline(transaction=True)
                 for script, _ in scripts:
                     await script.queue(pipe)
                 for publish, _ in publishes:
-                    pipe.xadd(publish.stream, {PAYLOAD_FIELD: publish.payload})
+                    pipe.xadd(publish.stream, {PAYLOAD_FIELD: publish.payload}, nomkstream=publish.private)
                 for (jobs, group), ids in acks.items():  # one XACK and one XDEL for the whole batch
                     pipe.xack(jobs, group, *ids)
                     pipe.xdel(jobs, *ids)
                 replies = await pipe.execute(raise_on_error=False)
                 break
             except TRANSIENT_ERRORS as exc:
+                try:
+                    clock.failed(exc)
+                except RedisUnavailable as gone:
+                    for _, fut in batch:
+                        if not fut.done():
+                            fut.set_exception(gone)
+                    return
                 log.warning(
                     "redis unavailable while publishing %d results (%s); retrying in %.2fs", len(batch), exc, delay
                 )
@@ -113,7 +129,7 @@ class WriteBatcher:
             if fut.done():
                 continue
             if isinstance(op, _PublishOp) and not isinstance(reply, Exception):
-                reply = ack_errors[(op.jobs, op.group)] or 1
+                reply = ack_errors[(op.jobs, op.group)] or (0 if reply is None else 1)
             if isinstance(reply, Exception):
                 fut.set_exception(reply)
             else:

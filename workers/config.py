@@ -42,6 +42,12 @@ class WorkerConfig(RunSettings, kw_only=True):
         int, setting("how often the run's job classes (`rollq classes`) are re-read", metavar="MS", ge=10)
     ] = 1_000
     heartbeat_ms: Annotated[int, setting("how often the worker reports itself alive", metavar="MS", ge=1)] = 2_000
+    forget_workers_after: Annotated[
+        float,
+        setting(
+            "live workers forget a worker (heartbeat and info) silent for S seconds (a crashed one)", metavar="S", gt=0
+        ),
+    ] = 3600.0
     block_ms: Annotated[
         int, setting("longest blocking read; bounds how fast a stop is noticed", metavar="MS", ge=1)
     ] = 500

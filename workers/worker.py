@@ -39,7 +39,7 @@ from rollq.protocol.messages import (
     Trajectory,
     job_classes,
 )
-from rollq.redis_client import TRANSIENT_ERRORS, ensure_group, is_nogroup, redis_client
+from rollq.redis_client import TRANSIENT_ERRORS, OutageClock, ensure_group, is_nogroup, redis_client
 from rollq.workers.batcher import WriteBatcher
 from rollq.workers.config import WorkerConfig
 from rollq.workers.context import ContextConfig, EpisodeContext, RecordingEngine, WorkflowContext, episode_scope
@@ -51,8 +51,6 @@ from rollq.workers.resolver import Allowlist, WorkflowLoadError, enforcing
 
 log = logging.getLogger("rollq.worker")
 
-FORGET_GONE_WORKERS_S = 3600.0  # `rollq status` lists a crashed worker as gone for this long
-
 
 class WorkerStats(msgspec.Struct):
     completed: int = 0
@@ -60,6 +58,7 @@ class WorkerStats(msgspec.Struct):
     requeued: int = 0
     dead_lettered: int = 0
     reclaimed: int = 0
+    results_dropped: int = 0  # finished, but the job's private reply stream was gone (RunKeys.dropped)
 
 
 class _Running(msgspec.Struct):
@@ -83,7 +82,7 @@ def salvage_job(payload: bytes) -> Job | None:
     """The identifying fields of a job that failed validation, if they are readable."""
     try:
         raw = msgspec.json.decode(payload) if payload[:1] == b"{" else msgspec.msgpack.decode(payload)
-    except (msgspec.DecodeError, ValueError):
+    except (msgspec.DecodeError, ValueError, RecursionError):
         return None
     if not isinstance(raw, dict) or not isinstance(raw.get("job_id"), str):
         return None
@@ -135,6 +134,7 @@ class Worker:
         self._finish = self.redis.register_script(scripts.FINISH)
         self._requeue = self.redis.register_script(scripts.REQUEUE)
         self._start_sample = self.redis.register_script(scripts.START_SAMPLE)
+        self._forget_workers = self.redis.register_script(scripts.FORGET_WORKERS)
         self._running: dict[tuple[str, str], _Running] = {}  # (job stream, entry id) -> its task
         # Job classes (RunKeys.classes, refreshed every classes_refresh_ms): class -> stream, and the DRR state.
         self._classes: dict[str, JobClass] = job_classes({})
@@ -163,7 +163,9 @@ class Worker:
         self._slot_free.set()
 
     async def run(self) -> WorkerStats:
-        self._batcher = WriteBatcher(self.redis, self.cfg.publish_batch)
+        self._batcher = WriteBatcher(
+            self.redis, self.cfg.publish_batch, outage_s=self.cfg.redis_outage_s, url=self.cfg.redis_url
+        )
         background = [
             asyncio.create_task(self._batcher.run(), name="publisher"),
             asyncio.create_task(self._lease_loop(), name="lease"),
@@ -228,6 +230,7 @@ class Worker:
         next_reclaim = 0.0
         next_classes = 0.0
         delay = 0.05
+        outage = OutageClock(self.cfg.redis_url, self.cfg.redis_outage_s, "reading jobs")
         while not self._stop.is_set():
             free = self.cfg.concurrency - len(self._running)
             if free <= 0:
@@ -268,12 +271,14 @@ class Worker:
                 else:
                     await self._read_classes(free)
                 delay = 0.05
+                outage.ok()
             except ResponseError as exc:
                 if not is_nogroup(exc):
                     raise
                 log.warning("consumer group is gone (Redis lost its data?); recreating it")
                 self._groups.clear()
             except TRANSIENT_ERRORS as exc:
+                outage.failed(exc)  # past redis_outage_s: RedisUnavailable ends the worker
                 log.warning("redis unavailable (%s); retrying in %.2fs", exc, delay)
                 try:
                     await asyncio.wait_for(self._stop.wait(), delay)
@@ -414,15 +419,21 @@ class Worker:
             "engines": self.cfg.engine,
             "started_at": time.time(),
         }
+        sweep = True  # the first beat also forgets info entries that have no heartbeat at all
         while True:
             try:
                 info["running"] = len(self._running)
                 info.update(msgspec.structs.asdict(self.stats))
                 pipe = self.redis.pipeline(transaction=False)
                 pipe.zadd(self.keys.workers, {self.name: time.time()})
-                pipe.zremrangebyscore(self.keys.workers, "-inf", time.time() - FORGET_GONE_WORKERS_S)
                 pipe.hset(self.keys.worker_info, self.name, json.dumps(info))
+                await self._forget_workers(  # crashed workers: their heartbeat and info
+                    keys=[self.keys.workers, self.keys.worker_info],
+                    args=[time.time() - self.cfg.forget_workers_after, 1 if sweep else 0],
+                    client=pipe,
+                )
                 await pipe.execute()
+                sweep = False
             except TRANSIENT_ERRORS:
                 pass
             await asyncio.sleep(self.cfg.heartbeat_ms / 1000)
@@ -522,8 +533,12 @@ class Worker:
                 started_at=started,
                 finished_at=time.time(),
             )
-            published = await self._writes.publish(jobs, WORKER_GROUP, eid, reply_to, self.codec.encode(traj))
-            if published:
+            published = await self._writes.publish(
+                jobs, WORKER_GROUP, eid, reply_to, self.codec.encode(traj), private=reply_to != self.keys.results
+            )
+            if published == 0:  # its private reply stream is gone (its caller left): dropped, not recreated
+                await self._result_dropped(job, eid)
+            elif published:
                 if sequences is None:
                     self.stats.rejected += 1
                 else:
@@ -607,8 +622,24 @@ class Worker:
             )
         done = await self._writes.script(
             self._finish,
-            [stream or self.keys.jobs, reply_to, self.keys.dead],
-            [WORKER_GROUP, eid, traj_payload, self.codec.encode(letter)],
+            [stream or self.keys.jobs, reply_to, self.keys.dead, self.keys.dropped],
+            [WORKER_GROUP, eid, traj_payload, self.codec.encode(letter), 1 if reply_to != self.keys.results else 0],
         )
         if done:
             self.stats.dead_lettered += 1
+        if done == 2:
+            self.stats.results_dropped += 1
+
+    async def _result_dropped(self, job: Job, eid: str) -> None:
+        self.stats.results_dropped += 1
+        log.warning(
+            "job %s sample %d (entry %s): reply stream %s is gone; result dropped",
+            job.job_id,
+            job.sample_index,
+            eid,
+            job.reply_to,
+        )
+        try:
+            await self.redis.hincrby(self.keys.dropped, "reply_gone", 1)  # type: ignore[misc]  # stub: sync|async
+        except TRANSIENT_ERRORS:
+            pass  # accounting only; the job itself is acked

@@ -248,7 +248,7 @@ class Ingress:
         """The jobs of a request and the path prefix of each (`$.jobs[i]` in a batch, `$` for one job)."""
         try:
             obj = msgspec.json.decode(body)
-        except msgspec.DecodeError as exc:
+        except (msgspec.DecodeError, RecursionError) as exc:
             raise HttpError(400, "invalid", f"the body is not valid JSON: {exc}") from None
         batch = isinstance(obj, dict) and "jobs" in obj
         try:

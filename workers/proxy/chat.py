@@ -154,7 +154,7 @@ def _arguments(raw: Any, where: str) -> Any:
     if isinstance(raw, str):
         try:
             return json.loads(raw) if raw.strip() else {}
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             return raw  # rendered as written; the model wrote it, the template shows it back
     raise BadRequest(f"{where}: tool call arguments must be a JSON string", "messages")
 

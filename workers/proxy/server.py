@@ -144,7 +144,7 @@ class RecordingProxy:
     async def _body(request: web.Request) -> dict[str, Any]:
         try:
             body = msgspec.json.decode(await request.read())
-        except msgspec.DecodeError as exc:
+        except (msgspec.DecodeError, RecursionError) as exc:
             raise BadRequest(f"the body is not valid JSON: {exc}") from None
         if not isinstance(body, dict):
             raise BadRequest("the body must be a JSON object")

@@ -18,13 +18,14 @@ import contextlib
 from typing import Any
 
 import msgspec
-from arq.connections import ArqRedis, RedisSettings, create_pool
+from arq.connections import ArqRedis, create_pool
 from arq.constants import abort_jobs_ss, in_progress_key_prefix, job_key_prefix, result_key_prefix
 from arq.jobs import Job, JobResult, JobStatus
 from arq.utils import timestamp_ms
 from redis.exceptions import WatchError
 
 from rollq.protocol.keys import RunKeys
+from rollq.redis_client import arq_settings
 from rollq.workers.resolver import split_import_path
 from rollq.workers.rewards.processes import RewardError, RewardNotANumber, RewardTimeout
 
@@ -92,9 +93,7 @@ class RemoteReward:
             self._pool_lock = self._pool_lock or asyncio.Lock()
             async with self._pool_lock:
                 if self._pool is None:
-                    self._pool = await create_pool(
-                        RedisSettings.from_dsn(self.config.redis_url), default_queue_name=self.queue
-                    )
+                    self._pool = await create_pool(arq_settings(self.config.redis_url), default_queue_name=self.queue)
         return self._pool
 
     async def __call__(self, *args: Any, **kwargs: Any) -> float:

@@ -12,10 +12,10 @@ import asyncio
 from collections import Counter
 from typing import Any
 
-from arq.connections import RedisSettings
 from arq.worker import func
 
 from rollq.protocol.keys import RunKeys
+from rollq.redis_client import arq_settings
 from rollq.workers.resolver import Allowlist, resolve
 from rollq.workers.rewards.config import RewardWorkerConfig
 from rollq.workers.rewards.processes import (
@@ -93,7 +93,7 @@ def worker_settings(cfg: RewardWorkerConfig, outcomes: Counter[str] | None = Non
     async def on_shutdown(ctx: dict[str, Any]) -> None:
         await ctx["rewards"].close()
 
-    redis_settings = RedisSettings.from_dsn(cfg.redis_url)
+    redis_settings = arq_settings(cfg.redis_url)
     redis_settings.conn_retries = 0  # unreachable Redis at start: fail at once with rollq's one-line hint
     return {
         # arq's timeout is only a backstop behind the wrapper's (which also excludes the child's start-up).

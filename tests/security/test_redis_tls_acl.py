@@ -1,0 +1,91 @@
+"""rediss:// with client certificates and the least-privilege users of deploy/redis-acl.conf, on a real redis-server
+that only speaks TLS (tests/security/conftest.py)."""
+
+from __future__ import annotations
+
+import pytest
+from redis.exceptions import AuthenticationError, ConnectionError, NoPermissionError
+
+from rollq.config import RunSettings
+from rollq.producer import Producer
+from rollq.protocol.keys import RunKeys
+from rollq.redis_client import arq_settings, redis_client
+from tests.helpers import running_worker
+
+
+def client_for(tls_redis, user: str, password: str | None = None):
+    settings = RunSettings(redis_url=tls_redis.url(user, password), run=tls_redis.run, **tls_redis.tls())
+    return redis_client(settings.redis_url, retries=0)
+
+
+async def test_worker_and_producer_round_trip_over_tls_with_role_users(tls_redis):
+    producer_redis = client_for(tls_redis, "producer")
+    producer = Producer(producer_redis, tls_redis.run)
+    consumer = producer.consumer()
+    try:
+        await consumer.setup()
+        async with running_worker(tls_redis.url("worker"), tls_redis.run, concurrency=4, **tls_redis.tls()):
+            await producer.submit("tests.workflows:Echo", {"i": 3}, job_id="tls-1", n=2)
+            trajs = [t async for t in producer.wait_for({"tls-1": 2}, timeout_s=20, consumer=consumer)]
+        assert sorted((t.status, t.sample_index) for t in trajs) == [("ok", 0), ("ok", 1)]
+        # The producer user can't reach another run's keys, nor run commands outside its role.
+        with pytest.raises(NoPermissionError, match="keys"):
+            await producer_redis.xadd("rollq:{other-run}:jobs", {b"d": b"{}"})
+        with pytest.raises(NoPermissionError, match="flushall"):
+            await producer_redis.flushall()
+    finally:
+        await producer_redis.aclose()
+
+
+async def test_a_user_without_a_needed_permission_gets_a_clear_error(tls_redis):
+    """The engine role may only touch the engines registry: submitting a job is refused, naming the command."""
+    engine_redis = client_for(tls_redis, "engine")
+    try:
+        await engine_redis.zadd(RunKeys(tls_redis.run).engines, {"http://e:1": 1.0})  # its own job: allowed
+        with pytest.raises(NoPermissionError, match="no permissions to run the '[a-z|]+' command"):
+            await Producer(engine_redis, tls_redis.run).submit("tests.workflows:Echo", {"i": 1}, job_id="nope")
+        # A worker started with the engine's user fails at start-up with Redis's NOPERM message, not a hang.
+        with pytest.raises(NoPermissionError, match="(?i)no permissions"):
+            async with running_worker(tls_redis.url("engine"), tls_redis.run, **tls_redis.tls()):
+                pass
+    finally:
+        await engine_redis.aclose()
+
+
+async def test_wrong_password_and_missing_client_certificate_are_clear_errors(tls_redis):
+    bad = client_for(tls_redis, "worker", "not-the-password")
+    try:
+        with pytest.raises(AuthenticationError, match="invalid username-password pair"):
+            await bad.ping()
+    finally:
+        await bad.aclose()
+    # TLS without the client certificate: the server (tls-auth-clients yes) drops the handshake.
+    no_cert = redis_client(
+        RunSettings(redis_url=tls_redis.url("worker"), redis_tls_ca=str(tls_redis.ca)).redis_url, retries=0
+    )
+    try:
+        with pytest.raises(ConnectionError):
+            await no_cert.ping()
+    finally:
+        await no_cert.aclose()
+
+
+async def test_reward_worker_settings_carry_tls_and_the_user(tls_redis):
+    from arq.connections import create_pool
+
+    settings = arq_settings(RunSettings(redis_url=tls_redis.url("rewards"), **tls_redis.tls()).redis_url)
+    assert settings.ssl and settings.username == "rewards" and settings.ssl_certfile == str(tls_redis.cert)
+    settings.conn_retries = 0
+    pool = await create_pool(settings, default_queue_name=RunKeys(tls_redis.run).rewards)
+    try:
+        job = await pool.enqueue_job("some_reward", _job_id="tls-arq-1")
+        assert job is not None and await job.status() is not None
+    finally:
+        await pool.aclose()
+
+
+def test_tls_files_need_a_rediss_url():
+    with pytest.raises(ValueError, match="rediss://"):
+        RunSettings(redis_url="redis://127.0.0.1:6379/0", redis_tls_ca="/ca.pem")
+    with pytest.raises(ValueError, match="go together"):
+        RunSettings(redis_url="rediss://127.0.0.1:6379/0", redis_tls_cert="/c.pem")
