@@ -33,6 +33,18 @@ def redis_url_from_env(explicit: str | None = None) -> str:
     return explicit or os.environ.get(REDIS_URL_ENV) or DEFAULT_REDIS_URL
 
 
+def safe_url(url: str) -> str:
+    """`url` fit for logs and messages: no password, no query (TLS file paths)."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if not parts.hostname:
+        return url.split("?", 1)[0]
+    user = f"{parts.username}@" if parts.username else ""
+    port = f":{parts.port}" if parts.port else ""
+    return urlunsplit((parts.scheme, f"{user}{parts.hostname}{port}", parts.path, "", ""))
+
+
 def redis_client(url: str, *, retries: int = 3) -> aioredis.Redis:
     """A client with a small built-in retry for single commands; long outages are handled by the callers' loops."""
     return aioredis.Redis.from_url(
@@ -102,7 +114,7 @@ class RedisUnavailable(Exception):
         self.url, self.what, self.waited_s = url, what, waited_s
         reason = f"{type(cause).__name__}: {cause}" if str(cause) else type(cause).__name__
         super().__init__(
-            f"cannot reach Redis at {url or '?'}: gave up {what} after waiting {waited_s:.1f}s "
+            f"cannot reach Redis at {safe_url(url) if url else '?'}: gave up {what} after waiting {waited_s:.1f}s "
             f"(redis_outage_s) for it to come back ({reason})"
         )
 
@@ -133,7 +145,9 @@ async def ride_out(
             now = loop.time()
             if started is None:
                 started = now
-                log.warning("redis at %s unavailable while %s (%s); waiting up to %.0fs", url, what, exc, limit_s)
+                log.warning(
+                    "redis at %s unavailable while %s (%s); waiting up to %.0fs", safe_url(url), what, exc, limit_s
+                )
             waited = now - started
             if waited >= limit_s or (stop is not None and stop.is_set()):
                 raise RedisUnavailable(url, what, waited, exc) from exc
@@ -146,7 +160,7 @@ async def ride_out(
                     await asyncio.wait_for(stop.wait(), pause)
             continue
         if started is not None:
-            log.warning("redis at %s is back after %.1fs (%s)", url, loop.time() - started, what)
+            log.warning("redis at %s is back after %.1fs (%s)", safe_url(url), loop.time() - started, what)
         return result
 
 
@@ -167,7 +181,9 @@ class OutageClock:
 
     def ok(self) -> None:
         if self.since is not None:
-            log.warning("redis at %s is back after %.1fs (%s)", self.url, time.monotonic() - self.since, self.what)
+            log.warning(
+                "redis at %s is back after %.1fs (%s)", safe_url(self.url), time.monotonic() - self.since, self.what
+            )
             self.since = None
 
 

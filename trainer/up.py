@@ -19,7 +19,7 @@ from pathlib import Path
 import msgspec
 
 from rollq.config import DEFAULT_REDIS_URL
-from rollq.redis_client import TRANSIENT_ERRORS, redis_client
+from rollq.redis_client import TRANSIENT_ERRORS, redis_client, safe_url
 from rollq.trainer.config import TrainConfig, UpConfig
 from rollq.trainer.metrics import StepRecord
 
@@ -193,7 +193,7 @@ async def run_stack(cfg: TrainConfig, stack_cfg: UpConfig) -> list[StepRecord]:
             except ImportError as exc:  # the message names the install command
                 raise StackError(str(exc)) from None
         url = await start_redis(stack, stack_cfg.redis_url)
-        log.info("redis at %s, run %r; child logs in %s", url, cfg.run, stack.log_dir)
+        log.info("redis at %s, run %r; child logs in %s", safe_url(url), cfg.run, stack.log_dir)
         urls = []
         for i in range(stack_cfg.engines):
             port = free_port()

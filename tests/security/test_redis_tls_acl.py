@@ -89,3 +89,12 @@ def test_tls_files_need_a_rediss_url():
         RunSettings(redis_url="redis://127.0.0.1:6379/0", redis_tls_ca="/ca.pem")
     with pytest.raises(ValueError, match="go together"):
         RunSettings(redis_url="rediss://127.0.0.1:6379/0", redis_tls_cert="/c.pem")
+
+
+def test_passwords_in_redis_urls_stay_out_of_logs_and_errors():
+    from rollq.redis_client import RedisUnavailable, safe_url
+
+    url = "rediss://worker:s3cret@redis.example:6380/0?ssl_keyfile=/keys/client.key"
+    assert safe_url(url) == "rediss://worker@redis.example:6380/0"
+    message = str(RedisUnavailable(url, "reading jobs", 61.0, ConnectionError("refused")))
+    assert "s3cret" not in message and "client.key" not in message and "redis.example:6380" in message
