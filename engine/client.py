@@ -25,6 +25,11 @@ class EngineError(Exception):
     """The engine answered, with an error (4xx): the request itself is wrong; retrying elsewhere won't help."""
 
     def __init__(self, url: str, status: int, message: str) -> None:
+        if status in (401, 403):  # the engine's own answer is a bare "Unauthorized"
+            message = (
+                f"{message} (the engine refused the key sent: give the pool the engines' `api_key` for generation "
+                "and `admin_api_key` for the control routes when they run with --admin-api-key)"
+            )
         super().__init__(f"{url}: HTTP {status}: {message}")
         self.url = url
         self.status = status

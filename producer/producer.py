@@ -15,6 +15,7 @@ from rollq.producer.results import ResultConsumer
 from rollq.protocol import scripts
 from rollq.protocol.codec import Codec
 from rollq.protocol.keys import DEFAULT_CLASS, WORKER_GROUP, RunKeys, inflight_key, validate_class_name
+from rollq.protocol.limits import MAX_JOB_BYTES, describe_bytes
 from rollq.protocol.messages import AgentOptions, Job, JobClass, Trajectory, job_classes
 from rollq.redis_client import ensure_group
 
@@ -66,6 +67,9 @@ class Producer:
     A private ``reply_to`` (any stream but the run's shared results) is created before the first submission:
     workers publish to a private stream only while it exists. With ``reply_ttl_s`` it and its in-flight counter
     expire unless `keep_reply_stream()` is called again within that time (the caller's keep-alive).
+
+    A job whose encoding is over ``max_job_bytes`` is refused (ValueError) before anything of the call is queued;
+    workers dead-letter larger payloads (their own `max_job_bytes`), so keep the two alike.
     """
 
     def __init__(
@@ -79,6 +83,7 @@ class Producer:
         chunk_size: int = 256,
         poll_interval_s: float = 0.02,
         reply_ttl_s: int = 0,
+        max_job_bytes: int = MAX_JOB_BYTES,
     ) -> None:
         self.redis = redis
         self.keys = RunKeys(run)
@@ -93,6 +98,7 @@ class Producer:
         self.poll_interval_s = poll_interval_s
         self.codec = Codec()
         self.reply_ttl_s = reply_ttl_s
+        self.max_job_bytes = max_job_bytes
         self._submit = redis.register_script(scripts.SUBMIT)
         self._keep = redis.register_script(scripts.KEEP_REPLY_STREAM)
         self._groups_ready: set[str] = set()
@@ -182,6 +188,27 @@ class Producer:
         if req.job_id is not None and (not req.job_id or len(req.job_id) > 512):
             raise ValueError("job_id must be a non-empty string of at most 512 characters")
         validate_class_name(req.job_class)
+        size = len(self.codec.encode(self._job(req, req.job_id or uuid.uuid4().hex, req.n - 1, time.time())))
+        if size > self.max_job_bytes:
+            raise ValueError(
+                f"job {req.job_id or '(no id)'} encodes to {describe_bytes(size)}, over max_job_bytes="
+                f"{self.max_job_bytes} (a worker dead-letters larger jobs; pass large data by reference)"
+            )
+
+    def _job(self, req: JobRequest, job_id: str, sample_index: int, now: float) -> Job:
+        return Job(
+            job_id=job_id,
+            workflow=req.workflow,
+            data=req.data,
+            sample_index=sample_index,
+            n=req.n,
+            workflow_kwargs=req.workflow_kwargs,
+            agent=req.agent,
+            is_eval=req.is_eval,
+            reply_to=self.reply_to,
+            submitted_at=now,
+            job_class=req.job_class,
+        )
 
     async def _prepare(self, reqs: list[JobRequest]) -> None:
         """Refuse unknown classes and requests bigger than their class's bound before anything is queued; create
@@ -218,24 +245,7 @@ class Producer:
             keys.append(self.keys.job_stream(req.job_class))
             args.append(req.job_class)
             args.append(req.n)
-            args.extend(
-                self.codec.encode(
-                    Job(
-                        job_id=job_id,
-                        workflow=req.workflow,
-                        data=req.data,
-                        sample_index=i,
-                        n=req.n,
-                        workflow_kwargs=req.workflow_kwargs,
-                        agent=req.agent,
-                        is_eval=req.is_eval,
-                        reply_to=self.reply_to,
-                        submitted_at=now,
-                        job_class=req.job_class,
-                    )
-                )
-                for i in range(req.n)
-            )
+            args.extend(self.codec.encode(self._job(req, job_id, i, now)) for i in range(req.n))
         replies: list[Any] = await self._submit(keys=keys, args=args)  # one reply pair per job of the chunk
         return replies
 

@@ -152,7 +152,8 @@ class Trajectory(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
 
 
 class DeadLetter(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
-    """A job that will not be retried, with the reason. `raw` holds the payload when it could not be decoded."""
+    """A job that will not be retried, with the reason. `raw` holds the payload when it could not be decoded (its
+    first 4 KiB when it was refused as too large: JobTooLarge)."""
 
     entry_id: str
     error: ErrorRecord

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 from rollq.config import RunSettings, setting
+from rollq.protocol.limits import MAX_JOB_BYTES, MAX_TRAJECTORY_BYTES
 
 AGENTS = "agent workflows"
 
@@ -56,6 +57,20 @@ class WorkerConfig(RunSettings, kw_only=True):
     metrics_port: Annotated[
         int, setting("serve Prometheus /metrics on this port (0 = off)", metavar="PORT", ge=0, le=65535)
     ] = 0
+    max_job_bytes: Annotated[
+        int,
+        setting(
+            "a job payload larger than this is dead-lettered (JobTooLarge) without decoding its data", metavar="N", ge=1
+        ),
+    ] = MAX_JOB_BYTES
+    max_trajectory_bytes: Annotated[
+        int,
+        setting(
+            "a trajectory whose encoding is larger is published as an `error` result (TrajectoryTooLarge) instead",
+            metavar="N",
+            ge=1,
+        ),
+    ] = MAX_TRAJECTORY_BYTES
     publish_batch: Annotated[int, setting("trajectories published per Redis round trip at most", metavar="N", ge=1)] = (
         256
     )

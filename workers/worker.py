@@ -29,6 +29,7 @@ from rollq.engine.types import InferenceEngine
 from rollq.protocol import scripts
 from rollq.protocol.codec import Codec, CodecError
 from rollq.protocol.keys import DEFAULT_CLASS, PAYLOAD_FIELD, WORKER_GROUP, RunKeys
+from rollq.protocol.limits import describe_bytes
 from rollq.protocol.messages import (
     SCHEMA_VERSION,
     DeadLetter,
@@ -93,6 +94,33 @@ def salvage_job(payload: bytes) -> Job | None:
     if not isinstance(workflow, str):
         workflow = ""
     return Job(job_id=raw["job_id"], workflow=workflow, sample_index=idx, n=n, reply_to=reply)
+
+
+class _JobHeader(msgspec.Struct):
+    """The identifying fields of a job; decoding into it skips the rest (the data) without building it."""
+
+    job_id: str
+    workflow: str = ""
+    sample_index: int = 0
+    n: int = 1
+    reply_to: str = ""
+
+
+def salvage_header(payload: bytes) -> Job | None:
+    """The identifying fields of a job too large to decode (its data is skipped, never built)."""
+    try:
+        if payload[:1] == b"{":
+            head = msgspec.json.decode(payload, type=_JobHeader)
+        else:
+            head = msgspec.msgpack.decode(payload, type=_JobHeader, ext_hook=lambda code, data: None)
+    except (msgspec.DecodeError, msgspec.ValidationError, ValueError, RecursionError):
+        return None
+    return Job(
+        job_id=head.job_id, workflow=head.workflow, sample_index=head.sample_index, n=head.n, reply_to=head.reply_to
+    )
+
+
+RAW_PREFIX_BYTES = 4096  # what a dead letter keeps of a payload too large to decode
 
 
 def default_worker_name() -> str:
@@ -533,8 +561,19 @@ class Worker:
                 started_at=started,
                 finished_at=time.time(),
             )
+            encoded = self.codec.encode(traj)
+            if len(encoded) > self.cfg.max_trajectory_bytes:
+                raise _Fatal(
+                    self._error(
+                        "TrajectoryTooLarge",
+                        f"the trajectory of job {job.job_id}#{job.sample_index} encodes to "
+                        f"{describe_bytes(len(encoded))}, over the worker's "
+                        f"max_trajectory_bytes={self.cfg.max_trajectory_bytes}",
+                        runs,
+                    )
+                )
             published = await self._writes.publish(
-                jobs, WORKER_GROUP, eid, reply_to, self.codec.encode(traj), private=reply_to != self.keys.results
+                jobs, WORKER_GROUP, eid, reply_to, encoded, private=reply_to != self.keys.results
             )
             if published == 0:  # its private reply stream is gone (its caller left): dropped, not recreated
                 await self._result_dropped(job, eid)
@@ -558,6 +597,16 @@ class Worker:
         if payload is None:
             got = ", ".join(k.decode(errors="replace") for k in (fields or {})) or "no fields"
             raise _Fatal(self._error("MalformedJob", f"stream entry {eid} has no 'd' payload field (has {got})", 1))
+        if len(payload) > self.cfg.max_job_bytes:  # refused before decoding: its waiter gets the error if readable
+            raise _Fatal(
+                self._error(
+                    "JobTooLarge",
+                    f"job payload of stream entry {eid} is {describe_bytes(len(payload))}, over the worker's "
+                    f"max_job_bytes={self.cfg.max_job_bytes}",
+                    1,
+                ),
+                salvage_header(payload),
+            )
         try:
             job = self.codec.decode_job(payload)
         except CodecError as exc:
@@ -594,11 +643,14 @@ class Worker:
         stream: str = "",
     ) -> None:
         log.error("dead-lettering job entry %s: %s: %s", eid, error.type, error.message)
+        raw = None if decoded else payload
+        if raw is not None and error.type == "JobTooLarge":
+            raw = raw[:RAW_PREFIX_BYTES]  # a prefix to tell what it was, not another copy of the whole payload
         letter = DeadLetter(
             entry_id=eid,
             error=error,
             job=job if decoded else None,
-            raw=None if decoded else payload,
+            raw=raw,
             deliveries=deliveries,
         )
         traj_payload = b""

@@ -7,6 +7,7 @@ import signal
 import msgspec
 import pytest
 
+from rollq.engine.client import EngineError
 from rollq.engine.fleet import FleetController
 from rollq.engine.pool import (
     EngineFacts,
@@ -256,3 +257,32 @@ async def test_without_a_tokenizer_on_the_engine_rollq_applies_stop_strings_and_
                 await pool.agenerate(ModelRequest(input_ids=[3, 4], sampling=SamplingParams(min_new_tokens=2)))
     finally:
         await handle.close()
+
+
+async def test_a_pool_with_the_engines_api_and_admin_keys_generates_and_controls(start_engine):
+    handle = await start_engine(server={"api_key": "usr", "admin_api_key": "adm"})
+    keys = dict(urls=[handle.url], no_engine_timeout_s=5.0)
+    async with EnginePool(PoolConfig(api_key="usr", admin_api_key="adm", **keys)) as pool:
+        fleet = FleetController(pool, retries=0)
+        assert len((await pool.agenerate(request(0, 5))).output_tokens) == 5
+        paused = await fleet.pause("retract")
+        assert paused.ok == [handle.url] and not paused.failed and handle.server.paused
+        resumed = await fleet.resume()
+        assert resumed.ok == [handle.url] and not resumed.failed and not handle.server.paused
+        assert len((await pool.agenerate(request(1, 5))).output_tokens) == 5
+
+    async with EnginePool(PoolConfig(api_key="usr", admin_api_key="wrong", **keys)) as pool:
+        result = await FleetController(pool, retries=0).pause("retract")
+        assert (
+            result.ok == []
+            and "Unauthorized" in result.failed[handle.url]
+            and "admin_api_key" in result.failed[handle.url]
+        )
+        assert not handle.server.paused
+        assert len((await pool.agenerate(request(2, 5))).output_tokens) == 5  # generation takes the api key
+
+    async with EnginePool(PoolConfig(api_key="wrong", admin_api_key="adm", **keys)) as pool:
+        with pytest.raises(EngineError, match=r"HTTP 401: Unauthorized \(the engine refused the key sent"):
+            await pool.agenerate(request(3, 5))
+        with pytest.raises(EngineError, match="HTTP 401"):
+            await pool.agenerate(request(4, 5), on_tokens=lambda *_: None)  # streamed

@@ -1,5 +1,7 @@
 import asyncio
 
+import pytest
+
 from rollq.producer import JobRequest, Producer
 from rollq.protocol import Codec
 from rollq.protocol.keys import PAYLOAD_FIELD, WORKER_GROUP, RunKeys
@@ -149,3 +151,50 @@ async def test_agent_name_picks_a_builtin_loop_and_an_unknown_one_is_dead_letter
         [traj] = await collect(producer, {"agent": 1})
     assert traj.status == "error" and traj.error.type == "WorkflowLoadError"
     assert "unknown agent name 'no_such_agent'; known: multi_turn, rlvr, tool_agent" in traj.error.message
+
+
+async def test_a_job_over_max_job_bytes_is_dead_lettered_undecoded(redis, redis_url, run_name):
+    keys = RunKeys(run_name)
+    producer = Producer(redis, run_name, max_job_bytes=1 << 20)  # lets it through; the worker's limit is lower
+    codec = Codec()
+    async with running_worker(redis_url, run_name, max_job_bytes=4000) as worker:
+        await producer.submit("tests.workflows:Echo", {"i": 1, "blob": "x" * 5000}, job_id="big", n=2)
+        await producer.submit("tests.workflows:Echo", {"i": 2, "blob": "x" * 1000}, job_id="small")
+        trajs = {(t.job_id, t.sample_index): t for t in await collect(producer, {"big": 2, "small": 1})}
+    assert trajs["small", 0].status == "ok"
+    for i in range(2):  # its waiter gets an error per sample (the identifying fields are read, the data is not)
+        err = trajs["big", i].error
+        assert trajs["big", i].status == "error" and err.type == "JobTooLarge"
+        assert "max_job_bytes=4000" in err.message and "bytes (" in err.message
+    letters = [codec.decode_dead_letter(f[PAYLOAD_FIELD]) for _, f in await redis.xrange(keys.dead)]
+    assert len(letters) == 2 and all(lt.error.type == "JobTooLarge" and lt.job is None for lt in letters)
+    assert all(lt.raw is not None and len(lt.raw) == 4096 for lt in letters)  # a prefix, not the payload
+    assert worker.stats.dead_lettered == 2 and worker.stats.completed == 1
+    assert await redis.xlen(keys.jobs) == 0
+
+
+async def test_a_trajectory_over_max_trajectory_bytes_is_an_error_result(redis, redis_url, run_name):
+    keys = RunKeys(run_name)
+    producer = Producer(redis, run_name)
+    async with running_worker(redis_url, run_name, max_trajectory_bytes=2000) as worker:
+        await producer.submit("tests.workflows:Echo", {"i": 1, "len": 1000}, job_id="long")
+        await producer.submit("tests.workflows:Echo", {"i": 2, "len": 10}, job_id="short")
+        trajs = {t.job_id: t for t in await collect(producer, {"long": 1, "short": 1})}
+    assert trajs["short"].status == "ok"
+    long = trajs["long"]
+    assert long.status == "error" and long.sequences == [] and long.error.type == "TrajectoryTooLarge"
+    assert "max_trajectory_bytes=2000" in long.error.message and "long#0" in long.error.message
+    [(_, fields)] = await redis.xrange(keys.dead)
+    letter = Codec().decode_dead_letter(fields[PAYLOAD_FIELD])
+    assert letter.error.type == "TrajectoryTooLarge" and letter.job.job_id == "long"
+    assert worker.stats.dead_lettered == 1 and worker.stats.completed == 1
+
+
+async def test_the_producer_refuses_a_job_over_max_job_bytes(redis, run_name):
+    producer = Producer(redis, run_name, max_job_bytes=2000)
+    ok = JobRequest(workflow="tests.workflows:Echo", data={"blob": "x" * 100}, job_id="ok")
+    big = JobRequest(workflow="tests.workflows:Echo", data={"blob": "x" * 3000}, job_id="big")
+    with pytest.raises(ValueError, match=r"job big encodes to .* over max_job_bytes=2000"):
+        await producer.submit_many([ok, big])
+    assert await redis.xlen(RunKeys(run_name).jobs) == 0  # nothing of the call was queued
+    assert Producer(redis, run_name).max_job_bytes == 16 << 20

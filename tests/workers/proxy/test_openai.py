@@ -6,10 +6,12 @@ from __future__ import annotations
 import json
 
 import httpx
+import msgspec
 import openai
 import pytest
 
 from rollq.workers.agents.export import assign_rewards, export
+from rollq.workers.proxy.server import ProxyConfig, RecordingProxy
 from tests.agents import ADD_TOOL, ANSWER, CALL_ADD, run_tools
 from tests.scripted import tiny_tokenizer
 
@@ -133,6 +135,7 @@ async def test_n_choices_are_separate_records_of_one_response(stack):
 async def test_sessions_are_isolated_and_keys_expire(stack):
     a, b = stack.proxy.sessions.open(), stack.proxy.sessions.open()
     await two_turns(stack, a)
+    a_before = msgspec.json.encode(a.ordered())
     # b sends the same turn-2 conversation: it must not attach to a's records, nor add to them.
     client_b = stack.openai(b.key)
     first_a = a.ordered()[0]
@@ -151,6 +154,7 @@ async def test_sessions_are_isolated_and_keys_expire(stack):
     assert len(a.records) == 2 and len(b.records) == 1
     [rec_b] = b.ordered()
     assert rec_b.parent is None and rec_b.prompt_ids[: len(first_a.prompt_ids)] == first_a.prompt_ids
+    assert msgspec.json.encode(a.ordered()) == a_before  # a's records are untouched, not merely as many
     stack.proxy.sessions.close(a)
     with pytest.raises(openai.AuthenticationError, match="unknown or finished session key"):
         await stack.openai(a.key).chat.completions.create(model="m", messages=QUESTION)
@@ -203,3 +207,22 @@ async def test_missing_key_is_401(stack):
     assert resp.status_code == 401 and "missing API key" in resp.json()["error"]["message"]
     assert (await stack.context.http_client().get(f"{stack.proxy.root_url}/health")).status_code == 200
     assert isinstance(stack.context.http_client(), httpx.AsyncClient)
+
+
+async def test_a_body_over_max_body_bytes_is_413_and_records_nothing(stack):
+    proxy = await RecordingProxy(stack.proxy.engine, stack.proxy.tokenizer, ProxyConfig(max_body_bytes=4096)).start()
+    try:
+        session = proxy.sessions.open()
+        client = stack.context.http_client()
+        headers = {"Authorization": f"Bearer {session.key}"}
+        big = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "x" * 5000}]}
+        for path in ("chat/completions", "completions", "responses"):
+            body = big if path == "chat/completions" else {"model": "m", "prompt": "x" * 5000, "input": "x" * 5000}
+            resp = await client.post(f"{proxy.base_url}/{path}", json=body, headers=headers)
+            assert resp.status_code == 413, (path, resp.status_code, resp.text)
+        assert not session.records
+        small = {**big, "messages": QUESTION}
+        resp = await client.post(f"{proxy.base_url}/chat/completions", json=small, headers=headers)
+        assert resp.status_code == 200 and len(session.records) == 1  # the same proxy serves bodies under the limit
+    finally:
+        await proxy.close()
