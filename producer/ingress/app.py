@@ -318,7 +318,7 @@ class Ingress:
             client_ids.append(client_id)
             job_id = self.internal_id(tenant, client_id)
             job_class = spec.job_class or DEFAULT_CLASS
-            stream = self.keys.jobs if job_class == DEFAULT_CLASS else self.keys.job_stream(job_class)
+            stream = self.keys.job_stream(job_class)
             index = streams.get(stream, 0)
             if not index:
                 index = streams[stream] = len(streams) + 1
