@@ -11,13 +11,21 @@ from typing import Any
 import msgspec
 import redis.asyncio as aioredis
 
-from rollq.producer.results import ResultConsumer
+from rollq.producer.results import PartitionedConsumer, ResultConsumer
 from rollq.protocol import scripts
 from rollq.protocol.codec import Codec
-from rollq.protocol.keys import DEFAULT_CLASS, WORKER_GROUP, RunKeys, inflight_key, validate_class_name
+from rollq.protocol.keys import (
+    DEFAULT_CLASS,
+    WORKER_GROUP,
+    RunKeys,
+    inflight_key,
+    partition_of,
+    partition_share,
+    validate_class_name,
+)
 from rollq.protocol.limits import MAX_JOB_BYTES, describe_bytes
 from rollq.protocol.messages import AgentOptions, Job, JobClass, Trajectory, job_classes
-from rollq.redis_client import ensure_group
+from rollq.redis_client import ensure_group, run_partitions
 
 DEFAULT_SEEN_TTL_S = 7 * 24 * 3600
 
@@ -70,6 +78,11 @@ class Producer:
 
     A job whose encoding is over ``max_job_bytes`` is refused (ValueError) before anything of the call is queued;
     workers dead-letter larger payloads (their own `max_job_bytes`), so keep the two alike.
+
+    On a run of K partitions (``partitions``, or the run's count when 0), a job goes to `partition_of(job_id, K)`
+    with its marker, and its results to the same-named reply stream of that partition (`reply_to` names partition
+    0's). Bounds are per partition: ``max_inflight`` and a class's `max_inflight` are split evenly (ceil(M / K)
+    each), and an `atomic` call must put all its jobs on one partition.
     """
 
     def __init__(
@@ -84,6 +97,7 @@ class Producer:
         poll_interval_s: float = 0.02,
         reply_ttl_s: int = 0,
         max_job_bytes: int = MAX_JOB_BYTES,
+        partitions: int = 0,
     ) -> None:
         self.redis = redis
         self.keys = RunKeys(run)
@@ -101,6 +115,8 @@ class Producer:
         self.max_job_bytes = max_job_bytes
         self._submit = redis.register_script(scripts.SUBMIT)
         self._keep = redis.register_script(scripts.KEEP_REPLY_STREAM)
+        self.wanted_partitions = partitions
+        self._partitions = 0  # the run's count, read (or set) on first use
         self._groups_ready: set[str] = set()
         self._classes: dict[str, JobClass] = {}
         self._classes_at = -1e9
@@ -110,13 +126,37 @@ class Producer:
         """The reply stream is a private one (not the run's shared results stream)."""
         return self.reply_to != self.keys.results
 
+    async def partitions(self) -> int:
+        """The run's partition count (set to ``partitions`` when the run has none yet)."""
+        if not self._partitions:
+            self._partitions = await run_partitions(self.redis, self.keys.partitions, self.wanted_partitions)
+        return self._partitions
+
+    async def remember_partitions(self) -> None:
+        """Store the run's partition count again if Redis lost it (a restart that lost writes); processes that
+        follow the run keep the count they saw meanwhile."""
+        if self._partitions > 1:
+            await self.redis.set(self.keys.partitions, self._partitions, nx=True)
+
+    def reply_stream(self, partition: int) -> str:
+        """Where the results of the jobs on `partition` go."""
+        return self.keys.translate(self.reply_to, partition)
+
+    async def reply_streams(self) -> list[str]:
+        return [self.reply_stream(p) for p in range(await self.partitions())]
+
     async def keep_reply_stream(self) -> None:
-        """Create the private reply stream when missing and renew its TTL (and its in-flight counter's)."""
+        """Create the private reply stream(s) when missing and renew their TTL (and their in-flight counters')."""
         if self.private:
-            await self._keep(keys=[self.reply_to, inflight_key(self.reply_to)], args=[self.reply_ttl_s])
+            for stream in await self.reply_streams():
+                await self._keep(keys=[stream, inflight_key(stream)], args=[self.reply_ttl_s])
 
     async def inflight(self) -> int:
-        return int(await self.redis.get(inflight_key(self.reply_to)) or 0)
+        """Samples submitted for this reply stream and not consumed yet (all partitions)."""
+        total = 0
+        for stream in await self.reply_streams():
+            total += int(await self.redis.get(inflight_key(stream)) or 0)
+        return total
 
     async def submit(
         self,
@@ -131,7 +171,7 @@ class Producer:
         return (await self.submit_many([req]))[0]
 
     async def classes(self, *, max_age_s: float = 1.0) -> dict[str, JobClass]:
-        """The run's job classes (cached for `max_age_s`; the SUBMIT script reads the bounds itself)."""
+        """The run's job classes (cached for `max_age_s`)."""
         if time.monotonic() - self._classes_at > max_age_s:
             stored = await self.redis.hgetall(self.keys.classes)  # type: ignore[misc]  # redis-py stub: sync|async
             self._classes = job_classes(stored)
@@ -141,42 +181,58 @@ class Producer:
     async def submit_many(
         self, requests: Iterable[JobRequest], *, atomic: bool = False, wait: bool = True
     ) -> list[SubmitResult]:
-        """Submit in chunks (one atomic SUBMIT call each), in order; waits (backpressure) where an in-flight bound
-        (this reply stream's, or a job class's) is reached. `atomic`: all the requests in one call, admitted all
-        or nothing (a batch). `wait=False`: raise `QueueFull` instead of waiting for room."""
+        """Submit in chunks (one atomic SUBMIT call per partition each), in order within a partition; waits
+        (backpressure) where an in-flight bound (this reply stream's, or a job class's) is reached. `atomic`: all the
+        requests in one call, admitted all or nothing (a batch). `wait=False`: raise `QueueFull` instead of waiting
+        for room. Returns one result per request, in order."""
         reqs = list(requests)
         for req in reqs:
             self._check(req)
-        await self._prepare(reqs)
-        out: list[SubmitResult] = []
-        pending = [(req, req.job_id or uuid.uuid4().hex) for req in reqs]
+        count = await self.partitions()
+        ids = [req.job_id or uuid.uuid4().hex for req in reqs]
+        if atomic and len({partition_of(job_id, count) for job_id in ids}) > 1:
+            raise ValueError(
+                f"an atomic batch must keep its jobs on one of the run's {count} partitions (partition_of(job_id)); "
+                "give job ids of one partition or submit without atomic"
+            )
+        await self._prepare(reqs, count)
+        results: dict[int, SubmitResult] = {}
+        pending = list(range(len(reqs)))  # indices of the requests not admitted (nor found duplicate) yet
         while pending:
             chunk = pending if atomic else pending[: self.chunk_size]
-            replies = await self._submit_chunk(chunk, atomic=atomic)
-            statuses = [
-                (int(st), info.decode() if isinstance(info, bytes) else str(info))
-                for st, info in zip(replies[0::2], replies[1::2], strict=True)
-            ]
-            stop = next((k for k, (st, _) in enumerate(statuses) if st in (-1, -2)), None)
-            done = len(chunk) if stop is None else (0 if atomic else stop)
-            for (_, job_id), (st, info) in zip(chunk[:done], statuses[:done], strict=True):
-                out.append(SubmitResult(job_id, st == 1, info if st == 0 else self.reply_to))
-            pending = pending[done:]
-            if stop is None:
+            by_partition: dict[int, list[int]] = {}
+            for k in chunk:
+                by_partition.setdefault(partition_of(ids[k], count), []).append(k)
+            classes = await self.classes(max_age_s=0)
+            full: list[tuple[int, int, str]] = []  # (request index, partition, bound) left out by a full bound
+            for partition, indices in by_partition.items():
+                replies = await self._submit_chunk(
+                    partition, [(reqs[k], ids[k]) for k in indices], classes, count, atomic=atomic
+                )
+                statuses = [
+                    (int(st), info.decode() if isinstance(info, bytes) else str(info))
+                    for st, info in zip(replies[0::2], replies[1::2], strict=True)
+                ]
+                for k, (st, info) in zip(indices, statuses, strict=True):
+                    if st == -2:
+                        raise ValueError(f"unknown job class {info!r} (define it with `rollq classes set {info}`)")
+                    if st in (0, 1):
+                        results[k] = SubmitResult(ids[k], st == 1, info if st == 0 else self.reply_stream(partition))
+                    elif st == -1 and info:
+                        full.append((k, partition, info))
+            pending = [k for k in pending if k not in results]
+            if not full:
                 continue
-            req = chunk[stop][0]
-            st, info = statuses[stop]
-            if st == -2:
-                raise ValueError(f"unknown job class {info!r} (define it with `rollq classes set {info}`)")
+            k, partition, bound = min(full)
             if not wait:
                 raise QueueFull(
-                    f"no room for job {chunk[stop][1]!r}: the {info} in-flight bound is reached",
-                    bound=info,
-                    job_class=req.job_class,
-                    admitted=out,
+                    f"no room for job {ids[k]!r}: the {bound} in-flight bound is reached",
+                    bound=bound,
+                    job_class=reqs[k].job_class,
+                    admitted=[results[i] for i in sorted(results)],
                 )
-            await self._wait_for_room(req)
-        return out
+            await self._wait_for_room(reqs[k], partition, count)
+        return [results[k] for k in range(len(reqs))]
 
     def _check(self, req: JobRequest) -> None:
         if req.n < 1:
@@ -195,7 +251,7 @@ class Producer:
                 f"{self.max_job_bytes} (a worker dead-letters larger jobs; pass large data by reference)"
             )
 
-    def _job(self, req: JobRequest, job_id: str, sample_index: int, now: float) -> Job:
+    def _job(self, req: JobRequest, job_id: str, sample_index: int, now: float, reply_to: str = "") -> Job:
         return Job(
             job_id=job_id,
             workflow=req.workflow,
@@ -205,85 +261,119 @@ class Producer:
             workflow_kwargs=req.workflow_kwargs,
             agent=req.agent,
             is_eval=req.is_eval,
-            reply_to=self.reply_to,
+            reply_to=reply_to or self.reply_to,
             submitted_at=now,
             job_class=req.job_class,
         )
 
-    async def _prepare(self, reqs: list[JobRequest]) -> None:
-        """Refuse unknown classes and requests bigger than their class's bound before anything is queued; create
-        the workers' group on each class stream the first time."""
+    def _fits(self, req: JobRequest, classes: dict[str, JobClass], count: int) -> None:
+        """Refuse a request that can never be admitted: more samples than a bound's share on one partition."""
+        reply_bound = partition_share(self.max_inflight, count)
+        if reply_bound and req.n > reply_bound:
+            raise BackpressureError(
+                f"a job of n={req.n} samples can never fit max_inflight={self.max_inflight}"
+                + (f" ({reply_bound} per partition of {count})" if count > 1 else "")
+            )
+        bound = classes[req.job_class].max_inflight
+        if bound and req.n > partition_share(bound, count):
+            raise BackpressureError(
+                f"a job of n={req.n} samples can never fit class {req.job_class!r} max_inflight={bound}"
+                + (f" ({partition_share(bound, count)} per partition of {count})" if count > 1 else "")
+            )
+
+    async def _prepare(self, reqs: list[JobRequest], count: int) -> None:
+        """Refuse unknown classes and requests bigger than their bounds before anything is queued; create the
+        workers' group on each class stream (every partition) the first time."""
         names = {req.job_class for req in reqs}
-        if names != {DEFAULT_CLASS}:
-            classes = await self.classes()
-            unknown = sorted(names - classes.keys())
-            if unknown:
-                raise ValueError(
-                    f"unknown job class(es) {', '.join(unknown)} in run {self.keys.run!r} "
-                    f"(define them with `rollq classes set NAME`)"
-                )
-            for req in reqs:
-                bound = classes[req.job_class].max_inflight
-                if bound and req.n > bound:
-                    raise BackpressureError(
-                        f"a job of n={req.n} samples can never fit class {req.job_class!r} max_inflight={bound}"
-                    )
+        classes = await self.classes(max_age_s=0)
+        unknown = sorted(names - classes.keys())
+        if unknown:
+            raise ValueError(
+                f"unknown job class(es) {', '.join(unknown)} in run {self.keys.run!r} "
+                f"(define them with `rollq classes set NAME`)"
+            )
+        for req in reqs:
+            self._fits(req, classes, count)
         await self.keep_reply_stream()  # a private reply stream exists before any worker publishes to it
         for name in names:
-            stream = self.keys.job_stream(name)
-            if stream not in self._groups_ready:
-                await ensure_group(self.redis, stream, WORKER_GROUP)
-                self._groups_ready.add(stream)
+            for partition in range(count):
+                stream = self.keys.at(partition).job_stream(name)
+                if stream not in self._groups_ready:
+                    await ensure_group(self.redis, stream, WORKER_GROUP)
+                    self._groups_ready.add(stream)
 
-    async def _submit_chunk(self, chunk: list[tuple[JobRequest, str]], *, atomic: bool = False) -> list[Any]:
-        """One SUBMIT call for a chunk of jobs: idempotency marker, in-flight bounds and n XADDs each, atomically."""
+    async def _submit_chunk(
+        self,
+        partition: int,
+        chunk: list[tuple[JobRequest, str]],
+        classes: dict[str, JobClass],
+        count: int,
+        *,
+        atomic: bool = False,
+    ) -> list[Any]:
+        """One SUBMIT call for a chunk of jobs of one partition: idempotency marker, in-flight bounds and n XADDs
+        each, atomically (every key in the partition's slot)."""
         now = time.time()
-        keys: list[str] = [inflight_key(self.reply_to), self.keys.classes]
-        args: list[Any] = [self.seen_ttl_s, self.max_inflight, self.reply_to, 1 if atomic else 0]
+        keys = self.keys.at(partition)
+        reply_to = self.reply_stream(partition)
+        script_keys: list[str] = [inflight_key(reply_to)]
+        args: list[Any] = [self.seen_ttl_s, partition_share(self.max_inflight, count), reply_to, 1 if atomic else 0]
         for req, job_id in chunk:
-            keys.append(self.keys.job_seen(job_id))
-            keys.append(self.keys.job_stream(req.job_class))
+            script_keys.append(keys.job_seen(job_id))
+            script_keys.append(keys.job_stream(req.job_class))
+            known = classes.get(req.job_class)
             args.append(req.job_class)
+            args.append(-1 if known is None else partition_share(known.max_inflight, count))
             args.append(req.n)
-            args.extend(self.codec.encode(self._job(req, job_id, i, now)) for i in range(req.n))
-        replies: list[Any] = await self._submit(keys=keys, args=args)  # one reply pair per job of the chunk
+            args.extend(self.codec.encode(self._job(req, job_id, i, now, reply_to)) for i in range(req.n))
+        replies: list[Any] = await self._submit(keys=script_keys, args=args)  # one reply pair per job of the chunk
         return replies
 
-    async def _wait_for_room(self, req: JobRequest) -> None:
-        """Poll until both bounds have room for `req` (the SUBMIT call that follows decides)."""
+    async def _wait_for_room(self, req: JobRequest, partition: int, count: int) -> None:
+        """Poll until both bounds have room for `req` on its partition (the SUBMIT call that follows decides)."""
         delay = self.poll_interval_s
+        reply_to = self.reply_stream(partition)
         while True:
-            pipe = self.redis.pipeline(transaction=False)
-            pipe.get(inflight_key(self.reply_to))
-            pipe.xlen(self.keys.job_stream(req.job_class))
-            pipe.hget(self.keys.classes, req.job_class)
-            inflight, queued, stored = await pipe.execute()
-            classes = job_classes({req.job_class: stored} if stored is not None else {})
+            classes = await self.classes(max_age_s=0)
             if req.job_class not in classes:
                 raise ValueError(f"unknown job class {req.job_class!r} (it was removed while jobs waited)")
-            bound = classes[req.job_class].max_inflight
-            if bound and req.n > bound:
-                raise BackpressureError(
-                    f"a job of n={req.n} samples can never fit class {req.job_class!r} max_inflight={bound}"
-                )
-            reply_ok = not self.max_inflight or int(inflight or 0) + req.n <= self.max_inflight
+            self._fits(req, classes, count)
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.get(inflight_key(reply_to))
+            pipe.xlen(self.keys.at(partition).job_stream(req.job_class))
+            inflight, queued = await pipe.execute()
+            reply_bound = partition_share(self.max_inflight, count)
+            bound = partition_share(classes[req.job_class].max_inflight, count)
+            reply_ok = not reply_bound or int(inflight or 0) + req.n <= reply_bound
             if reply_ok and (not bound or int(queued) + req.n <= bound):
                 return
             await asyncio.sleep(delay)
             delay = min(delay * 1.5, 0.5)
 
-    def consumer(self, *, group: str = "producer", name: str | None = None, **kwargs: Any) -> ResultConsumer:
-        """A consumer of this producer's reply stream."""
-        return ResultConsumer(
-            self.redis, self.reply_to, group=group, name=name or f"producer-{uuid.uuid4().hex[:8]}", **kwargs
-        )
+    def consumer(
+        self, *, group: str = "producer", name: str | None = None, **kwargs: Any
+    ) -> ResultConsumer | PartitionedConsumer:
+        """A consumer of this producer's reply stream(s) (one per partition: call after the first submission, or
+        after `partitions()`, on a partitioned run)."""
+        name = name or f"producer-{uuid.uuid4().hex[:8]}"
+        count = self._partitions or 1
+        if count == 1:
+            return ResultConsumer(self.redis, self.reply_to, group=group, name=name, **kwargs)
+        streams = [self.reply_stream(p) for p in range(count)]
+        return PartitionedConsumer([ResultConsumer(self.redis, s, group=group, name=name, **kwargs) for s in streams])
 
     async def wait_for(
-        self, expected: dict[str, int], *, timeout_s: float | None = None, consumer: ResultConsumer | None = None
+        self,
+        expected: dict[str, int],
+        *,
+        timeout_s: float | None = None,
+        consumer: ResultConsumer | PartitionedConsumer | None = None,
     ) -> AsyncIterator[Trajectory]:
         """Yield each expected trajectory once ({job_id: n} -> n samples per job) and commit it after the caller
         resumes the generator. Raises TimeoutError when they have not all arrived in time."""
-        consumer = consumer or self.consumer()
+        if consumer is None:
+            await self.partitions()
+            consumer = self.consumer()
         missing = {(job_id, i) for job_id, n in expected.items() for i in range(n)}
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while missing:

@@ -3,6 +3,7 @@ acks only when the caller commits."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Any
@@ -15,7 +16,7 @@ from rollq.protocol import scripts
 from rollq.protocol.codec import Codec, CodecError
 from rollq.protocol.keys import DEFAULT_RESULTS_GROUP, PAYLOAD_FIELD, consumed_key, inflight_key
 from rollq.protocol.messages import Trajectory
-from rollq.redis_client import ensure_group, is_nogroup
+from rollq.redis_client import TRANSIENT_ERRORS, ensure_group, is_nogroup
 
 DEFAULT_DEDUP_TTL_S = 7 * 24 * 3600
 
@@ -35,6 +36,7 @@ class Delivered(msgspec.Struct, frozen=True, gc=False):
 
     entry_id: str
     trajectory: Trajectory
+    stream: str = ""  # the results stream it was read from (a partitioned run has one per partition)
 
 
 class ResultConsumer:
@@ -95,7 +97,7 @@ class ResultConsumer:
         try:
             raw = await self._read_raw(count, block_ms)
         except ResponseError as exc:
-            if not is_nogroup(exc):
+            if isinstance(exc, TRANSIENT_ERRORS) or not is_nogroup(exc):
                 raise
             self._group_ready = False
             return []
@@ -138,7 +140,7 @@ class ResultConsumer:
                 self.undecodable += 1
                 drop.append((eid, "", "-1"))
                 continue
-            decoded.append(Delivered(eid, traj))
+            decoded.append(Delivered(eid, traj, self.stream))
         if decoded:
             seen_before = await self._seen(
                 keys=[consumed_key(self.stream, self.group, d.trajectory.job_id) for d in decoded],
@@ -180,3 +182,50 @@ class ResultConsumer:
         if now >= self._next_trim:
             self._next_trim = now + self.trim_interval_s
             await self._trim(keys=[self.stream])
+
+
+class PartitionedConsumer:
+    """The results of a partitioned run: one ResultConsumer per partition's stream (same group and consumer name),
+    read together. Each read asks every partition at once (blocking at most `partition_block_ms` there, so a
+    quiet partition does not hold up the others' results) and returns up to `count` entries per partition."""
+
+    def __init__(self, parts: list[ResultConsumer], *, partition_block_ms: int = 100) -> None:
+        if not parts:
+            raise ValueError("a partitioned consumer needs at least one partition")
+        self.parts = {part.stream: part for part in parts}
+        self.partition_block_ms = partition_block_ms
+
+    @property
+    def streams(self) -> list[str]:
+        return list(self.parts)
+
+    @property
+    def duplicates_dropped(self) -> int:
+        return sum(part.duplicates_dropped for part in self.parts.values())
+
+    @property
+    def undecodable(self) -> int:
+        return sum(part.undecodable for part in self.parts.values())
+
+    async def setup(self) -> None:
+        for part in self.parts.values():
+            await part.setup()
+
+    def resync(self) -> None:
+        for part in self.parts.values():
+            part.resync()
+
+    async def read(self, count: int = 256, block_ms: int = 1000) -> list[Delivered]:
+        block = min(block_ms, self.partition_block_ms)
+        batches = await asyncio.gather(*(part.read(count, block) for part in self.parts.values()))
+        return [d for batch in batches for d in batch]
+
+    async def commit(self, items: list[Delivered]) -> int:
+        """Commit each item on its own partition's stream. Returns how many were consumed for the first time."""
+        by_stream: dict[str, list[Delivered]] = {stream: [] for stream in self.parts}
+        for d in items:
+            by_stream[d.stream].append(d)
+        fresh = 0
+        for stream, batch in by_stream.items():
+            fresh += await self.parts[stream].commit(batch)
+        return fresh

@@ -12,6 +12,8 @@ from redis.exceptions import ResponseError
 
 from rollq.protocol.codec import Codec, CodecError
 from rollq.protocol.keys import PAYLOAD_FIELD, RunKeys, inflight_key
+from rollq.protocol.messages import job_classes
+from rollq.redis_client import run_partitions
 
 if TYPE_CHECKING:
     from rich.console import RenderableType
@@ -64,12 +66,15 @@ class TrainerStatus(msgspec.Struct):
 
 class RunStatus(msgspec.Struct):
     run: str
-    jobs: StreamStatus
-    results: list[StreamStatus]
-    dead_letters: int
+    jobs: StreamStatus  # the default class's stream on partition 0 (also the first of job_streams)
+    results: list[StreamStatus]  # every partition's shared results stream and private reply streams
+    dead_letters: int  # all partitions
     recent_dead_letters: list[DeadLetterSummary]
     workers: list[WorkerStatus]
     trainer: TrainerStatus | None = None
+    partitions: int = 1
+    job_streams: list[StreamStatus] = []  # every job class's stream on every partition
+    dropped: dict[str, int] = {}  # results workers dropped instead of publishing, per reason (all partitions)
 
 
 async def _stream_status(redis: aioredis.Redis, key: str) -> StreamStatus:
@@ -97,27 +102,39 @@ async def _stream_status(redis: aioredis.Redis, key: str) -> StreamStatus:
 async def gather_status(redis: aioredis.Redis, run: str, *, recent: int = 5) -> RunStatus:
     keys = RunKeys(run)
     codec = Codec()
-    jobs = await _stream_status(redis, keys.jobs)
-    result_keys = [keys.results]
-    async for key in redis.scan_iter(match=f"{keys.prefix}:results:*", _type="stream"):
-        result_keys.append(key.decode())
+    count = await run_partitions(redis, keys.partitions)
+    parts = [keys.at(p) for p in range(count)]
+    classes = job_classes(await redis.hgetall(keys.classes))  # type: ignore[misc]  # redis-py stub: sync|async
+    job_streams = [await _stream_status(redis, k.job_stream(name)) for name in classes for k in parts]
+    jobs = next(st for st in job_streams if st.key == keys.jobs)
+    result_keys = []
+    for k in parts:
+        result_keys.append(k.results)
+        async for key in redis.scan_iter(match=f"{k.prefix}:results:*", _type="stream"):
+            result_keys.append(key.decode())
     results = []
     for key in result_keys:
         st = await _stream_status(redis, key)
         st.inflight = int(await redis.get(inflight_key(key)) or 0)
         results.append(st)
-    dead_count = await redis.xlen(keys.dead)
+    dead_count = 0
     recent_dead: list[DeadLetterSummary] = []
-    for eid, fields in await redis.xrevrange(keys.dead, count=recent):
-        try:
-            letter = codec.decode_dead_letter(fields.get(PAYLOAD_FIELD, b""))
-            recent_dead.append(
-                DeadLetterSummary(
-                    eid.decode(), letter.job.job_id if letter.job else None, letter.error.type, letter.error.message
+    dropped: dict[str, int] = {}
+    for k in parts:
+        dead_count += await redis.xlen(k.dead)
+        for reason, n in (await redis.hgetall(k.dropped)).items():  # type: ignore[misc]  # stub: sync|async
+            dropped[reason.decode()] = dropped.get(reason.decode(), 0) + int(n)
+        for eid, fields in await redis.xrevrange(k.dead, count=recent):
+            try:
+                letter = codec.decode_dead_letter(fields.get(PAYLOAD_FIELD, b""))
+                recent_dead.append(
+                    DeadLetterSummary(
+                        eid.decode(), letter.job.job_id if letter.job else None, letter.error.type, letter.error.message
+                    )
                 )
-            )
-        except CodecError as exc:
-            recent_dead.append(DeadLetterSummary(eid.decode(), None, "Undecodable", str(exc)))
+            except CodecError as exc:
+                recent_dead.append(DeadLetterSummary(eid.decode(), None, "Undecodable", str(exc)))
+    recent_dead = sorted(recent_dead, key=lambda d: tuple(map(int, d.entry_id.split("-"))), reverse=True)[:recent]
     now = time.time()
     workers = []
     seen = await redis.zrange(keys.workers, 0, -1, withscores=True)
@@ -125,7 +142,8 @@ async def gather_status(redis: aioredis.Redis, run: str, *, recent: int = 5) -> 
     for name, last in seen:
         info = json.loads(infos.get(name, b"{}"))
         workers.append(WorkerStatus(name.decode(), now - last < WORKER_TTL_S, round(now - last, 1), info))
-    return RunStatus(run, jobs, results, dead_count, recent_dead, workers, await _trainer_status(redis, keys))
+    trainer = await _trainer_status(redis, keys)
+    return RunStatus(run, jobs, results, dead_count, recent_dead, workers, trainer, count, job_streams, dropped)
 
 
 async def _trainer_status(redis: aioredis.Redis, keys: RunKeys) -> TrainerStatus | None:
@@ -145,13 +163,17 @@ def render_status(st: RunStatus) -> RenderableType:
     from rich.table import Table
     from rich.text import Text
 
-    queues = Table(title=f"run {st.run}: streams", title_justify="left", expand=False)
+    queues = Table(
+        title=f"run {st.run}: streams" + (f" ({st.partitions} partitions)" if st.partitions > 1 else ""),
+        title_justify="left",
+        expand=False,
+    )
     for col in ("stream", "entries", "in flight", "group", "pending", "unread", "consumers"):
         if col == "stream":
             queues.add_column(col, overflow="fold")
         else:
             queues.add_column(col, justify="left" if col == "group" else "right")
-    for s in [st.jobs, *st.results]:
+    for s in [*(st.job_streams or [st.jobs]), *st.results]:
         inflight = "" if s.inflight is None else str(s.inflight)
         if not s.groups:
             queues.add_row(s.key, str(s.length), inflight, "", "", "", "")
@@ -180,7 +202,8 @@ def render_status(st: RunStatus) -> RenderableType:
             f"{w.last_seen_s:.1f}s",
         )
     parts: list[RenderableType] = [queues, workers]
-    dead = Table(title=f"dead letters: {st.dead_letters}", title_justify="left")
+    dropped = "".join(f", {n} dropped ({reason})" for reason, n in sorted(st.dropped.items()))
+    dead = Table(title=f"dead letters: {st.dead_letters}{dropped}", title_justify="left")
     for col in ("entry", "job", "error", "message"):
         dead.add_column(col, overflow="fold")
     for d in st.recent_dead_letters:
@@ -211,12 +234,16 @@ def _stream_lines(st: StreamStatus) -> list[str]:
 
 
 def format_status(st: RunStatus) -> str:
-    lines = [f"run {st.run}", "jobs:"]
-    lines += _stream_lines(st.jobs)
+    lines = [f"run {st.run}" + (f" ({st.partitions} partitions)" if st.partitions > 1 else ""), "jobs:"]
+    for s in st.job_streams or [st.jobs]:
+        if s.length or s.groups or s.key == st.jobs.key:
+            lines += _stream_lines(s)
     lines.append("results:")
     for r in st.results:
         lines += _stream_lines(r)
     lines.append(f"dead letters: {st.dead_letters}")
+    for reason, n in sorted(st.dropped.items()):
+        lines.append(f"dropped results ({reason}): {n}")
     for d in st.recent_dead_letters:
         lines.append(f"  {d.entry_id} job {d.job_id or '?'}: {d.error_type}: {d.message}")
     alive = sum(w.alive for w in st.workers)

@@ -1,9 +1,23 @@
-"""Redis key names. Every key of a run shares the hash tag ``{run}`` so one run lives in one Redis Cluster slot and
-the Lua scripts may touch all of them; several runs (and tenants) share one Redis."""
+"""Redis key names. A run's keys carry hash tags, so each atomic step (a Lua script, a MULTI) touches one Redis
+Cluster slot; several runs (and tenants) share one Redis.
+
+A run has K partitions (`RunKeys.partitions`, default 1), each with its own hash tag so they can land on different
+Cluster shards: partition 0 uses the run's tag `{run}`, partition p > 0 `{run/p<p>}` ('/' can't occur in a run name).
+Where each key lives:
+
+- per partition (the partition's tag): the job streams (one per class), the results stream and private reply
+  streams with their in-flight counters and consumed-sets, idempotency markers, dead letters, dropped counts, the
+  ingress's per-job control hash and results stream. A job id's partition is `partition_of(job_id, K)`, so the
+  job, its marker, its results and its control records share a slot;
+- run-wide (the run's tag `{run}`, also partition 0's): the partition count, job classes, workers and their info,
+  engines, the trainer's staleness ledger and its groups, the arq reward queue.
+
+With K = 1 every key is under `{run}`, as before partitions existed."""
 
 from __future__ import annotations
 
 import re
+import zlib
 
 import msgspec
 
@@ -27,38 +41,60 @@ def validate_class_name(name: str) -> str:
     return name
 
 
+def partition_of(job_id: str, partitions: int) -> int:
+    """The partition of a job id among `partitions`: stable across processes and languages (CRC-32 of its UTF-8
+    bytes, modulo the count), so a resubmission, a lookup or a cancel finds the job's keys from its id alone."""
+    return zlib.crc32(job_id.encode()) % partitions if partitions > 1 else 0
+
+
+def partition_share(bound: int, partitions: int) -> int:
+    """A run-wide bound's share on one of `partitions` (ceil(bound / partitions)); 0 stays "no bound"."""
+    return -(-bound // partitions) if bound > 0 else bound
+
+
 class RunKeys(msgspec.Struct, frozen=True):
     run: str
+    partition: int = 0  # which partition's keys the per-partition names below are (the run-wide ones ignore it)
 
     def __post_init__(self) -> None:
         validate_run_name(self.run)
+        if self.partition < 0:
+            raise ValueError(f"partition must be >= 0, got {self.partition}")
+
+    def at(self, partition: int) -> RunKeys:
+        """The same run's keys on `partition`."""
+        return self if partition == self.partition else RunKeys(self.run, partition)
 
     @property
-    def prefix(self) -> str:
+    def run_prefix(self) -> str:
+        """The run-wide keys' prefix (the run's hash tag; partition 0's too)."""
         return f"rollq:{{{self.run}}}"
 
     @property
+    def prefix(self) -> str:
+        """This partition's prefix: `rollq:{run}` for partition 0, `rollq:{run/p<p>}` for p > 0."""
+        return self.run_prefix if self.partition == 0 else f"rollq:{{{self.run}/p{self.partition}}}"
+
+    @property
+    def partitions(self) -> str:
+        """String: the run's partition count K (absent = 1). Set once, by the first process that names one."""
+        return f"{self.run_prefix}:partitions"
+
+    @property
     def jobs(self) -> str:
-        """The default class's stream on partition 0 (the key rollq always used)."""
+        """The default class's stream on this partition."""
         return f"{self.prefix}:jobs"
 
-    def job_stream(self, job_class: str = DEFAULT_CLASS, partition: int = 0) -> str:
-        """The stream of one job class on one partition. Named once for class x partition:
-
-        - partition 0 keeps the run's hash tag: `rollq:{run}:jobs` (the default class) or `rollq:{run}:jobs:<class>`;
-        - partition p > 0 gets a hash tag of its own, `rollq:{run/p<p>}:jobs[:<class>]` ('/' can't occur in a run
-          name, so no other run's tag collides), so a run's partitions can spread over Redis Cluster shards.
-        """
+    def job_stream(self, job_class: str = DEFAULT_CLASS) -> str:
+        """The stream of one job class on this partition: `<prefix>:jobs` (the default class) or
+        `<prefix>:jobs:<class>`."""
         validate_class_name(job_class)
-        if partition < 0:
-            raise ValueError(f"partition must be >= 0, got {partition}")
-        prefix = self.prefix if partition == 0 else f"rollq:{{{self.run}/p{partition}}}"
-        return f"{prefix}:jobs" if job_class == DEFAULT_CLASS else f"{prefix}:jobs:{job_class}"
+        return self.jobs if job_class == DEFAULT_CLASS else f"{self.prefix}:jobs:{job_class}"
 
     @property
     def classes(self) -> str:
         """Hash: job class name -> JSON `JobClass` (priority, weight, max_inflight). `train` exists when absent."""
-        return f"{self.prefix}:classes"
+        return f"{self.run_prefix}:classes"
 
     @property
     def results(self) -> str:
@@ -78,32 +114,32 @@ class RunKeys(msgspec.Struct, frozen=True):
     @property
     def workers(self) -> str:
         """Sorted set: worker name -> last heartbeat (unix seconds)."""
-        return f"{self.prefix}:workers"
+        return f"{self.run_prefix}:workers"
 
     @property
     def worker_info(self) -> str:
         """Hash: worker name -> JSON description."""
-        return f"{self.prefix}:workers:info"
+        return f"{self.run_prefix}:workers:info"
 
     @property
     def engines(self) -> str:
         """Sorted set: engine URL -> time its registration expires (engines renew it while alive)."""
-        return f"{self.prefix}:engines"
+        return f"{self.run_prefix}:engines"
 
     @property
     def ledger(self) -> str:
         """Hash: the trainer's policy version and sample admission counts (the staleness ledger)."""
-        return f"{self.prefix}:ledger"
+        return f"{self.run_prefix}:ledger"
 
     @property
     def ledger_groups(self) -> str:
         """Hash: group (job) id -> samples it holds in the staleness ledger (0 once given back)."""
-        return f"{self.prefix}:ledger:groups"
+        return f"{self.run_prefix}:ledger:groups"
 
     @property
     def rewards(self) -> str:
         """The arq queue of remote reward calls (`rollq reward-worker` serves it)."""
-        return f"{self.prefix}:rewards"
+        return f"{self.run_prefix}:rewards"
 
     def reply_stream(self, name: str) -> str:
         """A private results stream, e.g. for one `rollq enqueue --wait` or one external service."""
@@ -115,7 +151,14 @@ class RunKeys(msgspec.Struct, frozen=True):
         return f"{self.prefix}:job:{job_id}"
 
     def owns(self, key: str) -> bool:
+        """`key` is one of this partition's keys."""
         return key.startswith(self.prefix + ":")
+
+    def translate(self, key: str, partition: int) -> str:
+        """This partition's key `key` named on `partition` (e.g. a reply stream on the partition of a job)."""
+        if not self.owns(key):
+            raise ValueError(f"{key!r} is not a key of {self.prefix}")
+        return self.at(partition).prefix + key[len(self.prefix) :]
 
     def job_control(self, job_id: str) -> str:
         """Hash: a cancellable job's record (`Job.cancellable`, e.g. the ingress's jobs): `n`, `cancelled` once

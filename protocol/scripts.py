@@ -1,12 +1,13 @@
 """Lua scripts: the atomic steps of the queue protocol. Every key a script touches is passed in KEYS and shares
 the run's hash tag, so the scripts also run on Redis Cluster."""
 
-# KEYS: the reply stream's in-flight counter, the run's classes hash, then per job its job_seen key and its class's
-# job stream. ARGV: seen_ttl_s, max_inflight of the reply stream (0 = no bound), reply_to, all_or_nothing ("1": admit
-# every job of the call or none), then per job: its class, n, and its n payloads.
+# KEYS: the reply stream's in-flight counter, then per job its job_seen key and its class's job stream (all on one
+# partition). ARGV: seen_ttl_s, max_inflight of the reply stream (0 = no bound), reply_to, all_or_nothing ("1": admit
+# every job of the call or none), then per job: its class, its class's bound on this partition (0 = none, -1 = no
+# such class), n, and its n payloads. The caller reads the bounds from the run's classes hash (run-wide, so outside
+# a partition's slot: a script can't read it on Redis Cluster).
 # A class's in-flight count is its stream's length: workers XDEL every entry they ack, so the stream holds exactly
-# the samples queued or running (no counter to drift). Its bound is the `max_inflight` of the class's JSON in the
-# classes hash (0 = none); `train` exists when absent. Jobs are taken in order; returns per job a pair
+# the samples queued or running (no counter to drift). Jobs are taken in order; returns per job a pair
 # (1, "") admitted, (0, reply_to of the first submission) duplicate, (-1, "reply" | "class") full: that job and
 # every later one in the call are left out (later ones: (-1, "")), so the caller can wait and resubmit them in
 # order, or (-2, class) an unknown class, which stops the call the same way. With all_or_nothing, a call that
@@ -14,17 +15,17 @@ the run's hash tag, so the scripts also run on Redis Cluster."""
 SUBMIT = """
 local max_inflight = tonumber(ARGV[2])
 local cur = tonumber(redis.call('GET', KEYS[1]) or '0')
-local bounds, lens, marked = {}, {}, {}
+local lens, marked = {}, {}
 local status, info, firsts, counts = {}, {}, {}, {}
 local added = 0
 local a = 5
 local stopped = false
-local jobs = (#KEYS - 2) / 2
+local jobs = (#KEYS - 1) / 2
 for j = 1, jobs do
-  local seen_key, stream = KEYS[1 + 2 * j], KEYS[2 + 2 * j]
-  local cls, n = ARGV[a], tonumber(ARGV[a + 1])
-  firsts[j], counts[j] = a + 2, n
-  a = a + 2 + n
+  local seen_key, stream = KEYS[2 * j], KEYS[1 + 2 * j]
+  local cls, bound, n = ARGV[a], tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
+  firsts[j], counts[j] = a + 3, n
+  a = a + 3 + n
   if stopped then
     status[j], info[j] = -1, ''
   else
@@ -32,25 +33,14 @@ for j = 1, jobs do
     if seen then
       status[j], info[j] = 0, seen
     else
-      if bounds[cls] == nil then
-        local def = redis.call('HGET', KEYS[2], cls)
-        if def then
-          local ok, decoded = pcall(cjson.decode, def)
-          bounds[cls] = (ok and type(decoded) == 'table' and tonumber(decoded['max_inflight'])) or 0
-        elseif cls == 'train' then
-          bounds[cls] = 0
-        else
-          bounds[cls] = false
-        end
-      end
       if lens[stream] == nil then lens[stream] = redis.call('XLEN', stream) end
-      if bounds[cls] == false then
+      if bound < 0 then
         stopped = true
         status[j], info[j] = -2, cls
       elseif max_inflight > 0 and cur + added + n > max_inflight then
         stopped = true
         status[j], info[j] = -1, 'reply'
-      elseif bounds[cls] > 0 and lens[stream] + n > bounds[cls] then
+      elseif bound > 0 and lens[stream] + n > bound then
         stopped = true
         status[j], info[j] = -1, 'class'
       else
@@ -67,8 +57,8 @@ local write = not (stopped and ARGV[4] == '1')
 for j = 1, jobs do
   if status[j] == 1 then
     if write then
-      redis.call('SET', KEYS[1 + 2 * j], ARGV[3], 'EX', ARGV[1])
-      local stream = KEYS[2 + 2 * j]
+      redis.call('SET', KEYS[2 * j], ARGV[3], 'EX', ARGV[1])
+      local stream = KEYS[1 + 2 * j]
       for i = firsts[j], firsts[j] + counts[j] - 1 do redis.call('XADD', stream, '*', 'd', ARGV[i]) end
     else
       status[j] = -3
@@ -101,6 +91,18 @@ if ARGV[3] ~= '' then
 end
 if ARGV[4] ~= '' then redis.call('XADD', KEYS[3], '*', 'd', ARGV[4]) end
 return out
+"""
+
+# KEYS: the entry's job stream, the reply stream. ARGV: group, entry id, trajectory payload, "1" when the reply stream
+# is a private one that must already exist. The hot path's publish as one script, for Redis Cluster (no MULTI there
+# in redis-py): acks and deletes the entry and publishes, as the MULTI/EXEC version does; returns 1, or 0 when the
+# private reply stream is gone (the entry is acked, the trajectory dropped: the stream is not recreated).
+PUBLISH = """
+redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+redis.call('XDEL', KEYS[1], ARGV[2])
+if ARGV[4] == '1' and redis.call('EXISTS', KEYS[2]) == 0 then return 0 end
+redis.call('XADD', KEYS[2], '*', 'd', ARGV[3])
+return 1
 """
 
 # KEYS: the entry's job stream. ARGV: group, entry id, new job payload. Acks the entry and queues the job again (at
@@ -212,27 +214,29 @@ return out
 
 # -- cancellable jobs (the ingress) --------------------------------------------------------------------------------
 
-# KEYS: the run's classes hash, the job streams the batch uses, then per job its control hash (RunKeys.job_control)
-# and its results stream (RunKeys.job_results). ARGV: number of job streams, max_queued (0 = no bound), retention_s,
-# then per stream its class, then per job: the index (1-based) of its stream, n, and its n payloads.
+# KEYS: the job streams the batch uses, then per job its control hash (RunKeys.job_control) and its results stream
+# (RunKeys.job_results), all on one partition. ARGV: number of job streams, max_queued (0 = no bound), retention_s,
+# then per stream its class and its class's bound (`max_inflight` on this partition, 0 = none, -1 = no such class:
+# the caller reads the run-wide classes hash), then per job: the index (1-based) of its stream, n, and its n payloads.
 # All or nothing: a job whose control hash exists is a duplicate (nothing queued for it); when the new samples would
-# push a stream past max_queued or past its class's `max_inflight` (as SUBMIT: a stream's length is what is queued
-# or running, workers delete what they ack), nothing is queued at all: the reply is {-1, stream index, its length,
-# the bound}; an unknown class: {-2, stream index}. Otherwise each new job gets its control hash (n) and an empty
+# push a stream past max_queued or past its class's bound (as SUBMIT: a stream's length is what is queued or
+# running, workers delete what they ack), nothing is queued at all: the reply is {-1, stream index, its length, the
+# bound}; an unknown class: {-2, stream index}. Otherwise each new job gets its control hash (n) and an empty
 # results stream (group "ingress", so it exists to carry a TTL), both expiring after retention_s, and its n
 # entries; the reply is {1, then per job 1 (admitted) or 0 (duplicate)}.
 INGRESS_SUBMIT = """
 local nstreams = tonumber(ARGV[1])
 local max_queued = tonumber(ARGV[2])
 local ttl = ARGV[3]
-local njobs = (#KEYS - 1 - nstreams) / 2
+local njobs = (#KEYS - nstreams) / 2
 local out = {1}
 local adding = {}
 for s = 1, nstreams do adding[s] = 0 end
-local a = 4 + nstreams
+local first = 4 + 2 * nstreams
+local a = first
 for j = 1, njobs do
   local s, n = tonumber(ARGV[a]), tonumber(ARGV[a + 1])
-  if redis.call('EXISTS', KEYS[1 + nstreams + 2 * j - 1]) == 1 then
+  if redis.call('EXISTS', KEYS[nstreams + 2 * j - 1]) == 1 then
     out[j + 1] = 0
   else
     out[j + 1] = 1
@@ -242,33 +246,27 @@ for j = 1, njobs do
 end
 for s = 1, nstreams do
   if adding[s] > 0 then
-    local cls = ARGV[3 + s]
+    local b = tonumber(ARGV[3 + 2 * s])
+    if b < 0 then return {-2, s} end
     local bound = max_queued
-    local def = redis.call('HGET', KEYS[1], cls)
-    if def then
-      local ok, decoded = pcall(cjson.decode, def)
-      local b = (ok and type(decoded) == 'table' and tonumber(decoded['max_inflight'])) or 0
-      if b > 0 and (bound == 0 or b < bound) then bound = b end
-    elseif cls ~= 'train' then
-      return {-2, s}
-    end
+    if b > 0 and (bound == 0 or b < bound) then bound = b end
     if bound > 0 then
-      local queued = redis.call('XLEN', KEYS[1 + s])
+      local queued = redis.call('XLEN', KEYS[s])
       if queued + adding[s] > bound then return {-1, s, queued, bound} end
     end
   end
 end
-a = 4 + nstreams
+a = first
 for j = 1, njobs do
   local s, n = tonumber(ARGV[a]), tonumber(ARGV[a + 1])
   if out[j + 1] == 1 then
-    local ctl, res = KEYS[1 + nstreams + 2 * j - 1], KEYS[1 + nstreams + 2 * j]
+    local ctl, res = KEYS[nstreams + 2 * j - 1], KEYS[nstreams + 2 * j]
     redis.call('HSET', ctl, 'n', n)
     redis.call('EXPIRE', ctl, ttl)
     redis.call('DEL', res)
     redis.call('XGROUP', 'CREATE', res, 'ingress', '$', 'MKSTREAM')
     redis.call('EXPIRE', res, ttl)
-    for i = 1, n do redis.call('XADD', KEYS[1 + s], '*', 'd', ARGV[a + 1 + i]) end
+    for i = 1, n do redis.call('XADD', KEYS[s], '*', 'd', ARGV[a + 1 + i]) end
   end
   a = a + n + 2
 end

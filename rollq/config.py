@@ -90,6 +90,27 @@ class RunSettings(Settings, kw_only=True):
         str | None, setting("client certificate (PEM) for Redis TLS (with tls-auth-clients yes)", shared=True)
     ] = None
     redis_tls_key: Annotated[str | None, setting("private key (PEM) of redis_tls_cert", shared=True)] = None
+    redis_cluster: Annotated[
+        bool, setting("redis_url is a node of a Redis Cluster (the client discovers the others)", shared=True)
+    ] = False
+    reward_redis_url: Annotated[
+        str | None,
+        setting(
+            "plain Redis for remote rewards' arq queue (arq has no Redis Cluster support); default: redis_url",
+            metavar="URL",
+            shared=True,
+        ),
+    ] = None
+    partitions: Annotated[
+        int,
+        setting(
+            "partitions of the run's queue (each its own hash tag, so a Redis Cluster spreads them); 0 = follow "
+            "the run's (1 when none is set). Set by the first process that names one; later ones must agree",
+            shared=True,
+            ge=0,
+            le=1024,
+        ),
+    ] = 0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -97,29 +118,46 @@ class RunSettings(Settings, kw_only=True):
             self.redis_url = with_tls(self.redis_url, self.redis_tls_ca, self.redis_tls_cert, self.redis_tls_key)
         except ValueError as exc:
             raise ValueError(f"redis_url: {exc}") from None
+        if self.redis_cluster:
+            self.redis_url = with_query(self.redis_url, {CLUSTER_QUERY_ARG: "yes"})
+
+    @property
+    def rewards_url(self) -> str:
+        """Where remote rewards' arq queue lives: reward_redis_url, else redis_url."""
+        return self.reward_redis_url or self.redis_url
 
 
 # RunSettings' TLS paths as the query arguments of a Redis URL that redis-py's from_url reads (and
 # rollq.redis_client.arq_settings), so every client built from `redis_url` uses them.
 TLS_QUERY_ARGS = {"ca": "ssl_ca_certs", "cert": "ssl_certfile", "key": "ssl_keyfile"}
+# RunSettings.redis_cluster as a query argument of the URL (rollq.redis_client builds a cluster client for it).
+CLUSTER_QUERY_ARG = "cluster"
+
+
+def with_query(url: str, args: dict[str, str]) -> str:
+    """`url` with query arguments added (an argument already in the URL wins)."""
+    from urllib.parse import parse_qs, urlencode, urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    query = parse_qs(parts.query)
+    for name, value in args.items():
+        query.setdefault(name, [value])
+    return urlunsplit(parts._replace(query=urlencode(query, doseq=True)))
 
 
 def with_tls(url: str, ca: str | None = None, cert: str | None = None, key: str | None = None) -> str:
     """`url` with the TLS files added as query arguments (an argument already in the URL wins)."""
-    from urllib.parse import parse_qs, urlencode, urlsplit, urlunsplit
+    from urllib.parse import urlsplit
 
     given = {name: value for name, value in (("ca", ca), ("cert", cert), ("key", key)) if value}
     if not given:
         return url
-    parts = urlsplit(url)
-    if parts.scheme != "rediss":
-        raise ValueError(f"redis_tls_{'/'.join(given)} need a rediss:// URL, not {parts.scheme}://")
+    scheme = urlsplit(url).scheme
+    if scheme != "rediss":
+        raise ValueError(f"redis_tls_{'/'.join(given)} need a rediss:// URL, not {scheme}://")
     if bool(cert) != bool(key):
         raise ValueError("redis_tls_cert and redis_tls_key go together")
-    query = parse_qs(parts.query)
-    for name, value in given.items():
-        query.setdefault(TLS_QUERY_ARGS[name], [value])
-    return urlunsplit(parts._replace(query=urlencode(query, doseq=True)))
+    return with_query(url, {TLS_QUERY_ARGS[name]: value for name, value in given.items()})
 
 
 @functools.cache

@@ -15,18 +15,37 @@ from typing import Any, NamedTuple, TypeVar
 import redis
 import redis.asyncio as aioredis
 from redis.backoff import ExponentialBackoff
-from redis.exceptions import BusyLoadingError, ConnectionError, TimeoutError
+from redis.exceptions import (
+    BusyLoadingError,
+    ClusterDownError,
+    ClusterError,
+    ConnectionError,
+    SlotNotCoveredError,
+    TimeoutError,
+    TryAgainError,
+)
 from redis.retry import Retry
 
-from rollq.config import DEFAULT_REDIS_URL, TLS_QUERY_ARGS
+from rollq.config import CLUSTER_QUERY_ARG, DEFAULT_REDIS_URL, TLS_QUERY_ARGS
 
 REDIS_URL_ENV = "ROLLQ_REDIS_URL"
 
 log = logging.getLogger("rollq.redis")
 T = TypeVar("T")
 
-# Errors after which a call is worth repeating once Redis answers again (restart, failover, AOF loading).
-TRANSIENT_ERRORS = (ConnectionError, TimeoutError, BusyLoadingError, OSError)
+# Errors after which a call is worth repeating once Redis answers again (restart, failover, AOF loading; on Redis
+# Cluster also a cluster that is down while a replica takes over, a slot being moved, a slot not served yet).
+# ClusterDownError and TryAgainError are ResponseErrors: handlers of ResponseError test these first.
+TRANSIENT_ERRORS = (
+    ConnectionError,
+    TimeoutError,
+    BusyLoadingError,
+    OSError,
+    ClusterDownError,
+    TryAgainError,
+    SlotNotCoveredError,
+    ClusterError,
+)
 
 
 def redis_url_from_env(explicit: str | None = None) -> str:
@@ -45,16 +64,53 @@ def safe_url(url: str) -> str:
     return urlunsplit((parts.scheme, f"{user}{parts.hostname}{port}", parts.path, "", ""))
 
 
+def cluster_url(url: str) -> tuple[str, bool]:
+    """(`url` without rollq's `cluster` query argument, whether it names a Redis Cluster node)."""
+    from urllib.parse import parse_qs, urlencode, urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    query = parse_qs(parts.query)
+    flag = query.pop(CLUSTER_QUERY_ARG, None)
+    if flag is None:
+        return url, False
+    if flag[-1].lower() not in ("yes", "true", "1", "no", "false", "0"):
+        raise ValueError(f"redis_url: {CLUSTER_QUERY_ARG}={flag[-1]!r} must be yes or no")
+    return urlunsplit(parts._replace(query=urlencode(query, doseq=True))), flag[-1].lower() in ("yes", "true", "1")
+
+
+def is_cluster(client: Any) -> bool:
+    """`client` talks to a Redis Cluster (multi-key commands must stay within one slot; no MULTI across slots)."""
+    return isinstance(client, aioredis.RedisCluster)
+
+
 def redis_client(url: str, *, retries: int = 3) -> aioredis.Redis:
-    """A client with a small built-in retry for single commands; long outages are handled by the callers' loops."""
-    return aioredis.Redis.from_url(
-        url,
-        decode_responses=False,
-        retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), retries),
-        retry_on_error=[ConnectionError, TimeoutError, BusyLoadingError],
-        health_check_interval=30,
-        socket_connect_timeout=5,
-    )
+    """A client with a small built-in retry for single commands; long outages are handled by the callers' loops.
+    A URL with `cluster=yes` (RunSettings.redis_cluster) gets a Redis Cluster client, typed as a plain one: rollq
+    keeps every multi-key step within one hash tag, so the two answer the commands it sends alike."""
+    plain, cluster = cluster_url(url)
+    options: dict[str, Any] = {
+        "decode_responses": False,
+        "retry": Retry(ExponentialBackoff(cap=1.0, base=0.05), retries),
+        "retry_on_error": [ConnectionError, TimeoutError, BusyLoadingError],
+        "health_check_interval": 30,
+        "socket_connect_timeout": 5,
+    }
+    if cluster:
+        client: Any = aioredis.RedisCluster.from_url(plain, **options)
+        return client  # typed as Redis: the cluster client answers rollq's commands alike
+    return aioredis.Redis.from_url(plain, **options)
+
+
+async def run_partitions(client: aioredis.Redis, key: str, wanted: int = 0) -> int:
+    """The run's partition count, stored at `key` (RunKeys.partitions; absent = 1). `wanted` > 0 sets it when unset
+    and must equal it when set (a run's jobs stay where its partitions put them)."""
+    if wanted > 0:
+        await client.set(key, wanted, nx=True)
+    stored = await client.get(key)
+    count = int(stored) if stored else 1
+    if wanted > 0 and count != wanted:
+        raise ValueError(f"the run has {count} partition(s) ({key}); this process was started with partitions={wanted}")
+    return count
 
 
 def arq_settings(url: str) -> Any:
@@ -64,6 +120,12 @@ def arq_settings(url: str) -> Any:
 
     from arq.connections import RedisSettings
 
+    url, cluster = cluster_url(url)
+    if cluster:
+        raise ValueError(
+            "remote rewards use arq, which has no Redis Cluster support: set reward_redis_url (ROLLQ_REWARD_REDIS_URL) "
+            "to a plain Redis for their queue"
+        )
     settings = RedisSettings.from_dsn(url)
     query = {name: values[-1] for name, values in parse_qs(urlsplit(url).query).items()}
     for name in TLS_QUERY_ARGS.values():

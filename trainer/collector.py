@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import msgspec
 
-from rollq.producer.results import Delivered, ResultConsumer
+from rollq.producer.results import Delivered, PartitionedConsumer, ResultConsumer
 from rollq.trainer.batch import Group, model_tokens
 from rollq.trainer.ledger import Ride, StalenessLedger, direct
 
@@ -49,7 +49,7 @@ class GroupCollector:
 
     def __init__(
         self,
-        consumer: ResultConsumer,
+        consumer: ResultConsumer | PartitionedConsumer,
         ledger: StalenessLedger,
         *,
         group_prefix: str,
@@ -75,6 +75,8 @@ class GroupCollector:
         self.first_error = ""
         self._last_report = time.monotonic()
         self.samples_read = 0  # every trajectory of this run read so far (trained, waiting or dropped)
+        self.duplicates = 0  # second copies of a sample held here, uncommitted (the consumer's dedup can't see them)
+        self._taken: set[str] = set()  # groups handed out by collect() whose samples are not committed yet
         self.model_tokens_read = 0  # their generated tokens
 
     @property
@@ -134,6 +136,26 @@ class GroupCollector:
         if self.give_up_after_failed and not self.good_groups and self.failed_samples >= self.give_up_after_failed:
             raise NothingTrains(f"the first {self.failed_samples} samples all failed, e.g. {self.first_error}")
 
+    def _held_already(self, job_id: str, sample_index: int) -> bool:
+        """A second copy of a sample this collector holds and has not committed (a worker that lost its lease
+        published it too). The consumer drops duplicates of committed samples only, so this one must be dropped here:
+        otherwise it would complete its group in place of a missing sample and be trained twice."""
+        if job_id in self._complete or job_id in self._taken:
+            return True
+        return any(d.trajectory.sample_index == sample_index for d in self._partial.get(job_id, ()))
+
+    async def _ack_duplicate(self, d: Delivered) -> None:
+        """Ack the copy without marking its sample consumed (the held original is marked when it is committed; a
+        trainer that dies before that reads the original again)."""
+        c = self.consumer.parts[d.stream] if isinstance(self.consumer, PartitionedConsumer) else self.consumer
+        await self.ride(lambda: c.redis.xack(c.stream, c.group, d.entry_id), "acking a duplicate")
+        self.duplicates += 1
+        log.info("dropped a duplicate of sample %d of group %s", d.trajectory.sample_index, d.trajectory.job_id)
+
+    def committed(self, job_ids: list[str]) -> None:
+        """The trainer committed these handed-out groups: from now on the consumer drops their duplicates."""
+        self._taken.difference_update(job_ids)
+
     async def collect(self, groups_needed: int, version: int, *, block_ms: int = 500) -> Collected:
         """Read until `groups_needed` complete groups may train at `version`. Stalest first, so the groups closest
         to the bound are the ones used."""
@@ -162,6 +184,9 @@ class GroupCollector:
                 if not traj.job_id.startswith(self.group_prefix):
                     await self._drop(traj.job_id, [d], "foreign", dropped)
                     continue
+                if self._held_already(traj.job_id, traj.sample_index):
+                    await self._ack_duplicate(d)
+                    continue
                 self.samples_read += 1
                 self.model_tokens_read += model_tokens(traj)
                 items = self._partial.setdefault(traj.job_id, [])
@@ -178,6 +203,7 @@ class GroupCollector:
             groups.append(ready.group)
             deliveries += ready.items
             staleness[version - oldest] += len(ready.items)
+            self._taken.add(job_id)
         return Collected(groups=groups, deliveries=deliveries, staleness=dict(staleness), dropped=dict(dropped))
 
 

@@ -127,6 +127,14 @@ class TrainConfig(RunSettings, kw_only=True):
             group=UPDATES,
         ),
     ] = 1
+    trained_log: Annotated[
+        bool,
+        setting(
+            "append (step, version, job id, sample index, oldest trained token version) of every trained sample to "
+            "RUN_DIR/trained.jsonl (an audit trail; a restart cuts it back to the checkpoint, as metrics.jsonl)",
+            group=UPDATES,
+        ),
+    ] = False
 
     @property
     def batch_samples(self) -> int:

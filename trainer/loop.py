@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import shutil
 import time
 import uuid
@@ -24,16 +25,17 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TextIO, TypeVar
 
+import msgspec
 import redis.asyncio as aioredis
 
 from rollq.engine.fleet import FleetController
 from rollq.engine.pool import EnginePool
 from rollq.engine.weight_group import DistributedSyncConfig, DistributedWeightSync
 from rollq.producer.producer import Producer
-from rollq.producer.results import Delivered, ResultConsumer
+from rollq.producer.results import Delivered, PartitionedConsumer, ResultConsumer
 from rollq.redis_client import ride_out
 from rollq.trainer import checkpoint
-from rollq.trainer.batch import build_batch
+from rollq.trainer.batch import Group, build_batch, trained_versions
 from rollq.trainer.checkpoint import TrainerState
 from rollq.trainer.collector import GroupCollector
 from rollq.trainer.config import TrainConfig
@@ -93,8 +95,11 @@ class Trainer:
         self.weights_root = Path(config.weights_root)
         self.metrics = MetricsLog(self.run_dir, progress)
         self.ledger = StalenessLedger(redis, config.run, config.batch_samples, config.max_staleness)
-        self.producer = Producer(redis, config.run)
-        self.consumer = ResultConsumer(redis, self.producer.reply_to, group=CONSUMER_GROUP, name=CONSUMER_NAME)
+        self.producer = Producer(redis, config.run, partitions=config.partitions)
+        # One stream per partition on a partitioned run: replaced once the run's partition count is known (_run).
+        self.consumer: ResultConsumer | PartitionedConsumer = ResultConsumer(
+            redis, self.producer.reply_to, group=CONSUMER_GROUP, name=CONSUMER_NAME
+        )
         self.prompts = PromptOrder(load_prompts(config.dataset), seed=config.seed)
         self.policy = policy or Policy(config)
         self.state = TrainerState(run_id=uuid.uuid4().hex[:8])
@@ -115,6 +120,7 @@ class Trainer:
         ledger) and re-read this consumer's pending entries (a read whose reply was lost left some there)."""
         self.consumer.resync()
         await self.consumer.setup()
+        await self.producer.remember_partitions()
         if self._resumed and not await self.redis.exists(self.ledger.keys.ledger):
             await self.ledger.restore(self.state.version, self.state.trained_samples)
             log.warning("the staleness ledger was gone from Redis after an outage; rebuilt from the trainer's state")
@@ -138,6 +144,37 @@ class Trainer:
             log.warning("the staleness ledger was gone from Redis; rebuilt from the checkpoint")
         self.metrics.truncate(self.state.step)
         return True
+
+    @property
+    def trained_log_path(self) -> Path:
+        return self.run_dir / "trained.jsonl"
+
+    def _log_trained(self, step: int, version: int, groups: list[Group]) -> None:
+        """trained_log: one line per trained sample (append-only; `_cut_trained_log` undoes uncheckpointed steps)."""
+        lines = []
+        for g in groups:
+            for t in g.samples:
+                span = [int(v) for s in t.sequences for v in trained_versions(s)]
+                row = {"step": step, "version": version, "job_id": t.job_id, "sample_index": t.sample_index}
+                lines.append(msgspec.json.encode({**row, "oldest": min(span, default=None)}) + b"\n")
+        with self.trained_log_path.open("ab") as f:
+            f.write(b"".join(lines))
+
+    def _cut_trained_log(self, last_step: int) -> None:
+        """Keep the samples of steps up to `last_step` (those the checkpoint holds)."""
+        path = self.trained_log_path
+        if not path.exists():
+            return
+        kept = []
+        for ln in path.read_bytes().splitlines(keepends=True):
+            try:
+                if msgspec.json.decode(ln)["step"] <= last_step:
+                    kept.append(ln)
+            except msgspec.DecodeError:  # the torn tail of a write the crash interrupted
+                pass
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_bytes(b"".join(kept))
+        os.replace(tmp, path)
 
     async def _publish_weights(self, version: int) -> dict[str, float]:
         """Weights of `version` onto every engine: pause, load, resume. Generation resumes right after the load."""
@@ -196,6 +233,10 @@ class Trainer:
         await self.pool.start()
         await self._wait_for_engines()
         resumed = await self._resume()
+        if cfg.trained_log:
+            self._cut_trained_log(self.state.step)
+        await self.ride(self.producer.partitions, "reading the run's partitions")
+        self.consumer = self.producer.consumer(group=CONSUMER_GROUP, name=CONSUMER_NAME)
         await self.ride(self.consumer.setup, "creating the results group")
         self._resumed = True
         await self._publish_weights(self.state.version)  # engines start from the trainer's weights
@@ -312,10 +353,13 @@ class Trainer:
             ),
             cfg.steps,
         )
+        if cfg.trained_log:  # the policy version trained is the one before this step's update
+            self._log_trained(state.step, state.version - 1, got.groups)
         if state.step % cfg.checkpoint_every == 0 or state.step == cfg.steps:
             await asyncio.to_thread(checkpoint.save, self.checkpoint_path, self.policy.state(), state)
             unacked = self._unacked
             await self.ride(lambda: self.consumer.commit(unacked), "acking trained samples")  # the checkpoint has them
+            self.collector.committed(state.unacked_groups)
             self._unacked = []
             state.unacked_groups = []
         # New admissions only against versions a checkpoint knows (with checkpoint_every 1: always).

@@ -8,9 +8,11 @@ from typing import Any, NamedTuple
 
 import redis.asyncio as aioredis
 from redis.commands.core import AsyncScript
+from redis.exceptions import NoScriptError
 
+from rollq.protocol import scripts as lua
 from rollq.protocol.keys import PAYLOAD_FIELD
-from rollq.redis_client import TRANSIENT_ERRORS, OutageClock, RedisUnavailable
+from rollq.redis_client import TRANSIENT_ERRORS, OutageClock, RedisUnavailable, is_cluster
 
 log = logging.getLogger("rollq.worker")
 
@@ -21,6 +23,10 @@ class _ScriptOp:
 
     async def queue(self, pipe: Any) -> None:
         await self.script(keys=self.keys, args=self.args, client=pipe)
+
+    def queue_evalsha(self, pipe: Any) -> None:
+        """Queue as a raw EVALSHA: redis-py's cluster pipeline refuses scripts (NOSCRIPT is the caller's to handle)."""
+        pipe.execute_command("EVALSHA", self.script.sha, len(self.keys), *self.keys, *self.args)
 
 
 class _PublishOp(NamedTuple):
@@ -35,12 +41,17 @@ class _PublishOp(NamedTuple):
 
 
 _Op = _ScriptOp | _PublishOp
+_RETRY_ALONE = (NoScriptError, *TRANSIENT_ERRORS)  # a cluster pipeline's per-write errors worth repeating
 
 
 class WriteBatcher:
     """Writes queued while a transaction is in flight go out together in the next one; each write is atomic on its
     own (and so is the batch). A batch is repeated until Redis answers, which is safe: the scripts are no-ops for
-    entries already acked, and a repeated publish is a duplicate that consumers drop by (job id, sample index)."""
+    entries already acked, and a repeated publish is a duplicate that consumers drop by (job id, sample index).
+
+    On Redis Cluster a batch spans slots (partitions), so it goes out as a plain pipeline of scripts instead (each
+    write still atomic: a publish is the PUBLISH script); writes the cluster answered with an error that is worth
+    repeating (a node that failed over, a script the new primary never loaded) are repeated on their own."""
 
     def __init__(
         self, redis: aioredis.Redis, max_batch: int = 256, *, outage_s: float = float("inf"), url: str = ""
@@ -51,6 +62,8 @@ class WriteBatcher:
         self.url = url
         self._queue: list[tuple[_Op, asyncio.Future[Any]]] = []
         self._wake = asyncio.Event()
+        self._cluster = is_cluster(redis)
+        self._publish = redis.register_script(lua.PUBLISH)
 
     def _submit(self, op: _Op) -> asyncio.Future[Any]:
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
@@ -76,9 +89,18 @@ class WriteBatcher:
             while self._queue:
                 batch = self._queue[: self.max_batch]
                 del self._queue[: self.max_batch]
-                await self._execute(batch)
+                try:
+                    await self._execute(batch)
+                except Exception as exc:  # a bug must fail its writes, not leave their callers waiting forever
+                    log.exception("writing a batch of %d failed", len(batch))
+                    for _, fut in batch:
+                        if not fut.done():
+                            fut.set_exception(exc)
 
     async def _execute(self, batch: list[tuple[_Op, asyncio.Future[Any]]]) -> None:
+        if self._cluster:
+            await self._execute_scripts(batch)
+            return
         scripts = [(op, fut) for op, fut in batch if isinstance(op, _ScriptOp)]
         publishes = [(op, fut) for op, fut in batch if isinstance(op, _PublishOp)]
         acks: dict[tuple[str, str], list[str]] = {}
@@ -134,3 +156,56 @@ class WriteBatcher:
                 fut.set_exception(reply)
             else:
                 fut.set_result(reply)
+
+    async def _execute_scripts(self, batch: list[tuple[_Op, asyncio.Future[Any]]]) -> None:
+        """Redis Cluster: every write a script, in one non-transactional pipeline (redis-py sends each node its
+        share); the writes that failed with a transient error or NOSCRIPT are repeated (after loading the scripts)."""
+        pending = [(self._as_script(op), fut) for op, fut in batch]
+        delay = 0.05
+        clock = OutageClock(self.url, self.outage_s, f"publishing {len(batch)} results")
+        while pending:
+            try:
+                pipe = self.redis.pipeline(transaction=False)
+                for op, _ in pending:
+                    op.queue_evalsha(pipe)
+                replies = await pipe.execute(raise_on_error=False)
+            except TRANSIENT_ERRORS as exc:
+                replies = [exc] * len(pending)
+            except Exception as exc:
+                log.error("redis refused a batch of %d writes: %s: %s", len(pending), type(exc).__name__, exc)
+                for _, fut in pending:
+                    if not fut.done():
+                        fut.set_exception(exc)
+                return
+            again: list[tuple[_ScriptOp, asyncio.Future[Any]]] = []
+            for (op, fut), reply in zip(pending, replies, strict=True):
+                if isinstance(reply, _RETRY_ALONE):
+                    again.append((op, fut))
+                elif not fut.done():
+                    (fut.set_exception if isinstance(reply, Exception) else fut.set_result)(reply)
+            if not again:
+                return
+            failure = next(r for r in replies if isinstance(r, _RETRY_ALONE))
+            try:
+                if not isinstance(failure, NoScriptError):
+                    clock.failed(failure)
+                    log.warning("redis unavailable for %d writes (%s); retrying in %.2fs", len(again), failure, delay)
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 2.0)
+                for script in {id(op.script): op.script for op, _ in again}.values():
+                    await self.redis.script_load(script.script)
+            except RedisUnavailable as gone:
+                for _, fut in again:
+                    if not fut.done():
+                        fut.set_exception(gone)
+                return
+            except TRANSIENT_ERRORS:
+                pass  # loading the scripts failed as well: the next round finds out again
+            pending = again
+
+    def _as_script(self, op: _Op) -> _ScriptOp:
+        if isinstance(op, _ScriptOp):
+            return op
+        return _ScriptOp(
+            self._publish, [op.jobs, op.stream], [op.group, op.entry_id, op.payload, 1 if op.private else 0]
+        )

@@ -40,7 +40,8 @@ class WorkerConfig(RunSettings, kw_only=True):
         int, setting("how often dead workers' jobs are looked for; 0 = lease_ms / 4", metavar="MS", ge=0)
     ] = 0
     classes_refresh_ms: Annotated[
-        int, setting("how often the run's job classes (`rollq classes`) are re-read", metavar="MS", ge=10)
+        int,
+        setting("how often the run's job classes (`rollq classes`) and partitions are re-read", metavar="MS", ge=10),
     ] = 1_000
     heartbeat_ms: Annotated[int, setting("how often the worker reports itself alive", metavar="MS", ge=1)] = 2_000
     forget_workers_after: Annotated[
@@ -52,6 +53,15 @@ class WorkerConfig(RunSettings, kw_only=True):
     block_ms: Annotated[
         int, setting("longest blocking read; bounds how fast a stop is noticed", metavar="MS", ge=1)
     ] = 500
+    cluster_block_ms: Annotated[
+        int,
+        setting(
+            "on Redis Cluster with several streams (partitions, classes): how long an idle read waits on each "
+            "(a blocking read can't span slots there, so each stream is read on its own, all at once)",
+            metavar="MS",
+            ge=1,
+        ),
+    ] = 100
     drain_grace: Annotated[float, setting("seconds in-flight jobs get to finish on SIGTERM", metavar="S", ge=0)] = 30.0
     wait_redis: Annotated[float, setting("wait up to S seconds for Redis at start", metavar="S", ge=0)] = 0.0
     metrics_port: Annotated[
@@ -102,6 +112,15 @@ class WorkerConfig(RunSettings, kw_only=True):
             group=AGENTS,
         ),
     ] = "exact"
+    proxy_max_body_bytes: Annotated[
+        int,
+        setting(
+            "the proxy answers 413 to a request body over this (and records nothing)",
+            metavar="BYTES",
+            ge=1024,
+            group=AGENTS,
+        ),
+    ] = 64 << 20
 
     def __post_init__(self) -> None:
         super().__post_init__()

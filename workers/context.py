@@ -35,7 +35,7 @@ class ContextConfig(msgspec.Struct, kw_only=True, frozen=True):
     agent_processes: int = 4  # subproc-mode agents running at once
     agent_hosts: int = 0  # processes running inline agents' episodes (rollq.workers.agents.hosts); 0 = this loop
     http_max_connections: int = 1024
-    redis_url: str = DEFAULT_REDIS_URL  # the worker's Redis (remote rewards reach their reward workers through it)
+    redis_url: str = DEFAULT_REDIS_URL  # where remote rewards reach their reward workers (RunSettings.rewards_url)
     run: str = "default"  # the worker's run (remote rewards go to its reward workers unless a job names another)
 
 

@@ -133,10 +133,14 @@ class RewardWorkerCollector(Collector):
         self.client.close()
 
 
-def reward_worker_registry(arq_worker: Any, queue: str, redis_url: str, results: dict[str, int]) -> CollectorRegistry:
+def reward_worker_registry(
+    arq_worker: Any, queue: str, redis_url: str, results: dict[str, int]
+) -> tuple[CollectorRegistry, RewardWorkerCollector]:
+    """The registry, and its collector (whose `arq_worker` follows a restarted arq worker)."""
     registry = process_registry()
-    registry.register(RewardWorkerCollector(arq_worker, queue, redis_url, results))
-    return registry
+    collector = RewardWorkerCollector(arq_worker, queue, redis_url, results)
+    registry.register(collector)
+    return registry, collector
 
 
 __all__ = [

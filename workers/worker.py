@@ -40,7 +40,15 @@ from rollq.protocol.messages import (
     Trajectory,
     job_classes,
 )
-from rollq.redis_client import TRANSIENT_ERRORS, OutageClock, ensure_group, is_nogroup, redis_client
+from rollq.redis_client import (
+    TRANSIENT_ERRORS,
+    OutageClock,
+    ensure_group,
+    is_cluster,
+    is_nogroup,
+    redis_client,
+    run_partitions,
+)
 from rollq.workers.batcher import WriteBatcher
 from rollq.workers.config import WorkerConfig
 from rollq.workers.context import ContextConfig, EpisodeContext, RecordingEngine, WorkflowContext, episode_scope
@@ -146,9 +154,12 @@ class Worker:
                 agent_processes=config.agent_processes,
                 agent_hosts=config.agent_hosts,
                 proxy=ProxyConfig(
-                    host=config.proxy_host, port=config.proxy_port, continuation=config.proxy_continuation
+                    host=config.proxy_host,
+                    port=config.proxy_port,
+                    continuation=config.proxy_continuation,
+                    max_body_bytes=config.proxy_max_body_bytes,
                 ),
-                redis_url=config.redis_url,
+                redis_url=config.rewards_url,
                 run=config.run,
             )
         )
@@ -164,10 +175,15 @@ class Worker:
         self._start_sample = self.redis.register_script(scripts.START_SAMPLE)
         self._forget_workers = self.redis.register_script(scripts.FORGET_WORKERS)
         self._running: dict[tuple[str, str], _Running] = {}  # (job stream, entry id) -> its task
-        # Job classes (RunKeys.classes, refreshed every classes_refresh_ms): class -> stream, and the DRR state.
+        # Job classes (RunKeys.classes) and the run's partitions (RunKeys.partitions), refreshed every
+        # classes_refresh_ms: class -> its streams (one per partition), and the DRR state.
         self._classes: dict[str, JobClass] = job_classes({})
-        self._streams: dict[str, str] = {DEFAULT_CLASS: self.keys.jobs}
+        self._partitions = 1
+        self._cluster = is_cluster(self.redis)  # no blocking read across slots there
+        self._streams: dict[str, list[str]] = {DEFAULT_CLASS: [self.keys.jobs]}
         self._class_of: dict[str, JobClass] = {self.keys.jobs: self._classes[DEFAULT_CLASS]}  # stream -> class
+        self._keys_of: dict[str, RunKeys] = {self.keys.jobs: self.keys}  # stream -> its partition's keys
+        self._rotation = 0  # which partition a class's reads start at (turns, so no partition is favoured)
         self._fair = FairShare(self._classes.values())
         self._groups: set[str] = set()  # streams whose consumer group this worker has ensured
         self._own: dict[str, str] = {}  # stream -> cursor through this consumer's own pending entries (a restart)
@@ -268,7 +284,7 @@ class Worker:
                 continue
             try:
                 now = time.monotonic()
-                if now >= next_classes or len(self._groups) < len(self._streams):
+                if now >= next_classes or len(self._groups) < len(self._class_of):
                     next_classes = now + self.cfg.classes_refresh_ms / 1000
                     await self._refresh_classes()
                     self.ready.set()
@@ -291,8 +307,8 @@ class Worker:
                     claimed = await self._reclaim(free)
                     if claimed:
                         continue
-                if len(self._streams) == 1:  # one class (the usual case): one blocking read, as ever
-                    stream = self._streams[DEFAULT_CLASS]
+                if len(self._class_of) == 1:  # one class, one partition (the usual case): one blocking read
+                    stream = self._streams[DEFAULT_CLASS][0]
                     entries = await self._read(stream, ">", free, block=self.cfg.block_ms)
                     if entries:
                         await self._start(stream, entries, [1] * len(entries))
@@ -300,11 +316,6 @@ class Worker:
                     await self._read_classes(free)
                 delay = 0.05
                 outage.ok()
-            except ResponseError as exc:
-                if not is_nogroup(exc):
-                    raise
-                log.warning("consumer group is gone (Redis lost its data?); recreating it")
-                self._groups.clear()
             except TRANSIENT_ERRORS as exc:
                 outage.failed(exc)  # past redis_outage_s: RedisUnavailable ends the worker
                 log.warning("redis unavailable (%s); retrying in %.2fs", exc, delay)
@@ -313,64 +324,101 @@ class Worker:
                 except TimeoutError:
                     pass
                 delay = min(delay * 2, 2.0)
+            except ResponseError as exc:
+                if not is_nogroup(exc):
+                    raise
+                log.warning("consumer group is gone (Redis lost its data?); recreating it")
+                self._groups.clear()
 
     async def _refresh_classes(self) -> None:
-        """Follow the run's job classes (RunKeys.classes): their streams, priorities and weights."""
+        """Follow the run's job classes (RunKeys.classes: their priorities and weights) and partitions."""
         classes = job_classes(await self.redis.hgetall(self.keys.classes))  # type: ignore[misc]  # sync|async stub
-        if classes != self._classes:
+        # A count Redis lost (a restart that lost writes) never shrinks what this worker reads.
+        partitions = max(self._partitions, await run_partitions(self.redis, self.keys.partitions, self.cfg.partitions))
+        if classes != self._classes or partitions != self._partitions:
             names = ", ".join(f"{c.name} (priority {c.priority}, weight {c.weight:g})" for c in classes.values())
-            log.info("job classes: %s", names)
-            self._classes = classes
+            log.info("job classes: %s; %d partition(s)", names, partitions)
+            self._classes, self._partitions = classes, partitions
             self._fair.update(classes.values())
-            self._streams = {name: self.keys.job_stream(name) for name in self._fair.order()}
-            self._class_of = {self._streams[name]: c for name, c in classes.items()}
-        for stream in self._streams.values():
+            parts = [self.keys.at(p) for p in range(partitions)]
+            self._streams = {name: [k.job_stream(name) for k in parts] for name in self._fair.order()}
+            self._keys_of = {k.job_stream(name): k for name in classes for k in parts}
+            self._class_of = {stream: classes[name] for name, streams in self._streams.items() for stream in streams}
+        for stream in self._class_of:
             if stream not in self._groups:
                 await ensure_group(self.redis, stream, WORKER_GROUP)
                 self._groups.add(stream)
                 self._own.setdefault(stream, "0")
 
+    def _split(self, name: str, count: int, empty: set[str]) -> list[tuple[str, int]]:
+        """`count` reads of class `name` spread over its partitions' streams not found empty in this fill, starting
+        at a partition that turns with each call."""
+        streams = [s for s in self._streams[name] if s not in empty]
+        if not streams:
+            return []
+        self._rotation += 1
+        k = self._rotation % len(streams)
+        streams = streams[k:] + streams[:k]
+        base, extra = divmod(count, len(streams))
+        return [(stream, base + (i < extra)) for i, stream in enumerate(streams) if base + (i < extra)]
+
     async def _read_classes(self, free: int) -> None:
-        """Fill `free` slots across the class streams: strict priority between levels, DRR by weight within one.
-        One pipelined non-blocking read per round; a class that comes back short is out for this fill, and its
-        slots go to the rest. When every class is empty, one blocking read on all of them."""
+        """Fill `free` slots across the class streams: strict priority between levels, DRR by weight within one;
+        a class's share is read from its partitions in turn. One pipelined non-blocking read per round; a stream
+        that comes back short is out for this fill, a class whose streams all are is exhausted and its slots go to
+        the rest. When every stream is empty, one blocking read on all of them."""
         candidates = set(self._streams)
+        empty: set[str] = set()
         started = 0
         while free > 0 and candidates:
             order = self._fair.allocate(free, candidates)
             plan = collections.Counter(order)
+            reads = [(name, stream, n) for name, count in plan.items() for stream, n in self._split(name, count, empty)]
             pipe = self.redis.pipeline(transaction=False)
-            for name, count in plan.items():
-                pipe.xreadgroup(WORKER_GROUP, self.name, {self._streams[name]: ">"}, count=count)
+            for _, stream, n in reads:
+                pipe.xreadgroup(WORKER_GROUP, self.name, {stream: ">"}, count=n)
             replies = await pipe.execute()
-            got: dict[str, list[Entry]] = {}
-            for (name, count), reply in zip(plan.items(), replies, strict=True):
-                got[name] = list(reversed(reply[0][1])) if reply else []
-                if len(got[name]) < count:
+            got: dict[str, collections.deque[tuple[str, Entry]]] = {name: collections.deque() for name in plan}
+            for (name, stream, n), reply in zip(reads, replies, strict=True):
+                entries = reply[0][1] if reply else []
+                got[name].extend((stream, e) for e in entries)
+                if len(entries) < n:
+                    empty.add(stream)
+            for name in plan:
+                if all(stream in empty for stream in self._streams[name]):
                     self._fair.exhausted(name)
                     candidates.discard(name)
             for name in order:  # start them in DRR order, so start order shows the shares slot by slot
                 if got[name]:
-                    await self._start(self._streams[name], [got[name].pop()], [1])
+                    stream, entry = got[name].popleft()
+                    await self._start(stream, [entry], [1])
                     free -= 1
                     started += 1
         if started:
             return
-        streams = list(self._streams.values())  # highest priority first
+        streams = list(self._class_of)  # highest priority first
         count = max(1, free // len(streams))
-        reply = await self.redis.xreadgroup(
-            WORKER_GROUP, self.name, dict.fromkeys(streams, ">"), count=count, block=self.cfg.block_ms
-        )
-        woke = sorted(
-            ((key.decode() if isinstance(key, bytes) else key, entries) for key, entries in reply or []),
-            key=lambda kv: streams.index(kv[0]),
-        )
+        woke = await self._block_read(streams, count)
         for stream, entries in woke:
             take = entries[:free]
             self._held.extend((stream, e) for e in entries[free:])  # started first when slots free up
             if take:
                 await self._start(stream, take, [1] * len(take))
                 free -= len(take)
+
+    async def _block_read(self, streams: list[str], count: int) -> list[tuple[str, list[Entry]]]:
+        """Wait (up to block_ms) for entries on any of `streams`; returns them per stream, in `streams` order. On
+        Redis Cluster a read can't span slots: each stream is read on its own, all at once, waiting at most
+        cluster_block_ms so no stream's entries wait for another's timeout."""
+        if not self._cluster:
+            reply = await self.redis.xreadgroup(
+                WORKER_GROUP, self.name, dict.fromkeys(streams, ">"), count=count, block=self.cfg.block_ms
+            )
+            woke = [(key.decode() if isinstance(key, bytes) else key, entries) for key, entries in reply or []]
+            return sorted(woke, key=lambda kv: streams.index(kv[0]))
+        block = min(self.cfg.block_ms, self.cfg.cluster_block_ms)
+        replies = await asyncio.gather(*(self._read(stream, ">", count, block=block) for stream in streams))
+        return [(stream, entries) for stream, entries in zip(streams, replies, strict=True) if entries]
 
     async def _read(self, stream: str, start: str, count: int, block: int | None) -> list[Entry]:
         reply = await self.redis.xreadgroup(WORKER_GROUP, self.name, {stream: start}, count=count, block=block)
@@ -380,7 +428,7 @@ class Worker:
         """Take over jobs whose worker stopped refreshing their lease (it died), stream by stream (highest
         priority first)."""
         claimed = 0
-        for stream in self._streams.values():
+        for stream in self._class_of:
             if count - claimed <= 0:
                 break
             reply = await self.redis.xautoclaim(
@@ -455,12 +503,11 @@ class Worker:
                 pipe = self.redis.pipeline(transaction=False)
                 pipe.zadd(self.keys.workers, {self.name: time.time()})
                 pipe.hset(self.keys.worker_info, self.name, json.dumps(info))
-                await self._forget_workers(  # crashed workers: their heartbeat and info
-                    keys=[self.keys.workers, self.keys.worker_info],
-                    args=[time.time() - self.cfg.forget_workers_after, 1 if sweep else 0],
-                    client=pipe,
-                )
                 await pipe.execute()
+                await self._forget_workers(  # crashed workers: their heartbeat and info (no script in a pipeline:
+                    keys=[self.keys.workers, self.keys.worker_info],  # redis-py's cluster pipeline refuses them)
+                    args=[time.time() - self.cfg.forget_workers_after, 1 if sweep else 0],
+                )
                 sweep = False
             except TRANSIENT_ERRORS:
                 pass
@@ -478,10 +525,11 @@ class Worker:
     ) -> None:
         started = time.time()
         jobs = stream or self.keys.jobs  # the entry's own (class's) stream: acks, retries and dead letters go there
+        keys = self._keys_of.get(jobs, self.keys)  # its partition's keys: everything one step writes is in its slot
         job: Job | None = None
         try:
-            job = self._decode(eid, payload, fields)
-            reply_to = job.reply_to or self.keys.results
+            job = self._decode(eid, payload, fields, keys)
+            reply_to = job.reply_to or keys.results
             if job.cancellable:  # mark the sample started, unless its job was cancelled (then it is acked, not run)
                 skipped = Trajectory(
                     job_id=job.job_id,
@@ -496,7 +544,7 @@ class Worker:
                 )
                 if not await self._writes.script(
                     self._start_sample,
-                    [self.keys.job_control(job.job_id), jobs, reply_to],
+                    [keys.job_control(job.job_id), jobs, reply_to],
                     [WORKER_GROUP, eid, job.sample_index, self.codec.encode(skipped)],
                 ):
                     return
@@ -573,10 +621,10 @@ class Worker:
                     )
                 )
             published = await self._writes.publish(
-                jobs, WORKER_GROUP, eid, reply_to, encoded, private=reply_to != self.keys.results
+                jobs, WORKER_GROUP, eid, reply_to, encoded, private=reply_to != keys.results
             )
             if published == 0:  # its private reply stream is gone (its caller left): dropped, not recreated
-                await self._result_dropped(job, eid)
+                await self._result_dropped(job, eid, keys)
             elif published:
                 if sequences is None:
                     self.stats.rejected += 1
@@ -593,7 +641,7 @@ class Worker:
         for observe in self.episode_observers:
             observe(job.job_class if job else DEFAULT_CLASS, outcome, time.time() - started, sequences)
 
-    def _decode(self, eid: str, payload: bytes | None, fields: dict | None) -> Job:
+    def _decode(self, eid: str, payload: bytes | None, fields: dict | None, keys: RunKeys) -> Job:
         if payload is None:
             got = ", ".join(k.decode(errors="replace") for k in (fields or {})) or "no fields"
             raise _Fatal(self._error("MalformedJob", f"stream entry {eid} has no 'd' payload field (has {got})", 1))
@@ -620,10 +668,9 @@ class Worker:
                 ),
                 job,
             )
-        if job.reply_to and not self.keys.owns(job.reply_to):
-            raise _Fatal(
-                self._error("MalformedJob", f"reply_to {job.reply_to!r} is outside run {self.cfg.run!r}", 1), job
-            )
+        if job.reply_to and not keys.owns(job.reply_to):
+            where = f"partition {keys.partition} of run {self.cfg.run!r}" if keys.partition else f"run {self.cfg.run!r}"
+            raise _Fatal(self._error("MalformedJob", f"reply_to {job.reply_to!r} is outside {where}", 1), job)
         if job.n < 1 or not 0 <= job.sample_index < job.n:
             raise _Fatal(
                 self._error("MalformedJob", f"sample_index {job.sample_index} is not in [0, n={job.n})", 1), job
@@ -643,6 +690,8 @@ class Worker:
         stream: str = "",
     ) -> None:
         log.error("dead-lettering job entry %s: %s: %s", eid, error.type, error.message)
+        stream = stream or self.keys.jobs
+        keys = self._keys_of.get(stream, self.keys)
         raw = None if decoded else payload
         if raw is not None and error.type == "JobTooLarge":
             raw = raw[:RAW_PREFIX_BYTES]  # a prefix to tell what it was, not another copy of the whole payload
@@ -654,9 +703,9 @@ class Worker:
             deliveries=deliveries,
         )
         traj_payload = b""
-        reply_to = self.keys.results
-        if job is not None and (not job.reply_to or self.keys.owns(job.reply_to)):
-            reply_to = job.reply_to or self.keys.results
+        reply_to = keys.results
+        if job is not None and (not job.reply_to or keys.owns(job.reply_to)):
+            reply_to = job.reply_to or keys.results
             traj_payload = self.codec.encode(
                 Trajectory(
                     job_id=job.job_id,
@@ -674,15 +723,15 @@ class Worker:
             )
         done = await self._writes.script(
             self._finish,
-            [stream or self.keys.jobs, reply_to, self.keys.dead, self.keys.dropped],
-            [WORKER_GROUP, eid, traj_payload, self.codec.encode(letter), 1 if reply_to != self.keys.results else 0],
+            [stream, reply_to, keys.dead, keys.dropped],
+            [WORKER_GROUP, eid, traj_payload, self.codec.encode(letter), 1 if reply_to != keys.results else 0],
         )
         if done:
             self.stats.dead_lettered += 1
         if done == 2:
             self.stats.results_dropped += 1
 
-    async def _result_dropped(self, job: Job, eid: str) -> None:
+    async def _result_dropped(self, job: Job, eid: str, keys: RunKeys) -> None:
         self.stats.results_dropped += 1
         log.warning(
             "job %s sample %d (entry %s): reply stream %s is gone; result dropped",
@@ -692,6 +741,6 @@ class Worker:
             job.reply_to,
         )
         try:
-            await self.redis.hincrby(self.keys.dropped, "reply_gone", 1)  # type: ignore[misc]  # stub: sync|async
+            await self.redis.hincrby(keys.dropped, "reply_gone", 1)  # type: ignore[misc]  # stub: sync|async
         except TRANSIENT_ERRORS:
             pass  # accounting only; the job itself is acked

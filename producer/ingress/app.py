@@ -51,9 +51,9 @@ from rollq.producer.ingress.models import (
 )
 from rollq.protocol import scripts
 from rollq.protocol.codec import Codec, CodecError
-from rollq.protocol.keys import DEFAULT_CLASS, PAYLOAD_FIELD, WORKER_GROUP, RunKeys
-from rollq.protocol.messages import Job, Trajectory, job_classes
-from rollq.redis_client import TRANSIENT_ERRORS, ensure_group, redis_client
+from rollq.protocol.keys import DEFAULT_CLASS, PAYLOAD_FIELD, WORKER_GROUP, RunKeys, partition_of, partition_share
+from rollq.protocol.messages import Job, JobClass, Trajectory, job_classes
+from rollq.redis_client import TRANSIENT_ERRORS, ensure_group, redis_client, run_partitions
 
 log = logging.getLogger("rollq.ingress")
 
@@ -160,6 +160,7 @@ class Ingress:
         self._submit = self.redis.register_script(scripts.INGRESS_SUBMIT)
         self._cancel = self.redis.register_script(scripts.CANCEL_JOB)
         self._groups: set[str] = set()
+        self._partitions = 0  # the run's partition count, read on first use
         self._openapi = msgspec.json.encode(openapi())
         if self.open:
             log.warning("rollq ingress: no tokens configured (tokens / tokens_file): every job request gets 401")
@@ -221,6 +222,15 @@ class Ingress:
 
     def internal_id(self, tenant: str, client_id: str) -> str:
         return f"{tenant}:{client_id}"
+
+    async def partitions(self) -> int:
+        if not self._partitions:
+            self._partitions = await run_partitions(self.redis, self.keys.partitions, self.cfg.partitions)
+        return self._partitions
+
+    async def keys_of(self, job_id: str) -> RunKeys:
+        """The keys of the partition an (internal) job id lives on."""
+        return self.keys.at(partition_of(job_id, await self.partitions()))
 
     def _job_ref(self, request: web.Request) -> tuple[str, str]:
         """(client id, internal id) of the path's job; a job id that can't exist is a 404 like an unknown one."""
@@ -294,7 +304,7 @@ class Ingress:
                         )
             if spec.job_class not in (None, DEFAULT_CLASS):
                 if classes is None:
-                    classes = job_classes(await self.redis.hgetall(self.keys.classes))  # type: ignore[misc]
+                    classes = await self._classes()
                 if spec.job_class not in classes:
                     raise HttpError(
                         400,
@@ -306,24 +316,67 @@ class Ingress:
         admitted = await self._admit(tenant, specs)
         return _json(SubmitResponse(admitted), 202)
 
+    async def _classes(self) -> dict[str, JobClass]:
+        return job_classes(await self.redis.hgetall(self.keys.classes))  # type: ignore[misc]  # stub: sync|async
+
     async def _admit(self, tenant: str, specs: list[JobSpec]) -> list[Admitted]:
+        """One INGRESS_SUBMIT per partition the batch's jobs live on (one, unless the run is partitioned), all or
+        nothing on each. Should a later partition refuse after an earlier one admitted (its bound filled meanwhile),
+        the 429 names the jobs admitted: resubmitting the batch with the same job ids is safe (duplicates)."""
+        count = await self.partitions()
+        classes = await self._classes()
+        client_ids = [spec.job_id or uuid.uuid4().hex for spec in specs]
+        by_partition: dict[int, list[int]] = {}
+        for k, client_id in enumerate(client_ids):
+            by_partition.setdefault(partition_of(self.internal_id(tenant, client_id), count), []).append(k)
+        fresh: dict[int, bool] = {}
+        for partition, indices in sorted(by_partition.items()):
+            try:
+                jobs = [(specs[k], client_ids[k]) for k in indices]
+                flags = await self._admit_on(partition, count, classes, tenant, jobs)
+            except HttpError as exc:
+                admitted = [client_ids[k] for k, new in fresh.items() if new]
+                if admitted and exc.status == 429:
+                    exc.message += f"; on other partitions these jobs were queued: {', '.join(admitted)}"
+                raise
+            fresh.update(zip(indices, flags, strict=True))
+        out = []
+        for k, (spec, client_id) in enumerate(zip(specs, client_ids, strict=True)):
+            out.append(Admitted(client_id, fresh[k], spec.n))
+            if fresh[k]:
+                self.stats.jobs_admitted += 1
+                self.stats.samples_admitted += spec.n
+            else:
+                self.stats.jobs_duplicate += 1
+        return out
+
+    async def _admit_on(
+        self,
+        partition: int,
+        count: int,
+        classes: dict[str, JobClass],
+        tenant: str,
+        jobs: list[tuple[JobSpec, str]],
+    ) -> list[bool]:
+        """Admit `jobs` (all on `partition`) all or nothing; per job, True if new (False: a duplicate)."""
         now = time.time()
+        keys = self.keys.at(partition)
         streams: dict[str, int] = {}
+        stream_args: list[Any] = []
         stream_classes: list[str] = []
         job_keys: list[str] = []
         args: list[Any] = []
-        client_ids = []
-        for spec in specs:
-            client_id = spec.job_id or uuid.uuid4().hex
-            client_ids.append(client_id)
+        for spec, client_id in jobs:
             job_id = self.internal_id(tenant, client_id)
             job_class = spec.job_class or DEFAULT_CLASS
-            stream = self.keys.job_stream(job_class)
+            stream = keys.job_stream(job_class)
             index = streams.get(stream, 0)
             if not index:
                 index = streams[stream] = len(streams) + 1
                 stream_classes.append(job_class)
-            job_keys += (self.keys.job_control(job_id), self.keys.job_results(job_id))
+                known = classes.get(job_class)
+                stream_args += (job_class, -1 if known is None else partition_share(known.max_inflight, count))
+            job_keys += (keys.job_control(job_id), keys.job_results(job_id))
             args += (index, spec.n)
             job = Job(
                 job_id=job_id,
@@ -332,7 +385,7 @@ class Ingress:
                 n=spec.n,
                 workflow_kwargs=spec.workflow_kwargs,
                 agent=spec.agent,
-                reply_to=self.keys.job_results(job_id),
+                reply_to=keys.job_results(job_id),
                 submitted_at=now,
                 is_eval=spec.is_eval,
                 cancellable=True,
@@ -345,34 +398,28 @@ class Ingress:
                 await ensure_group(self.redis, stream, WORKER_GROUP)
                 self._groups.add(stream)
         reply = await self._submit(
-            keys=[self.keys.classes, *streams, *job_keys],
-            args=[len(streams), self.cfg.max_queued, int(self.cfg.retention), *stream_classes, *args],
+            keys=[*streams, *job_keys],
+            args=[len(streams), partition_share(self.cfg.max_queued, count), int(self.cfg.retention)]
+            + [*stream_args, *args],
         )
         if int(reply[0]) < 0:
             job_class = stream_classes[int(reply[1]) - 1]
             if int(reply[0]) == -2:
                 raise HttpError(400, "invalid", f"run {self.cfg.run!r} has no job class {job_class!r}", "job_class")
+            where = f" on partition {partition}" if count > 1 else ""
             raise HttpError(
                 429,
                 "busy",
-                f"job class {job_class!r} has {int(reply[2])} samples queued or running; this batch's new samples "
-                f"would pass its bound of {int(reply[3])}: nothing was queued, retry later",
+                f"job class {job_class!r} has {int(reply[2])} samples queued or running{where}; this batch's new "
+                f"samples would pass its bound of {int(reply[3])}: nothing was queued, retry later",
             )
-        out = []
-        for spec, client_id, flag in zip(specs, client_ids, reply[1:], strict=True):
-            fresh = int(flag) == 1
-            out.append(Admitted(client_id, fresh, spec.n))
-            if fresh:
-                self.stats.jobs_admitted += 1
-                self.stats.samples_admitted += spec.n
-            else:
-                self.stats.jobs_duplicate += 1
-        return out
+        return [int(flag) == 1 for flag in reply[1:]]
 
     # -- GET /v1/jobs/{id} -----------------------------------------------------------------------------------
 
     async def _record(self, client_id: str, job_id: str) -> dict[bytes, bytes]:
-        record: dict[bytes, bytes] = await self.redis.hgetall(self.keys.job_control(job_id))  # type: ignore[misc]
+        keys = await self.keys_of(job_id)
+        record: dict[bytes, bytes] = await self.redis.hgetall(keys.job_control(job_id))  # type: ignore[misc]
         if not record:
             raise HttpError(404, "not_found", f"no job {client_id!r} (never submitted, or past its retention)")
         return record
@@ -389,7 +436,7 @@ class Ingress:
         record = await self._record(client_id, job_id)
         n = int(record.get(b"n", 0))
         firsts: dict[int, Trajectory] = {}
-        for _, fields in await self.redis.xrange(self.keys.job_results(job_id)):
+        for _, fields in await self.redis.xrange((await self.keys_of(job_id)).job_results(job_id)):
             traj = self._decode(fields)
             if traj is not None and 0 <= traj.sample_index < n:
                 firsts.setdefault(traj.sample_index, traj)
@@ -433,7 +480,8 @@ class Ingress:
             )
             for i in range(n)
         ]
-        reply = await self._cancel(keys=[self.keys.job_control(job_id), self.keys.job_results(job_id)], args=payloads)
+        keys = await self.keys_of(job_id)
+        reply = await self._cancel(keys=[keys.job_control(job_id), keys.job_results(job_id)], args=payloads)
         if int(reply[0]) == -1:
             raise HttpError(404, "not_found", f"no job {client_id!r} (never submitted, or past its retention)")
         started = sorted(int(i) for i in reply[1:])
@@ -450,7 +498,8 @@ class Ingress:
             raise HttpError(400, "invalid", f"Last-Event-ID {last!r} is not an event id (like 1700000000000-0)")
         record = await self._record(client_id, job_id)
         n = int(record.get(b"n", 0))
-        stream = self.keys.job_results(job_id)
+        keys = await self.keys_of(job_id)
+        stream = keys.job_results(job_id)
         seen: set[int] = set()
         counts = Counts()
         if last != "0-0":  # what the client already has: its samples are not sent again
@@ -470,7 +519,7 @@ class Ingress:
                 reply = await self.redis.xread({stream: last}, count=256, block=block_ms)
                 entries = reply[0][1] if reply else []
                 if not entries:
-                    if not await self.redis.exists(self.keys.job_control(job_id)):
+                    if not await self.redis.exists(keys.job_control(job_id)):
                         await resp.write(b'event: expired\ndata: {"message": "the job passed its retention"}\n\n')
                         return resp
                     await resp.write(b": keepalive\n\n")

@@ -23,6 +23,8 @@ BENCHMARKS = [
     "async_rl",
     "ingress",
     "fair_share",
+    "chaos",
+    "partitions",
 ]
 
 

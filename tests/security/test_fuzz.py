@@ -93,7 +93,7 @@ def test_stream_entry_decoder_raises_only_fatal(worker: Worker) -> None:
     @hostile
     def check(payload: bytes | None) -> None:
         try:
-            job = worker._decode("1-0", payload, {b"x": b"y"})
+            job = worker._decode("1-0", payload, {b"x": b"y"}, worker.keys)
         except _Fatal:
             assert payload is None or salvage_job(payload) is None or isinstance(salvage_job(payload), Job)
             return

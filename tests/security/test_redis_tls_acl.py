@@ -98,3 +98,74 @@ def test_passwords_in_redis_urls_stay_out_of_logs_and_errors():
     assert safe_url(url) == "rediss://worker@redis.example:6380/0"
     message = str(RedisUnavailable(url, "reading jobs", 61.0, ConnectionError("refused")))
     assert "s3cret" not in message and "client.key" not in message and "redis.example:6380" in message
+
+
+@pytest.mark.slow
+async def test_a_training_run_and_the_ingress_work_as_their_role_users(tls_redis, tmp_path, engine_process):
+    """Every role end to end over TLS as its own user: an engine registering itself (`engine`), a worker
+    (`worker`), the trainer admitting, consuming and training two steps (`trainer`), and the HTTP ingress admitting
+    a job, reporting and cancelling (`producer`)."""
+    import io
+
+    import httpx
+    import msgspec
+
+    from rollq.engine.pool import EnginePool, PoolConfig
+    from rollq.engine.registry import EngineRegistry
+    from rollq.trainer.config import TrainConfig
+    from rollq.trainer.loop import Trainer
+    from tests.helpers import wait_until
+    from tests.producer.ingress_helpers import running_ingress
+    from tests.trainer.helpers import ENGINE_ARGS, WORKFLOW_KWARGS
+
+    tls = tls_redis.tls()
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in tls.items()]
+    _, engine = await engine_process(
+        *ENGINE_ARGS, "--register", "--redis", tls_redis.url("engine"), "--run", tls_redis.run, *flags
+    )
+    registry_redis = client_for(tls_redis, "trainer")
+    try:
+        registry = EngineRegistry(registry_redis, tls_redis.run)
+
+        async def registered() -> bool:
+            return engine in await registry.live()
+
+        await wait_until(registered, 20, what="the engine registered as user engine")
+    finally:
+        await registry_redis.aclose()
+    cfg = TrainConfig(
+        redis_url=tls_redis.url("trainer"),
+        run=tls_redis.run,
+        run_dir=str(tmp_path / "run"),
+        engine=[engine],
+        steps=2,
+        group_size=2,
+        groups_per_step=2,
+        workflow_kwargs=WORKFLOW_KWARGS,
+        **tls,
+    )
+    trainer_redis = redis_client(cfg.redis_url, retries=0)
+    pool = EnginePool(PoolConfig(urls=[engine]))
+    try:
+        async with (
+            EnginePool(PoolConfig(urls=[engine])) as workers_pool,
+            running_worker(tls_redis.url("worker"), tls_redis.run, concurrency=8, engine=workers_pool, **tls),
+        ):
+            records = msgspec.to_builtins(await Trainer(cfg, trainer_redis, pool, progress=io.StringIO()).run())
+            assert [r["step"] for r in records] == [1, 2]
+            async with (
+                running_ingress(tls_redis.url("producer"), tls_redis.run, **tls) as (_, base),
+                httpx.AsyncClient(timeout=10) as http,
+            ):
+                auth = {"Authorization": "Bearer tok-acme"}
+                job = {"workflow": "tests.workflows:Echo", "data": {"i": 1}, "n": 2, "job_id": "acl-1"}
+                assert (await http.post(f"{base}/v1/jobs", json=job, headers=auth)).status_code == 202
+
+                async def done() -> bool:
+                    return (await http.get(f"{base}/v1/jobs/acl-1", headers=auth)).json()["done"]
+
+                await wait_until(done, 20, what="the ingress job done")
+                assert (await http.delete(f"{base}/v1/jobs/acl-1", headers=auth)).status_code == 200
+    finally:
+        await pool.close()
+        await trainer_redis.aclose()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -163,3 +164,42 @@ def test_sigterm_stops_the_reward_worker(redis_url, run_name, tmp_path):
     with reward_worker(redis_url, run_name, tmp_path / "w.log") as proc:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(15) == 0
+
+
+def test_a_reward_worker_exits_with_a_clear_message_when_redis_stays_away(run_name, tmp_path):
+    from tests.redis_server import RedisServer
+
+    server = RedisServer().start()
+    log = tmp_path / "w.log"
+    try:
+        with reward_worker(server.url, run_name, log, "--redis-outage-s", "2") as proc:
+            server.close()  # and never back
+            t0 = time.monotonic()
+            assert proc.wait(30) == 3, log.read_text()[-2000:]
+            assert time.monotonic() - t0 < 20
+    finally:
+        server.close()
+    last = log.read_text().strip().splitlines()[-1]
+    assert "redis_outage_s" in last and "serving remote rewards" in last, last
+
+
+async def test_a_reward_worker_rides_out_a_redis_restart(run_name, tmp_path):
+    from tests.redis_server import RedisServer
+
+    server = RedisServer(aof=True).start()
+    try:
+        with reward_worker(server.url, run_name, tmp_path / "w.log", "--redis-outage-s", "30") as proc:
+            server.proc.kill()
+            server.proc.wait(10)
+            server.proc = None
+            log = tmp_path / "w.log"
+            deadline = time.monotonic() + 20
+            while "went away" not in log.read_text():  # the outage lasts until the worker noticed it
+                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
+                await asyncio.sleep(0.05)
+            server.start()  # same port, from its AOF
+            async with RemoteReward("tests.reward_fns:exact_match", redis_url=server.url, run=run_name) as rr:
+                assert await rr("42") == 1.0  # served by the same reward worker process
+            assert proc.poll() is None, log.read_text()[-2000:]
+    finally:
+        server.close()

@@ -9,13 +9,15 @@ result that rollq.workers.rewards.remote turns back into the exception.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 from collections import Counter
 from typing import Any
 
 from arq.worker import func
 
 from rollq.protocol.keys import RunKeys
-from rollq.redis_client import arq_settings
+from rollq.redis_client import TRANSIENT_ERRORS, arq_settings, redis_client, ride_out, safe_url
 from rollq.workers.resolver import Allowlist, resolve
 from rollq.workers.rewards.config import RewardWorkerConfig
 from rollq.workers.rewards.processes import (
@@ -26,6 +28,8 @@ from rollq.workers.rewards.processes import (
     RewardTimeout,
 )
 from rollq.workers.rewards.remote import COMPUTE_REWARD, MAX_TRIES, RESULT_TTL_S, RUN_MARGIN_S, WORKER_POLL_S
+
+log = logging.getLogger("rollq.rewards")
 
 
 class RewardFunctions:
@@ -93,7 +97,7 @@ def worker_settings(cfg: RewardWorkerConfig, outcomes: Counter[str] | None = Non
     async def on_shutdown(ctx: dict[str, Any]) -> None:
         await ctx["rewards"].close()
 
-    redis_settings = arq_settings(cfg.redis_url)
+    redis_settings = arq_settings(cfg.rewards_url)
     redis_settings.conn_retries = 0  # unreachable Redis at start: fail at once with rollq's one-line hint
     return {
         # arq's timeout is only a backstop behind the wrapper's (which also excludes the child's start-up).
@@ -118,27 +122,45 @@ def worker_settings(cfg: RewardWorkerConfig, outcomes: Counter[str] | None = Non
 
 
 async def serve(cfg: RewardWorkerConfig) -> int:
+    """Serve until SIGTERM / SIGINT. arq's worker stops at the first connection error, so a Redis that goes away is
+    ridden out here: wait for it (up to redis_outage_s, then RedisUnavailable: the CLI exits 3 naming the URL) and
+    start arq's worker again; calls in flight are retried by arq (max_tries) or time out at their callers."""
     from arq.worker import Worker
 
     outcomes: Counter[str] = Counter()
-    # Built inside the running loop: arq binds its SIGTERM/SIGINT handlers to the loop it finds.
-    worker = Worker(**worker_settings(cfg, outcomes))
     metrics = None
-    if cfg.metrics_port:
-        from rollq.engine.metrics import MetricsServer
-        from rollq.workers.metrics import reward_worker_registry
-
-        registry = reward_worker_registry(worker, RunKeys(cfg.run).rewards, cfg.redis_url, outcomes)
-        metrics = MetricsServer(registry, cfg.metrics_port)
+    collector = None
+    ping = redis_client(cfg.rewards_url, retries=0)
     try:
-        await worker.async_run()
-    except asyncio.CancelledError:  # arq's signal handler cancels its main task: a normal stop
-        pass
+        await ping.ping()  # no Redis at start: the CLI's one-line hint at once, not a wait
+        while True:
+            # Built inside the running loop: arq binds its SIGTERM/SIGINT handlers to the loop it finds.
+            worker = Worker(**worker_settings(cfg, outcomes))
+            if cfg.metrics_port and metrics is None:
+                from rollq.engine.metrics import MetricsServer
+                from rollq.workers.metrics import reward_worker_registry
+
+                registry, collector = reward_worker_registry(
+                    worker, RunKeys(cfg.run).rewards, cfg.rewards_url, outcomes
+                )
+                metrics = MetricsServer(registry, cfg.metrics_port)
+            elif collector is not None:
+                collector.arq_worker = worker
+            try:
+                await worker.async_run()
+                return 0
+            except asyncio.CancelledError:  # arq's signal handler cancels its main task: a normal stop
+                return 0
+            except TRANSIENT_ERRORS as exc:
+                log.warning("redis at %s went away (%s); waiting for it", safe_url(cfg.rewards_url), exc)
+            finally:
+                with contextlib.suppress(*TRANSIENT_ERRORS):
+                    await worker.close()  # waits for cancelled jobs, then on_shutdown stops the reward children
+            await ride_out(ping.ping, what="serving remote rewards", limit_s=cfg.redis_outage_s, url=cfg.rewards_url)
     finally:
+        await ping.aclose()
         if metrics is not None:
             metrics.close()
-        await worker.close()  # waits for cancelled jobs, then on_shutdown stops the reward children
-    return 0
 
 
 __all__ = ["RewardFunctions", "compute_reward", "serve", "worker_settings"]

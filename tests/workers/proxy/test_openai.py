@@ -226,3 +226,12 @@ async def test_a_body_over_max_body_bytes_is_413_and_records_nothing(stack):
         assert resp.status_code == 200 and len(session.records) == 1  # the same proxy serves bodies under the limit
     finally:
         await proxy.close()
+
+
+def test_a_workers_proxy_body_bound_is_its_setting():
+    from rollq.cli import parse
+    from rollq.workers.worker import Worker
+
+    (config,) = parse(["worker", "--proxy-max-body-bytes", "4096"], env={}).settings
+    worker = Worker(config)
+    assert worker.context.config.proxy.max_body_bytes == 4096

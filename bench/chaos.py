@@ -1,0 +1,837 @@
+"""Whole-system chaos soak: the full stack as real processes, faults injected while it trains, and an accounting of
+every sample at the end.
+
+    python -m bench.chaos                      # >= 2,000 trained episodes (samples); or: python bench/chaos.py
+    python -m bench.chaos --episodes 400       # smaller
+    python -m bench.chaos --appendfsync everysec
+
+The stack: `redis-server` with AOF (`--appendonly yes --appendfsync always`, or everysec), two synthetic reference
+engines (`rollq engine --backend synthetic`), three `rollq worker` processes and the trainer (`rollq train`, the toy
+task, max staleness eta = 2, `--trained-log`: every trained (job id, sample index) goes to RUN_DIR/trained.jsonl).
+While it runs a driver injects, one at a time:
+
+- worker_kill: SIGKILL a random worker every --worker-kill-every seconds and start a replacement (a new name);
+- engine_kill: SIGKILL an engine and restart it on the same port;
+- redis_kill: SIGKILL redis-server and restart it on the same port and directory (from its AOF);
+- trainer_kill: SIGKILL the trainer and restart it (it resumes from its checkpoint: checked in its log);
+- worker_stall: SIGSTOP a worker that holds jobs until its jobs are reclaimed by the others (past its lease), then
+  SIGCONT it (it finishes them too: the duplicates its publishes make must be dropped by the consumers).
+
+The non-periodic faults are spread over 5%..60% of the run's training steps (--engine-kills, --redis-kills,
+--trainer-kills, --stalls each); a fault takes seconds and the trainer keeps stepping meanwhile, so a short run may
+finish before the last planned ones (the table says so; each kind must fire at least once).
+
+At the end it prints an accounting table: samples admitted by the staleness ledger, trained (each exactly once),
+dropped by reason (the trainer's: stale, failed = error trajectories, future, invalid; dead letters, the workers'
+reply_gone count), left in flight when the run finished, duplicate trajectories on the results stream (dropped by the
+consumers' dedup, counted by an audit consumer group; those the trainer held uncommitted are dropped by its collector),
+faults per kind, the largest staleness trained against the bound, and the peak RSS per process kind in the first and
+last quarter of the run from its first training step (sampled from /proc every second; the check is last <= 1.1 x
+first). It fails (exit 1) when a sample was trained twice, an admitted group is neither trained, dropped nor in
+flight, the staleness bound was exceeded, a fault kind never fired, or the run did not finish. The last line printed
+is a JSON summary.
+"""
+
+from __future__ import annotations
+
+import sys
+
+if __name__ == "__main__" and not __package__:
+    import script_path  # noqa: F401  (run as `python bench/chaos.py`: the repository root on sys.path)
+
+import argparse
+import asyncio
+import math
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+from redis.exceptions import RedisError
+
+from bench.common import BenchError, Procs, bench_env, free_port, print_summary, rollq_argv, run_bench
+from rollq.producer.results import ResultConsumer
+from rollq.producer.status import gather_status
+from rollq.protocol.keys import RunKeys
+from rollq.redis_client import redis_client
+
+FAULT_KINDS = ("worker_kill", "engine_kill", "redis_kill", "trainer_kill", "worker_stall")
+PROCESS_KINDS = ("worker", "trainer", "engine", "redis")
+# Synthetic engines: sampled tokens from the tiny tokenizer, a decode step every 2 ms, 8 requests at once each.
+ENGINE_ARGS = ("--tokenizer", "tiny", "--sampled", "--token-latency", "0.002", "--max-running", "8")
+AUDIT_GROUP = "chaos-audit"
+
+
+@dataclass
+class ChaosConfig:
+    episodes: int = 2000  # trained samples the run needs (steps = ceil(episodes / B))
+    group_size: int = 4
+    groups_per_step: int = 4
+    max_staleness: int = 2
+    workers: int = 3
+    engines: int = 2
+    concurrency: int = 16
+    worker_kill_every_s: float = 5.0
+    engine_kills: int = 2
+    redis_kills: int = 2
+    trainer_kills: int = 2
+    stalls: int = 2
+    lease_ms: int = 3000
+    stall_extra_s: float = 0.0  # a stalled worker stays stopped this long after its jobs were reclaimed
+    redis_down_s: float = 0.5  # the outage itself (how long Redis stays away), not a synchronisation
+    appendfsync: str = "always"
+    redis_outage_s: float = 60.0  # what every process rides out
+    timeout_s: float = 1800.0  # the whole run
+    seed: int = 0
+    rss_every_s: float = 1.0
+
+    @property
+    def batch(self) -> int:
+        return self.group_size * self.groups_per_step
+
+    @property
+    def steps(self) -> int:
+        return max(1, math.ceil(self.episodes / self.batch))
+
+
+@dataclass
+class Fault:
+    kind: str
+    at_s: float
+    step: int
+    detail: str
+    recovered_s: float = 0.0
+
+
+@dataclass
+class Child:
+    kind: str
+    name: str
+    argv: list[str]
+    proc: subprocess.Popen
+    port: int = 0
+
+
+# -- the stack --------------------------------------------------------------------------------------------------
+
+
+def _ping(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.2) as s:
+            s.sendall(b"PING\r\n")
+            return s.recv(64).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+async def _bounded(probe: Any, timeout_s: float, what: str, interval_s: float = 0.05) -> Any:
+    """Poll `probe` (sync or async) until it returns something true; BenchError past `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = probe()
+        if asyncio.iscoroutine(value):
+            value = await value
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise BenchError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+        await asyncio.sleep(interval_s)
+
+
+class Stack:
+    """The processes of the soak, each restartable with its original command line."""
+
+    def __init__(self, cfg: ChaosConfig, procs: Procs, tmp: Path) -> None:
+        self.cfg = cfg
+        self.procs = procs
+        self.tmp = tmp
+        self.run = f"chaos{os.getpid()}"
+        self.redis_dir = tmp / "redis"
+        self.redis_dir.mkdir()
+        self.run_dir = tmp / "run"
+        self.redis_port = free_port()
+        self.url = f"redis://127.0.0.1:{self.redis_port}/0"
+        self.env = bench_env()
+        self.children: dict[str, Child] = {}
+        self._workers_started = 0
+
+    def _start(self, kind: str, name: str, argv: list[str], port: int = 0) -> Child:
+        child = Child(kind, name, argv, self.procs.start(name, argv, env=self.env), port)
+        self.children[name] = child
+        return child
+
+    def live(self, kind: str) -> list[Child]:
+        return [c for c in self.children.values() if c.kind == kind and c.proc.poll() is None]
+
+    def tail(self, child: Child) -> str:
+        return self.procs.log_tail(child.proc)
+
+    # redis
+    async def start_redis(self) -> Child:
+        exe = shutil.which("redis-server")
+        if exe is None:
+            raise BenchError("redis-server is not on PATH")
+        argv = [exe, "--port", str(self.redis_port), "--bind", "127.0.0.1", "--dir", str(self.redis_dir)]
+        argv += ["--save", "", "--appendonly", "yes", "--appendfsync", self.cfg.appendfsync, "--protected-mode", "no"]
+        child = self._start("redis", "redis", argv, self.redis_port)
+        await _bounded(
+            lambda: child.proc.poll() is not None or _ping(self.redis_port), 30, "redis-server to answer PING"
+        )
+        if child.proc.poll() is not None:
+            raise BenchError(f"redis-server exited with {child.proc.returncode}: {self.tail(child)}")
+        return child
+
+    # engines
+    async def start_engine(self, index: int, port: int | None = None) -> Child:
+        port = port or free_port()
+        argv = [*rollq_argv(), "engine", "--backend", "synthetic", "--port", str(port), "--seed", str(index)]
+        child = self._start("engine", f"engine{index}", [*argv, *ENGINE_ARGS], port)
+        await self.engine_ready(child)
+        return child
+
+    async def engine_ready(self, child: Child) -> None:
+        import httpx
+
+        async def healthy() -> bool:
+            if child.proc.poll() is not None:
+                raise BenchError(f"{child.name} exited with {child.proc.returncode}: {self.tail(child)}")
+            try:
+                async with httpx.AsyncClient() as c:
+                    return (await c.get(f"http://127.0.0.1:{child.port}/health", timeout=1)).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        await _bounded(healthy, 60, f"{child.name} /health", 0.1)
+
+    @property
+    def engine_urls(self) -> list[str]:
+        return [f"http://127.0.0.1:{c.port}" for c in self.children.values() if c.kind == "engine"]
+
+    # workers
+    def start_worker(self) -> Child:
+        name = f"worker{self._workers_started}"
+        self._workers_started += 1
+        argv = [*rollq_argv(), "worker", "--redis", self.url, "--run", self.run, "--name", name]
+        argv += ["--concurrency", str(self.cfg.concurrency), "--lease-ms", str(self.cfg.lease_ms)]
+        argv += ["--redis-outage-s", str(self.cfg.redis_outage_s), "--log-level", "WARNING"]
+        for url in self.engine_urls:
+            argv += ["--engine", url]
+        return self._start("worker", name, argv)
+
+    async def worker_registered(self, redis: Any, child: Child, timeout_s: float = 30) -> None:
+        async def registered() -> bool:
+            if child.proc.poll() is not None:
+                raise BenchError(f"{child.name} exited with {child.proc.returncode}: {self.tail(child)}")
+            return bool(await redis.zscore(RunKeys(self.run).workers, child.name))
+
+        await _bounded(registered, timeout_s, f"{child.name} to register", 0.1)
+
+    # trainer
+    def trainer_argv(self) -> list[str]:
+        c = self.cfg
+        argv = [*rollq_argv(), "train", "--redis", self.url, "--run", self.run, "--run-dir", str(self.run_dir)]
+        argv += [
+            "--steps",
+            str(c.steps),
+            "--group-size",
+            str(c.group_size),
+            "--groups-per-step",
+            str(c.groups_per_step),
+        ]
+        argv += ["--max-staleness", str(c.max_staleness), "--redis-outage-s", str(c.redis_outage_s), "--trained-log"]
+        argv += ["--seed", str(c.seed)]
+        for url in self.engine_urls:
+            argv += ["--engine", url]
+        return argv
+
+    def start_trainer(self, life: int) -> Child:
+        return self._start("trainer", f"trainer{life}", self.trainer_argv())
+
+    def steps_done(self) -> int:
+        path = self.run_dir / "metrics.jsonl"
+        try:
+            return len(path.read_bytes().splitlines())
+        except OSError:
+            return 0
+
+    def kill_all(self) -> None:
+        """Teardown: SIGCONT (a stopped process can't die otherwise... it can, but be sure), SIGKILL, reap."""
+        for child in self.children.values():
+            if child.proc.poll() is None:
+                for sig in (signal.SIGCONT, signal.SIGKILL):
+                    try:
+                        child.proc.send_signal(sig)
+                    except ProcessLookupError:
+                        pass
+        for child in self.children.values():
+            try:
+                child.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
+
+
+def _sigkill(child: Child) -> None:
+    child.proc.send_signal(signal.SIGKILL)
+    child.proc.wait(10)
+
+
+# -- observers --------------------------------------------------------------------------------------------------
+
+
+class Auditor:
+    """Reads every trajectory published on the run's results stream through a consumer group of its own: counts the
+    duplicates its dedup drops (the trainer's consumer drops the same ones) and the statuses. Rides out Redis
+    restarts (polls again once Redis answers)."""
+
+    def __init__(self, url: str, run: str) -> None:
+        self.redis = redis_client(url)
+        self.consumer = ResultConsumer(
+            self.redis, RunKeys(run).results, group=AUDIT_GROUP, name="audit", release_inflight=False
+        )
+        self.statuses: Counter = Counter()
+        self.samples: set[tuple[str, int]] = set()
+        self.outages = 0
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        await self.consumer.setup()  # before anything is published: it sees the whole run
+        self._task = asyncio.create_task(self._loop())
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                batch = await self.consumer.read(count=512, block_ms=200)
+                for d in batch:
+                    self.statuses[d.trajectory.status] += 1
+                    self.samples.add((d.trajectory.job_id, d.trajectory.sample_index))
+                await self.consumer.commit(batch)
+            except (RedisError, OSError):
+                self.outages += 1
+                self.consumer.resync()
+                await asyncio.sleep(0.2)  # Redis is away: poll again
+
+    @property
+    def duplicates(self) -> int:
+        return self.consumer.duplicates_dropped
+
+    async def drain(self, timeout_s: float = 10) -> None:
+        """Until a read finds nothing new (bounded)."""
+        deadline = time.monotonic() + timeout_s
+        last = -1
+        while time.monotonic() < deadline:
+            now = sum(self.statuses.values()) + self.duplicates
+            if now == last:
+                return
+            last = now
+            await asyncio.sleep(0.5)
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        await self.redis.aclose()
+
+
+def _rss_kib(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+class RssSampler:
+    """Every `every_s`: the RSS of every live child, by kind, with the time since the start."""
+
+    def __init__(self, stack: Stack, every_s: float) -> None:
+        self.stack = stack
+        self.every_s = every_s
+        self.samples: list[tuple[float, str, int]] = []
+        self.t0 = time.monotonic()
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self.t0 = time.monotonic()
+        self._task = asyncio.create_task(self._loop())
+
+    async def _loop(self) -> None:
+        while True:
+            now = time.monotonic() - self.t0
+            for child in list(self.stack.children.values()):
+                if child.proc.poll() is None:
+                    rss = _rss_kib(child.proc.pid)
+                    if rss:
+                        self.samples.append((now, child.kind, rss))
+            await asyncio.sleep(self.every_s)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    def quarters(self, since_s: float = 0.0) -> dict[str, dict[str, Any]]:
+        """Peak RSS per kind in the first and the last quarter of [since_s, end] (since_s: the first training step,
+        so that start-up, imports and first-use loading, is not compared with the steady state)."""
+        end = max((t for t, _, _ in self.samples), default=0.0)
+        q = (end - since_s) / 4
+        out: dict[str, dict[str, Any]] = {}
+        for kind in PROCESS_KINDS:
+            first = [r for t, k, r in self.samples if k == kind and since_s <= t <= since_s + q]
+            last = [r for t, k, r in self.samples if k == kind and t >= end - q]
+            if not first or not last:
+                continue
+            f, la = max(first), max(last)
+            out[kind] = {"first_quarter_peak_kib": f, "last_quarter_peak_kib": la, "ratio": round(la / f, 3)}
+            out[kind]["within_10pct"] = la <= 1.1 * f
+        return out
+
+
+# -- the driver -------------------------------------------------------------------------------------------------
+
+
+class Driver:
+    def __init__(self, cfg: ChaosConfig, procs: Procs, tmp: Path, *, out: Any = None) -> None:
+        self.cfg = cfg
+        self.stack = Stack(cfg, procs, tmp)
+        self.rng = random.Random(cfg.seed)
+        self.faults: list[Fault] = []
+        self.trainer_lives = 0
+        self.resumes: list[str] = []
+        self.out = out if out is not None else sys.stderr
+        self.t0 = time.monotonic()
+        self.redis: Any = None
+        self.first_step_s: float | None = None  # since the RSS sampler started
+
+    def say(self, msg: str) -> None:
+        print(f"[chaos {time.monotonic() - self.t0:7.1f}s] {msg}", file=self.out, flush=True)
+
+    def plan(self) -> list[tuple[int, str]]:
+        """The step-triggered faults, interleaved and spread over 5%..60% of the run's steps."""
+        counts = {
+            "worker_stall": self.cfg.stalls,
+            "engine_kill": self.cfg.engine_kills,
+            "redis_kill": self.cfg.redis_kills,
+            "trainer_kill": self.cfg.trainer_kills,
+        }
+        kinds: list[str] = []
+        for round_ in range(max(counts.values(), default=0)):  # round robin over the kinds
+            kinds += [k for k, n in counts.items() if n > round_]
+        lo, hi = 0.05 * self.cfg.steps, 0.6 * self.cfg.steps
+        gap = (hi - lo) / max(1, len(kinds) - 1)
+        return [(max(1, round(lo + gap * i)), k) for i, k in enumerate(kinds)]
+
+    async def start(self) -> None:
+        s = self.stack
+        await s.start_redis()
+        self.redis = redis_client(s.url)
+        for i in range(self.cfg.engines):
+            await s.start_engine(i)
+        self.auditor = Auditor(s.url, s.run)
+        await self.auditor.start()
+        for _ in range(self.cfg.workers):
+            await s.worker_registered(self.redis, s.start_worker())
+        self.trainer = s.start_trainer(self.trainer_lives)
+        self.trainer_lives += 1
+        self.sampler = RssSampler(s, self.cfg.rss_every_s)
+        self.sampler.start()
+        self.t0 = time.monotonic()
+        self.say(
+            f"stack up: redis {s.url} (appendfsync {self.cfg.appendfsync}), engines {s.engine_urls}, "
+            f"{self.cfg.workers} workers; training {self.cfg.steps} steps of {self.cfg.batch} samples"
+        )
+
+    def _record(self, kind: str, detail: str, started: float) -> None:
+        f = Fault(kind, started - self.t0, self.stack.steps_done(), detail, time.monotonic() - started)
+        self.faults.append(f)
+        self.say(f"{kind}: {detail} (step {f.step}, recovered in {f.recovered_s:.1f}s)")
+
+    # faults
+    async def worker_kill(self) -> None:
+        started = time.monotonic()
+        victim = self.rng.choice(self.stack.live("worker"))
+        _sigkill(victim)
+        new = self.stack.start_worker()
+        await self.stack.worker_registered(self.redis, new)
+        self._record("worker_kill", f"{victim.name} SIGKILLed, {new.name} started", started)
+
+    async def engine_kill(self) -> None:
+        started = time.monotonic()
+        victim = self.rng.choice(self.stack.live("engine"))
+        _sigkill(victim)
+        new = self.stack._start("engine", victim.name, victim.argv, victim.port)
+        await self.stack.engine_ready(new)
+        self._record("engine_kill", f"{victim.name} SIGKILLed, restarted on port {victim.port}", started)
+
+    async def redis_kill(self) -> None:
+        started = time.monotonic()
+        victim = self.stack.children["redis"]
+        _sigkill(victim)
+        await asyncio.sleep(self.cfg.redis_down_s)  # the outage being simulated, not a synchronisation
+        await self.stack.start_redis()
+        self._record("redis_kill", f"SIGKILLed, restarted from its AOF after {self.cfg.redis_down_s}s", started)
+
+    async def trainer_kill(self) -> None:
+        started = time.monotonic()
+        victim = self.trainer
+        _sigkill(victim)
+        step = self.stack.steps_done()
+        self.trainer = self.stack.start_trainer(self.trainer_lives)
+        self.trainer_lives += 1
+
+        def resumed() -> str | None:
+            exited = self.trainer.proc.poll()  # before the log: a trainer that resumed and finished says so first
+            for line in self.stack.tail(self.trainer).splitlines():
+                if "resumed at step" in line or "starting at step" in line:
+                    return line
+            if exited is not None:
+                raise BenchError(f"restarted trainer exited with {exited}: {self.stack.tail(self.trainer)}")
+            return None
+
+        line = await _bounded(resumed, 120, "the restarted trainer to resume", 0.1)
+        self.resumes.append(line.strip())
+        self._record(
+            "trainer_kill", f"{victim.name} SIGKILLed at step ~{step}; {line.split('] ')[-1].strip()}", started
+        )
+
+    async def _pending(self) -> dict[str, int]:
+        """Jobs pending per worker (consumer name), every job stream of the run."""
+        status = await gather_status(self.redis, self.stack.run)
+        out: Counter = Counter()
+        for g in status.jobs.groups:
+            for c in g.consumers:
+                out[c.name] += c.pending
+        return out
+
+    async def _pending_of(self, name: str) -> int:
+        return (await self._pending()).get(name, 0)
+
+    async def worker_stall(self) -> None:
+        started = time.monotonic()
+        live = {w.name: w for w in self.stack.live("worker")}
+        # one that holds jobs when it stops (workers idle while the ledger is full, between steps): bounded
+        deadline = time.monotonic() + 20
+        while True:
+            if self.trainer.proc.poll() is not None:
+                return  # the run is over: nothing left to stall
+            holding = [name for name, n in (await self._pending()).items() if n > 0 and name in live]
+            if not holding and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+                continue
+            victim = live[self.rng.choice(sorted(holding))] if holding else self.rng.choice(list(live.values()))
+            victim.proc.send_signal(signal.SIGSTOP)
+            stopped = time.monotonic()
+            held = await self._pending_of(victim.name)  # what it holds, frozen
+            if held or time.monotonic() >= deadline:
+                break
+            victim.proc.send_signal(signal.SIGCONT)  # it finished them in the meantime: another try
+        try:
+            # past its lease: until the others reclaimed every job it held (and at least the lease itself)
+            limit = 10 * self.cfg.lease_ms / 1000 + 10
+
+            async def reclaimed() -> bool:
+                past_lease = time.monotonic() - stopped >= 1.2 * self.cfg.lease_ms / 1000
+                return past_lease and await self._pending_of(victim.name) == 0
+
+            await _bounded(reclaimed, limit, f"the jobs of stopped {victim.name} to be reclaimed", 0.1)
+            # optionally longer (part of the fault, not a synchronisation). With 0 the worker resumes as the
+            # reclaimers run its jobs, so both copies of a sample tend to reach the trainer close together, while
+            # it holds the first uncommitted (the case the trainer's collector must drop, not the consumer's dedup)
+            if self.cfg.stall_extra_s:
+                await asyncio.sleep(self.cfg.stall_extra_s)
+        finally:
+            victim.proc.send_signal(signal.SIGCONT)
+        self._record(
+            "worker_stall",
+            f"{victim.name} SIGSTOPped holding {held} jobs for {time.monotonic() - stopped:.1f}s "
+            f"(lease {self.cfg.lease_ms} ms; all reclaimed), then SIGCONTed",
+            started,
+        )
+
+    async def drive(self) -> int:
+        """Inject faults until the trainer finishes; returns its exit code."""
+        plan = self.plan()
+        next_worker_kill = time.monotonic() + self.cfg.worker_kill_every_s
+        deadline = self.t0 + self.cfg.timeout_s
+        last_step, last_progress = 0, time.monotonic()
+        while True:
+            code = self.trainer.proc.poll()
+            if code is not None:
+                return code
+            now = time.monotonic()
+            if now > deadline:
+                raise BenchError(
+                    f"the run did not finish in {self.cfg.timeout_s:.0f}s (step {self.stack.steps_done()})"
+                )
+            step = self.stack.steps_done()
+            if step != last_step:
+                last_step, last_progress = step, now
+                if self.first_step_s is None:
+                    self.first_step_s = now - self.sampler.t0
+            elif now - last_progress > 180:
+                raise BenchError(f"no training step for 180s (stuck at step {step}): {self.stack.tail(self.trainer)}")
+            if plan and step >= plan[0][0]:
+                _, kind = plan.pop(0)
+                await getattr(self, kind)()
+            elif now >= next_worker_kill and self.cfg.worker_kill_every_s > 0:
+                await self.worker_kill()
+                next_worker_kill = time.monotonic() + self.cfg.worker_kill_every_s
+            else:
+                await asyncio.sleep(0.1)
+
+    async def close(self) -> None:
+        for part in ("sampler", "auditor"):
+            obj = getattr(self, part, None)
+            if obj is not None:
+                await (obj.stop() if part == "sampler" else obj.close())
+        self.stack.kill_all()
+        if self.redis is not None:
+            await self.redis.aclose()
+
+
+# -- accounting -------------------------------------------------------------------------------------------------
+
+
+async def account(driver: Driver, trainer_code: int, seconds: float) -> dict[str, Any]:
+    """Everything the run admitted, trained, dropped or left in flight, and the checks."""
+    s, cfg = driver.stack, driver.cfg
+    keys = RunKeys(s.run)
+    redis = driver.redis
+    await driver.auditor.drain()
+    ledger_raw = {k.decode(): int(v) for k, v in (await redis.hgetall(keys.ledger)).items()}
+    groups_raw = {k.decode(): int(v) for k, v in (await redis.hgetall(keys.ledger_groups)).items()}
+    dead = await redis.xlen(keys.dead)
+    worker_dropped = {k.decode(): int(v) for k, v in (await redis.hgetall(keys.dropped)).items()}
+
+    decoder = msgspec.json.Decoder()
+    rows = [decoder.decode(ln) for ln in (s.run_dir / "trained.jsonl").read_bytes().splitlines() if ln.strip()]
+    metrics = [decoder.decode(ln) for ln in (s.run_dir / "metrics.jsonl").read_bytes().splitlines() if ln.strip()]
+    final = metrics[-1] if metrics else {}
+
+    trained = Counter((r["job_id"], r["sample_index"]) for r in rows)
+    twice = sorted(k for k, n in trained.items() if n > 1)
+    per_group: dict[str, list[int]] = defaultdict(list)
+    for job_id, idx in trained:
+        per_group[job_id].append(idx)
+    incomplete = sorted(g for g, idx in per_group.items() if sorted(idx) != list(range(cfg.group_size)))
+    staleness = [r["version"] - r["oldest"] for r in rows if r["oldest"] is not None]
+    future = [r for r in rows if r["oldest"] is not None and r["oldest"] > r["version"]]
+    max_staleness = max(staleness, default=0)
+
+    trained_groups = set(per_group)
+    released = {g for g, n in groups_raw.items() if n == 0}
+    held = {g for g, n in groups_raw.items() if n > 0}
+    admitted_samples = cfg.group_size * len(groups_raw)
+    dropped = {k: v for k, v in final.get("dropped", {}).items() if v}
+    dropped_admitted = sum(v for k, v in dropped.items() if k != "foreign")
+    in_flight = (len(held) - len(trained_groups & held)) * cfg.group_size
+    checks = {
+        "run_finished": trainer_code == 0 and final.get("step") == cfg.steps,
+        "nothing_trained_twice": not twice
+        and len(set(sum(([g for g in m["groups"]] for m in metrics), []))) == sum(len(m["groups"]) for m in metrics),
+        "trained_groups_whole": not incomplete,
+        "trained_only_admitted": trained_groups <= held,
+        "dropped_never_trained": not (trained_groups & released),
+        "every_admitted_accounted": admitted_samples == len(trained) + dropped_admitted + in_flight
+        and ledger_raw.get("released", 0) == dropped_admitted,
+        "trained_count_matches": len(trained) == final.get("trained_samples", -1),
+        "staleness_within_bound": max_staleness <= cfg.max_staleness
+        and not future
+        and all(m["staleness_max"] <= cfg.max_staleness for m in metrics),
+        "in_flight_bounded": in_flight <= (cfg.max_staleness + 1) * cfg.batch,
+        "every_fault_fired": all(
+            any(f.kind == k for f in driver.faults)
+            for k, n in zip(
+                FAULT_KINDS,
+                (cfg.worker_kill_every_s, cfg.engine_kills, cfg.redis_kills, cfg.trainer_kills, cfg.stalls),
+                strict=True,
+            )
+            if n
+        ),
+        "trainer_resumed_from_checkpoint": all("resumed at step" in r for r in driver.resumes),
+    }
+    rss = driver.sampler.quarters(driver.first_step_s or 0.0)
+    held_copies = 0  # copies of samples the trainer held uncommitted, which its collector dropped (its log says so)
+    for path in s.procs.log_dir.glob("trainer*.log"):
+        held_copies += path.read_bytes().count(b"dropped a duplicate of sample")
+    return {
+        "run": s.run,
+        "seconds": round(seconds, 1),
+        "steps": final.get("step", 0),
+        "episodes_trained": len(trained),
+        "batch": cfg.batch,
+        "appendfsync": cfg.appendfsync,
+        "samples_admitted": admitted_samples,
+        "samples_trained": len(trained),
+        "samples_trained_twice": len(twice),
+        "dropped_by_trainer": dropped,
+        "dead_letters": dead,
+        "dropped_by_workers": worker_dropped,
+        "in_flight_at_end": in_flight,
+        "duplicates_dropped_by_consumers": driver.auditor.duplicates,
+        "duplicates_dropped_by_trainer_collector": held_copies,
+        "published": dict(driver.auditor.statuses),
+        "faults": dict(Counter(f.kind for f in driver.faults)),
+        "faults_planned": dict(Counter(kind for _, kind in driver.plan())),  # step-triggered; worker kills: by time
+        "max_staleness_observed": max_staleness,
+        "max_staleness_bound": cfg.max_staleness,
+        "staleness_hist": dict(sorted(Counter(staleness).items())),
+        "ledger": ledger_raw,
+        "rss": rss,
+        "rss_within_10pct": all(v["within_10pct"] for v in rss.values()),
+        "checks": checks,
+        "ok": all(checks.values()),
+        "twice_examples": [list(k) for k in twice[:5]],
+        "incomplete_examples": incomplete[:5],
+    }
+
+
+def table(report: dict[str, Any]) -> str:
+    """The accounting table."""
+    lines = [
+        f"chaos soak: {report['steps']} steps, {report['episodes_trained']} episodes in {report['seconds']:.0f} s "
+        f"(AOF appendfsync {report['appendfsync']})",
+        f"  {'samples admitted (ledger)':<40} {report['samples_admitted']:>8}",
+        f"  {'trained (exactly once)':<40} {report['samples_trained']:>8}",
+        f"  {'trained twice':<40} {report['samples_trained_twice']:>8}",
+    ]
+    for reason, n in sorted(report["dropped_by_trainer"].items()):
+        lines.append(f"  {'dropped by the trainer: ' + reason:<40} {n:>8}")
+    lines.append(f"  {'in flight when the run finished':<40} {report['in_flight_at_end']:>8}")
+    lines.append(f"  {'dead letters (-> failed)':<40} {report['dead_letters']:>8}")
+    for reason, n in sorted(report["dropped_by_workers"].items()):
+        lines.append(f"  {'dropped by workers: ' + reason:<40} {n:>8}")
+    lines.append(f"  {'duplicate trajectories (audit consumer)':<40} {report['duplicates_dropped_by_consumers']:>8}")
+    lines.append(
+        f"  {'  of which held copies the trainer dropped':<40} {report['duplicates_dropped_by_trainer_collector']:>8}"
+    )
+    for kind in FAULT_KINDS:
+        planned = report["faults_planned"].get(kind)
+        of = (
+            f" (of {planned} planned: the run finished first)"
+            if planned and planned > report["faults"].get(kind, 0)
+            else ""
+        )
+        lines.append(f"  {'faults: ' + kind:<40} {report['faults'].get(kind, 0):>8}{of}")
+    lines.append(
+        f"  {'max staleness observed / bound':<40} {report['max_staleness_observed']:>4} / "
+        f"{report['max_staleness_bound']}"
+        f"   histogram {report['staleness_hist']}"
+    )
+    lines.append(f"  {'peak RSS (KiB)':<40} {'1st quarter':>12} {'last quarter':>13} {'ratio':>6}  within 10%")
+    for kind, r in report["rss"].items():
+        lines.append(
+            f"  {'  ' + kind:<40} {r['first_quarter_peak_kib']:>12} {r['last_quarter_peak_kib']:>13} "
+            f"{r['ratio']:>6}  {'yes' if r['within_10pct'] else 'NO'}"
+        )
+    lines.append("  checks: " + ", ".join(f"{k} {'ok' if v else 'FAILED'}" for k, v in report["checks"].items()))
+    return "\n".join(lines)
+
+
+async def run_chaos(cfg: ChaosConfig, procs: Procs, tmp: Path, *, out: Any = None) -> dict[str, Any]:
+    """The whole soak: start the stack, drive faults until the trainer finishes, account. Every process it started
+    is SIGKILLed before it returns (or raises)."""
+    driver = Driver(cfg, procs, tmp, out=out)
+    started = time.monotonic()
+    try:
+        await driver.start()
+        code = await driver.drive()
+        if code != 0:
+            driver.say(f"the trainer exited with {code}: {driver.stack.tail(driver.trainer)}")
+        await driver.sampler.stop()
+        return await account(driver, code, time.monotonic() - started)
+    finally:
+        await driver.close()
+
+
+# -- main -------------------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    d = ChaosConfig()
+    p = argparse.ArgumentParser(prog="python -m bench.chaos", description=__doc__.split("\n\n")[0])
+    p.add_argument("--episodes", type=int, default=d.episodes, help=f"samples to train (default {d.episodes})")
+    p.add_argument("--group-size", type=int, default=d.group_size)
+    p.add_argument("--groups-per-step", type=int, default=d.groups_per_step)
+    p.add_argument("--max-staleness", type=int, default=d.max_staleness, help="eta (default 2)")
+    p.add_argument("--workers", type=int, default=d.workers)
+    p.add_argument("--engines", type=int, default=d.engines)
+    p.add_argument("--concurrency", type=int, default=d.concurrency, help="jobs per worker")
+    p.add_argument(
+        "--worker-kill-every",
+        type=float,
+        default=d.worker_kill_every_s,
+        metavar="S",
+        help="SIGKILL a random worker every S seconds (0: never)",
+    )
+    p.add_argument("--engine-kills", type=int, default=d.engine_kills)
+    p.add_argument("--redis-kills", type=int, default=d.redis_kills)
+    p.add_argument("--trainer-kills", type=int, default=d.trainer_kills)
+    p.add_argument("--stalls", type=int, default=d.stalls, help="worker SIGSTOP past its lease, then SIGCONT")
+    p.add_argument("--lease-ms", type=int, default=d.lease_ms, help="the workers' lease")
+    p.add_argument(
+        "--stall-extra-s", type=float, default=d.stall_extra_s, help="stalled this long after the jobs were reclaimed"
+    )
+    p.add_argument("--redis-down-s", type=float, default=d.redis_down_s, help="how long Redis stays away")
+    p.add_argument("--appendfsync", choices=["always", "everysec"], default=d.appendfsync)
+    p.add_argument("--timeout", type=float, default=d.timeout_s, help="bound on the whole run (s)")
+    p.add_argument("--seed", type=int, default=d.seed)
+    return p.parse_args(argv)
+
+
+def config_from(args: argparse.Namespace) -> ChaosConfig:
+    return ChaosConfig(
+        episodes=args.episodes,
+        group_size=args.group_size,
+        groups_per_step=args.groups_per_step,
+        max_staleness=args.max_staleness,
+        workers=args.workers,
+        engines=args.engines,
+        concurrency=args.concurrency,
+        worker_kill_every_s=args.worker_kill_every,
+        engine_kills=args.engine_kills,
+        redis_kills=args.redis_kills,
+        trainer_kills=args.trainer_kills,
+        stalls=args.stalls,
+        lease_ms=args.lease_ms,
+        stall_extra_s=args.stall_extra_s,
+        redis_down_s=args.redis_down_s,
+        appendfsync=args.appendfsync,
+        timeout_s=args.timeout,
+        seed=args.seed,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    cfg = config_from(args)
+    failed: list[str] = []
+
+    async def run(procs: Procs, tmp: Path) -> None:
+        report = await run_chaos(cfg, procs, tmp)
+        print(table(report))
+        failed.extend(k for k, v in report["checks"].items() if not v)
+        print_summary(report)
+
+    code = run_bench(run, "rollq-chaos-")
+    if code == 0 and failed:
+        print(f"bench failed: checks {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+
+__all__ = ["ChaosConfig", "Driver", "FAULT_KINDS", "account", "run_chaos", "table"]

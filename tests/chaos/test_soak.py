@@ -1,0 +1,75 @@
+"""The whole-system chaos soak, short: bench/chaos.py's driver (real redis-server with AOF, two engines, three
+`rollq worker`s, `rollq train`) with every fault at least once (worker SIGKILL + replacement, engine SIGKILL +
+restart, Redis SIGKILL + restart from its AOF, trainer SIGKILL + resume from its checkpoint, worker SIGSTOP past its
+lease + SIGCONT), then the same accounting as the benchmark: every admitted sample trained exactly once, dropped with
+a reason or in flight at the end; nothing trained twice; the staleness bound kept; the run finished.
+
+Plus the bug the soak found: a duplicate of a sample the trainer holds uncommitted (a stalled worker's second
+publish) passed the consumer's dedup, completed its group in place of the missing sample and was trained twice."""
+
+import asyncio
+import io
+
+import pytest
+
+from bench.chaos import FAULT_KINDS, ChaosConfig, run_chaos, table
+from bench.common import Procs
+from tests.trainer.test_collector import PREFIX, publish, sample, setup
+
+
+async def test_a_duplicate_of_a_held_sample_is_dropped_not_trained(redis, run_name):
+    ledger, consumer, collector = await setup(redis, run_name, eta=1)
+    group = f"{PREFIX}0"
+    assert (await ledger.admit(group, 2)).admitted
+    await publish(redis, run_name, sample(group, 0, [0]))
+    collecting = asyncio.create_task(collector.collect(1, 0, block_ms=50))
+    await asyncio.wait_for(_until(lambda: collector.samples_read == 1), 5)
+    await publish(redis, run_name, sample(group, 0, [0]))  # the copy, read while the original is held
+    await asyncio.wait_for(_until(lambda: collector.duplicates == 1), 5)
+    await publish(redis, run_name, sample(group, 1, [0]))
+    got = await asyncio.wait_for(collecting, 5)
+    assert [(s.job_id, s.sample_index) for g in got.groups for s in g.samples] == [(group, 0), (group, 1)]
+    await consumer.commit(got.deliveries)
+    collector.committed([group])
+    await publish(redis, run_name, sample(group, 1, [0]))  # a copy after the commit: the consumer's dedup drops it
+    assert await collector.consumer.read(block_ms=50) == [] and consumer.duplicates_dropped == 1
+    assert (await redis.xpending(consumer.stream, "trainer"))["pending"] == 0  # every copy acked
+
+
+async def _until(predicate) -> None:
+    while not predicate():
+        await asyncio.sleep(0.01)
+
+
+SOAK = ChaosConfig(
+    episodes=800,  # 50 steps of 16 samples
+    worker_kill_every_s=4.0,
+    engine_kills=1,
+    redis_kills=1,
+    trainer_kills=1,
+    stalls=1,
+    lease_ms=2000,
+    timeout_s=110.0,
+)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(170)
+async def test_the_whole_stack_survives_every_fault_and_accounts_for_every_sample(tmp_path):
+    procs = Procs(tmp_path)
+    log = io.StringIO()
+    try:
+        report = await run_chaos(SOAK, procs, tmp_path, out=log)
+    finally:
+        procs.stop_all()  # run_chaos SIGKILLed everything already; this closes the logs
+    print(log.getvalue())
+    print(table(report))
+    checks = report["checks"]
+    assert all(checks.values()), (checks, log.getvalue()[-3000:])
+    assert set(report["faults"]) == set(FAULT_KINDS), report["faults"]
+    assert report["samples_trained"] == SOAK.steps * SOAK.batch and report["samples_trained_twice"] == 0
+    trained = report["samples_trained"]
+    dropped = sum(n for reason, n in report["dropped_by_trainer"].items() if reason != "foreign")
+    assert report["samples_admitted"] == trained + dropped + report["in_flight_at_end"]
+    assert report["max_staleness_observed"] <= SOAK.max_staleness
+    assert report["ok"]
