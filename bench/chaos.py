@@ -4,6 +4,7 @@ every sample at the end.
     python -m bench.chaos                      # >= 2,000 trained episodes (samples); or: python bench/chaos.py
     python -m bench.chaos --episodes 400       # smaller
     python -m bench.chaos --appendfsync everysec
+    python -m bench.chaos --cluster            # on a six-node Redis Cluster, the run's queue in 3 partitions
 
 The stack: `redis-server` with AOF (`--appendonly yes --appendfsync always`, or everysec), two synthetic reference
 engines (`rollq engine --backend synthetic`), three `rollq worker` processes and the trainer (`rollq train`, the toy
@@ -12,7 +13,10 @@ While it runs a driver injects, one at a time:
 
 - worker_kill: SIGKILL a random worker every --worker-kill-every seconds and start a replacement (a new name);
 - engine_kill: SIGKILL an engine and restart it on the same port;
-- redis_kill: SIGKILL redis-server and restart it on the same port and directory (from its AOF);
+- redis_kill: SIGKILL redis-server and restart it on the same port and directory (from its AOF); with --cluster
+  (six `redis-server --cluster-enabled yes`, three primaries with a replica each, `--partitions` partitions) SIGKILL
+  a primary (first the one holding the run's ledger, then the others in turn), wait for its replica to take over
+  (`--cluster-node-timeout`), and restart it: it rejoins as a replica;
 - trainer_kill: SIGKILL the trainer and restart it (it resumes from its checkpoint: checked in its log);
 - worker_stall: SIGSTOP a worker that holds jobs until its jobs are reclaimed by the others (past its lease), then
   SIGCONT it (it finishes them too: the duplicates its publishes make must be dropped by the consumers).
@@ -58,13 +62,17 @@ import msgspec
 from redis.exceptions import RedisError
 
 from bench.common import BenchError, Procs, bench_env, free_port, print_summary, rollq_argv, run_bench
-from rollq.producer.results import ResultConsumer
+from rollq.config import with_query
+from rollq.producer.results import PartitionedConsumer, ResultConsumer
 from rollq.producer.status import gather_status
 from rollq.protocol.keys import RunKeys
 from rollq.redis_client import redis_client
 
 FAULT_KINDS = ("worker_kill", "engine_kill", "redis_kill", "trainer_kill", "worker_stall")
-PROCESS_KINDS = ("worker", "trainer", "engine", "redis")
+PROCESS_KINDS = ("worker", "trainer", "ingress", "engine", "redis")
+INGRESS_TOKEN = "chaos-token"
+# What the soak's external client submits through the ingress meanwhile: short fixed trajectories (no engine).
+INGRESS_JOB = {"workflow": "bench.workflows:FixedTrajectory", "workflow_kwargs": {"length": 64}, "n": 2}
 # Synthetic engines: sampled tokens from the tiny tokenizer, a decode step every 2 ms, 8 requests at once each.
 ENGINE_ARGS = ("--tokenizer", "tiny", "--sampled", "--token-latency", "0.002", "--max-running", "8")
 AUDIT_GROUP = "chaos-audit"
@@ -92,6 +100,10 @@ class ChaosConfig:
     timeout_s: float = 1800.0  # the whole run
     seed: int = 0
     rss_every_s: float = 1.0
+    cluster: bool = False  # a six-node Redis Cluster instead of one redis-server
+    partitions: int = 3  # the run's partitions on the cluster
+    cluster_node_timeout_ms: int = 1000  # how fast a killed primary's replica takes over
+    ingress_every_s: float = 0.25  # an external client submits a job through the HTTP ingress this often (0: none)
 
     @property
     def batch(self) -> int:
@@ -162,6 +174,7 @@ class Stack:
         self.env = bench_env()
         self.children: dict[str, Child] = {}
         self._workers_started = 0
+        self.cluster: Any = None  # tests.redis_cluster.LocalCluster with --cluster
 
     def _start(self, kind: str, name: str, argv: list[str], port: int = 0) -> Child:
         child = Child(kind, name, argv, self.procs.start(name, argv, env=self.env), port)
@@ -175,6 +188,24 @@ class Stack:
         return self.procs.log_tail(child.proc)
 
     # redis
+    async def start_cluster(self) -> None:
+        """Six cluster nodes (the tests' harness), AOF always, each a `redis` child for the RSS sampler."""
+        from tests.redis_cluster import LocalCluster
+
+        cluster = LocalCluster(
+            node_timeout_ms=self.cfg.cluster_node_timeout_ms, aof=True, directory=str(self.tmp / "cluster")
+        )
+        self.cluster = cluster
+        await asyncio.to_thread(cluster.start)
+        self.url = with_query(cluster.url, {"cluster": "yes"})
+        self.sync_nodes()
+
+    def sync_nodes(self) -> None:
+        """The cluster nodes' current processes as children (a restarted node has a new one)."""
+        for i, node in enumerate(self.cluster.nodes):
+            if node.proc is not None:
+                self.children[f"redis-node{i}"] = Child("redis", f"redis-node{i}", [], node.proc, node.port)
+
     async def start_redis(self) -> Child:
         exe = shutil.which("redis-server")
         if exe is None:
@@ -215,13 +246,33 @@ class Stack:
     def engine_urls(self) -> list[str]:
         return [f"http://127.0.0.1:{c.port}" for c in self.children.values() if c.kind == "engine"]
 
+    # ingress
+    async def start_ingress(self) -> Child:
+        port = free_port()
+        argv = [*rollq_argv(), "ingress", "--redis", self.url, "--run", self.run, "--host", "127.0.0.1"]
+        argv += ["--port", str(port), "--tokens", f'{{"{INGRESS_TOKEN}": "chaos"}}', "--log-level", "WARNING"]
+        child = self._start("ingress", "ingress", argv, port)
+        import httpx
+
+        async def healthy() -> bool:
+            if child.proc.poll() is not None:
+                raise BenchError(f"the ingress exited with {child.proc.returncode}: {self.tail(child)}")
+            try:
+                async with httpx.AsyncClient() as c:
+                    return (await c.get(f"http://127.0.0.1:{port}/healthz", timeout=1)).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        await _bounded(healthy, 60, "the ingress /healthz", 0.1)
+        return child
+
     # workers
     def start_worker(self) -> Child:
         name = f"worker{self._workers_started}"
         self._workers_started += 1
         argv = [*rollq_argv(), "worker", "--redis", self.url, "--run", self.run, "--name", name]
         argv += ["--concurrency", str(self.cfg.concurrency), "--lease-ms", str(self.cfg.lease_ms)]
-        argv += ["--redis-outage-s", str(self.cfg.redis_outage_s), "--log-level", "WARNING"]
+        argv += ["--redis-outage-s", str(self.cfg.redis_outage_s), "--log-level", "WARNING", "--allow", "bench"]
         for url in self.engine_urls:
             argv += ["--engine", url]
         return self._start("worker", name, argv)
@@ -248,6 +299,8 @@ class Stack:
         ]
         argv += ["--max-staleness", str(c.max_staleness), "--redis-outage-s", str(c.redis_outage_s), "--trained-log"]
         argv += ["--seed", str(c.seed)]
+        if c.cluster:
+            argv += ["--partitions", str(c.partitions)]
         for url in self.engine_urls:
             argv += ["--engine", url]
         return argv
@@ -264,6 +317,8 @@ class Stack:
 
     def kill_all(self) -> None:
         """Teardown: SIGCONT (a stopped process can't die otherwise... it can, but be sure), SIGKILL, reap."""
+        if self.cluster is not None:
+            self.cluster.close()
         for child in self.children.values():
             if child.proc.poll() is None:
                 for sig in (signal.SIGCONT, signal.SIGKILL):
@@ -291,11 +346,15 @@ class Auditor:
     duplicates its dedup drops (the trainer's consumer drops the same ones) and the statuses. Rides out Redis
     restarts (polls again once Redis answers)."""
 
-    def __init__(self, url: str, run: str) -> None:
+    def __init__(self, url: str, run: str, partitions: int = 1) -> None:
         self.redis = redis_client(url)
-        self.consumer = ResultConsumer(
-            self.redis, RunKeys(run).results, group=AUDIT_GROUP, name="audit", release_inflight=False
-        )
+        parts = [
+            ResultConsumer(
+                self.redis, RunKeys(run).at(p).results, group=AUDIT_GROUP, name="audit", release_inflight=False
+            )
+            for p in range(partitions)
+        ]
+        self.consumer = parts[0] if partitions == 1 else PartitionedConsumer(parts)
         self.statuses: Counter = Counter()
         self.samples: set[tuple[str, int]] = set()
         self.outages = 0
@@ -400,6 +459,70 @@ class RssSampler:
 # -- the driver -------------------------------------------------------------------------------------------------
 
 
+class IngressClient:
+    """Another service using the run meanwhile: submits a job through the HTTP ingress every `every_s` (a 503 while
+    Redis is away is retried with the same job id), and at the end checks that every accepted job is done."""
+
+    def __init__(self, port: int, every_s: float) -> None:
+        import httpx
+
+        self.base = f"http://127.0.0.1:{port}"
+        self.every_s = every_s
+        self.http = httpx.AsyncClient(timeout=5, headers={"Authorization": f"Bearer {INGRESS_TOKEN}"})
+        self.accepted: list[str] = []
+        self.refused = 0  # 503s and connection errors, each retried
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop())
+
+    async def _loop(self) -> None:
+        import httpx
+
+        i = 0
+        while True:
+            job_id = f"ing-{i}"
+            try:
+                resp = await self.http.post(f"{self.base}/v1/jobs", json={**INGRESS_JOB, "job_id": job_id})
+                if resp.status_code == 202:
+                    self.accepted.append(job_id)
+                    i += 1
+                else:
+                    self.refused += 1
+            except httpx.HTTPError:
+                self.refused += 1
+            await asyncio.sleep(self.every_s)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def not_done(self, timeout_s: float = 60) -> list[str]:
+        """The accepted jobs not done within `timeout_s` (they keep running after the trainer finished)."""
+        import httpx
+
+        left = list(self.accepted)
+        deadline = time.monotonic() + timeout_s
+        while left and time.monotonic() < deadline:
+            still = []
+            for job_id in left:
+                try:
+                    resp = await self.http.get(f"{self.base}/v1/jobs/{job_id}", params={"trajectories": "false"})
+                    if resp.status_code != 200 or not resp.json()["done"]:
+                        still.append(job_id)
+                except httpx.HTTPError:
+                    still.append(job_id)
+            left = still
+            if left:
+                await asyncio.sleep(0.5)
+        return left
+
+    async def close(self) -> None:
+        await self.stop()
+        await self.http.aclose()
+
+
 class Driver:
     def __init__(self, cfg: ChaosConfig, procs: Procs, tmp: Path, *, out: Any = None) -> None:
         self.cfg = cfg
@@ -433,21 +556,32 @@ class Driver:
 
     async def start(self) -> None:
         s = self.stack
-        await s.start_redis()
-        self.redis = redis_client(s.url)
+        if self.cfg.cluster:
+            await s.start_cluster()
+            self.redis = redis_client(s.url)
+            await self.redis.set(RunKeys(s.run).partitions, self.cfg.partitions)  # before the auditor reads it
+        else:
+            await s.start_redis()
+            self.redis = redis_client(s.url)
         for i in range(self.cfg.engines):
             await s.start_engine(i)
-        self.auditor = Auditor(s.url, s.run)
+        self.auditor = Auditor(s.url, s.run, self.cfg.partitions if self.cfg.cluster else 1)
         await self.auditor.start()
         for _ in range(self.cfg.workers):
             await s.worker_registered(self.redis, s.start_worker())
+        self.ingress_client: IngressClient | None = None
+        if self.cfg.ingress_every_s > 0:
+            ingress = await s.start_ingress()
+            self.ingress_client = IngressClient(ingress.port, self.cfg.ingress_every_s)
+            self.ingress_client.start()
         self.trainer = s.start_trainer(self.trainer_lives)
         self.trainer_lives += 1
         self.sampler = RssSampler(s, self.cfg.rss_every_s)
         self.sampler.start()
         self.t0 = time.monotonic()
+        where = f"a 6-node cluster, {self.cfg.partitions} partitions" if self.cfg.cluster else "one redis-server"
         self.say(
-            f"stack up: redis {s.url} (appendfsync {self.cfg.appendfsync}), engines {s.engine_urls}, "
+            f"stack up: redis {s.url} ({where}, appendfsync {self.cfg.appendfsync}), engines {s.engine_urls}, "
             f"{self.cfg.workers} workers; training {self.cfg.steps} steps of {self.cfg.batch} samples"
         )
 
@@ -474,12 +608,37 @@ class Driver:
         self._record("engine_kill", f"{victim.name} SIGKILLed, restarted on port {victim.port}", started)
 
     async def redis_kill(self) -> None:
+        if self.cfg.cluster:
+            await self.primary_kill()
+            return
         started = time.monotonic()
         victim = self.stack.children["redis"]
         _sigkill(victim)
         await asyncio.sleep(self.cfg.redis_down_s)  # the outage being simulated, not a synchronisation
         await self.stack.start_redis()
         self._record("redis_kill", f"SIGKILLed, restarted from its AOF after {self.cfg.redis_down_s}s", started)
+
+    async def primary_kill(self) -> None:
+        """Cluster: SIGKILL a primary (the ledger's first, then the others in turn), wait for the failover, restart
+        it (it rejoins as a replica of the promoted one)."""
+        started = time.monotonic()
+        cluster = self.stack.cluster
+        kills = sum(f.kind == "redis_kill" for f in self.faults)
+        ledger_home = cluster.primary_for(RunKeys(self.stack.run).ledger)
+        others = sorted((n for n in cluster.primaries() if n is not ledger_home), key=lambda n: n.port)
+        victim = ledger_home if kills % 3 == 0 or not others else others[(kills - 1) % len(others)]
+        cluster.kill(victim)
+        promoted = await asyncio.to_thread(cluster.wait_failover, victim, 30.0)
+        failover_s = time.monotonic() - started
+        await asyncio.to_thread(cluster.restart, victim)
+        self.stack.sync_nodes()
+        what = "the ledger's primary" if victim is ledger_home else "a primary"
+        self._record(
+            "redis_kill",
+            f"{what} :{victim.port} SIGKILLed; replica :{promoted.port} took over in {failover_s:.1f}s; "
+            f":{victim.port} rejoined as its replica",
+            started,
+        )
 
     async def trainer_kill(self) -> None:
         started = time.monotonic()
@@ -508,7 +667,7 @@ class Driver:
         """Jobs pending per worker (consumer name), every job stream of the run."""
         status = await gather_status(self.redis, self.stack.run)
         out: Counter = Counter()
-        for g in status.jobs.groups:
+        for g in (g for stream in status.job_streams for g in stream.groups):
             for c in g.consumers:
                 out[c.name] += c.pending
         return out
@@ -590,6 +749,9 @@ class Driver:
                 await asyncio.sleep(0.1)
 
     async def close(self) -> None:
+        client: IngressClient | None = getattr(self, "ingress_client", None)
+        if client is not None:
+            await client.close()
         for part in ("sampler", "auditor"):
             obj = getattr(self, part, None)
             if obj is not None:
@@ -608,10 +770,15 @@ async def account(driver: Driver, trainer_code: int, seconds: float) -> dict[str
     keys = RunKeys(s.run)
     redis = driver.redis
     await driver.auditor.drain()
+    ingress = driver.ingress_client
+    ingress_not_done: list[str] = []
+    if ingress is not None:
+        await ingress.stop()
+        ingress_not_done = await ingress.not_done()
     ledger_raw = {k.decode(): int(v) for k, v in (await redis.hgetall(keys.ledger)).items()}
     groups_raw = {k.decode(): int(v) for k, v in (await redis.hgetall(keys.ledger_groups)).items()}
-    dead = await redis.xlen(keys.dead)
-    worker_dropped = {k.decode(): int(v) for k, v in (await redis.hgetall(keys.dropped)).items()}
+    status = await gather_status(redis, s.run)  # dead letters and dropped results of every partition
+    dead, worker_dropped = status.dead_letters, status.dropped
 
     decoder = msgspec.json.Decoder()
     rows = [decoder.decode(ln) for ln in (s.run_dir / "trained.jsonl").read_bytes().splitlines() if ln.strip()]
@@ -659,11 +826,15 @@ async def account(driver: Driver, trainer_code: int, seconds: float) -> dict[str
             if n
         ),
         "trainer_resumed_from_checkpoint": all("resumed at step" in r for r in driver.resumes),
+        "ingress_jobs_all_done": not ingress_not_done,
     }
     rss = driver.sampler.quarters(driver.first_step_s or 0.0)
     held_copies = 0  # copies of samples the trainer held uncommitted, which its collector dropped (its log says so)
+    reoffered = 0  # groups whose submission Redis lost, queued again by the trainer's feeder
     for path in s.procs.log_dir.glob("trainer*.log"):
-        held_copies += path.read_bytes().count(b"dropped a duplicate of sample")
+        text = path.read_bytes()
+        held_copies += text.count(b"dropped a duplicate of sample")
+        reoffered += text.count(b"vanished from Redis")
     return {
         "run": s.run,
         "seconds": round(seconds, 1),
@@ -671,6 +842,7 @@ async def account(driver: Driver, trainer_code: int, seconds: float) -> dict[str
         "episodes_trained": len(trained),
         "batch": cfg.batch,
         "appendfsync": cfg.appendfsync,
+        "redis": f"cluster of 6, {cfg.partitions} partitions" if cfg.cluster else "one redis-server",
         "samples_admitted": admitted_samples,
         "samples_trained": len(trained),
         "samples_trained_twice": len(twice),
@@ -680,6 +852,10 @@ async def account(driver: Driver, trainer_code: int, seconds: float) -> dict[str
         "in_flight_at_end": in_flight,
         "duplicates_dropped_by_consumers": driver.auditor.duplicates,
         "duplicates_dropped_by_trainer_collector": held_copies,
+        "groups_reoffered": reoffered,
+        "ingress_jobs_accepted": len(ingress.accepted) if ingress else 0,
+        "ingress_jobs_not_done": len(ingress_not_done),
+        "ingress_refusals_retried": ingress.refused if ingress else 0,
         "published": dict(driver.auditor.statuses),
         "faults": dict(Counter(f.kind for f in driver.faults)),
         "faults_planned": dict(Counter(kind for _, kind in driver.plan())),  # step-triggered; worker kills: by time
@@ -700,7 +876,7 @@ def table(report: dict[str, Any]) -> str:
     """The accounting table."""
     lines = [
         f"chaos soak: {report['steps']} steps, {report['episodes_trained']} episodes in {report['seconds']:.0f} s "
-        f"(AOF appendfsync {report['appendfsync']})",
+        f"(Redis: {report['redis']}, AOF appendfsync {report['appendfsync']})",
         f"  {'samples admitted (ledger)':<40} {report['samples_admitted']:>8}",
         f"  {'trained (exactly once)':<40} {report['samples_trained']:>8}",
         f"  {'trained twice':<40} {report['samples_trained_twice']:>8}",
@@ -714,6 +890,11 @@ def table(report: dict[str, Any]) -> str:
     lines.append(f"  {'duplicate trajectories (audit consumer)':<40} {report['duplicates_dropped_by_consumers']:>8}")
     lines.append(
         f"  {'  of which held copies the trainer dropped':<40} {report['duplicates_dropped_by_trainer_collector']:>8}"
+    )
+    lines.append(f"  {'groups re-offered (submission lost)':<40} {report['groups_reoffered']:>8}")
+    lines.append(
+        f"  {'ingress jobs accepted / not done':<40} {report['ingress_jobs_accepted']:>8} / "
+        f"{report['ingress_jobs_not_done']}   ({report['ingress_refusals_retried']} refusals retried)"
     )
     for kind in FAULT_KINDS:
         planned = report["faults_planned"].get(kind)
@@ -786,6 +967,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--appendfsync", choices=["always", "everysec"], default=d.appendfsync)
     p.add_argument("--timeout", type=float, default=d.timeout_s, help="bound on the whole run (s)")
     p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--cluster", action="store_true", help="a six-node Redis Cluster; redis_kill kills a primary")
+    p.add_argument("--partitions", type=int, default=d.partitions, help="the run's partitions with --cluster")
+    p.add_argument("--cluster-node-timeout", type=int, default=d.cluster_node_timeout_ms, metavar="MS")
     return p.parse_args(argv)
 
 
@@ -809,6 +993,9 @@ def config_from(args: argparse.Namespace) -> ChaosConfig:
         appendfsync=args.appendfsync,
         timeout_s=args.timeout,
         seed=args.seed,
+        cluster=args.cluster,
+        partitions=args.partitions,
+        cluster_node_timeout_ms=args.cluster_node_timeout,
     )
 
 

@@ -145,6 +145,15 @@ class Producer:
     async def reply_streams(self) -> list[str]:
         return [self.reply_stream(p) for p in range(await self.partitions())]
 
+    async def vanished(self, job_ids: list[str]) -> list[str]:
+        """The job ids whose idempotency marker is gone: never submitted, past `seen_ttl_s`, or lost by Redis."""
+        count = await self.partitions()
+        pipe = self.redis.pipeline(transaction=False)
+        for job_id in job_ids:
+            pipe.exists(self.keys.at(partition_of(job_id, count)).job_seen(job_id))
+        found = await pipe.execute()
+        return [job_id for job_id, exists in zip(job_ids, found, strict=True) if not exists]
+
     async def keep_reply_stream(self) -> None:
         """Create the private reply stream(s) when missing and renew their TTL (and their in-flight counters')."""
         if self.private:

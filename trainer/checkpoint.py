@@ -9,6 +9,8 @@ from typing import Any
 import msgspec
 import torch
 
+from rollq.trainer.settled import SettledGroups
+
 
 class TrainerState(msgspec.Struct, kw_only=True):
     """Everything besides model and optimizer that a restarted trainer needs to continue exactly."""
@@ -21,6 +23,7 @@ class TrainerState(msgspec.Struct, kw_only=True):
     trained_samples: int = 0
     dropped: dict[str, int] = {}  # samples per drop reason, whole run
     staleness: dict[int, int] = {}  # trained samples per staleness, whole run
+    settled: SettledGroups = msgspec.field(default_factory=SettledGroups)  # groups trained or dropped, by index
 
 
 def save(path: Path, policy_state: dict[str, Any], state: TrainerState) -> None:

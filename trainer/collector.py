@@ -8,16 +8,19 @@ dropped too, so every trained token's version names weights the trainer still ha
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from collections import Counter
 from collections.abc import Callable
+from functools import partial
 
 import msgspec
 
 from rollq.producer.results import Delivered, PartitionedConsumer, ResultConsumer
 from rollq.trainer.batch import Group, model_tokens
 from rollq.trainer.ledger import Ride, StalenessLedger, direct
+from rollq.trainer.settled import SettledGroups
 
 log = logging.getLogger("rollq.trainer")
 
@@ -56,6 +59,7 @@ class GroupCollector:
         max_staleness: int,
         vocab_size: int,
         on_release: Callable[[], None] = lambda: None,
+        on_settled: Callable[[str], None] = lambda job_id: None,
         give_up_after_failed: int = 0,
         ride: Ride | None = None,
     ) -> None:
@@ -66,6 +70,12 @@ class GroupCollector:
         self.max_staleness = max_staleness
         self.vocab_size = vocab_size
         self.on_release = on_release
+        self.on_settled = on_settled  # a group was handed out to train or dropped: nothing more is expected of it
+        # Groups trained or dropped (the checkpoint keeps it): a copy of one of their samples read later is acked,
+        # never trained. It comes when Redis lost the commit of a trained group (a failover's last writes, AOF
+        # everysec), so its entries are read again although the consumer marked them consumed.
+        self.settled = SettledGroups()
+        self.recent_drops: collections.deque[str] = collections.deque(maxlen=4096)  # given back to the ledger
         self.skip: set[str] = set()  # trained before a restart, awaiting their ack
         self._partial: dict[str, list[Delivered]] = {}
         self._complete: dict[str, _Ready] = {}  # complete groups not trained yet (their versions checked each step)
@@ -75,6 +85,7 @@ class GroupCollector:
         self.first_error = ""
         self._last_report = time.monotonic()
         self.samples_read = 0  # every trajectory of this run read so far (trained, waiting or dropped)
+        self.settled_copies = 0  # samples of groups already trained or dropped, read again (acked, not trained)
         self.duplicates = 0  # second copies of a sample held here, uncommitted (the consumer's dedup can't see them)
         self._taken: set[str] = set()  # groups handed out by collect() whose samples are not committed yet
         self.model_tokens_read = 0  # their generated tokens
@@ -104,9 +115,21 @@ class GroupCollector:
             return "stale"
         return None
 
+    def index_of(self, job_id: str) -> int | None:
+        """The group index in one of this run's group ids (`{prefix}{index}`)."""
+        tail = job_id[len(self.group_prefix) :]
+        return int(tail) if job_id.startswith(self.group_prefix) and tail.isdigit() else None
+
+    def _settle(self, job_id: str) -> None:
+        index = self.index_of(job_id)
+        if index is not None:
+            self.settled.add(index)
+        self.on_settled(job_id)
+
     async def _completed(self, job_id: str, items: list[Delivered], dropped: Counter) -> None:
         if job_id in self.skip:  # trained and checkpointed before a crash: ack only
             self.skip.discard(job_id)
+            self._settle(job_id)
             await self.ride(lambda: self.consumer.commit(items), "acking a skipped group")
             return
         group = Group(job_id=job_id, samples=[d.trajectory for d in items])
@@ -120,6 +143,8 @@ class GroupCollector:
         await self.ride(lambda: self.consumer.commit(items), "acking a dropped group")
         dropped[reason] += len(items)
         if reason != "foreign":
+            self._settle(job_id)
+            self.recent_drops.append(job_id)
             await self.ride(lambda: self.ledger.release(job_id), "giving a group back to the ledger")
             self.on_release()
         detail = ""
@@ -187,6 +212,10 @@ class GroupCollector:
                 if self._held_already(traj.job_id, traj.sample_index):
                     await self._ack_duplicate(d)
                     continue
+                if self.index_of(traj.job_id) in self.settled:  # trained (or dropped) already: consumed, not again
+                    await self.ride(partial(self.consumer.commit, [d]), "acking a settled group's sample")
+                    self.settled_copies += 1
+                    continue
                 self.samples_read += 1
                 self.model_tokens_read += model_tokens(traj)
                 items = self._partial.setdefault(traj.job_id, [])
@@ -204,6 +233,7 @@ class GroupCollector:
             deliveries += ready.items
             staleness[version - oldest] += len(ready.items)
             self._taken.add(job_id)
+            self._settle(job_id)
         return Collected(groups=groups, deliveries=deliveries, staleness=dict(staleness), dropped=dict(dropped))
 
 

@@ -127,6 +127,16 @@ class TrainConfig(RunSettings, kw_only=True):
             group=UPDATES,
         ),
     ] = 1
+    reoffer_after_s: Annotated[
+        float,
+        setting(
+            "a group admitted this long ago and not yet trained or dropped is looked for in Redis; when its "
+            "submission vanished (a Redis restart or failover that lost writes) it is queued again (0 = never)",
+            metavar="S",
+            ge=0,
+            group=UPDATES,
+        ),
+    ] = 60.0
     trained_log: Annotated[
         bool,
         setting(

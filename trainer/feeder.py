@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from functools import partial
 from typing import Any
 
@@ -16,7 +17,12 @@ log = logging.getLogger("rollq.trainer")
 
 class GroupFeeder:
     """Keeps the queue as full as the ledger allows. Group i is job `{prefix}{i}` with prompt `prompts[i]`, so a
-    restarted feeder re-offers the same groups: the ledger counts each once and the producer queues each once."""
+    restarted feeder re-offers the same groups: the ledger counts each once and the producer queues each once.
+
+    With `reoffer_after_s`, a group admitted that long ago and not settled yet (trained or dropped: `settled()`)
+    is looked for in Redis: when its submission's idempotency marker is gone, Redis lost the submission (a restart
+    with AOF everysec, a Cluster failover before the replica had it; the marker and the job's entries are written
+    in one script, so they vanish together) and the group is queued again under the same id."""
 
     def __init__(
         self,
@@ -30,6 +36,7 @@ class GroupFeeder:
         workflow_kwargs: dict[str, Any] | None,
         next_index: int = 0,
         recheck_s: float = 1.0,
+        reoffer_after_s: float = 0.0,
         ride: Ride | None = None,
     ) -> None:
         self.ride: Ride = ride or direct
@@ -42,8 +49,27 @@ class GroupFeeder:
         self.workflow_kwargs = workflow_kwargs
         self.next_index = next_index  # first group not yet admitted
         self.recheck_s = recheck_s  # the ledger may also change elsewhere (another trainer life): look again
+        self.reoffer_after_s = reoffer_after_s  # 0: never look for vanished submissions
+        self.reoffered = 0  # groups queued again because Redis lost their submission
+        self._outstanding: dict[str, float] = {}  # admitted, not settled: job id -> when it was (last) queued
+        self._next_look = 0.0
         self._room = asyncio.Event()
         self._stopping = False
+
+    def settled(self, job_id: str) -> None:
+        """The group was handed out to train or dropped: nothing more is expected of it."""
+        self._outstanding.pop(job_id, None)
+
+    @property
+    def outstanding(self) -> list[str]:
+        """Groups admitted and not settled yet."""
+        return list(self._outstanding)
+
+    def watch(self, indices: list[int]) -> None:
+        """Groups admitted earlier (before a restart) and not settled: look for them too."""
+        now = time.monotonic()
+        for index in indices:
+            self._outstanding.setdefault(self.job_id(index), now)
 
     def notify(self) -> None:
         """The ledger has room again (a new version was published or a group was given back)."""
@@ -58,8 +84,37 @@ class GroupFeeder:
     def job_id(self, index: int) -> str:
         return f"{self.prefix}{index}"
 
+    def request(self, index: int) -> JobRequest:
+        job_id = self.job_id(index)
+        return JobRequest(
+            workflow=self.workflow,
+            data={**self.prompts[index], "group_id": job_id},
+            n=self.group_size,
+            job_id=job_id,
+            workflow_kwargs=self.workflow_kwargs,
+        )
+
+    async def reoffer_vanished(self) -> list[str]:
+        """Queue again the groups outstanding for `reoffer_after_s` whose submission Redis lost; returns them."""
+        now = time.monotonic()
+        if not self.reoffer_after_s or now < self._next_look:
+            return []
+        self._next_look = now + min(self.reoffer_after_s, 10.0)
+        due = [job_id for job_id, since in self._outstanding.items() if now - since >= self.reoffer_after_s]
+        if not due:
+            return []
+        gone = await self.ride(partial(self.producer.vanished, due), "looking for vanished groups")
+        for job_id in gone:
+            index = int(job_id[len(self.prefix) :])
+            await self.ride(partial(self.producer.submit_many, [self.request(index)]), "queueing a group again")
+            self._outstanding[job_id] = time.monotonic()
+            self.reoffered += 1
+            log.warning("group %s vanished from Redis (its submission was lost); queued it again", job_id)
+        return gone
+
     async def run(self) -> None:
         while not self._stopping:
+            await self.reoffer_vanished()
             job_id = self.job_id(self.next_index)
             self._room.clear()
             admission = await self.ride(partial(self.ledger.admit, job_id, self.group_size), "admitting a group")
@@ -70,16 +125,9 @@ class GroupFeeder:
                 except TimeoutError:
                     pass
                 continue
-            data = {**self.prompts[self.next_index], "group_id": job_id}
-            request = JobRequest(
-                workflow=self.workflow,
-                data=data,
-                n=self.group_size,
-                job_id=job_id,
-                workflow_kwargs=self.workflow_kwargs,
-            )
             # Safe to repeat: SUBMIT's idempotency marker queues a job id once.
-            await self.ride(partial(self.producer.submit_many, [request]), "queueing a group")
+            await self.ride(partial(self.producer.submit_many, [self.request(self.next_index)]), "queueing a group")
+            self._outstanding.setdefault(job_id, time.monotonic())
             self.next_index += 1
 
 

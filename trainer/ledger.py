@@ -45,6 +45,16 @@ end
 return n
 """
 
+# KEYS: ledger, groups. ARGV: group id, samples. Records an admission Redis lost (a failover's or an AOF everysec
+# restart's last writes) for a group the trainer queued: counted once, whatever the limit (it is in flight already).
+# -> 1 if it had to be recorded
+_READMIT = """
+if redis.call('HEXISTS', KEYS[2], ARGV[1]) == 1 then return 0 end
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+redis.call('HINCRBY', KEYS[1], 'admitted', ARGV[2])
+return 1
+"""
+
 # KEYS: ledger. ARGV: version. The trainer's version moves forward only (restore() is the exception).
 _SET_VERSION = """
 local v = tonumber(redis.call('HGET', KEYS[1], 'version') or '0')
@@ -103,6 +113,7 @@ class StalenessLedger:
         self._release = redis.register_script(_RELEASE)
         self._set_version = redis.register_script(_SET_VERSION)
         self._restore = redis.register_script(_RESTORE)
+        self._readmit = redis.register_script(_READMIT)
 
     def limit(self, version: int) -> int:
         return (self.max_staleness + version + 1) * self.batch_samples
@@ -118,6 +129,10 @@ class StalenessLedger:
     async def release(self, group_id: str) -> int:
         """Give a dropped group's samples back (once). Returns how many."""
         return int(await self._release(keys=[self.keys.ledger, self.keys.ledger_groups], args=[group_id]))
+
+    async def readmit(self, group_id: str, samples: int) -> bool:
+        """Record again the admission of a group the trainer queued, if Redis lost it. True if it had to."""
+        return bool(await self._readmit(keys=[self.keys.ledger, self.keys.ledger_groups], args=[group_id, samples]))
 
     async def set_version(self, version: int) -> int:
         return int(await self._set_version(keys=[self.keys.ledger], args=[version]))

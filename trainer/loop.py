@@ -124,6 +124,23 @@ class Trainer:
         if self._resumed and not await self.redis.exists(self.ledger.keys.ledger):
             await self.ledger.restore(self.state.version, self.state.trained_samples)
             log.warning("the staleness ledger was gone from Redis after an outage; rebuilt from the trainer's state")
+        await self._repair_ledger()
+
+    async def _repair_ledger(self) -> None:
+        """Write again what Redis may have lost of the ledger (its last writes, in an AOF everysec restart or a
+        Cluster failover): the admissions of groups in flight and the give-backs of recent drops, each a no-op where
+        Redis kept it. (A lost version is written again at the next step.)"""
+        if not self._resumed or self.feeder is None or self.collector is None:
+            return
+        readmitted = released = 0
+        for job_id in self.feeder.outstanding:
+            readmitted += await self.ledger.readmit(job_id, self.cfg.group_size)
+        for job_id in self.collector.recent_drops:
+            released += bool(await self.ledger.release(job_id))
+        if readmitted or released:
+            log.warning(
+                "Redis had lost ledger writes: recorded %d admissions and %d give-backs again", readmitted, released
+            )
 
     @property
     def checkpoint_path(self) -> Path:
@@ -250,6 +267,7 @@ class Trainer:
             workflow=cfg.workflow,
             workflow_kwargs=builtin_kwargs(cfg),
             next_index=self.state.next_group,
+            reoffer_after_s=cfg.reoffer_after_s,
             ride=self.ride,
         )
         self.collector = GroupCollector(
@@ -259,10 +277,14 @@ class Trainer:
             max_staleness=cfg.max_staleness,
             vocab_size=self.policy.vocab_size,
             on_release=self.feeder.notify,
+            on_settled=self.feeder.settled,
             give_up_after_failed=0 if resumed else 2 * cfg.batch_samples,
             ride=self.ride,
         )
         self.collector.skip = set(self.state.unacked_groups)
+        self.collector.settled = self.state.settled
+        # Groups admitted before a restart and not settled yet: watched for a vanished submission like new ones.
+        self.feeder.watch(self.state.settled.unsettled(self.state.next_group))
         log.info(
             "%s at step %d (policy version %d); %d steps to go",
             "resumed" if resumed else "starting",
@@ -315,6 +337,7 @@ class Trainer:
         state.dropped = dict(Counter(state.dropped) + Counter(got.dropped))
         state.staleness = dict(Counter(state.staleness) + Counter(got.staleness))
         state.unacked_groups += [g.job_id for g in got.groups]
+        state.settled = self.collector.settled  # those just trained included: what the checkpoint's model has
         self._unacked += got.deliveries
         ledger = await self.ride(self.ledger.state, "reading the ledger")
         trained = sum(got.staleness.values())

@@ -53,13 +53,31 @@ SOAK = ChaosConfig(
 )
 
 
+# On a six-node Redis Cluster with the run in three partitions; its Redis fault is the ledger's primary SIGKILLed
+# (its replica takes over within the node timeout, 1 s) and restarted as a replica.
+CLUSTER_SOAK = ChaosConfig(
+    episodes=480,
+    worker_kill_every_s=4.0,
+    engine_kills=1,
+    redis_kills=1,
+    trainer_kills=1,
+    stalls=1,
+    lease_ms=2000,
+    timeout_s=110.0,
+    cluster=True,
+    partitions=3,
+    cluster_node_timeout_ms=1000,
+)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(170)
-async def test_the_whole_stack_survives_every_fault_and_accounts_for_every_sample(tmp_path):
+@pytest.mark.parametrize("soak", [SOAK, CLUSTER_SOAK], ids=["redis", "cluster"])
+async def test_the_whole_stack_survives_every_fault_and_accounts_for_every_sample(tmp_path, soak):
     procs = Procs(tmp_path)
     log = io.StringIO()
     try:
-        report = await run_chaos(SOAK, procs, tmp_path, out=log)
+        report = await run_chaos(soak, procs, tmp_path, out=log)
     finally:
         procs.stop_all()  # run_chaos SIGKILLed everything already; this closes the logs
     print(log.getvalue())
@@ -67,9 +85,9 @@ async def test_the_whole_stack_survives_every_fault_and_accounts_for_every_sampl
     checks = report["checks"]
     assert all(checks.values()), (checks, log.getvalue()[-3000:])
     assert set(report["faults"]) == set(FAULT_KINDS), report["faults"]
-    assert report["samples_trained"] == SOAK.steps * SOAK.batch and report["samples_trained_twice"] == 0
+    assert report["samples_trained"] == soak.steps * soak.batch and report["samples_trained_twice"] == 0
     trained = report["samples_trained"]
     dropped = sum(n for reason, n in report["dropped_by_trainer"].items() if reason != "foreign")
     assert report["samples_admitted"] == trained + dropped + report["in_flight_at_end"]
-    assert report["max_staleness_observed"] <= SOAK.max_staleness
+    assert report["max_staleness_observed"] <= soak.max_staleness
     assert report["ok"]
