@@ -229,6 +229,10 @@ class Stack:
         return child
 
     async def engine_ready(self, child: Child) -> None:
+        await self.http_ready(child, "/health")
+
+    async def http_ready(self, child: Child, path: str) -> None:
+        """Until `child` answers 200 on `path` (BenchError if it exits or 60 s pass)."""
         import httpx
 
         async def healthy() -> bool:
@@ -236,11 +240,11 @@ class Stack:
                 raise BenchError(f"{child.name} exited with {child.proc.returncode}: {self.tail(child)}")
             try:
                 async with httpx.AsyncClient() as c:
-                    return (await c.get(f"http://127.0.0.1:{child.port}/health", timeout=1)).status_code == 200
+                    return (await c.get(f"http://127.0.0.1:{child.port}{path}", timeout=1)).status_code == 200
             except httpx.HTTPError:
                 return False
 
-        await _bounded(healthy, 60, f"{child.name} /health", 0.1)
+        await _bounded(healthy, 60, f"{child.name} {path}", 0.1)
 
     @property
     def engine_urls(self) -> list[str]:
@@ -252,18 +256,7 @@ class Stack:
         argv = [*rollq_argv(), "ingress", "--redis", self.url, "--run", self.run, "--host", "127.0.0.1"]
         argv += ["--port", str(port), "--tokens", f'{{"{INGRESS_TOKEN}": "chaos"}}', "--log-level", "WARNING"]
         child = self._start("ingress", "ingress", argv, port)
-        import httpx
-
-        async def healthy() -> bool:
-            if child.proc.poll() is not None:
-                raise BenchError(f"the ingress exited with {child.proc.returncode}: {self.tail(child)}")
-            try:
-                async with httpx.AsyncClient() as c:
-                    return (await c.get(f"http://127.0.0.1:{port}/healthz", timeout=1)).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        await _bounded(healthy, 60, "the ingress /healthz", 0.1)
+        await self.http_ready(child, "/healthz")
         return child
 
     # workers
@@ -799,8 +792,10 @@ async def account(driver: Driver, trainer_code: int, seconds: float) -> dict[str
     released = {g for g, n in groups_raw.items() if n == 0}
     held = {g for g, n in groups_raw.items() if n > 0}
     admitted_samples = cfg.group_size * len(groups_raw)
-    dropped = {k: v for k, v in final.get("dropped", {}).items() if v}
-    dropped_admitted = sum(v for k, v in dropped.items() if k != "foreign")
+    # Drops by reason as the ledger counted them with each give-back (durable; the trainer's own count in
+    # metrics.jsonl rolls back with its checkpoint when it is killed, so it may miss drops made just before).
+    dropped = {k.removeprefix("released:"): v for k, v in ledger_raw.items() if k.startswith("released:") and v}
+    dropped_admitted = sum(dropped.values())
     in_flight = (len(held) - len(trained_groups & held)) * cfg.group_size
     checks = {
         "run_finished": trainer_code == 0 and final.get("step") == cfg.steps,
@@ -847,6 +842,7 @@ async def account(driver: Driver, trainer_code: int, seconds: float) -> dict[str
         "samples_trained": len(trained),
         "samples_trained_twice": len(twice),
         "dropped_by_trainer": dropped,
+        "dropped_in_trainer_metrics": {k: v for k, v in final.get("dropped", {}).items() if v},
         "dead_letters": dead,
         "dropped_by_workers": worker_dropped,
         "in_flight_at_end": in_flight,

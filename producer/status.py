@@ -62,6 +62,7 @@ class TrainerStatus(msgspec.Struct):
     admitted: int  # samples admitted and not given back
     released: int  # samples given back by dropped groups
     bound: int | None  # (eta + version + 1) * B, when the trainer recorded eta and B
+    released_by_reason: dict[str, int] = {}  # the given-back samples per drop reason (stale, failed, ...)
 
 
 class RunStatus(msgspec.Struct):
@@ -154,7 +155,14 @@ async def _trainer_status(redis: aioredis.Redis, keys: RunKeys) -> TrainerStatus
     bound = None
     if "eta" in raw and "batch" in raw:
         bound = (raw["eta"] + raw.get("version", 0) + 1) * raw["batch"]
-    return TrainerStatus(raw.get("version", 0), raw.get("admitted", 0), raw.get("released", 0), bound)
+    reasons = {k.removeprefix("released:"): v for k, v in raw.items() if k.startswith("released:")}
+    return TrainerStatus(raw.get("version", 0), raw.get("admitted", 0), raw.get("released", 0), bound, reasons)
+
+
+def _reasons(t: TrainerStatus) -> str:
+    """ " (stale 12, failed 4)" after the given-back count, when the ledger counted reasons."""
+    parts = [f"{reason} {n}" for reason, n in sorted(t.released_by_reason.items())]
+    return f" ({', '.join(parts)})" if parts else ""
 
 
 def render_status(st: RunStatus) -> RenderableType:
@@ -215,7 +223,7 @@ def render_status(st: RunStatus) -> RenderableType:
         parts.append(
             Text(
                 f"trainer: policy version {t.version}; {t.admitted} samples admitted{bound}, "
-                f"{t.released} given back by dropped groups"
+                f"{t.released} given back by dropped groups{_reasons(t)}"
             )
         )
     parts.append(Text(time.strftime("updated %H:%M:%S"), style="dim"))
@@ -258,6 +266,6 @@ def format_status(st: RunStatus) -> str:
         bound = f" of at most {t.bound}" if t.bound is not None else ""
         lines.append(
             f"trainer: policy version {t.version}; {t.admitted} samples admitted{bound}, "
-            f"{t.released} given back by dropped groups"
+            f"{t.released} given back by dropped groups{_reasons(t)}"
         )
     return "\n".join(lines)

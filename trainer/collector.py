@@ -75,7 +75,8 @@ class GroupCollector:
         # never trained. It comes when Redis lost the commit of a trained group (a failover's last writes, AOF
         # everysec), so its entries are read again although the consumer marked them consumed.
         self.settled = SettledGroups()
-        self.recent_drops: collections.deque[str] = collections.deque(maxlen=4096)  # given back to the ledger
+        # (group, reason) given back to the ledger lately: written again should Redis lose them (Trainer._recover)
+        self.recent_drops: collections.deque[tuple[str, str]] = collections.deque(maxlen=4096)
         self.skip: set[str] = set()  # trained before a restart, awaiting their ack
         self._partial: dict[str, list[Delivered]] = {}
         self._complete: dict[str, _Ready] = {}  # complete groups not trained yet (their versions checked each step)
@@ -144,8 +145,8 @@ class GroupCollector:
         dropped[reason] += len(items)
         if reason != "foreign":
             self._settle(job_id)
-            self.recent_drops.append(job_id)
-            await self.ride(lambda: self.ledger.release(job_id), "giving a group back to the ledger")
+            self.recent_drops.append((job_id, reason))
+            await self.ride(lambda: self.ledger.release(job_id, reason), "giving a group back to the ledger")
             self.on_release()
         detail = ""
         if reason == "failed":

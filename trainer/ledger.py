@@ -34,13 +34,16 @@ redis.call('HINCRBY', KEYS[1], 'admitted', n)
 return {1, v, admitted + n, limit}
 """
 
-# KEYS: ledger, groups. ARGV: group id. Gives a dropped group's samples back, once.
+# KEYS: ledger, groups. ARGV: group id, reason. Gives a dropped group's samples back, once, and counts them under
+# `released:<reason>` in the same step (so the run's drops by reason are as durable as the give-backs: a trainer
+# that dies before its next checkpoint loses its own count of them, not this one).
 _RELEASE = """
 local n = tonumber(redis.call('HGET', KEYS[2], ARGV[1]) or '0')
 if n > 0 then
   redis.call('HSET', KEYS[2], ARGV[1], 0)
   redis.call('HINCRBY', KEYS[1], 'admitted', -n)
   redis.call('HINCRBY', KEYS[1], 'released', n)
+  redis.call('HINCRBY', KEYS[1], 'released:' .. ARGV[2], n)
 end
 return n
 """
@@ -101,6 +104,7 @@ class LedgerState(msgspec.Struct, frozen=True):
     version: int
     admitted: int  # samples admitted and not given back (in flight, waiting, or trained)
     released: int  # samples given back by dropped groups
+    released_by_reason: dict[str, int] = {}  # the same, per drop reason (stale, failed, future, invalid)
 
 
 class StalenessLedger:
@@ -126,9 +130,9 @@ class StalenessLedger:
         )
         return Admission(bool(ok), int(version), int(admitted), int(limit))
 
-    async def release(self, group_id: str) -> int:
-        """Give a dropped group's samples back (once). Returns how many."""
-        return int(await self._release(keys=[self.keys.ledger, self.keys.ledger_groups], args=[group_id]))
+    async def release(self, group_id: str, reason: str = "dropped") -> int:
+        """Give a dropped group's samples back (once), counted under its drop reason. Returns how many."""
+        return int(await self._release(keys=[self.keys.ledger, self.keys.ledger_groups], args=[group_id, reason]))
 
     async def readmit(self, group_id: str, samples: int) -> bool:
         """Record again the admission of a group the trainer queued, if Redis lost it. True if it had to."""
@@ -153,6 +157,9 @@ class StalenessLedger:
             version=int(raw.get(b"version", 0)),
             admitted=int(raw.get(b"admitted", 0)),
             released=int(raw.get(b"released", 0)),
+            released_by_reason={
+                k.decode().removeprefix("released:"): int(v) for k, v in raw.items() if k.startswith(b"released:")
+            },
         )
 
     async def reset(self) -> None:

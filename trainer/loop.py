@@ -135,8 +135,8 @@ class Trainer:
         readmitted = released = 0
         for job_id in self.feeder.outstanding:
             readmitted += await self.ledger.readmit(job_id, self.cfg.group_size)
-        for job_id in self.collector.recent_drops:
-            released += bool(await self.ledger.release(job_id))
+        for job_id, reason in self.collector.recent_drops:
+            released += bool(await self.ledger.release(job_id, reason))
         if readmitted or released:
             log.warning(
                 "Redis had lost ledger writes: recorded %d admissions and %d give-backs again", readmitted, released

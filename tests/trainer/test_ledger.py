@@ -67,3 +67,18 @@ async def test_rollq_status_shows_the_ledger(redis, run_name):
     status = await gather_status(redis, run_name)
     assert (status.trainer.version, status.trainer.admitted, status.trainer.bound) == (1, 8, 32)
     assert "trainer: policy version 1; 8 samples admitted of at most 32, 0 given back" in format_status(status)
+
+
+async def test_give_backs_are_counted_by_reason_with_the_give_back(redis, run_name):
+    from rollq.producer.status import format_status, gather_status
+
+    ledger = StalenessLedger(redis, run_name, batch_samples=4, max_staleness=1)
+    await ledger.reset()
+    for g in ("a", "b", "c"):
+        assert (await ledger.admit(g, 2)).admitted
+    await ledger.release("a", "stale")
+    await ledger.release("a", "stale")  # once
+    await ledger.release("b", "failed")
+    state = await ledger.state()
+    assert state.released == 4 and state.released_by_reason == {"stale": 2, "failed": 2}
+    assert "given back by dropped groups (failed 2, stale 2)" in format_status(await gather_status(redis, run_name))
