@@ -17,7 +17,7 @@ from rollq.producer.jsonl import JsonlError, json_objects
 from rollq.producer.producer import JobRequest, Producer
 from rollq.producer.status import format_status, gather_status, render_status
 from rollq.protocol.codec import Codec
-from rollq.protocol.keys import RunKeys, consumed_key, inflight_key
+from rollq.protocol.keys import RunKeys, consumed_key, inflight_key, partition_of
 from rollq.protocol.messages import AgentOptions
 from rollq.redis_client import TRANSIENT_ERRORS, redis_client
 
@@ -64,11 +64,13 @@ async def _enqueue(args: EnqueueConfig, requests: list[JobRequest]) -> int:
         reply_to=reply_to,
         max_inflight=args.max_inflight,
         reply_ttl_s=args.reply_ttl if args.wait else 0,
+        partitions=args.partitions,
     )
     keepalive: asyncio.Task[None] | None = None
     admitted: list[Any] = []
     try:
-        if args.wait:  # create the reply group before any worker can publish
+        if args.wait:  # create the reply group (every partition's) before any worker can publish
+            await producer.partitions()
             consumer = producer.consumer(group="enqueue", name="enqueue", dedup_ttl_s=args.reply_ttl)
             await consumer.setup()
             await producer.keep_reply_stream()
@@ -108,7 +110,7 @@ async def _enqueue(args: EnqueueConfig, requests: list[JobRequest]) -> int:
     finally:
         if keepalive is not None:
             keepalive.cancel()
-            await _delete_reply_stream(redis, reply_to, [r.job_id for r in admitted])
+            await _delete_reply_streams(redis, producer, [r.job_id for r in admitted])
         await redis.aclose()
 
 
@@ -122,12 +124,20 @@ async def _keep_alive(producer: Producer, every_s: float) -> None:
             pass  # the next renewal tries again, well within the TTL
 
 
-async def _delete_reply_stream(redis: aioredis.Redis, reply_to: str, job_ids: list[str]) -> None:
-    """The private reply stream, its counter and its duplicate filters; late results for it are dropped by workers."""
-    keys = [reply_to, inflight_key(reply_to), *(consumed_key(reply_to, "enqueue", j) for j in job_ids)]
+async def _delete_reply_streams(redis: aioredis.Redis, producer: Producer, job_ids: list[str]) -> None:
+    """The private reply stream of every partition, its counter and its duplicate filters (a partition's keys share
+    its slot, so each DELETE stays in one); late results for them are dropped by workers."""
+    count = await producer.partitions()
+    by_partition: dict[int, list[str]] = {}
+    for job_id in job_ids:
+        by_partition.setdefault(partition_of(job_id, count), []).append(job_id)
     try:
-        for i in range(0, len(keys), 512):
-            await redis.delete(*keys[i : i + 512])
+        for p in range(count):
+            stream = producer.reply_stream(p)
+            keys = [stream, inflight_key(stream)]
+            keys += [consumed_key(stream, "enqueue", j) for j in by_partition.get(p, [])]
+            for i in range(0, len(keys), 512):
+                await redis.delete(*keys[i : i + 512])
     except TRANSIENT_ERRORS:
         pass  # they expire after reply_ttl
 

@@ -129,7 +129,9 @@ class Producer:
     async def partitions(self) -> int:
         """The run's partition count (set to ``partitions`` when the run has none yet)."""
         if not self._partitions:
-            self._partitions = await run_partitions(self.redis, self.keys.partitions, self.wanted_partitions)
+            self._partitions = await run_partitions(
+                self.redis, self.keys.partitions, self.wanted_partitions, claim=True
+            )
         return self._partitions
 
     async def remember_partitions(self) -> None:

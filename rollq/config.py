@@ -105,7 +105,7 @@ class RunSettings(Settings, kw_only=True):
         int,
         setting(
             "partitions of the run's queue (each its own hash tag, so a Redis Cluster spreads them); 0 = follow "
-            "the run's (1 when none is set). Set by the first process that names one; later ones must agree",
+            "the run's. Set by the first process that names one (or writes jobs: 1); later ones must agree",
             shared=True,
             ge=0,
             le=1024,

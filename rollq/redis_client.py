@@ -101,11 +101,12 @@ def redis_client(url: str, *, retries: int = 3) -> aioredis.Redis:
     return aioredis.Redis.from_url(plain, **options)
 
 
-async def run_partitions(client: aioredis.Redis, key: str, wanted: int = 0) -> int:
+async def run_partitions(client: aioredis.Redis, key: str, wanted: int = 0, *, claim: bool = False) -> int:
     """The run's partition count, stored at `key` (RunKeys.partitions; absent = 1). `wanted` > 0 sets it when unset
-    and must equal it when set (a run's jobs stay where its partitions put them)."""
-    if wanted > 0:
-        await client.set(key, wanted, nx=True)
+    and must equal it when set (a run's jobs stay where its partitions put them). With `claim` (a process about to
+    write jobs), an unset count is set to `wanted` or 1, so the keys it writes keep their partition for good."""
+    if wanted > 0 or claim:
+        await client.set(key, wanted or 1, nx=True)
     stored = await client.get(key)
     count = int(stored) if stored else 1
     if wanted > 0 and count != wanted:

@@ -225,7 +225,7 @@ class Ingress:
 
     async def partitions(self) -> int:
         if not self._partitions:
-            self._partitions = await run_partitions(self.redis, self.keys.partitions, self.cfg.partitions)
+            self._partitions = await run_partitions(self.redis, self.keys.partitions, self.cfg.partitions, claim=True)
         return self._partitions
 
     async def keys_of(self, job_id: str) -> RunKeys:

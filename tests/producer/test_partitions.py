@@ -149,3 +149,13 @@ async def test_the_ingress_places_each_job_on_its_partition(redis_url, redis, ru
         home = keys.at(partition_of("acme:ing-cancel", 3))
         assert await redis.xlen(home.job_results("acme:ing-cancel")) == 3
         assert await redis.xlen(home.jobs) == 3  # still queued there; a worker acks them without running them
+
+
+async def test_the_first_process_that_writes_jobs_fixes_the_count_and_readers_do_not(redis, redis_url, run_name):
+    keys = RunKeys(run_name)
+    async with running_worker(redis_url, run_name):  # a reader: follows, never sets the count
+        assert await redis.get(keys.partitions) is None
+        await Producer(redis, run_name).submit(ECHO, {}, job_id="first")  # follows (0), writes: claims 1
+    assert await redis.get(keys.partitions) == b"1"
+    with pytest.raises(ValueError, match=r"the run has 1 partition\(s\)"):
+        await Producer(redis, run_name, partitions=3).submit(ECHO, {}, job_id="second")

@@ -178,3 +178,20 @@ def test_help_lists_the_commands():
     assert res.returncode == 0
     for cmd in ("worker", "enqueue", "status"):
         assert cmd in res.stdout
+
+
+async def test_enqueue_wait_on_a_partitioned_run_gets_every_partitions_results(
+    redis, redis_url, run_name, tmp_path, spawn_worker
+):
+    worker = spawn_worker(redis_url, run_name)
+    await wait_registered(redis, run_name, worker.name)
+    jobs = write_jobs(tmp_path / "jobs.jsonl", 12)
+    res = await asyncio.to_thread(
+        rollq, "enqueue", str(jobs), "--workflow", "tests.workflows:Echo", "--n", "2", "--wait", "--timeout", "30",
+        "--partitions", "3", "--redis", redis_url, "--run", run_name,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    records = [json.loads(line) for line in res.stdout.splitlines()]
+    assert len(records) == 24 and {r["status"] for r in records} == {"ok"}
+    left = [k async for k in redis.scan_iter(match=f"rollq:{{{run_name}*}}:results:enqueue-*")]
+    assert left == []  # every partition's private reply stream (and its counter) deleted at the end
