@@ -1,7 +1,8 @@
 """Run-level Prometheus metrics, read from Redis when /metrics is scraped (nothing on any hot path): the job
 streams per class (depth, lag, pending, oldest entry), the shared results stream, dead letters by reason, the
-staleness ledger (admitted vs bound) and live workers. Every process that registers `RunCollector` reports the same
-run-wide numbers; a dashboard takes `max by (run, class)`, not the sum."""
+staleness ledger (admitted vs bound) and live workers; on a partitioned run, summed over its partitions. Every
+process that registers `RunCollector` reports the same run-wide numbers; a dashboard takes `max by (run, class)`,
+not the sum."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from prometheus_client.registry import Collector
 from rollq.protocol.codec import Codec, CodecError
 from rollq.protocol.keys import PAYLOAD_FIELD, WORKER_GROUP, RunKeys, inflight_key
 from rollq.protocol.messages import job_classes
-from rollq.redis_client import TRANSIENT_ERRORS, StreamStats, stream_stats
+from rollq.redis_client import TRANSIENT_ERRORS, StreamStats, stream_stats, sync_redis_client
 
 WORKER_ALIVE_S = 15.0  # as `rollq status`: a heartbeat this recent means alive
 MAX_REASONS = 64  # dead-letter reasons (error types) kept as label values; later new ones count as "other"
@@ -32,8 +33,14 @@ def job_lag(st: StreamStats) -> int:
     return st.lag if st.lag is not None else max(0, st.length - st.pending)
 
 
+def partitions_of(client: redis.Redis, keys: RunKeys) -> list[RunKeys]:
+    """The keys of each of the run's partitions."""
+    return [keys.at(p) for p in range(int(client.get(keys.partitions) or 1))]  # type: ignore[arg-type]
+
+
 def queue_families(client: redis.Redis, keys: RunKeys) -> list[Metric]:
-    """rollq_queue_{depth,lag,pending,oldest_seconds}{class} for the run's job classes (partition 0)."""
+    """rollq_queue_{depth,lag,pending,oldest_seconds}{class} for the run's job classes (every partition's stream
+    summed; the oldest entry of any)."""
     families = {
         "depth": GaugeMetricFamily(
             "rollq_queue_depth", "Job entries in the class's stream: queued plus running", labels=["class"]
@@ -49,12 +56,13 @@ def queue_families(client: redis.Redis, keys: RunKeys) -> list[Metric]:
         ),
     }
     stored = client.hgetall(keys.classes)
+    parts = partitions_of(client, keys)
     for name in sorted(job_classes(stored)):  # type: ignore[arg-type]  # redis-py stub: sync|async union
-        st = stream_stats(client, keys.job_stream(name), WORKER_GROUP)
-        families["depth"].add_metric([name], st.length)
-        families["lag"].add_metric([name], job_lag(st))
-        families["pending"].add_metric([name], st.pending)
-        families["oldest"].add_metric([name], st.oldest_age_s)
+        stats = [stream_stats(client, k.job_stream(name), WORKER_GROUP) for k in parts]
+        families["depth"].add_metric([name], sum(st.length for st in stats))
+        families["lag"].add_metric([name], sum(job_lag(st) for st in stats))
+        families["pending"].add_metric([name], sum(st.pending for st in stats))
+        families["oldest"].add_metric([name], max(st.oldest_age_s for st in stats))
     return list(families.values())
 
 
@@ -92,8 +100,8 @@ class RunCollector(Collector):
 
     def __init__(self, redis_url: str, run: str) -> None:
         self.keys = RunKeys(run)
-        self.client = redis.Redis.from_url(redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
-        self.dead = DeadLetterCount(self.keys)
+        self.client = sync_redis_client(redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
+        self.dead: dict[int, DeadLetterCount] = {}  # per partition
 
     def collect(self) -> Iterator[Metric]:
         up = GaugeMetricFamily("rollq_redis_up", "1 when the last scrape could read the run's keys in Redis")
@@ -110,22 +118,26 @@ class RunCollector(Collector):
     def _read(self) -> list[Metric]:
         c, keys = self.client, self.keys
         out = queue_families(c, keys)
-        results = stream_stats(c, keys.results, "trainer")
-        out.append(
-            GaugeMetricFamily("rollq_results_depth", "Entries in the run's shared results stream", value=results.length)
-        )
-        inflight = c.get(inflight_key(keys.results))
+        parts = partitions_of(c, keys)
+        depth = sum(stream_stats(c, k.results, "trainer").length for k in parts)
+        out.append(GaugeMetricFamily("rollq_results_depth", "Entries in the run's shared results stream", value=depth))
+        inflight = 0
+        for k in parts:
+            inflight += int(c.get(inflight_key(k.results)) or 0)  # type: ignore[arg-type]  # sync|async stub
         out.append(
             GaugeMetricFamily(
                 "rollq_results_inflight",
                 "Samples submitted for the shared results stream and not consumed yet",
-                value=int(inflight or 0),  # type: ignore[arg-type]
+                value=inflight,
             )
         )
         dead = CounterMetricFamily(
             "rollq_dead_letters", "Jobs dead-lettered, by reason (error type)", labels=["reason"]
         )
-        for reason, n in sorted(self.dead.read(c).items()):
+        reasons: Counter[str] = Counter()
+        for k in parts:
+            reasons += self.dead.setdefault(k.partition, DeadLetterCount(k)).read(c)
+        for reason, n in sorted(reasons.items()):
             dead.add_metric([reason], n)
         out.append(dead)
         raw = {k.decode(): int(v) for k, v in c.hgetall(keys.ledger).items()}  # type: ignore[union-attr]

@@ -101,6 +101,15 @@ def redis_client(url: str, *, retries: int = 3) -> aioredis.Redis:
     return aioredis.Redis.from_url(plain, **options)
 
 
+def sync_redis_client(url: str, **options: Any) -> redis.Redis:
+    """A synchronous client (the metrics scrape threads) for `url`, a Redis Cluster one for `cluster=yes`."""
+    plain, cluster = cluster_url(url)
+    if cluster:
+        client: Any = redis.RedisCluster.from_url(plain, **options)
+        return client  # typed as Redis: the cluster client answers rollq's commands alike
+    return redis.Redis.from_url(plain, **options)
+
+
 async def run_partitions(client: aioredis.Redis, key: str, wanted: int = 0, *, claim: bool = False) -> int:
     """The run's partition count, stored at `key` (RunKeys.partitions; absent = 1). `wanted` > 0 sets it when unset
     and must equal it when set (a run's jobs stay where its partitions put them). With `claim` (a process about to

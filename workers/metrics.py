@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-import redis
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -18,7 +17,7 @@ from rollq.engine.metrics import MetricsServer, PoolCollector, process_registry
 from rollq.engine.pool import EnginePool
 from rollq.protocol.keys import DEFAULT_CLASS
 from rollq.protocol.messages import Sequence
-from rollq.redis_client import TRANSIENT_ERRORS
+from rollq.redis_client import TRANSIENT_ERRORS, sync_redis_client
 
 if TYPE_CHECKING:
     from rollq.workers.worker import Worker
@@ -102,7 +101,7 @@ class RewardWorkerCollector(Collector):
         self.arq_worker = arq_worker
         self.queue = queue
         self.results = results
-        self.client = redis.Redis.from_url(redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
+        self.client = sync_redis_client(redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
 
     def collect(self) -> Iterator[Metric]:
         w = self.arq_worker

@@ -99,3 +99,26 @@ async def test_a_training_run_goes_on_when_the_primary_of_the_run_is_killed(
         assert t["oldest"] is None or t["oldest"] >= t["version"] - ETA  # the staleness bound held
     for r in records:
         assert r["staleness_max"] <= ETA
+
+
+async def test_run_metrics_sum_every_partition_over_the_cluster(cluster, run_name):
+    from rollq.producer.metrics import RunCollector
+    from rollq.producer.producer import JobRequest, Producer
+
+    url = client_url(cluster)
+    redis = redis_client(url)
+    collector = RunCollector(url, run_name)
+    try:
+        producer = Producer(redis, run_name, partitions=3)
+        await producer.submit_many([JobRequest(workflow="tests.workflows:Echo", n=2, job_id=f"m{i}") for i in range(9)])
+        samples = {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in await asyncio.to_thread(lambda: list(collector.collect()))
+            for s in family.samples
+        }
+    finally:
+        collector.close()
+        await redis.aclose()
+    assert samples[("rollq_redis_up", ())] == 1
+    assert samples[("rollq_queue_depth", (("class", "train"),))] == 18  # every partition's stream
+    assert samples[("rollq_results_inflight", ())] == 18
