@@ -283,8 +283,10 @@ class Trainer:
         )
         self.collector.skip = set(self.state.unacked_groups)
         self.collector.settled = self.state.settled
-        # Groups admitted before a restart and not settled yet: watched for a vanished submission like new ones.
-        self.feeder.watch(self.state.settled.unsettled(self.state.next_group))
+        # Groups admitted before a restart and not settled yet: watched for a vanished submission like new ones (a
+        # checkpoint from before settled groups were recorded has none: its groups are not watched).
+        if self.state.step == 0 or self.state.settled.below or self.state.settled.above:
+            self.feeder.watch(self.state.settled.unsettled(self.state.next_group))
         log.info(
             "%s at step %d (policy version %d); %d steps to go",
             "resumed" if resumed else "starting",
