@@ -206,7 +206,7 @@ class Producer:
                 f"an atomic batch must keep its jobs on one of the run's {count} partitions (partition_of(job_id)); "
                 "give job ids of one partition or submit without atomic"
             )
-        await self._prepare(reqs, count)
+        classes = await self._prepare(reqs, count)
         results: dict[int, SubmitResult] = {}
         pending = list(range(len(reqs)))  # indices of the requests not admitted (nor found duplicate) yet
         while pending:
@@ -214,7 +214,6 @@ class Producer:
             by_partition: dict[int, list[int]] = {}
             for k in chunk:
                 by_partition.setdefault(partition_of(ids[k], count), []).append(k)
-            classes = await self.classes(max_age_s=0)
             full: list[tuple[int, int, str]] = []  # (request index, partition, bound) left out by a full bound
             for partition, indices in by_partition.items():
                 replies = await self._submit_chunk(
@@ -242,7 +241,7 @@ class Producer:
                     job_class=reqs[k].job_class,
                     admitted=[results[i] for i in sorted(results)],
                 )
-            await self._wait_for_room(reqs[k], partition, count)
+            classes = await self._wait_for_room(reqs[k], partition, count)
         return [results[k] for k in range(len(reqs))]
 
     def _check(self, req: JobRequest) -> None:
@@ -292,9 +291,9 @@ class Producer:
                 + (f" ({partition_share(bound, count)} per partition of {count})" if count > 1 else "")
             )
 
-    async def _prepare(self, reqs: list[JobRequest], count: int) -> None:
+    async def _prepare(self, reqs: list[JobRequest], count: int) -> dict[str, JobClass]:
         """Refuse unknown classes and requests bigger than their bounds before anything is queued; create the
-        workers' group on each class stream (every partition) the first time."""
+        workers' group on each class stream (every partition) the first time. Returns the run's classes."""
         names = {req.job_class for req in reqs}
         classes = await self.classes(max_age_s=0)
         unknown = sorted(names - classes.keys())
@@ -312,6 +311,7 @@ class Producer:
                 if stream not in self._groups_ready:
                     await ensure_group(self.redis, stream, WORKER_GROUP)
                     self._groups_ready.add(stream)
+        return classes
 
     async def _submit_chunk(
         self,
@@ -340,8 +340,9 @@ class Producer:
         replies: list[Any] = await self._submit(keys=script_keys, args=args)  # one reply pair per job of the chunk
         return replies
 
-    async def _wait_for_room(self, req: JobRequest, partition: int, count: int) -> None:
-        """Poll until both bounds have room for `req` on its partition (the SUBMIT call that follows decides)."""
+    async def _wait_for_room(self, req: JobRequest, partition: int, count: int) -> dict[str, JobClass]:
+        """Poll until both bounds have room for `req` on its partition (the SUBMIT call that follows decides);
+        returns the classes as last read."""
         delay = self.poll_interval_s
         reply_to = self.reply_stream(partition)
         while True:
@@ -357,7 +358,7 @@ class Producer:
             bound = partition_share(classes[req.job_class].max_inflight, count)
             reply_ok = not reply_bound or int(inflight or 0) + req.n <= reply_bound
             if reply_ok and (not bound or int(queued) + req.n <= bound):
-                return
+                return classes
             await asyncio.sleep(delay)
             delay = min(delay * 1.5, 0.5)
 
