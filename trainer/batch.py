@@ -71,6 +71,7 @@ class Batch(msgspec.Struct, kw_only=True):
     versions: torch.Tensor  # [N, T-1]
     advantages: torch.Tensor  # [N]
     rewards: torch.Tensor  # [N]
+    masked_tokens: int = 0  # generated tokens left out of the loss as older than `min_version`
 
     @property
     def tokens(self) -> int:
@@ -101,9 +102,10 @@ def grpo_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return centred / (rewards.std() + eps)
 
 
-def build_batch(groups: list[Group], pad_id: int = 0) -> Batch:
+def build_batch(groups: list[Group], pad_id: int = 0, min_version: int | None = None) -> Batch:
     """One row per sequence. A sample with several sequences (an agent's completions) shares its group's
-    normalisation: the advantage is computed over every sequence of the group."""
+    normalisation: the advantage is computed over every sequence of the group. With `min_version`, generated tokens
+    of an older policy version are left out of the loss (counted in `masked_tokens`)."""
     seqs: list[Sequence] = []
     advantages: list[torch.Tensor] = []
     for group in groups:
@@ -126,6 +128,11 @@ def build_batch(groups: list[Group], pad_id: int = 0) -> Batch:
         mask[i, :k] = torch.from_numpy(_column(s.loss_mask, "u1").astype(np.float32))
         behav[i, :k] = torch.from_numpy(_column(s.logprobs, "<f4").copy())
         versions[i, :k] = torch.from_numpy(_column(s.versions, "<i4").astype(np.int64))
+    masked = 0
+    if min_version is not None:
+        old = (mask > 0) & (versions < min_version)
+        masked = int(old.sum().item())
+        mask[old] = 0.0
     # Token t is predicted at position t-1: the per-token columns drop their first entry.
     return Batch(
         input_ids=input_ids,
@@ -135,6 +142,7 @@ def build_batch(groups: list[Group], pad_id: int = 0) -> Batch:
         versions=versions[:, 1:],
         advantages=torch.cat(advantages),
         rewards=torch.tensor([s.reward for s in seqs], dtype=torch.float32),
+        masked_tokens=masked,
     )
 
 

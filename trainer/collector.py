@@ -58,6 +58,7 @@ class GroupCollector:
         group_prefix: str,
         max_staleness: int,
         vocab_size: int,
+        stale_policy: str = "drop",
         on_release: Callable[[], None] = lambda: None,
         on_settled: Callable[[str], None] = lambda job_id: None,
         give_up_after_failed: int = 0,
@@ -68,6 +69,8 @@ class GroupCollector:
         self.ledger = ledger
         self.group_prefix = group_prefix  # this trainer's job ids; anything else is left from an earlier run
         self.max_staleness = max_staleness
+        self.stale_policy = stale_policy  # "drop": a group with a token past the bound; "mask": one with none within
+        self.dropped_tokens = 0  # generated tokens of every sample dropped so far (any reason)
         self.vocab_size = vocab_size
         self.on_release = on_release
         self.on_settled = on_settled  # a group was handed out to train or dropped: nothing more is expected of it
@@ -112,7 +115,8 @@ class GroupCollector:
         oldest, newest = span
         if newest > version:
             return "future"
-        if oldest < version - self.max_staleness:
+        # mask: the tokens older than the bound are masked out of the loss (build_batch), the rest trains
+        if (newest if self.stale_policy == "mask" else oldest) < version - self.max_staleness:
             return "stale"
         return None
 
@@ -143,6 +147,7 @@ class GroupCollector:
     async def _drop(self, job_id: str, items: list[Delivered], reason: str, dropped: Counter) -> None:
         await self.ride(lambda: self.consumer.commit(items), "acking a dropped group")
         dropped[reason] += len(items)
+        self.dropped_tokens += sum(model_tokens(d.trajectory) for d in items)
         if reason != "foreign":
             self._settle(job_id)
             self.recent_drops.append((job_id, reason))
@@ -232,7 +237,8 @@ class GroupCollector:
             ready = self._complete.pop(job_id)
             groups.append(ready.group)
             deliveries += ready.items
-            staleness[version - oldest] += len(ready.items)
+            # of the tokens that train: under `mask` those older than the bound do not
+            staleness[min(version - oldest, self.max_staleness)] += len(ready.items)
             self._taken.add(job_id)
             self._settle(job_id)
         return Collected(groups=groups, deliveries=deliveries, staleness=dict(staleness), dropped=dict(dropped))

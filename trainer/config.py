@@ -63,6 +63,15 @@ class TrainConfig(RunSettings, kw_only=True):
             "eta: a trained token is at most this many versions older than the policy trained", ge=0, group=HOW_MUCH
         ),
     ] = 2
+    stale_policy: Annotated[
+        Literal["drop", "mask"],
+        setting(
+            "a group with tokens older than v - eta at the step that trains it: `drop` it whole (its samples go back "
+            "to the ledger), or `mask` only those tokens out of the loss and train the rest (dropped when nothing is "
+            "left); either way no trained token is older than v - eta",
+            group=HOW_MUCH,
+        ),
+    ] = "drop"
     lr: Annotated[float, setting("learning rate (AdamW)", gt=0, group=OPTIM)] = 5e-4
     weight_decay: Annotated[float, setting("AdamW weight decay", ge=0, group=OPTIM)] = 0.0
     clip_eps: Annotated[float, setting("PPO clip of pi_theta / pi_prox", gt=0, lt=1, group=OPTIM)] = 0.2

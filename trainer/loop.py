@@ -166,12 +166,14 @@ class Trainer:
     def trained_log_path(self) -> Path:
         return self.run_dir / "trained.jsonl"
 
-    def _log_trained(self, step: int, version: int, groups: list[Group]) -> None:
-        """trained_log: one line per trained sample (append-only; `_cut_trained_log` undoes uncheckpointed steps)."""
+    def _log_trained(self, step: int, version: int, groups: list[Group], min_version: int | None) -> None:
+        """trained_log: one line per trained sample (append-only; `_cut_trained_log` undoes uncheckpointed steps);
+        `oldest` is the oldest version among the tokens the loss trained (masked ones left out)."""
         lines = []
+        floor = -1 if min_version is None else min_version
         for g in groups:
             for t in g.samples:
-                span = [int(v) for s in t.sequences for v in trained_versions(s)]
+                span = [int(v) for s in t.sequences for v in trained_versions(s) if v >= floor]
                 row = {"step": step, "version": version, "job_id": t.job_id, "sample_index": t.sample_index}
                 lines.append(msgspec.json.encode({**row, "oldest": min(span, default=None)}) + b"\n")
         with self.trained_log_path.open("ab") as f:
@@ -276,6 +278,7 @@ class Trainer:
             group_prefix=prefix,
             max_staleness=cfg.max_staleness,
             vocab_size=self.policy.vocab_size,
+            stale_policy=cfg.stale_policy,
             on_release=self.feeder.notify,
             on_settled=self.feeder.settled,
             give_up_after_failed=0 if resumed else 2 * cfg.batch_samples,
@@ -324,9 +327,11 @@ class Trainer:
         cfg, state = self.cfg, self.state
         assert self.collector is not None and self.feeder is not None
         t0 = time.monotonic()
+        dropped_before = self.collector.dropped_tokens
         got = await self.collector.collect(cfg.groups_per_step, state.version)
         t1 = time.monotonic()
-        batch = build_batch(got.groups, self.policy.pad_id)
+        min_version = state.version - cfg.max_staleness if cfg.stale_policy == "mask" else None
+        batch = build_batch(got.groups, self.policy.pad_id, min_version)
         stats = await asyncio.to_thread(self.policy.train_step, batch)
         t2 = time.monotonic()
         phases = await self._publish_weights(state.version + 1)
@@ -362,6 +367,10 @@ class Trainer:
                 staleness_max=max(got.staleness, default=0),
                 staleness_hist={str(k): n for k, n in sorted(got.staleness.items())},
                 trained_tokens=batch.tokens,
+                masked_tokens=batch.masked_tokens,
+                dropped_tokens=self.collector.dropped_tokens - dropped_before,
+                trained_sample_tokens=sum(g.model_tokens for g in got.groups),
+                generated_tokens=self.collector.model_tokens_read,
                 gen_tokens_per_s=tokens_per_s,
                 samples_per_s=samples_per_s,
                 collect_s=t1 - t0,
@@ -379,7 +388,7 @@ class Trainer:
             cfg.steps,
         )
         if cfg.trained_log:  # the policy version trained is the one before this step's update
-            self._log_trained(state.step, state.version - 1, got.groups)
+            self._log_trained(state.step, state.version - 1, got.groups, min_version)
         if state.step % cfg.checkpoint_every == 0 or state.step == cfg.steps:
             await asyncio.to_thread(checkpoint.save, self.checkpoint_path, self.policy.state(), state)
             unacked = self._unacked

@@ -40,7 +40,11 @@ class StepRecord(msgspec.Struct, kw_only=True):
     staleness_mean: float
     staleness_max: int
     staleness_hist: dict[str, int]  # trained samples per staleness, this step
-    trained_tokens: int
+    trained_tokens: int  # tokens the loss trained on this step (after masking)
+    masked_tokens: int = 0  # generated tokens of this step's groups masked as older than v - eta (stale_policy mask)
+    dropped_tokens: int = 0  # generated tokens of the samples dropped while collecting this step (any reason)
+    trained_sample_tokens: int = 0  # generated tokens of the samples trained this step, masked ones included
+    generated_tokens: int = 0  # generated tokens of every sample read so far (whole run)
     gen_tokens_per_s: float  # generated tokens of every sample read, over the last RATE_WINDOW_S
     samples_per_s: float  # samples read (trained or dropped), same window
     collect_s: float  # waiting for fit groups

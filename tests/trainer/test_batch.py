@@ -75,3 +75,19 @@ def test_micro_batches_cover_every_row_once_within_the_budget(budget):
         assert len(mb) == 1 or len(mb) * max(lengths[i] for i in mb) <= budget
     assert [lengths[i] for mb in mbs for i in mb] == sorted(lengths)  # length-sorted: little padding
     assert micro_batches(lengths, [1, 5], 10_000) == [[5, 1]]
+
+
+def test_a_min_version_masks_only_the_older_generated_tokens():
+    g = Group(
+        job_id="g0",
+        samples=[
+            traj("g0", 0, [5, 6, 7, 8, 9], [0, 0, 1, 1, 1], [-1, -1, 1, 2, 3], 1.0),  # a long answer across versions
+            traj("g0", 1, [5, 6, 7], [0, 0, 1], [-1, -1, 3], 0.0),
+        ],
+    )
+    whole = build_batch([g])
+    masked = build_batch([g], min_version=2)
+    assert whole.tokens == 4 and whole.masked_tokens == 0
+    assert masked.tokens == 3 and masked.masked_tokens == 1  # the token of version 1 leaves the loss
+    assert masked.versions[masked.loss_mask > 0].min().item() == 2
+    assert torch.equal(masked.advantages, whole.advantages)  # the group's rewards still decide its advantages

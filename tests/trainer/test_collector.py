@@ -115,3 +115,23 @@ async def test_a_run_where_everything_fails_stops_with_the_first_error(redis, ru
     await publish(redis, run_name, *failed)
     with pytest.raises(NothingTrains, match="the first 4 samples all failed, e.g. KeyError: 'prompt'"):
         await asyncio.wait_for(collector.collect(1, version=0, block_ms=50), 10)
+
+
+async def test_under_mask_a_group_trains_while_any_token_is_within_the_bound(redis, run_name):
+    ledger, consumer, _ = await setup(redis, run_name, eta=1)
+    collector = GroupCollector(
+        consumer, ledger, group_prefix=PREFIX, max_staleness=1, vocab_size=100, stale_policy="mask"
+    )
+    for g in range(2):
+        assert (await ledger.admit(f"{PREFIX}{g}", 2)).admitted
+    await publish(
+        redis,
+        run_name,
+        sample(f"{PREFIX}0", 0, [0, 1, 2]),  # its first token is older than 3 - 1: masked, the rest trains
+        sample(f"{PREFIX}0", 1, [2]),
+        sample(f"{PREFIX}1", 0, [0, 1]),  # nothing within the bound: dropped as stale
+        sample(f"{PREFIX}1", 1, [1]),
+    )
+    got = await asyncio.wait_for(collector.collect(1, version=3, block_ms=50), 10)
+    assert [g.job_id for g in got.groups] == [f"{PREFIX}0"]
+    assert got.dropped == {"stale": 2} and got.staleness == {1: 2}  # staleness of the tokens that train

@@ -5,11 +5,13 @@ import io
 
 import msgspec
 import pytest
+import torch
 
 from rollq.engine.pool import EnginePool, PoolConfig
 from rollq.trainer.config import TrainConfig
 from rollq.trainer.ledger import StalenessLedger
 from rollq.trainer.loop import Trainer
+from rollq.trainer.policy import Policy
 from tests.helpers import wait_until
 from tests.trainer.helpers import WORKFLOW_KWARGS
 
@@ -59,3 +61,52 @@ async def test_no_trained_token_is_older_than_the_bound_and_groups_stay_whole(
     assert state.released == sum(n for reason, n in dropped.items() if reason != "foreign")
     assert state.admitted >= records[-1]["trained_samples"]
     assert (tmp_path / "run" / "plot.png").stat().st_size > 1000
+
+
+class LossAuditor(Policy):
+    """The trainer's policy, recording what each of its optimizer steps trained on: the loss's own inputs, read
+    before the step (an auditor independent of the trainer's bookkeeping)."""
+
+    def __init__(self, config: TrainConfig) -> None:
+        super().__init__(config)
+        self.steps: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def train_step(self, batch):
+        self.steps.append((batch.versions.clone(), batch.loss_mask.clone()))
+        return super().train_step(batch)
+
+
+async def test_under_mask_no_token_the_loss_trains_is_older_than_the_bound(
+    redis, redis_url, run_name, tmp_path, engine_process, spawn_worker, eta=1
+):
+    # Slow tokens and a heavy tail: the longest answers span more than eta weight updates, so some tokens must be
+    # masked (asserted below), while most groups are fresh.
+    args = ("--tokenizer", "tiny", "--sampled", "--length-dist", "pareto:4:1.0", "--token-latency", "0.02")
+    urls = [(await engine_process(*args, "--max-running", "16"))[1] for _ in range(2)]
+    for _ in range(2):
+        spawn_worker(redis_url, run_name, "--concurrency", "16", *[a for u in urls for a in ("--engine", u)])
+    cfg = TrainConfig(
+        redis_url=redis_url,
+        run=run_name,
+        run_dir=str(tmp_path / "run"),
+        engine=urls,
+        steps=8,
+        group_size=4,
+        groups_per_step=3,
+        max_staleness=eta,
+        stale_policy="mask",
+        workflow_kwargs=WORKFLOW_KWARGS,
+    )
+    policy = LossAuditor(cfg)
+    pool = EnginePool(PoolConfig(urls=urls))
+    try:
+        records = msgspec.to_builtins(await Trainer(cfg, redis, pool, progress=io.StringIO(), policy=policy).run())
+    finally:
+        await pool.close()
+    assert [r["step"] for r in records] == list(range(1, 9)) and len(policy.steps) == 8
+    for version, (versions, mask) in enumerate(policy.steps):  # step i trains policy version i
+        trained = versions[mask > 0]
+        assert trained.numel() and version - eta <= int(trained.min()) and int(trained.max()) <= version
+    assert all(r["staleness_max"] <= eta for r in records)
+    assert all(r["samples"] == 12 for r in records)
+    assert sum(r["masked_tokens"] for r in records) > 0, "no token was old enough to mask: the test proves nothing"
