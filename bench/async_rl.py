@@ -1,6 +1,12 @@
 """Asynchronous vs synchronous RL on a long-tail workload: training samples consumed per second at max_staleness
 eta = 2 against eta = 0 (synchronous: every step waits for its whole batch, and nothing generates while the trainer
-trains), in the same run (JSON summary as the last line).
+trains), in the same run, and what the exact bound wastes at eta = 2 under each stale policy (JSON summary as the
+last line).
+
+Variants: eta = 2 with `stale_policy drop` (a group with a token older than v - eta is dropped whole), eta = 2 with
+`mask` (only those tokens leave the loss), eta = 0. The waste table: generated tokens of every sample settled
+(trained or dropped), tokens the loss trained, wasted = dropped + masked, and the mean generated length of the
+trained samples against all settled ones (a policy that wastes the longest answers biases training against them).
 
     python -m bench.async_rl            # from the repo root
     python -m bench.async_rl --quick    # smoke run
@@ -102,12 +108,23 @@ def throughput(records: list[StepRecord]) -> float:
     return (b.trained_samples - a.trained_samples) / (b.elapsed_s - a.elapsed_s)
 
 
+# name -> (eta, stale_policy, priority_by_age)
+VARIANTS = {
+    "eta=2 drop": (2, "drop", False),
+    "eta=2 mask": (2, "mask", False),
+    "eta=2 mask, oldest first": (2, "mask", True),
+    "eta=0": (0, "drop", False),
+}
+BEST = "eta=2 mask, oldest first"  # the variant the waste targets are about
+
+
 async def run_variant(
-    url: str, procs: Procs, engines: list[str], tmp: Path, eta: int, args: argparse.Namespace
+    url: str, procs: Procs, engines: list[str], tmp: Path, variant: str, args: argparse.Namespace
 ) -> dict[str, Any]:
     from rollq.trainer.loop import Trainer  # here, not at the top: `--help` does not load torch
 
-    run = f"bench-eta{eta}-{uuid.uuid4().hex[:8]}"
+    eta, policy, by_age = VARIANTS[variant]
+    run = f"bench-eta{eta}-{policy}-{uuid.uuid4().hex[:8]}"
     redis = redis_client(url)
     workers = []
     try:
@@ -136,6 +153,8 @@ async def run_variant(
             group_size=args.group_size,
             groups_per_step=args.groups,
             max_staleness=eta,
+            stale_policy=policy,  # type: ignore[arg-type]  # one of VARIANTS' literals
+            priority_by_age=by_age,
             lr=1e-4,
             seed=0,
         )
@@ -153,8 +172,23 @@ async def run_variant(
         for k, n in r.staleness_hist.items():
             hist[k] = hist.get(k, 0) + n
     steps = records[WARMUP_STEPS:]
+    trained = sum(r.trained_tokens for r in records)
+    masked = sum(r.masked_tokens for r in records)
+    dropped = sum(r.dropped_tokens for r in records)
+    dropped_samples = sum(sum(r.dropped_this_step.values()) for r in records)
+    trained_samples = records[-1].trained_samples
+    trained_sample_tokens = sum(r.trained_sample_tokens for r in records)
     return {
+        "variant": variant,
         "eta": eta,
+        "policy": policy,
+        "tokens_settled": trained_sample_tokens + dropped,
+        "tokens_trained": trained,
+        "tokens_masked": masked,
+        "tokens_dropped": dropped,
+        "waste": (masked + dropped) / max(1, trained + masked + dropped),
+        "mean_len_trained": trained_sample_tokens / max(1, trained_samples),
+        "mean_len_settled": (trained_sample_tokens + dropped) / max(1, trained_samples + dropped_samples),
         "samples_per_s": throughput(records),
         "step_s_median": statistics.median(r.step_s for r in steps),
         "train_s_median": statistics.median(r.train_s for r in steps),
@@ -167,40 +201,70 @@ async def run_variant(
     }
 
 
-def print_report(rounds: list[dict[int, dict[str, Any]]], summary: dict[str, Any]) -> None:
+def print_report(rounds: list[dict[str, dict[str, Any]]], summary: dict[str, Any]) -> None:
     print(f"\nasync vs sync RL, long-tail workload ({summary['workload']})")
     print(
         "| variant | trained samples/s | step s (median) | train s | wait for batch s | pause ms "
         "| staleness of trained samples | dropped |"
     )
     print("|---|---:|---:|---:|---:|---:|---|---|")
-    for eta in (2, 0):
-        for i, r in enumerate(rnd[eta] for rnd in rounds):
-            label = f"eta={eta} ({'async' if eta else 'sync'}), round {i + 1}"
+    for variant in VARIANTS:
+        for i, r in enumerate(rnd[variant] for rnd in rounds):
             print(
-                f"| {label} | {r['samples_per_s']:.1f} | {r['step_s_median']:.2f} | {r['train_s_median']:.2f} | "
-                f"{r['collect_s_median']:.2f} | {r['pause_ms_median']:.0f} | {r['staleness_hist']} | "
-                f"{r['dropped'] or 0} |"
+                f"| {variant}, round {i + 1} | {r['samples_per_s']:.1f} | {r['step_s_median']:.2f} | "
+                f"{r['train_s_median']:.2f} | {r['collect_s_median']:.2f} | {r['pause_ms_median']:.0f} | "
+                f"{r['staleness_hist']} | {r['dropped'] or 0} |"
             )
+    print("\nwaste (tokens; whole runs, summed over rounds)")
     print(
-        f"\nspeedup eta=2 / eta=0 (median of rounds): {summary['speedup']:.2f}x (target >= {TARGET_SPEEDUP}x); "
-        f"per round: {', '.join(f'{s:.2f}x' for s in summary['speedup_per_round'])}"
+        "| variant | generated (settled) | trained | masked | dropped | wasted | mean length trained / settled "
+        "| samples/s | speedup vs eta=0 |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---|---:|---:|")
+    for variant, w in summary["waste"].items():
+        print(
+            f"| {variant} | {w['tokens_settled']:,} | {w['tokens_trained']:,} | {w['tokens_masked']:,} | "
+            f"{w['tokens_dropped']:,} | {w['waste'] * 100:.1f}% | {w['mean_len_trained']:.1f} / "
+            f"{w['mean_len_settled']:.1f} ({w['length_ratio']:.2f}) | {w['samples_per_s']:.1f} | "
+            f"{w['speedup']:.2f}x |"
+        )
+    print(
+        f"\nspeedup eta=2 / eta=0 (median of rounds): drop {summary['speedup']:.2f}x, {BEST} "
+        f"{summary['speedup_mask']:.2f}x (target >= {TARGET_SPEEDUP}x); waste at eta=2: drop "
+        f"{summary['waste']['eta=2 drop']['waste']:.1%}, {BEST} {summary['waste'][BEST]['waste']:.1%}"
     )
 
 
 async def amain(args: argparse.Namespace, procs: Procs, tmp: Path) -> dict[str, Any]:
     url = args.redis or start_redis(procs, tmp)
     engines = await start_engines(procs, args)
-    rounds: list[dict[int, dict[str, Any]]] = []
+    rounds: list[dict[str, dict[str, Any]]] = []
+    names = list(VARIANTS)
     for i in range(args.rounds):
-        order = (2, 0) if i % 2 == 0 else (0, 2)
+        order = names if i % 2 == 0 else names[::-1]
         results = {}
-        for eta in order:
-            print(f"round {i + 1}: eta={eta} ...", file=sys.stderr, flush=True)
-            results[eta] = await run_variant(url, procs, engines, tmp, eta, args)
-            print(f"  {results[eta]['samples_per_s']:.1f} samples/s", file=sys.stderr, flush=True)
+        for variant in order:
+            print(f"round {i + 1}: {variant} ...", file=sys.stderr, flush=True)
+            results[variant] = await run_variant(url, procs, engines, tmp, variant, args)
+            print(f"  {results[variant]['samples_per_s']:.1f} samples/s", file=sys.stderr, flush=True)
         rounds.append(results)
-    per_round = [r[2]["samples_per_s"] / r[0]["samples_per_s"] for r in rounds]
+    per_round = [r["eta=2 drop"]["samples_per_s"] / r["eta=0"]["samples_per_s"] for r in rounds]
+    per_round_mask = [r[BEST]["samples_per_s"] / r["eta=0"]["samples_per_s"] for r in rounds]
+    sync_rate = statistics.median(r["eta=0"]["samples_per_s"] for r in rounds)
+    waste: dict[str, dict[str, Any]] = {}
+    for variant in VARIANTS:
+        runs = [r[variant] for r in rounds]
+        w = {
+            k: sum(x[k] for x in runs) for k in ("tokens_settled", "tokens_trained", "tokens_masked", "tokens_dropped")
+        }
+        wasted = w["tokens_masked"] + w["tokens_dropped"]
+        w["waste"] = wasted / max(1, w["tokens_trained"] + wasted)
+        w["mean_len_trained"] = statistics.mean(x["mean_len_trained"] for x in runs)
+        w["mean_len_settled"] = statistics.mean(x["mean_len_settled"] for x in runs)
+        w["length_ratio"] = w["mean_len_trained"] / max(1e-9, w["mean_len_settled"])
+        w["samples_per_s"] = statistics.median(x["samples_per_s"] for x in runs)
+        w["speedup"] = w["samples_per_s"] / sync_rate
+        waste[variant] = w
     summary = {
         "workload": (
             f"{args.engines} synthetic engines x {args.max_running} slots, {args.token_latency * 1000:g} ms per "
@@ -208,16 +272,25 @@ async def amain(args: argparse.Namespace, procs: Procs, tmp: Path) -> dict[str, 
             f"{args.max_new_tokens}; {args.workers} workers; B = {args.groups} groups x {args.group_size}; "
             f"{args.steps} steps"
         ),
-        "async_samples_per_s": statistics.median(r[2]["samples_per_s"] for r in rounds),
-        "sync_samples_per_s": statistics.median(r[0]["samples_per_s"] for r in rounds),
+        "async_samples_per_s": statistics.median(r["eta=2 drop"]["samples_per_s"] for r in rounds),
+        "async_mask_samples_per_s": statistics.median(r[BEST]["samples_per_s"] for r in rounds),
+        "sync_samples_per_s": sync_rate,
         "speedup": statistics.median(per_round),
+        "speedup_mask": statistics.median(per_round_mask),
         "speedup_per_round": per_round,
+        "speedup_mask_per_round": per_round_mask,
         "target": TARGET_SPEEDUP,
-        "async_staleness_hist": rounds[-1][2]["staleness_hist"],
-        "async_staleness_max": max(r[2]["staleness_max"] for r in rounds),
-        "sync_staleness_max": max(r[0]["staleness_max"] for r in rounds),
-        "dropped_async": [r[2]["dropped"] for r in rounds],
-        "ledger_bound_held": all(r[eta]["ledger_ok"] for r in rounds for eta in (0, 2)),
+        "waste": waste,
+        "waste_targets": {
+            "waste<=5%": waste[BEST]["waste"] <= 0.05,
+            "speedup>=3x": waste[BEST]["speedup"] >= 3.0,
+            "length_ratio_within_10%": abs(waste[BEST]["length_ratio"] - 1) <= 0.10,
+        },
+        "async_staleness_hist": rounds[-1]["eta=2 drop"]["staleness_hist"],
+        "async_staleness_max": max(r[v]["staleness_max"] for r in rounds for v in VARIANTS if VARIANTS[v][0]),
+        "sync_staleness_max": max(r["eta=0"]["staleness_max"] for r in rounds),
+        "dropped_async": [r["eta=2 drop"]["dropped"] for r in rounds],
+        "ledger_bound_held": all(r[v]["ledger_ok"] for r in rounds for v in VARIANTS),
     }
     summary["target_met"] = summary["speedup"] >= TARGET_SPEEDUP
     print_report(rounds, summary)

@@ -41,6 +41,7 @@ class JobRequest(msgspec.Struct, kw_only=True):
     agent: AgentOptions | None = None  # how an agent workflow is run and exported
     is_eval: bool = False  # an evaluation sample (the workflow reads it as workflow_context.get().is_eval)
     job_class: str = DEFAULT_CLASS  # its job class (`rollq classes set`): stream, priority, share, admission budget
+    priority: int | None = None  # its engine requests' priority (larger first); None: its class's
 
 
 class SubmitResult(msgspec.Struct, frozen=True):
@@ -274,6 +275,7 @@ class Producer:
             reply_to=reply_to or self.reply_to,
             submitted_at=now,
             job_class=req.job_class,
+            priority=req.priority,
         )
 
     def _fits(self, req: JobRequest, classes: dict[str, JobClass], count: int) -> None:

@@ -65,6 +65,9 @@ class Job(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     # skips (acks, publishes a "cancelled" result for) a sample whose job was cancelled first. The ingress sets it.
     cancellable: bool = False
     job_class: str = DEFAULT_CLASS  # the class whose stream holds it (JobClass); "train" when absent
+    # The engine request priority of this job's generation (larger first), within its class's; None: the class's.
+    # The trainer gives older groups a higher one (`priority_by_age`) so they finish first.
+    priority: int | None = None
     schema: int = SCHEMA_VERSION
 
 

@@ -72,6 +72,14 @@ class TrainConfig(RunSettings, kw_only=True):
             group=HOW_MUCH,
         ),
     ] = "drop"
+    priority_by_age: Annotated[
+        bool,
+        setting(
+            "engine requests of older groups first (priority -group index; engines schedule larger first, SGLang "
+            "with --enable-priority-scheduling): long answers finish sooner, fewer of their tokens pass the bound",
+            group=HOW_MUCH,
+        ),
+    ] = False
     lr: Annotated[float, setting("learning rate (AdamW)", gt=0, group=OPTIM)] = 5e-4
     weight_decay: Annotated[float, setting("AdamW weight decay", ge=0, group=OPTIM)] = 0.0
     clip_eps: Annotated[float, setting("PPO clip of pi_theta / pi_prox", gt=0, lt=1, group=OPTIM)] = 0.2

@@ -37,6 +37,7 @@ class GroupFeeder:
         next_index: int = 0,
         recheck_s: float = 1.0,
         reoffer_after_s: float = 0.0,
+        priority_by_age: bool = False,
         ride: Ride | None = None,
     ) -> None:
         self.ride: Ride = ride or direct
@@ -50,6 +51,7 @@ class GroupFeeder:
         self.next_index = next_index  # first group not yet admitted
         self.recheck_s = recheck_s  # the ledger may also change elsewhere (another trainer life): look again
         self.reoffer_after_s = reoffer_after_s  # 0: never look for vanished submissions
+        self.priority_by_age = priority_by_age  # group i's engine requests get priority -i: older groups first
         self.reoffered = 0  # groups queued again because Redis lost their submission
         self._outstanding: dict[str, float] = {}  # admitted, not settled: job id -> when it was (last) queued
         self._next_look = 0.0
@@ -92,6 +94,7 @@ class GroupFeeder:
             n=self.group_size,
             job_id=job_id,
             workflow_kwargs=self.workflow_kwargs,
+            priority=-index if self.priority_by_age else None,
         )
 
     async def reoffer_vanished(self) -> list[str]:

@@ -270,6 +270,7 @@ class Trainer:
             workflow_kwargs=builtin_kwargs(cfg),
             next_index=self.state.next_group,
             reoffer_after_s=cfg.reoffer_after_s,
+            priority_by_age=cfg.priority_by_age,
             ride=self.ride,
         )
         self.collector = GroupCollector(

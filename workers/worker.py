@@ -571,7 +571,7 @@ class Worker:
                     group_size=job.n,
                     attempt=runs - 1,
                     job_class=job_class.name,
-                    priority=job_class.priority,
+                    priority=job_class.priority if job.priority is None else job.priority,
                 )
                 with episode_scope(episode) as responses:  # what workflow_context.get() returns in the episode
                     output = await workflow.arun_episode(self._episode_engine, job.data)

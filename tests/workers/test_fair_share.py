@@ -207,3 +207,22 @@ async def test_old_single_stream_jobs_still_run_beside_classes(redis, redis_url,
     await run_all(redis_url, producer, {"old-msgpack": 1, "old-json": 1, "ext-0": 1, "ext-1": 1})
     assert sorted(STARTS.pop(run_name)) == ["ext", "ext", "train", "train"]
     assert await redis.xlen(keys.jobs) == 0
+
+
+async def test_a_jobs_own_priority_overrides_its_classs_for_its_engine_requests(redis, redis_url, run_name):
+    await set_class(redis, run_name, JobClass(name="eval", priority=10))
+    producer = Producer(redis, run_name)
+    own = [
+        JobRequest(workflow=WORKFLOW, data={"run": run_name}, job_id="old-group", priority=-3),
+        JobRequest(workflow=WORKFLOW, data={"run": run_name}, job_id="eval-own", job_class="eval", priority=4),
+        JobRequest(workflow=WORKFLOW, data={"run": run_name}, job_id="plain"),
+    ]
+    await producer.submit_many(own)
+    consumer = producer.consumer()
+    await consumer.setup()
+    async with running_worker(redis_url, run_name, concurrency=2):
+        expected = dict.fromkeys(["old-group", "eval-own", "plain"], 1)
+        trajs = [t async for t in producer.wait_for(expected, timeout_s=30, consumer=consumer)]
+    rewards = {t.job_id: t.sequences[0].reward for t in trajs}
+    assert rewards == {"old-group": -3.0, "eval-own": 4.0, "plain": 0.0}
+    STARTS.pop(run_name, None)
