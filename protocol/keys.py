@@ -137,6 +137,11 @@ class RunKeys(msgspec.Struct, frozen=True):
         return f"{self.run_prefix}:ledger:groups"
 
     @property
+    def ledger_partial(self) -> str:
+        """Hash: group (job) id -> samples a partial group gave back (its failed ones), written once."""
+        return f"{self.run_prefix}:ledger:partial"
+
+    @property
     def rewards(self) -> str:
         """The arq queue of remote reward calls (`rollq reward-worker` serves it)."""
         return f"{self.run_prefix}:rewards"

@@ -33,6 +33,7 @@ class Collected(msgspec.Struct, kw_only=True):
     deliveries: list[Delivered]  # acked once the step that trains them is checkpointed
     staleness: dict[int, int]  # trained samples per staleness (v - oldest token version)
     dropped: dict[str, int]  # samples dropped while collecting, per reason
+    partial_groups: int = 0  # groups handed out that train on their survivors only
 
 
 class _Ready(msgspec.Struct):
@@ -59,6 +60,7 @@ class GroupCollector:
         max_staleness: int,
         vocab_size: int,
         stale_policy: str = "drop",
+        partial_groups: int = 0,
         on_release: Callable[[], None] = lambda: None,
         on_settled: Callable[[str], None] = lambda job_id: None,
         give_up_after_failed: int = 0,
@@ -71,6 +73,9 @@ class GroupCollector:
         self.max_staleness = max_staleness
         self.stale_policy = stale_policy  # "drop": a group with a token past the bound; "mask": one with none within
         self.dropped_tokens = 0  # generated tokens of every sample dropped so far (any reason)
+        # > 0: a group with failed samples trains on its survivors when at least this many are left
+        self.partial_groups = partial_groups
+        self._partial_ids: set[str] = set()  # complete groups that train on their survivors only
         self.vocab_size = vocab_size
         self.on_release = on_release
         self.on_settled = on_settled  # a group was handed out to train or dropped: nothing more is expected of it
@@ -139,15 +144,42 @@ class GroupCollector:
             return
         group = Group(job_id=job_id, samples=[d.trajectory for d in items])
         reason = self._unfit(group)
+        if reason == "failed" and self.partial_groups:
+            survivors = Group(job_id=job_id, samples=[t for t in group.samples if t.status == "ok" and t.sequences])
+            if len(survivors.samples) >= self.partial_groups and survivors.invalid(self.vocab_size) is None:
+                await self._train_partially(job_id, items, group, survivors, dropped)
+                return
         if reason is not None:
             await self._drop(job_id, items, reason, dropped)
         else:
             self._complete[job_id] = _Ready(items, group, group.version_range())
 
-    async def _drop(self, job_id: str, items: list[Delivered], reason: str, dropped: Counter) -> None:
+    async def _train_partially(
+        self, job_id: str, items: list[Delivered], group: Group, survivors: Group, dropped: Counter
+    ) -> None:
+        """The group trains on its survivors (advantages normalised over them); its failed samples are counted as
+        `failed` and given back to the ledger. All its entries are committed with the step that trains it, so a
+        restarted trainer reads the whole group again."""
+        failed = [t for t in group.samples if t not in survivors.samples]
+        dropped["failed"] += len(failed)
+        self.dropped_tokens += sum(model_tokens(t) for t in failed)
+        self.good_groups += 1
+        await self.ride(lambda: self.ledger.release_part(job_id, len(failed), "failed"), "giving failed samples back")
+        self.on_release()
+        self._partial_ids.add(job_id)
+        self._complete[job_id] = _Ready(items, survivors, survivors.version_range())
+        kept = len(survivors.samples)
+        log.info("group %s trains on %d of %d samples (%d failed)", job_id, kept, len(items), len(failed))
+
+    async def _drop(
+        self, job_id: str, items: list[Delivered], reason: str, dropped: Counter, held: Group | None = None
+    ) -> None:
+        """Ack the group's entries and give it back. `held`: the samples it still holds (a partial group: its
+        survivors; its failed ones were counted and given back already)."""
         await self.ride(lambda: self.consumer.commit(items), "acking a dropped group")
-        dropped[reason] += len(items)
-        self.dropped_tokens += sum(model_tokens(d.trajectory) for d in items)
+        samples = held.samples if held is not None else [d.trajectory for d in items]
+        dropped[reason] += len(samples)
+        self.dropped_tokens += sum(model_tokens(t) for t in samples)
         if reason != "foreign":
             self._settle(job_id)
             self.recent_drops.append((job_id, reason))
@@ -197,7 +229,8 @@ class GroupCollector:
                 reason = self._out_of_bound(ready.span, version)
                 if reason is not None:
                     del self._complete[job_id]
-                    await self._drop(job_id, ready.items, reason, dropped)
+                    self._partial_ids.discard(job_id)
+                    await self._drop(job_id, ready.items, reason, dropped, ready.group)
                     continue
                 fit.append((ready.span[0] if ready.span else version, job_id))
             if len(fit) >= groups_needed:
@@ -233,15 +266,24 @@ class GroupCollector:
         groups: list[Group] = []
         deliveries: list[Delivered] = []
         staleness: Counter = Counter()
+        partials = 0
         for oldest, job_id in fit[:groups_needed]:
             ready = self._complete.pop(job_id)
             groups.append(ready.group)
-            deliveries += ready.items
+            deliveries += ready.items  # a partial group's failed samples too: committed with the step
             # of the tokens that train: under `mask` those older than the bound do not
-            staleness[min(version - oldest, self.max_staleness)] += len(ready.items)
+            staleness[min(version - oldest, self.max_staleness)] += len(ready.group.samples)
+            partials += job_id in self._partial_ids
+            self._partial_ids.discard(job_id)
             self._taken.add(job_id)
             self._settle(job_id)
-        return Collected(groups=groups, deliveries=deliveries, staleness=dict(staleness), dropped=dict(dropped))
+        return Collected(
+            groups=groups,
+            deliveries=deliveries,
+            staleness=dict(staleness),
+            dropped=dict(dropped),
+            partial_groups=partials,
+        )
 
 
 __all__ = ["Collected", "DROP_REASONS", "GroupCollector", "NothingTrains"]

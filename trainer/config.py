@@ -72,6 +72,16 @@ class TrainConfig(RunSettings, kw_only=True):
             group=HOW_MUCH,
         ),
     ] = "drop"
+    partial_groups: Annotated[
+        int,
+        setting(
+            "a group with failed samples (error, timeout, rejected) trains on the others when at least this many "
+            "are left, its advantages normalised over them (0 = off: the group is dropped whole)",
+            metavar="N",
+            ge=0,
+            group=HOW_MUCH,
+        ),
+    ] = 0
     priority_by_age: Annotated[
         bool,
         setting(

@@ -48,6 +48,21 @@ end
 return n
 """
 
+# KEYS: ledger, groups, partial. ARGV: group id, samples, reason. A partial group (trained on its survivors) gives
+# back its failed samples, once: the group then holds the rest (a later RELEASE gives back those).
+_RELEASE_PART = """
+if redis.call('HSETNX', KEYS[3], ARGV[1], ARGV[2]) == 0 then return 0 end
+local n = tonumber(redis.call('HGET', KEYS[2], ARGV[1]) or '0')
+local k = math.min(n, tonumber(ARGV[2]))
+if k > 0 then
+  redis.call('HINCRBY', KEYS[2], ARGV[1], -k)
+  redis.call('HINCRBY', KEYS[1], 'admitted', -k)
+  redis.call('HINCRBY', KEYS[1], 'released', k)
+  redis.call('HINCRBY', KEYS[1], 'released:' .. ARGV[3], k)
+end
+return k
+"""
+
 # KEYS: ledger, groups. ARGV: group id, samples. Records an admission Redis lost (a failover's or an AOF everysec
 # restart's last writes) for a group the trainer queued: counted once, whatever the limit (it is in flight already).
 # -> 1 if it had to be recorded
@@ -118,6 +133,7 @@ class StalenessLedger:
         self._set_version = redis.register_script(_SET_VERSION)
         self._restore = redis.register_script(_RESTORE)
         self._readmit = redis.register_script(_READMIT)
+        self._release_part = redis.register_script(_RELEASE_PART)
 
     def limit(self, version: int) -> int:
         return (self.max_staleness + version + 1) * self.batch_samples
@@ -133,6 +149,11 @@ class StalenessLedger:
     async def release(self, group_id: str, reason: str = "dropped") -> int:
         """Give a dropped group's samples back (once), counted under its drop reason. Returns how many."""
         return int(await self._release(keys=[self.keys.ledger, self.keys.ledger_groups], args=[group_id, reason]))
+
+    async def release_part(self, group_id: str, samples: int, reason: str) -> int:
+        """A partial group gives back `samples` (its failed ones), once, counted under `reason`."""
+        keys = [self.keys.ledger, self.keys.ledger_groups, self.keys.ledger_partial]
+        return int(await self._release_part(keys=keys, args=[group_id, samples, reason]))
 
     async def readmit(self, group_id: str, samples: int) -> bool:
         """Record again the admission of a group the trainer queued, if Redis lost it. True if it had to."""
@@ -164,7 +185,7 @@ class StalenessLedger:
 
     async def reset(self) -> None:
         """A fresh run: version 0, nothing admitted."""
-        await self.redis.delete(self.keys.ledger_groups)
+        await self.redis.delete(self.keys.ledger_groups, self.keys.ledger_partial)
         await self.redis.hset(  # type: ignore[misc]  # redis-py stub: sync|async union
             self.keys.ledger,
             mapping={

@@ -280,6 +280,7 @@ class Trainer:
             max_staleness=cfg.max_staleness,
             vocab_size=self.policy.vocab_size,
             stale_policy=cfg.stale_policy,
+            partial_groups=cfg.partial_groups,
             on_release=self.feeder.notify,
             on_settled=self.feeder.settled,
             give_up_after_failed=0 if resumed else 2 * cfg.batch_samples,
@@ -341,7 +342,8 @@ class Trainer:
         state.step += 1
         state.version += 1
         state.next_group = self.feeder.next_index
-        state.trained_samples += len(got.deliveries)
+        trained_now = sum(len(g.samples) for g in got.groups)  # a partial group's survivors only
+        state.trained_samples += trained_now
         state.dropped = dict(Counter(state.dropped) + Counter(got.dropped))
         state.staleness = dict(Counter(state.staleness) + Counter(got.staleness))
         state.unacked_groups += [g.job_id for g in got.groups]
@@ -359,7 +361,7 @@ class Trainer:
                 reward_mean=float(batch.rewards.mean()),
                 reward_max=float(batch.rewards.max()),
                 reward_min=float(batch.rewards.min()),
-                samples=len(got.deliveries),
+                samples=trained_now,
                 trained_samples=state.trained_samples,
                 groups=[g.job_id for g in got.groups],
                 dropped=dict(state.dropped),
@@ -372,6 +374,7 @@ class Trainer:
                 dropped_tokens=self.collector.dropped_tokens - dropped_before,
                 trained_sample_tokens=sum(g.model_tokens for g in got.groups),
                 generated_tokens=self.collector.model_tokens_read,
+                partial_groups=got.partial_groups,
                 gen_tokens_per_s=tokens_per_s,
                 samples_per_s=samples_per_s,
                 collect_s=t1 - t0,

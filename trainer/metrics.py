@@ -45,6 +45,7 @@ class StepRecord(msgspec.Struct, kw_only=True):
     dropped_tokens: int = 0  # generated tokens of the samples dropped while collecting this step (any reason)
     trained_sample_tokens: int = 0  # generated tokens of the samples trained this step, masked ones included
     generated_tokens: int = 0  # generated tokens of every sample read so far (whole run)
+    partial_groups: int = 0  # groups trained this step on their survivors only (partial_groups)
     gen_tokens_per_s: float  # generated tokens of every sample read, over the last RATE_WINDOW_S
     samples_per_s: float  # samples read (trained or dropped), same window
     collect_s: float  # waiting for fit groups

@@ -9,6 +9,7 @@ from rollq.producer.results import ResultConsumer
 from rollq.protocol.codec import Codec
 from rollq.protocol.keys import PAYLOAD_FIELD, RunKeys
 from rollq.protocol.messages import Sequence, Trajectory
+from rollq.trainer.batch import build_batch
 from rollq.trainer.collector import GroupCollector
 from rollq.trainer.ledger import StalenessLedger
 
@@ -135,3 +136,28 @@ async def test_under_mask_a_group_trains_while_any_token_is_within_the_bound(red
     got = await asyncio.wait_for(collector.collect(1, version=3, block_ms=50), 10)
     assert [g.job_id for g in got.groups] == [f"{PREFIX}0"]
     assert got.dropped == {"stale": 2} and got.staleness == {1: 2}  # staleness of the tokens that train
+
+
+async def test_a_partial_group_trains_on_its_survivors_and_gives_the_failed_back(redis, run_name):
+    ledger, consumer, _ = await setup(redis, run_name, eta=1)
+    collector = GroupCollector(consumer, ledger, group_prefix=PREFIX, max_staleness=1, vocab_size=100, partial_groups=2)
+    for g in range(3):
+        assert (await ledger.admit(f"{PREFIX}{g}", 4)).admitted
+    g0, g1, g2 = (f"{PREFIX}{g}" for g in range(3))
+    await publish(
+        redis,
+        run_name,
+        *(sample(g0, i, [3], n=4) for i in range(3)),
+        sample(g0, 3, [], n=4, status="error"),  # one failed: g0 trains on three
+        sample(g1, 0, [3], n=4),
+        *(sample(g1, i, [], n=4, status="error") for i in range(1, 4)),  # one left: dropped whole
+        *(sample(g2, i, [0], n=4) for i in range(2)),  # too old at v=3: the survivors are dropped as stale later
+        *(sample(g2, i, [], n=4, status="rejected") for i in range(2, 4)),
+    )
+    got = await asyncio.wait_for(collector.collect(1, version=3, block_ms=50), 10)
+    assert [(g.job_id, len(g.samples)) for g in got.groups] == [(g0, 3)] and got.partial_groups == 1
+    assert len(got.deliveries) == 4  # the failed sample's entry is committed with the step too
+    assert got.dropped == {"failed": 1 + 4 + 2, "stale": 2}
+    assert [round(float(a), 3) for a in build_batch(got.groups).advantages] == [-1.0, 0.0, 1.0]  # over survivors
+    state = await ledger.state()
+    assert state.admitted == 3 and state.released == 9 and state.released_by_reason == {"failed": 7, "stale": 2}
