@@ -104,6 +104,14 @@ class TrainConfig(RunSettings, kw_only=True):
     grad_clip: Annotated[float, setting("gradient norm clip", gt=0, group=OPTIM)] = 1.0
     seed: Annotated[int, setting("random seed of the trainer", group=OPTIM)] = 0
     device: Annotated[str, setting("torch device of the trainer (and of `rollq up`'s engines)", group=OPTIM)] = "cpu"
+    compute_dtype: Annotated[
+        Literal["float32", "bfloat16"],
+        setting(
+            "dtype of the trainer's forward and backward passes (autocast; weights and optimizer state stay "
+            "float32): bfloat16 on a GPU halves activations and uses its tensor cores",
+            group=OPTIM,
+        ),
+    ] = "float32"
     pause_mode: Annotated[
         Literal["abort", "retract", "in_place"],
         setting(

@@ -54,6 +54,9 @@ class GroupFeeder:
         self.priority_by_age = priority_by_age  # group i's engine requests get priority -i: older groups first
         self.reoffered = 0  # groups queued again because Redis lost their submission
         self._outstanding: dict[str, float] = {}  # admitted, not settled: job id -> when it was (last) queued
+        self._admitted_version: dict[str, int] = {}  # admitted by this feeder, not settled: job id -> ledger version
+        # job id -> the ledger version it was admitted at, for groups settled since the trainer last took them
+        self.settled_versions: dict[str, int] = {}
         self._next_look = 0.0
         self._room = asyncio.Event()
         self._stopping = False
@@ -61,6 +64,9 @@ class GroupFeeder:
     def settled(self, job_id: str) -> None:
         """The group was handed out to train or dropped: nothing more is expected of it."""
         self._outstanding.pop(job_id, None)
+        version = self._admitted_version.pop(job_id, None)
+        if version is not None:
+            self.settled_versions[job_id] = version
 
     @property
     def outstanding(self) -> list[str]:
@@ -131,6 +137,7 @@ class GroupFeeder:
             # Safe to repeat: SUBMIT's idempotency marker queues a job id once.
             await self.ride(partial(self.producer.submit_many, [self.request(self.next_index)]), "queueing a group")
             self._outstanding.setdefault(job_id, time.monotonic())
+            self._admitted_version.setdefault(job_id, admission.version)
             self.next_index += 1
 
 

@@ -343,6 +343,10 @@ class Trainer:
         state.version += 1
         state.next_group = self.feeder.next_index
         trained_now = sum(len(g.samples) for g in got.groups)  # a partial group's survivors only
+        admitted_at = [self.feeder.settled_versions.get(g.job_id) for g in got.groups]
+        lags = [state.version - 1 - v for v in admitted_at if v is not None]  # the version trained: before the +1
+        self.feeder.settled_versions.clear()
+        waits = [t.started_at - t.submitted_at for g in got.groups for t in g.samples if t.submitted_at]
         state.trained_samples += trained_now
         state.dropped = dict(Counter(state.dropped) + Counter(got.dropped))
         state.staleness = dict(Counter(state.staleness) + Counter(got.staleness))
@@ -375,6 +379,8 @@ class Trainer:
                 trained_sample_tokens=sum(g.model_tokens for g in got.groups),
                 generated_tokens=self.collector.model_tokens_read,
                 partial_groups=got.partial_groups,
+                admission_lag_mean=sum(lags) / len(lags) if lags else 0.0,
+                queue_s_mean=sum(waits) / len(waits) if waits else 0.0,
                 gen_tokens_per_s=tokens_per_s,
                 samples_per_s=samples_per_s,
                 collect_s=t1 - t0,

@@ -46,6 +46,10 @@ class StepRecord(msgspec.Struct, kw_only=True):
     trained_sample_tokens: int = 0  # generated tokens of the samples trained this step, masked ones included
     generated_tokens: int = 0  # generated tokens of every sample read so far (whole run)
     partial_groups: int = 0  # groups trained this step on their survivors only (partial_groups)
+    # Beside the bound, not part of it: versions from a trained group's admission to the step training it (groups
+    # admitted by this trainer life), and seconds its samples waited in the queue (submitted -> started).
+    admission_lag_mean: float = 0.0
+    queue_s_mean: float = 0.0
     gen_tokens_per_s: float  # generated tokens of every sample read, over the last RATE_WINDOW_S
     samples_per_s: float  # samples read (trained or dropped), same window
     collect_s: float  # waiting for fit groups

@@ -3,6 +3,7 @@ and its weights written as safetensors for the engines (atomic: engines never se
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from pathlib import Path
@@ -30,13 +31,24 @@ class Policy:
         self.tokenizer = AutoTokenizer.from_pretrained(self.path)
         model = AutoModelForCausalLM.from_pretrained(self.path, dtype=torch.float32)
         self.model = model.to(config.device)  # type: ignore[arg-type]  # transformers' @wraps(Module.to) hides self
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+        # fused: one kernel for the whole update on CUDA (not available on CPU)
+        fused = torch.device(config.device).type == "cuda"
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay, fused=fused
+        )
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.vocab_size = int(self.model.get_input_embeddings().num_embeddings)
 
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self.config.compute_dtype == "float32":
+            return contextlib.nullcontext()
+        return torch.autocast(torch.device(self.config.device).type, dtype=getattr(torch, self.config.compute_dtype))
+
     def token_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """log p(input_ids[:, t] | input_ids[:, :t]) for t >= 1: [N, T-1]."""
-        logits = self.model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()
+        """log p(input_ids[:, t] | input_ids[:, :t]) for t >= 1: [N, T-1] (float32 whatever the compute dtype)."""
+        with self._autocast():
+            logits = self.model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
+        logits = logits.float()
         return torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
 
     def _logprobs_of(self, ids: torch.Tensor, attn: torch.Tensor, rows: list[int], width: int) -> torch.Tensor:

@@ -213,6 +213,8 @@ async def run_stack(cfg: TrainConfig, stack_cfg: UpConfig) -> list[StepRecord]:
                     "0",
                     "--device",
                     cfg.device,
+                    "--dtype",
+                    cfg.compute_dtype,  # engines serve in the dtype the trainer computes in
                 ],
             )
         allow = [a for p in worker_allowlist(cfg, stack_cfg) for a in ("--allow", p)]

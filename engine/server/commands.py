@@ -59,7 +59,7 @@ def build_backend(args: EngineConfig) -> Backend:
             raise _usage_exit(f"the reference backend is unavailable: {exc}") from None
         if args.model == "smollm2":
             _smollm2_dir()  # convert the GGUF now (once): a missing package is a usage error, not a failed start
-        fields: dict = {"model": args.model, "device": args.device, "seed": args.seed}
+        fields: dict = {"model": args.model, "device": args.device, "dtype": args.dtype, "seed": args.seed}
         if args.max_running:
             fields["max_running"] = args.max_running
         if not args.radix_cache:

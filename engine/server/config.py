@@ -56,6 +56,10 @@ class EngineConfig(RunSettings, kw_only=True):
         bool, setting("reference backend: reuse the KV of cached prompt prefixes (--no-radix-cache to disable)")
     ] = True
     device: Annotated[str, setting("torch device of the reference backend")] = "cpu"
+    dtype: Annotated[
+        Literal["float32", "bfloat16", "float16"],
+        setting("reference backend: dtype of the served weights (bfloat16 on a GPU)"),
+    ] = "float32"
     max_running: Annotated[int, setting("batch slots (0 = the backend's default)", metavar="N", ge=0)] = 0
     tp_size: Annotated[int, setting("sglang backend: tensor parallel size", metavar="N", ge=1)] = 1
     ready_timeout: Annotated[float, setting("sglang backend: seconds to wait for start-up", metavar="S", gt=0)] = 1800.0

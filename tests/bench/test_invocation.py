@@ -25,6 +25,7 @@ BENCHMARKS = [
     "fair_share",
     "chaos",
     "partitions",
+    "gpu_check",
 ]
 
 

@@ -65,3 +65,15 @@ def test_weights_are_written_for_the_engines_and_load_back(tmp_path):
     other = Policy(msgspec.structs.replace(TrainConfig(), seed=1))
     other.load_state(state)
     assert torch.equal(next(other.model.parameters()), next(policy.model.parameters()))
+
+
+def test_a_bfloat16_compute_step_learns_the_same_direction_with_float32_weights():
+    policy = Policy(TrainConfig(lr=1e-2, compute_dtype="bfloat16"))  # autocast on CPU; on a GPU the same path
+    batch = batch_of_two(policy)
+    before = policy.token_logprobs(batch.input_ids, batch.attention_mask).detach()
+    assert before.dtype == torch.float32
+    policy.train_step(batch)
+    after = policy.token_logprobs(batch.input_ids, batch.attention_mask).detach()
+    gain = ((after - before) * batch.loss_mask).sum(dim=1)
+    assert gain[0] > 0 > gain[1]
+    assert all(p.dtype == torch.float32 for p in policy.model.parameters())  # master weights stay float32
