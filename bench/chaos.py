@@ -104,6 +104,7 @@ class ChaosConfig:
     partitions: int = 3  # the run's partitions on the cluster
     cluster_node_timeout_ms: int = 1000  # how fast a killed primary's replica takes over
     ingress_every_s: float = 0.25  # an external client submits a job through the HTTP ingress this often (0: none)
+    stale_policy: str = "drop"  # the trainer's: drop stale groups whole, or mask their tokens past the bound
 
     @property
     def batch(self) -> int:
@@ -291,7 +292,7 @@ class Stack:
             str(c.groups_per_step),
         ]
         argv += ["--max-staleness", str(c.max_staleness), "--redis-outage-s", str(c.redis_outage_s), "--trained-log"]
-        argv += ["--seed", str(c.seed)]
+        argv += ["--seed", str(c.seed), "--stale-policy", c.stale_policy]
         if c.cluster:
             argv += ["--partitions", str(c.partitions)]
         for url in self.engine_urls:
@@ -784,7 +785,7 @@ async def account(driver: Driver, trainer_code: int, seconds: float) -> dict[str
     for job_id, idx in trained:
         per_group[job_id].append(idx)
     incomplete = sorted(g for g, idx in per_group.items() if sorted(idx) != list(range(cfg.group_size)))
-    staleness = [r["version"] - r["oldest"] for r in rows if r["oldest"] is not None]
+    staleness = [r["version"] - r["oldest"] for r in rows if r["oldest"] is not None]  # of the tokens trained
     future = [r for r in rows if r["oldest"] is not None and r["oldest"] > r["version"]]
     max_staleness = max(staleness, default=0)
 
@@ -849,6 +850,13 @@ async def account(driver: Driver, trainer_code: int, seconds: float) -> dict[str
         "duplicates_dropped_by_consumers": driver.auditor.duplicates,
         "duplicates_dropped_by_trainer_collector": held_copies,
         "groups_reoffered": reoffered,
+        "stale_policy": cfg.stale_policy,
+        "tokens": {
+            "trained": sum(m.get("trained_tokens", 0) for m in metrics),
+            "masked": sum(m.get("masked_tokens", 0) for m in metrics),
+            "dropped": sum(m.get("dropped_tokens", 0) for m in metrics),
+        },
+        "partial_groups": sum(m.get("partial_groups", 0) for m in metrics),
         "ingress_jobs_accepted": len(ingress.accepted) if ingress else 0,
         "ingress_jobs_not_done": len(ingress_not_done),
         "ingress_refusals_retried": ingress.refused if ingress else 0,
@@ -888,6 +896,11 @@ def table(report: dict[str, Any]) -> str:
         f"  {'  of which held copies the trainer dropped':<40} {report['duplicates_dropped_by_trainer_collector']:>8}"
     )
     lines.append(f"  {'groups re-offered (submission lost)':<40} {report['groups_reoffered']:>8}")
+    tok = report["tokens"]
+    lines.append(
+        f"  {'tokens trained / masked / dropped':<40} {tok['trained']:>8} / {tok['masked']} / {tok['dropped']}"
+        f"   (stale policy {report['stale_policy']}; partial groups {report['partial_groups']})"
+    )
     lines.append(
         f"  {'ingress jobs accepted / not done':<40} {report['ingress_jobs_accepted']:>8} / "
         f"{report['ingress_jobs_not_done']}   ({report['ingress_refusals_retried']} refusals retried)"
@@ -963,6 +976,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--appendfsync", choices=["always", "everysec"], default=d.appendfsync)
     p.add_argument("--timeout", type=float, default=d.timeout_s, help="bound on the whole run (s)")
     p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--stale-policy", choices=["drop", "mask"], default=d.stale_policy, help="the trainer's")
     p.add_argument("--cluster", action="store_true", help="a six-node Redis Cluster; redis_kill kills a primary")
     p.add_argument("--partitions", type=int, default=d.partitions, help="the run's partitions with --cluster")
     p.add_argument("--cluster-node-timeout", type=int, default=d.cluster_node_timeout_ms, metavar="MS")
@@ -990,6 +1004,7 @@ def config_from(args: argparse.Namespace) -> ChaosConfig:
         timeout_s=args.timeout,
         seed=args.seed,
         cluster=args.cluster,
+        stale_policy=args.stale_policy,
         partitions=args.partitions,
         cluster_node_timeout_ms=args.cluster_node_timeout,
     )
