@@ -108,12 +108,13 @@ def throughput(records: list[StepRecord]) -> float:
     return (b.trained_samples - a.trained_samples) / (b.elapsed_s - a.elapsed_s)
 
 
-# name -> (eta, stale_policy, priority_by_age)
+# name -> (eta, stale_policy, priority_by_age, min_step_s)
 VARIANTS = {
-    "eta=2 drop": (2, "drop", False),
-    "eta=2 mask": (2, "mask", False),
-    "eta=2 mask, oldest first": (2, "mask", True),
-    "eta=0": (0, "drop", False),
+    "eta=2 drop": (2, "drop", False, 0.0),
+    "eta=2 mask": (2, "mask", False, 0.0),
+    "eta=2 mask, oldest first": (2, "mask", True, 0.0),
+    "eta=2 mask, oldest first, paced 1 s": (2, "mask", True, 1.0),
+    "eta=0": (0, "drop", False, 0.0),
 }
 BEST = "eta=2 mask, oldest first"  # the variant the waste targets are about
 
@@ -123,7 +124,7 @@ async def run_variant(
 ) -> dict[str, Any]:
     from rollq.trainer.loop import Trainer  # here, not at the top: `--help` does not load torch
 
-    eta, policy, by_age = VARIANTS[variant]
+    eta, policy, by_age, min_step_s = VARIANTS[variant]
     run = f"bench-eta{eta}-{policy}-{uuid.uuid4().hex[:8]}"
     redis = redis_client(url)
     workers = []
@@ -155,6 +156,7 @@ async def run_variant(
             max_staleness=eta,
             stale_policy=policy,  # type: ignore[arg-type]  # one of VARIANTS' literals
             priority_by_age=by_age,
+            min_step_s=min_step_s,
             lr=1e-4,
             seed=0,
         )

@@ -82,6 +82,16 @@ class TrainConfig(RunSettings, kw_only=True):
             group=HOW_MUCH,
         ),
     ] = 0
+    min_step_s: Annotated[
+        float,
+        setting(
+            "pace the weight updates: a step publishes its weights no sooner than this after it began (engines "
+            "keep generating meanwhile), so a long answer spans fewer versions and less of it passes the bound",
+            metavar="S",
+            ge=0,
+            group=HOW_MUCH,
+        ),
+    ] = 0.0
     priority_by_age: Annotated[
         bool,
         setting(

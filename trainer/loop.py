@@ -336,6 +336,9 @@ class Trainer:
         batch = build_batch(got.groups, self.policy.pad_id, min_version)
         stats = await asyncio.to_thread(self.policy.train_step, batch)
         t2 = time.monotonic()
+        paced = max(0.0, cfg.min_step_s - (t2 - t0))
+        if paced:  # fewer weight updates while long answers generate (the engines go on meanwhile)
+            await asyncio.sleep(paced)
         phases = await self._publish_weights(state.version + 1)
         t3 = time.monotonic()
 
@@ -379,6 +382,7 @@ class Trainer:
                 trained_sample_tokens=sum(g.model_tokens for g in got.groups),
                 generated_tokens=self.collector.model_tokens_read,
                 partial_groups=got.partial_groups,
+                paced_s=paced,
                 admission_lag_mean=sum(lags) / len(lags) if lags else 0.0,
                 queue_s_mean=sum(waits) / len(waits) if waits else 0.0,
                 gen_tokens_per_s=tokens_per_s,
