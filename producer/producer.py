@@ -24,7 +24,7 @@ from rollq.protocol.keys import (
     validate_class_name,
 )
 from rollq.protocol.limits import MAX_JOB_BYTES, describe_bytes
-from rollq.protocol.messages import AgentOptions, Job, JobClass, Trajectory, job_classes
+from rollq.protocol.messages import AgentOptions, Job, JobClass, Trajectory, class_bound, job_classes
 from rollq.redis_client import ensure_group, run_partitions
 
 DEFAULT_SEEN_TTL_S = 7 * 24 * 3600
@@ -334,9 +334,8 @@ class Producer:
         for req, job_id in chunk:
             script_keys.append(keys.job_seen(job_id))
             script_keys.append(keys.job_stream(req.job_class))
-            known = classes.get(req.job_class)
             args.append(req.job_class)
-            args.append(-1 if known is None else partition_share(known.max_inflight, count))
+            args.append(class_bound(classes, req.job_class, count))
             args.append(req.n)
             args.extend(self.codec.encode(self._job(req, job_id, i, now, reply_to)) for i in range(req.n))
         replies: list[Any] = await self._submit(keys=script_keys, args=args)  # one reply pair per job of the chunk

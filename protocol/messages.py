@@ -9,7 +9,7 @@ from typing import Any, Literal
 import msgspec
 
 from rollq.protocol.arrays import Float32Array, Int32Array, UInt8Array
-from rollq.protocol.keys import DEFAULT_CLASS, validate_class_name
+from rollq.protocol.keys import DEFAULT_CLASS, partition_share, validate_class_name
 
 SCHEMA_VERSION = 1
 
@@ -94,6 +94,13 @@ class JobClass(msgspec.Struct, kw_only=True, frozen=True):
 
 
 DEFAULT_JOB_CLASS = JobClass(name=DEFAULT_CLASS)
+
+
+def class_bound(classes: Mapping[str, JobClass], name: str, partitions: int) -> int:
+    """The SUBMIT / INGRESS_SUBMIT argument for class `name`: its `max_inflight` share on one of `partitions`
+    (0 = no bound), or -1 when the run has no such class."""
+    known = classes.get(name)
+    return -1 if known is None else partition_share(known.max_inflight, partitions)
 
 
 def job_classes(stored: Mapping[Any, Any]) -> dict[str, JobClass]:

@@ -52,7 +52,7 @@ from rollq.producer.ingress.models import (
 from rollq.protocol import scripts
 from rollq.protocol.codec import Codec, CodecError
 from rollq.protocol.keys import DEFAULT_CLASS, PAYLOAD_FIELD, WORKER_GROUP, RunKeys, partition_of, partition_share
-from rollq.protocol.messages import Job, JobClass, Trajectory, job_classes
+from rollq.protocol.messages import Job, JobClass, Trajectory, class_bound, job_classes
 from rollq.redis_client import TRANSIENT_ERRORS, ensure_group, redis_client, run_partitions
 
 log = logging.getLogger("rollq.ingress")
@@ -374,8 +374,7 @@ class Ingress:
             if not index:
                 index = streams[stream] = len(streams) + 1
                 stream_classes.append(job_class)
-                known = classes.get(job_class)
-                stream_args += (job_class, -1 if known is None else partition_share(known.max_inflight, count))
+                stream_args += (job_class, class_bound(classes, job_class, count))
             job_keys += (keys.job_control(job_id), keys.job_results(job_id))
             args += (index, spec.n)
             job = Job(
