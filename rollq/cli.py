@@ -34,6 +34,7 @@ from rollq.producer.config import ClassesConfig, EnqueueConfig, StatusConfig
 from rollq.producer.ingress.config import IngressConfig
 from rollq.redis_client import RedisUnavailable
 from rollq.trainer.config import TrainConfig, UpConfig
+from rollq.trainer.export import ExportConfig
 from rollq.workers.config import WorkerConfig
 from rollq.workers.rewards.config import RewardWorkerConfig
 
@@ -111,6 +112,13 @@ COMMANDS = (
         "rollq.trainer.commands:up",
         (Section("up", UpConfig), TRAINER),
         key_values="trainer",
+    ),
+    Command(
+        "export",
+        "write a trained run's model as a Hugging Face model directory (for serving: transformers, SGLang, "
+        "`rollq engine --model DIR`)",
+        "rollq.trainer.export:export",
+        (Section("export", ExportConfig),),
     ),
 )
 COMMANDS_BY_NAME = {c.name: c for c in COMMANDS}

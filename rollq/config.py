@@ -65,6 +65,12 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Base of every service's settings. Built from Python, a file or flags, a value is checked against its
     field's type and constraints (msgspec checks them only when decoding, so construction checks them here)."""
 
+    @classmethod
+    def implied(cls, given: Mapping[str, Any]) -> dict[str, Any]:
+        """Defaults that follow from the values given (a model's own task, say): applied under them, so anything
+        given explicitly (file, variable, flag) still wins. None by default."""
+        return {}
+
     def __post_init__(self) -> None:
         try:
             msgspec.convert(msgspec.structs.asdict(self), _checker(type(self)))
@@ -343,7 +349,7 @@ def overrides(cls: type[Settings], items: Iterable[str]) -> dict[str, Any]:
 def build(cls: type[Settings], section: str, values: Mapping[str, Any]) -> Any:
     """`cls` from layered values (text from flags and variables converted to the fields' types)."""
     try:
-        return msgspec.convert(dict(values), cls, strict=False)
+        return msgspec.convert({**cls.implied(values), **values}, cls, strict=False)
     except msgspec.ValidationError as exc:
         message = readable(exc)
         missing = re.match(r"^Object missing required field `(\w+)`$", str(exc))

@@ -16,6 +16,7 @@ class TrainerState(msgspec.Struct, kw_only=True):
     """Everything besides model and optimizer that a restarted trainer needs to continue exactly."""
 
     run_id: str  # prefix of this run's group ids: groups of another run sharing the stream are not ours
+    model: str = ""  # the base model trained (`tiny`, `smollm2` or a directory): its tokenizer goes with an export
     step: int = 0
     version: int = 0  # policy version = optimizer steps taken
     next_group: int = 0  # groups offered to the ledger so far; a restart re-offers from here

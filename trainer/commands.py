@@ -7,18 +7,19 @@ import logging
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import msgspec
 
 from rollq.trainer.config import TrainConfig, UpConfig
-from rollq.trainer.metrics import StepRecord
+from rollq.trainer.metrics import EvalRecord, StepRecord
 
-GOAL_LAST10 = 0.8  # the toy task's goal: mean reward of the last 10 steps ...
-GOAL_RATIO = 3.0  # ... and that many times the first 10
+# A built-in task's goal: (mean reward of the last 10 steps at least, and that many times the first 10's).
+GOALS = {"toy:digits": (0.8, 3.0), "toy:add": (0.5, 3.0)}
 
 
-def summarize(records: list[StepRecord]) -> dict[str, Any]:
+def summarize(records: list[StepRecord], evals: list[EvalRecord] | None = None, dataset: str = "") -> dict[str, Any]:
     rewards = [r.reward_mean for r in records]
     first = statistics.fmean(rewards[:10]) if rewards else 0.0
     last = statistics.fmean(rewards[-10:]) if rewards else 0.0
@@ -26,16 +27,29 @@ def summarize(records: list[StepRecord]) -> dict[str, Any]:
     for r in records:
         for k, n in r.staleness_hist.items():
             staleness[k] = staleness.get(k, 0) + n
-    return {
+    summary: dict[str, Any] = {
         "steps": len(records),
         "reward_first10": round(first, 4),
         "reward_last10": round(last, 4),
-        "goal_met": bool(rewards) and last >= GOAL_LAST10 and last >= GOAL_RATIO * first,
         "trained_samples": records[-1].trained_samples if records else 0,
         "dropped": records[-1].dropped if records else {},
         "staleness_hist": dict(sorted(staleness.items(), key=lambda kv: int(kv[0]))),
         "pause_ms_median": round(statistics.median(r.pause_s for r in records) * 1000, 1) if records else 0.0,
     }
+    if dataset in GOALS:  # a goal means nothing for another dataset
+        at_least, ratio = GOALS[dataset]
+        summary["goal_met"] = bool(rewards) and last >= at_least and last >= ratio * first
+    if evals:
+        summary["eval_before"] = round(evals[0].reward_mean, 4) if evals[0].step == 0 else None
+        summary["eval_after"] = round(evals[-1].reward_mean, 4)
+        summary["evals"] = [[e.step, round(e.reward_mean, 4)] for e in evals]
+    return summary
+
+
+def _run_summary(cfg: TrainConfig, records: list[StepRecord]) -> dict[str, Any]:
+    from rollq.trainer.metrics import MetricsLog
+
+    return summarize(records, MetricsLog(Path(cfg.directory)).read_evals(), cfg.dataset)
 
 
 def _quiet_libraries() -> None:
@@ -58,9 +72,7 @@ def train(cfg: TrainConfig) -> int:
         records = uvloop.run(run_trainer(cfg))
     except (ValueError, RuntimeError) as exc:  # a dataset that can't be read, no engine to update, ...
         return _fail("train", str(exc))
-    summary = summarize(records)
-    if not cfg.dataset.startswith("toy:"):
-        del summary["goal_met"]  # the toy task's goal means nothing for another dataset
+    summary = _run_summary(cfg, records)
     print(msgspec.json.encode(summary).decode())
     return 0
 
@@ -108,14 +120,16 @@ def up(stack: UpConfig, cfg: TrainConfig) -> int:
     except (KeyboardInterrupt, asyncio.CancelledError):  # Ctrl-C / SIGTERM: the stack was stopped on the way out
         print("rollq up: stopped; the run directory keeps what was done", file=sys.stderr)
         return 130
-    summary = summarize(records)
+    summary = _run_summary(cfg, records)
     summary["seconds"] = round(time.monotonic() - started, 1)
     summary["run_dir"] = cfg.directory
-    toy = cfg.dataset.startswith("toy:")
-    goal = ("; toy goal " + ("met" if summary["goal_met"] else "NOT met")) if toy else ""
+    goal = ("; goal " + ("met" if summary["goal_met"] else "NOT met")) if "goal_met" in summary else ""
+    held_out = ""
+    if summary.get("eval_before") is not None:
+        held_out = f"; held-out {summary['eval_before']:.3f} -> {summary['eval_after']:.3f}"
     print(
         f"rollq up: mean reward {summary['reward_first10']:.3f} (first 10 steps) -> {summary['reward_last10']:.3f} "
-        f"(last 10) in {summary['seconds']:.0f} s{goal}. Wrote {cfg.directory}/metrics.jsonl and "
+        f"(last 10) in {summary['seconds']:.0f} s{goal}{held_out}. Wrote {cfg.directory}/metrics.jsonl and "
         f"{cfg.directory}/plot.png",
         file=sys.stderr,
     )

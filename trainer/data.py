@@ -16,15 +16,16 @@ class DatasetError(ValueError):
 
 def load_prompts(spec: str) -> list[dict[str, Any]]:
     if spec.startswith("toy:"):
-        from rollq.trainer import toy
+        from rollq.trainer import arithmetic, toy
 
-        if spec != "toy:digits":
-            raise DatasetError(f"unknown toy task {spec!r} (toy:digits)")
-        return toy.prompts()
+        builtin = {"toy:digits": toy.prompts, "toy:add": arithmetic.prompts, "toy:add-heldout": arithmetic.held_out}
+        if spec not in builtin:
+            raise DatasetError(f"unknown toy task {spec!r} ({', '.join(builtin)})")
+        return builtin[spec]()
     path = Path(spec).expanduser()
     if not path.exists():
         raise DatasetError(
-            f"dataset {spec!r} does not exist (a .jsonl/.parquet file, a datasets directory or toy:digits)"
+            f"dataset {spec!r} does not exist (a .jsonl/.parquet file, a datasets directory or a built-in toy:NAME)"
         )
     if path.is_dir():
         try:

@@ -40,6 +40,7 @@ from rollq.trainer.checkpoint import TrainerState
 from rollq.trainer.collector import GroupCollector
 from rollq.trainer.config import TrainConfig
 from rollq.trainer.data import PromptOrder, load_prompts
+from rollq.trainer.evaluate import Evaluator
 from rollq.trainer.feeder import GroupFeeder
 from rollq.trainer.ledger import StalenessLedger
 from rollq.trainer.metrics import MetricsLog, RateWindow, StepRecord, plot
@@ -101,12 +102,23 @@ class Trainer:
             redis, self.producer.reply_to, group=CONSUMER_GROUP, name=CONSUMER_NAME
         )
         self.prompts = PromptOrder(load_prompts(config.dataset), seed=config.seed)
+        self.evaluator = None
+        if config.eval_dataset:
+            self.evaluator = Evaluator(
+                redis,
+                config.run,
+                dataset=config.eval_dataset,
+                workflow=config.workflow,
+                workflow_kwargs={**builtin_kwargs(config), **config.eval_workflow_kwargs},
+                partitions=config.partitions,
+            )
         self.policy = policy or Policy(config)
-        self.state = TrainerState(run_id=uuid.uuid4().hex[:8])
+        self.state = TrainerState(run_id=uuid.uuid4().hex[:8], model=config.model)
         self._unacked: list[Delivered] = []
         self._started = 0.0
         self.feeder: GroupFeeder | None = None
         self.collector: GroupCollector | None = None
+        self._train_estimate_s = 0.0  # min_step_s: the last step's train time (pacing waits the rest up front)
         self._resumed = False  # from here on, a Redis that lost the ledger gets it back from self.state
 
     async def ride(self, op: Callable[[], Awaitable[T]], what: str) -> T:
@@ -303,6 +315,8 @@ class Trainer:
         self._rates = RateWindow(RATE_WINDOW_S, self._started)
         feeding = asyncio.create_task(self.feeder.run(), name="feeder")
         try:
+            if self.state.step == 0:
+                await self._evaluate()  # the model before training
             while self.state.step < cfg.steps:
                 step = asyncio.create_task(self._step())
                 await asyncio.wait([step, feeding], return_when=asyncio.FIRST_COMPLETED)
@@ -323,12 +337,26 @@ class Trainer:
 
     async def _plot(self, records: list[StepRecord]) -> None:
         if records:
-            await asyncio.to_thread(plot, records, self.run_dir / "plot.png", f"rollq run {self.cfg.run}")
+            title, evals = f"rollq run {self.cfg.run}", self.metrics.read_evals()
+            await asyncio.to_thread(plot, records, self.run_dir / "plot.png", title, evals)
+
+    async def _evaluate(self) -> None:
+        """Held-out evaluation of the weights the engines hold now (eval_dataset; a no-op without one)."""
+        if self.evaluator is None:
+            return
+        evaluator, state = self.evaluator, self.state
+        record = await self.ride(lambda: evaluator.evaluate(state.step, state.version), "evaluating")
+        self.metrics.write_eval(record)
 
     async def _step(self) -> None:
         cfg, state = self.cfg, self.state
         assert self.collector is not None and self.feeder is not None
         t0 = time.monotonic()
+        # Pacing waits before collecting, not after training: groups that complete meanwhile train at this step,
+        # younger by the wait (the previous step's train time estimates this one's).
+        early = max(0.0, cfg.min_step_s - self._train_estimate_s)
+        if early:
+            await asyncio.sleep(early)
         dropped_before = self.collector.dropped_tokens
         got = await self.collector.collect(cfg.groups_per_step, state.version)
         t1 = time.monotonic()
@@ -336,9 +364,11 @@ class Trainer:
         batch = build_batch(got.groups, self.policy.pad_id, min_version)
         stats = await asyncio.to_thread(self.policy.train_step, batch)
         t2 = time.monotonic()
-        paced = max(0.0, cfg.min_step_s - (t2 - t0))
-        if paced:  # fewer weight updates while long answers generate (the engines go on meanwhile)
-            await asyncio.sleep(paced)
+        self._train_estimate_s = t2 - t1
+        late = max(0.0, cfg.min_step_s - (t2 - t0))
+        if late:  # the estimate was short: publish no sooner than min_step_s anyway
+            await asyncio.sleep(late)
+        paced = early + late  # fewer weight updates while long answers generate (the engines go on meanwhile)
         phases = await self._publish_weights(state.version + 1)
         t3 = time.monotonic()
 
@@ -387,7 +417,7 @@ class Trainer:
                 queue_s_mean=sum(waits) / len(waits) if waits else 0.0,
                 gen_tokens_per_s=tokens_per_s,
                 samples_per_s=samples_per_s,
-                collect_s=t1 - t0,
+                collect_s=t1 - t0 - early,
                 train_s=t2 - t1,
                 step_s=t3 - t0,
                 pause_s=phases["total_s"],
@@ -413,6 +443,8 @@ class Trainer:
         # New admissions only against versions a checkpoint knows (with checkpoint_every 1: always).
         await self.ride(lambda: self.ledger.set_version(state.version), "publishing the policy version")
         self.feeder.notify()
+        if state.step == cfg.steps or (cfg.eval_every and state.step % cfg.eval_every == 0):
+            await self._evaluate()
         if state.step % PLOT_EVERY_STEPS == 0 and state.step < cfg.steps:
             await self._plot(self.metrics.read())
 

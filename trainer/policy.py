@@ -56,17 +56,22 @@ class Policy:
 
     def train_step(self, batch: Batch) -> TrainStats:
         """One decoupled-PPO step: proximal logprobs with the current weights, then `ppo_minibatches` optimizer
-        steps, each accumulating gradients over length-sorted micro-batches."""
+        steps, each accumulating gradients over length-sorted micro-batches.
+
+        Samples whose advantage is 0 (a group whose rewards are all equal) add nothing to the gradient, so they are
+        left out of both passes while still counting in the per-token mean: the same update for less compute. A
+        minibatch with none left makes no optimizer step (the policy does not drift on the moments alone)."""
         c = self.config
         dev = c.device
         ids, attn = batch.input_ids.to(dev), batch.attention_mask.to(dev)
         mask, behav, adv = batch.loss_mask.to(dev), batch.behav_logprobs.to(dev), batch.advantages.to(dev)
         lengths = attn.sum(dim=1).tolist()
         rows = list(range(ids.shape[0]))
+        learning = set((adv != 0).nonzero().flatten().tolist())
         self.model.eval()
-        prox = torch.zeros_like(mask)
+        prox = behav.clone()  # rows left out keep their behaviour logprobs (no gap reported for them)
         with torch.no_grad():
-            for mb in micro_batches(lengths, rows, c.max_tokens_per_microbatch):
+            for mb in micro_batches(lengths, sorted(learning), c.max_tokens_per_microbatch):
                 w = max(lengths[i] for i in mb)
                 prox[mb, : w - 1] = self._logprobs_of(ids, attn, mb, w)
         self.model.train()
@@ -74,9 +79,12 @@ class Policy:
         for chunk in torch.randperm(len(rows)).chunk(c.ppo_minibatches):
             part: list[int] = chunk.tolist()
             denominator = mask[part].sum().clamp(min=1.0)
+            active = [i for i in part if i in learning]
+            if not active:
+                continue
             self.optimizer.zero_grad(set_to_none=True)
             total = 0.0
-            for mb in micro_batches(lengths, part, c.max_tokens_per_microbatch):
+            for mb in micro_batches(lengths, active, c.max_tokens_per_microbatch):
                 w = max(lengths[i] for i in mb)
                 loss, s = decoupled_ppo_loss(
                     self._logprobs_of(ids, attn, mb, w),
@@ -96,12 +104,12 @@ class Policy:
             losses.append(total)
         tokens = max(sums.tokens, 1.0)
         return TrainStats(
-            loss=sum(losses) / len(losses),
+            loss=sum(losses) / max(1, len(losses)),
             clip_fraction=sums.clipped / tokens,
             capped_fraction=sums.capped / tokens,
             importance_mean=sums.importance / max(tokens - sums.capped, 1.0),
-            grad_norm=sum(norms) / len(norms),
-            behav_prox_gap=float(((prox - behav).abs() * mask).sum() / mask.sum().clamp(min=1)),
+            grad_norm=sum(norms) / max(1, len(norms)),
+            behav_prox_gap=float(((prox - behav).abs() * mask).sum() / max(sums.tokens, 1.0)),
         )
 
     def save_weights(self, directory: Path) -> Path:

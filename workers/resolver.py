@@ -29,8 +29,8 @@ import msgspec
 
 log = logging.getLogger("rollq.worker")
 
-# rollq's own objects a job may name without the operator listing them: the built-in loops and the toy reward.
-BUILTIN_ALLOWED = ("rollq.workers.builtin", "rollq.trainer.toy")
+# rollq's own objects a job may name without the operator listing them: the built-in loops and tasks' rewards.
+BUILTIN_ALLOWED = ("rollq.workers.builtin", "rollq.trainer.toy", "rollq.trainer.arithmetic")
 
 # Import paths that jobs and configs named before the packages moved under `rollq.` (module -> its new name).
 LEGACY_MODULES = {

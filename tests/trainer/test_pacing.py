@@ -1,4 +1,5 @@
-"""`min_step_s`: a step publishes its weights no sooner than that after it began (the engines keep generating)."""
+"""`min_step_s`: a step publishes its weights no sooner than that after it began (the engines keep generating), waiting
+before it collects."""
 
 from __future__ import annotations
 
@@ -37,5 +38,8 @@ async def test_paced_steps_publish_no_sooner_than_min_step_s(
         await pool.close()
     assert [r["step"] for r in records] == [1, 2, 3]
     assert all(r["step_s"] >= 0.5 for r in records)
-    assert all(abs(r["collect_s"] + r["train_s"] + r["paced_s"] - 0.5) < 0.05 for r in records if r["paced_s"] > 0)
-    assert any(r["paced_s"] > 0 for r in records)  # the tiny model trains faster than that: it waited
+    # The wait comes first (min_step_s less the last train time), then collecting and training: nothing publishes
+    # before min_step_s, and a step's own work is not held up by more than the wait it needed.
+    assert all(r["collect_s"] + r["train_s"] + r["paced_s"] >= 0.5 - 0.02 for r in records)
+    assert all(r["paced_s"] <= 0.5 + 0.02 for r in records)
+    assert all(r["paced_s"] > 0 for r in records)  # the tiny model trains faster than that: every step waited

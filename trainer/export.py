@@ -1,0 +1,182 @@
+"""`rollq export`: a trained run's model as a Hugging Face model directory, for serving (transformers, SGLang,
+`rollq engine --model DIR`).
+
+The run's checkpoint (RUN_DIR/checkpoint.pt) holds the trained weights but not the model's config or tokenizer:
+those come from the base model the run trained (`tiny`, `smollm2` or an HF directory; recorded in the checkpoint).
+The export is the base model with the trained weights loaded (strictly), saved as safetensors with the base's
+tokenizer (chat template included) and generation config, plus `rollq_export.json` (where it came from). It is
+written beside `out` and renamed into place, so a reader never sees half of one.
+
+torch and transformers are imported inside the functions: `rollq --help` must not pay for them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from rollq.config import Settings, setting
+
+CHECKPOINT = "checkpoint.pt"
+MARKER = "rollq_export.json"  # written into every export: an `out` holding one may be replaced
+
+
+class ExportConfig(Settings, kw_only=True):
+    """Write a trained run's model as a Hugging Face model directory."""
+
+    run_dir: Annotated[str, setting("the run directory holding checkpoint.pt (the trainer's run_dir)", positional=True)]
+    out: Annotated[
+        str,
+        setting(
+            "the model directory to write (a previous export there is replaced; anything else is refused)",
+            metavar="DIR",
+        ),
+    ]
+    model: Annotated[
+        str,
+        setting(
+            "the base model the run trained: `tiny`, `smollm2` or an HF model directory ('' = the one the "
+            "checkpoint records)",
+            metavar="MODEL",
+        ),
+    ] = ""
+    dtype: Annotated[
+        Literal["float32", "bfloat16"], setting("dtype of the exported weights (training keeps float32)")
+    ] = "float32"
+
+
+class ExportError(ValueError):
+    """An export that can't be made; the message says why in one line."""
+
+
+def _one_line(text: str, limit: int = 300) -> str:
+    line = " ".join(str(text).split())
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def _is_export(directory: Path) -> bool:
+    return (directory / MARKER).is_file()
+
+
+def _check_out(out: Path) -> None:
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"--out {out} is a file, not a directory")
+    if out.is_dir() and any(out.iterdir()) and not _is_export(out):
+        raise ExportError(f"--out {out} is not empty and holds no previous rollq export ({MARKER}); choose another")
+
+
+def _mismatch(exc: Exception, model: str) -> ExportError:
+    return ExportError(
+        f"the checkpoint's weights do not match base model {model!r}: give --model the model the run trained "
+        f"({_one_line(str(exc), 240)})"
+    )
+
+
+def export_run(
+    run_dir: str | os.PathLike[str], out: str | os.PathLike[str], model: str = "", dtype: str = "float32"
+) -> Path:
+    """Write the model of the run in `run_dir` (its checkpoint.pt) as an HF model directory at `out`; returns `out`.
+    `model`: the base model ('' = the one the checkpoint records). Raises ExportError with a one-line message."""
+    run_dir, out = Path(run_dir).expanduser(), Path(out).expanduser()
+    if dtype not in ("float32", "bfloat16"):
+        raise ExportError(f"--dtype must be float32 or bfloat16, not {dtype!r}")
+    path = run_dir / CHECKPOINT
+    if not path.is_file():
+        raise ExportError(f"no {CHECKPOINT} in {run_dir} (the trainer writes it every checkpoint_every steps)")
+    _check_out(out)  # both before torch is imported: a mistyped path fails at once
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    from rollq.engine.tiny_model import model_dir
+    from rollq.trainer import checkpoint
+
+    hf_logging.disable_progress_bar()
+    try:
+        loaded = checkpoint.load(path)
+    except Exception as exc:  # a truncated or foreign file: torch raises many kinds
+        raise ExportError(f"cannot read {path}: {_one_line(str(exc) or type(exc).__name__, 200)}") from None
+    assert loaded is not None  # checked above
+    policy, state = loaded
+    base = model or state.model
+    if not base:
+        raise ExportError(
+            f"{path} does not record its base model (an older checkpoint): give --model (tiny, smollm2 or the HF "
+            "model directory the run trained)"
+        )
+    weights = policy.get("model") if isinstance(policy, dict) else None
+    if not isinstance(weights, dict):
+        raise ExportError(f"{path} holds no model weights (policy.model)")
+    try:
+        base_dir = model_dir(base)
+        net = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(base_dir)
+    except (OSError, ValueError, ImportError) as exc:
+        raise ExportError(f"cannot load base model {base!r}: {_one_line(str(exc), 200)}") from None
+    try:
+        net.load_state_dict(weights, strict=True)
+    except RuntimeError as exc:
+        raise _mismatch(exc, base) from None
+    if dtype != "float32":
+        net = net.to(getattr(torch, dtype))
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    try:
+        net.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        if (base_dir / "generation_config.json").is_file():
+            shutil.copyfile(base_dir / "generation_config.json", tmp / "generation_config.json")
+        record: dict[str, Any] = {
+            "run_dir": str(run_dir.resolve()),
+            "step": state.step,
+            "version": state.version,
+            "model": base,
+            "base_dir": str(Path(base_dir).resolve()),
+            "dtype": dtype,
+        }
+        (tmp / MARKER).write_text(json.dumps(record, indent=1) + "\n")
+        _check_out(out)  # again: another writer may have filled it meanwhile
+        _replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _replace(tmp: Path, out: Path) -> None:
+    """Rename `tmp` to `out`; a previous export there goes away (and stays if the rename fails)."""
+    if out.is_dir() and any(out.iterdir()):
+        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=out.parent))
+        os.replace(out, old)  # onto an empty directory: rename(2) replaces it
+        try:
+            os.replace(tmp, out)
+        except OSError:
+            os.replace(old, out)
+            raise
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, out)  # onto nothing or an empty directory
+
+
+def export(cfg: ExportConfig) -> int:
+    """The `rollq export` entry: one JSON line on success, one `rollq export: ...` line and exit 2 otherwise."""
+    try:
+        out = export_run(cfg.run_dir, cfg.out, cfg.model, cfg.dtype)
+    except ExportError as exc:
+        print(f"rollq export: {exc}", file=sys.stderr)
+        return 2
+    record = json.loads((out / MARKER).read_text())
+    print(
+        json.dumps({"out": str(out), "step": record["step"], "version": record["version"], "model": record["model"]}),
+        flush=True,
+    )
+    return 0
+
+
+__all__ = ["ExportConfig", "ExportError", "export", "export_run"]
