@@ -26,6 +26,7 @@ BENCHMARKS = [
     "chaos",
     "partitions",
     "gpu_check",
+    "staleness_floor",
 ]
 
 
