@@ -25,6 +25,21 @@ The non-periodic faults are spread over 5%..60% of the run's training steps (--e
 --trainer-kills, --stalls each); a fault takes seconds and the trainer keeps stepping meanwhile, so a short run may
 finish before the last planned ones (the table says so; each kind must fire at least once).
 
+The workload can be made harder for the accounting:
+
+- --length-dist SPEC (the engines' output lengths, e.g. pareto:16:1.2), --max-new-tokens N (the cap, default 8) and
+  --token-latency S (seconds per decode step): with a long tail, answers span several weight versions, and with
+  --stale-policy mask the tokens older than v - eta leave the loss (`masked_tokens`);
+- --fail-rate P: a fraction P of the samples fails in its reward on every attempt (bench/chaos_reward.py, chosen by a
+  hash of (job id, sample index)), so it is dead-lettered after the workers' max_attempts as an `error` trajectory;
+- --partial-groups N (the trainer's): a group with failed samples trains on its survivors when at least N are left
+  (its failed samples go back to the ledger as `failed`); otherwise it is dropped whole as `failed`.
+
+The auditor keeps the token versions of every trajectory published, so the trained tokens are checked against what
+the workers generated: per trained sample (from RUN_DIR/trained.jsonl) the tokens older than v - eta must be exactly
+the ones the trainer masked (none under `drop`), none newer than v, and the trained, masked and generated totals of
+metrics.jsonl must match.
+
 At the end it prints an accounting table: samples admitted by the staleness ledger, trained (each exactly once),
 dropped by reason (the trainer's: stale, failed = error trajectories, future, invalid; dead letters, the workers'
 reply_gone count), left in flight when the run finished, duplicate trajectories on the results stream (dropped by the
@@ -32,8 +47,10 @@ consumers' dedup, counted by an audit consumer group; those the trainer held unc
 faults per kind, the largest staleness trained against the bound, and the peak RSS per process kind in the first and
 last quarter of the run from its first training step (sampled from /proc every second; the check is last <= 1.1 x
 first). It fails (exit 1) when a sample was trained twice, an admitted group is neither trained, dropped nor in
-flight, the staleness bound was exceeded, a fault kind never fired, or the run did not finish. The last line printed
-is a JSON summary.
+flight, the staleness bound was exceeded, a fault kind never fired, or the run did not finish; with failures, when a
+failing sample was trained, a trained group lacks samples other than its failed ones as the ledger recorded them, or
+(with --partial-groups) no group trained partially; with a long tail and `mask`, when no token was masked. The last
+line printed is a JSON summary.
 """
 
 from __future__ import annotations
@@ -73,8 +90,12 @@ PROCESS_KINDS = ("worker", "trainer", "ingress", "engine", "redis")
 INGRESS_TOKEN = "chaos-token"
 # What the soak's external client submits through the ingress meanwhile: short fixed trajectories (no engine).
 INGRESS_JOB = {"workflow": "bench.workflows:FixedTrajectory", "workflow_kwargs": {"length": 64}, "n": 2}
-# Synthetic engines: sampled tokens from the tiny tokenizer, a decode step every 2 ms, 8 requests at once each.
-ENGINE_ARGS = ("--tokenizer", "tiny", "--sampled", "--token-latency", "0.002", "--max-running", "8")
+# Synthetic engines: sampled tokens from the tiny tokenizer, 8 requests at once each (the decode step's latency and
+# the length distribution come from the config).
+ENGINE_ARGS = ("--tokenizer", "tiny", "--sampled", "--max-running", "8")
+# The trainer's default workload (the toy task); --fail-rate swaps in the failing reward, on prompts of its own.
+TOY_REWARD = "rollq.trainer.toy:digits_reward"
+FAILING_REWARD = "bench.chaos_reward:failing_digits_reward"
 AUDIT_GROUP = "chaos-audit"
 
 
@@ -105,6 +126,11 @@ class ChaosConfig:
     cluster_node_timeout_ms: int = 1000  # how fast a killed primary's replica takes over
     ingress_every_s: float = 0.25  # an external client submits a job through the HTTP ingress this often (0: none)
     stale_policy: str = "drop"  # the trainer's: drop stale groups whole, or mask their tokens past the bound
+    length_dist: str = "fixed"  # the synthetic engines' output lengths (fixed: max_new_tokens each)
+    max_new_tokens: int = 8  # the workflow's cap on an answer (the trainer's default)
+    token_latency_s: float = 0.002  # the engines' decode step
+    fail_rate: float = 0.0  # samples whose reward raises on every attempt (dead-lettered as `error` trajectories)
+    partial_groups: int = 0  # the trainer's: a group with failed samples trains on >= this many survivors (0: off)
 
     @property
     def batch(self) -> int:
@@ -113,6 +139,20 @@ class ChaosConfig:
     @property
     def steps(self) -> int:
         return max(1, math.ceil(self.episodes / self.batch))
+
+    @property
+    def long_tail(self) -> bool:
+        return self.length_dist.split(":")[0] != "fixed"
+
+    def validate(self) -> None:
+        if not 0 <= self.fail_rate < 1:
+            raise BenchError(f"--fail-rate must be in [0, 1), got {self.fail_rate}")
+        if self.partial_groups and not 1 <= self.partial_groups < self.group_size:
+            raise BenchError(
+                f"--partial-groups {self.partial_groups} never applies to groups of {self.group_size} (a partial "
+                f"group has at most {self.group_size - 1} survivors): use 1..{self.group_size - 1}, or a larger "
+                "--group-size"
+            )
 
 
 @dataclass
@@ -225,7 +265,10 @@ class Stack:
     async def start_engine(self, index: int, port: int | None = None) -> Child:
         port = port or free_port()
         argv = [*rollq_argv(), "engine", "--backend", "synthetic", "--port", str(port), "--seed", str(index)]
-        child = self._start("engine", f"engine{index}", [*argv, *ENGINE_ARGS], port)
+        argv += [*ENGINE_ARGS, "--token-latency", str(self.cfg.token_latency_s)]
+        if self.cfg.length_dist != "fixed":
+            argv += ["--length-dist", self.cfg.length_dist]
+        child = self._start("engine", f"engine{index}", argv, port)
         await self.engine_ready(child)
         return child
 
@@ -293,11 +336,28 @@ class Stack:
         ]
         argv += ["--max-staleness", str(c.max_staleness), "--redis-outage-s", str(c.redis_outage_s), "--trained-log"]
         argv += ["--seed", str(c.seed), "--stale-policy", c.stale_policy]
+        if c.partial_groups:
+            argv += ["--partial-groups", str(c.partial_groups)]
+        if c.fail_rate or c.max_new_tokens != ChaosConfig.max_new_tokens:
+            reward = FAILING_REWARD if c.fail_rate else TOY_REWARD
+            kwargs = {"reward_fn": reward, "max_new_tokens": c.max_new_tokens}
+            argv += ["--workflow-kwargs", msgspec.json.encode(kwargs).decode()]
+        if c.fail_rate:  # the toy task's prompts, each carrying the rate to the reward (its data keyword)
+            argv += ["--dataset", str(self.prompts_file())]
         if c.cluster:
             argv += ["--partitions", str(c.partitions)]
         for url in self.engine_urls:
             argv += ["--engine", url]
         return argv
+
+    def prompts_file(self) -> Path:
+        from rollq.trainer.toy import prompts
+
+        path = self.tmp / "prompts.jsonl"
+        if not path.exists():
+            rows = [{**row, "fail_rate": self.cfg.fail_rate} for row in prompts()]
+            path.write_bytes(b"".join(msgspec.json.encode(r) + b"\n" for r in rows))
+        return path
 
     def start_trainer(self, life: int) -> Child:
         return self._start("trainer", f"trainer{life}", self.trainer_argv())
@@ -337,8 +397,9 @@ def _sigkill(child: Child) -> None:
 
 class Auditor:
     """Reads every trajectory published on the run's results stream through a consumer group of its own: counts the
-    duplicates its dedup drops (the trainer's consumer drops the same ones) and the statuses. Rides out Redis
-    restarts (polls again once Redis answers)."""
+    duplicates its dedup drops (the trainer's consumer drops the same ones) and the statuses, and keeps the
+    generated tokens' versions of every sample (each distinct copy: a stalled worker's copy was generated again).
+    Rides out Redis restarts (polls again once Redis answers)."""
 
     def __init__(self, url: str, run: str, partitions: int = 1) -> None:
         self.redis = redis_client(url)
@@ -351,6 +412,10 @@ class Auditor:
         self.consumer = parts[0] if partitions == 1 else PartitionedConsumer(parts)
         self.statuses: Counter = Counter()
         self.samples: set[tuple[str, int]] = set()
+        self.errors: set[tuple[str, int]] = set()  # samples published as `error` (dead-lettered)
+        # (job id, sample index) -> its distinct copies, each the versions of its generated tokens as sorted
+        # (version, count) pairs. Only what the consumer hands out: copies its dedup drops are not seen here.
+        self.token_versions: dict[tuple[str, int], set[tuple[tuple[int, int], ...]]] = defaultdict(set)
         self.outages = 0
         self._task: asyncio.Task | None = None
 
@@ -363,8 +428,16 @@ class Auditor:
             try:
                 batch = await self.consumer.read(count=512, block_ms=200)
                 for d in batch:
-                    self.statuses[d.trajectory.status] += 1
-                    self.samples.add((d.trajectory.job_id, d.trajectory.sample_index))
+                    t = d.trajectory
+                    self.statuses[t.status] += 1
+                    key = (t.job_id, t.sample_index)
+                    self.samples.add(key)
+                    if t.status == "error":
+                        self.errors.add(key)
+                    versions = Counter(
+                        v for s in t.sequences for v, m in zip(s.versions, s.loss_mask, strict=True) if m
+                    )
+                    self.token_versions[key].add(tuple(sorted(versions.items())))
                 await self.consumer.commit(batch)
             except (RedisError, OSError):
                 self.outages += 1
@@ -771,6 +844,8 @@ async def account(driver: Driver, trainer_code: int, seconds: float) -> dict[str
         ingress_not_done = await ingress.not_done()
     ledger_raw = {k.decode(): int(v) for k, v in (await redis.hgetall(keys.ledger)).items()}
     groups_raw = {k.decode(): int(v) for k, v in (await redis.hgetall(keys.ledger_groups)).items()}
+    # partial groups: group -> its failed samples, given back once (the group holds the rest)
+    partial_raw = {k.decode(): int(v) for k, v in (await redis.hgetall(keys.ledger_partial)).items()}
     status = await gather_status(redis, s.run)  # dead letters and dropped results of every partition
     dead, worker_dropped = status.dead_letters, status.dropped
 
@@ -784,7 +859,35 @@ async def account(driver: Driver, trainer_code: int, seconds: float) -> dict[str
     per_group: dict[str, list[int]] = defaultdict(list)
     for job_id, idx in trained:
         per_group[job_id].append(idx)
-    incomplete = sorted(g for g, idx in per_group.items() if sorted(idx) != list(range(cfg.group_size)))
+    audit = driver.auditor
+
+    def trained_as_recorded(g: str) -> bool:
+        """Whole, or (a partial group) its survivors: the ledger's count, its failed samples given back, at least
+        partial_groups left, and every sample missing one that was published as an error."""
+        idx = sorted(per_group[g])
+        if idx == list(range(cfg.group_size)):
+            return g not in partial_raw
+        missing = set(range(cfg.group_size)) - set(idx)
+        return (
+            cfg.partial_groups > 0
+            and len(idx) >= cfg.partial_groups
+            and partial_raw.get(g) == len(missing)
+            and groups_raw.get(g) == len(idx)
+            and all((g, i) in audit.errors for i in missing)
+        )
+
+    incomplete = sorted(g for g in per_group if not trained_as_recorded(g))
+    partial_trained = sum(len(idx) < cfg.group_size for idx in per_group.values())
+    from bench.chaos_reward import fails
+
+    injected = {(g, i) for g in groups_raw for i in range(cfg.group_size) if fails(g, i, cfg.fail_rate)}
+    failing_trained = sorted(k for k in trained if k in injected)
+    tokens = _audit_tokens(rows, audit.token_versions, cfg.max_staleness)
+    metric_tokens = {
+        "trained": sum(m.get("trained_tokens", 0) for m in metrics),
+        "masked": sum(m.get("masked_tokens", 0) for m in metrics),
+        "generated": sum(m.get("trained_sample_tokens", 0) for m in metrics),  # of the samples trained
+    }
     staleness = [r["version"] - r["oldest"] for r in rows if r["oldest"] is not None]  # of the tokens trained
     future = [r for r in rows if r["oldest"] is not None and r["oldest"] > r["version"]]
     max_staleness = max(staleness, default=0)
@@ -797,12 +900,12 @@ async def account(driver: Driver, trainer_code: int, seconds: float) -> dict[str
     # metrics.jsonl rolls back with its checkpoint when it is killed, so it may miss drops made just before).
     dropped = {k.removeprefix("released:"): v for k, v in ledger_raw.items() if k.startswith("released:") and v}
     dropped_admitted = sum(dropped.values())
-    in_flight = (len(held) - len(trained_groups & held)) * cfg.group_size
+    in_flight = sum(groups_raw[g] for g in held - trained_groups)  # a partial group holds its survivors only
     checks = {
         "run_finished": trainer_code == 0 and final.get("step") == cfg.steps,
         "nothing_trained_twice": not twice
         and len(set(sum(([g for g in m["groups"]] for m in metrics), []))) == sum(len(m["groups"]) for m in metrics),
-        "trained_groups_whole": not incomplete,
+        "trained_groups_whole_or_partial": not incomplete,
         "trained_only_admitted": trained_groups <= held,
         "dropped_never_trained": not (trained_groups & released),
         "every_admitted_accounted": admitted_samples == len(trained) + dropped_admitted + in_flight
@@ -811,7 +914,18 @@ async def account(driver: Driver, trainer_code: int, seconds: float) -> dict[str
         "staleness_within_bound": max_staleness <= cfg.max_staleness
         and not future
         and all(m["staleness_max"] <= cfg.max_staleness for m in metrics),
-        "in_flight_bounded": in_flight <= (cfg.max_staleness + 1) * cfg.batch,
+        # the versions the workers generated, per trained sample: what is older than v - eta was masked (nothing
+        # under `drop`), nothing is newer than v, and the totals are the trainer's
+        "tokens_match_audit": tokens["unaudited"] == 0
+        and tokens["future"] == 0
+        and (cfg.stale_policy == "mask" or tokens["older_min"] == 0)
+        and tokens["generated_min"] <= metric_tokens["generated"] <= tokens["generated_max"]
+        and tokens["older_min"] <= metric_tokens["masked"] <= tokens["older_max"]
+        and metric_tokens["trained"] + metric_tokens["masked"] == metric_tokens["generated"],
+        "failed_samples_never_trained": not failing_trained,
+        # the ledger's limit, (eta + v + 1) x B net of give-backs, less what was trained (fewer than v x B samples
+        # when partial groups trained: their failed samples were given back)
+        "in_flight_bounded": in_flight + len(trained) <= (cfg.max_staleness + final.get("step", 0) + 1) * cfg.batch,
         "every_fault_fired": all(
             any(f.kind == k for f in driver.faults)
             for k, n in zip(
@@ -824,6 +938,14 @@ async def account(driver: Driver, trainer_code: int, seconds: float) -> dict[str
         "trainer_resumed_from_checkpoint": all("resumed at step" in r for r in driver.resumes),
         "ingress_jobs_all_done": not ingress_not_done,
     }
+    if cfg.fail_rate:  # the injected failures happened and went back to the ledger as `failed`
+        checks["failures_given_back"] = bool(dropped.get("failed")) and dead > 0 and bool(injected & audit.errors)
+    if cfg.partial_groups:  # the trained log's partial groups are those the trainer's metrics count, and some trained
+        checks["partial_groups_trained"] = partial_trained == sum(m.get("partial_groups", 0) for m in metrics) and (
+            partial_trained > 0 or not cfg.fail_rate
+        )
+    if cfg.stale_policy == "mask" and cfg.long_tail:  # a long tail under `mask`: some tokens really were masked
+        checks["tokens_masked"] = metric_tokens["masked"] > 0
     rss = driver.sampler.quarters(driver.first_step_s or 0.0)
     held_copies = 0  # copies of samples the trainer held uncommitted, which its collector dropped (its log says so)
     reoffered = 0  # groups whose submission Redis lost, queued again by the trainer's feeder
@@ -841,6 +963,7 @@ async def account(driver: Driver, trainer_code: int, seconds: float) -> dict[str
         "redis": f"cluster of 6, {cfg.partitions} partitions" if cfg.cluster else "one redis-server",
         "samples_admitted": admitted_samples,
         "samples_trained": len(trained),
+        "groups_trained": len(per_group),
         "samples_trained_twice": len(twice),
         "dropped_by_trainer": dropped,
         "dropped_in_trainer_metrics": {k: v for k, v in final.get("dropped", {}).items() if v},
@@ -851,12 +974,18 @@ async def account(driver: Driver, trainer_code: int, seconds: float) -> dict[str
         "duplicates_dropped_by_trainer_collector": held_copies,
         "groups_reoffered": reoffered,
         "stale_policy": cfg.stale_policy,
-        "tokens": {
-            "trained": sum(m.get("trained_tokens", 0) for m in metrics),
-            "masked": sum(m.get("masked_tokens", 0) for m in metrics),
-            "dropped": sum(m.get("dropped_tokens", 0) for m in metrics),
-        },
+        "tokens": {**metric_tokens, "dropped": sum(m.get("dropped_tokens", 0) for m in metrics)},
+        "tokens_audit": tokens,
+        "length_dist": f"{cfg.length_dist}, max {cfg.max_new_tokens}, {cfg.token_latency_s * 1000:g} ms/token",
         "partial_groups": sum(m.get("partial_groups", 0) for m in metrics),
+        "partial_groups_trained": partial_trained,
+        "partial_groups_min": cfg.partial_groups,
+        "partial_samples_given_back": sum(partial_raw.values()),
+        "fail_rate": cfg.fail_rate,
+        "samples_failing_injected": len(injected),
+        "samples_published_as_error": len(audit.errors),
+        "samples_failing_trained": len(failing_trained),
+        "failing_trained_examples": [list(k) for k in failing_trained[:5]],
         "ingress_jobs_accepted": len(ingress.accepted) if ingress else 0,
         "ingress_jobs_not_done": len(ingress_not_done),
         "ingress_refusals_retried": ingress.refused if ingress else 0,
@@ -874,6 +1003,34 @@ async def account(driver: Driver, trainer_code: int, seconds: float) -> dict[str
         "twice_examples": [list(k) for k in twice[:5]],
         "incomplete_examples": incomplete[:5],
     }
+
+
+def _audit_tokens(
+    rows: list[dict[str, Any]], copies: dict[tuple[str, int], set[tuple[tuple[int, int], ...]]], eta: int
+) -> dict[str, int]:
+    """The generated tokens of the trained samples as the auditor saw them published, against the version each was
+    trained at (v): in total, older than v - eta (what `mask` must have masked) and newer than v. A sample published
+    in several distinct copies (generated again after its worker's lease passed) gives a range: min and max over
+    them."""
+    out = dict.fromkeys(
+        ("samples", "ambiguous", "unaudited", "generated_min", "generated_max", "older_min", "older_max", "future"), 0
+    )
+    for r in rows:
+        seen = copies.get((r["job_id"], r["sample_index"]))
+        if not seen:
+            out["unaudited"] += 1
+            continue
+        out["samples"] += 1
+        out["ambiguous"] += len(seen) > 1
+        floor, version = r["version"] - eta, r["version"]
+        generated = [sum(n for _, n in copy) for copy in seen]
+        older = [sum(n for v, n in copy if v < floor) for copy in seen]
+        out["generated_min"] += min(generated)
+        out["generated_max"] += max(generated)
+        out["older_min"] += min(older)
+        out["older_max"] += max(older)
+        out["future"] += min(sum(n for v, n in copy if v > version) for copy in seen)
+    return out
 
 
 def table(report: dict[str, Any]) -> str:
@@ -896,10 +1053,32 @@ def table(report: dict[str, Any]) -> str:
         f"  {'  of which held copies the trainer dropped':<40} {report['duplicates_dropped_by_trainer_collector']:>8}"
     )
     lines.append(f"  {'groups re-offered (submission lost)':<40} {report['groups_reoffered']:>8}")
-    tok = report["tokens"]
+    if report["fail_rate"]:
+        lines.append(
+            f"  {'failing samples (fail rate ' + format(report['fail_rate'], 'g') + ')':<40} "
+            f"{report['samples_failing_injected']:>8}   (of the admitted groups; published as error: "
+            f"{report['samples_published_as_error']}, trained: {report['samples_failing_trained']})"
+        )
+    if report["partial_groups_min"]:
+        lines.append(
+            f"  {'partial groups trained (>= ' + str(report['partial_groups_min']) + ' survivors)':<40} "
+            f"{report['partial_groups_trained']:>8}   (metrics: {report['partial_groups']}; their failed samples "
+            f"given back: {report['partial_samples_given_back']})"
+        )
+    tok, audit = report["tokens"], report["tokens_audit"]
     lines.append(
         f"  {'tokens trained / masked / dropped':<40} {tok['trained']:>8} / {tok['masked']} / {tok['dropped']}"
-        f"   (stale policy {report['stale_policy']}; partial groups {report['partial_groups']})"
+        f"   (stale policy {report['stale_policy']}; lengths {report['length_dist']})"
+    )
+
+    def span(lo: int, hi: int) -> str:
+        return str(lo) if lo == hi else f"{lo}..{hi}"
+
+    lines.append(
+        f"  {'  audit: generated / older than v-eta':<40} {span(audit['generated_min'], audit['generated_max']):>8}"
+        f" / {span(audit['older_min'], audit['older_max'])}   (trainer: {tok['generated']} / {tok['masked']}; "
+        f"newer than v: {audit['future']}; samples {audit['samples']}, {audit['ambiguous']} in several copies, "
+        f"{audit['unaudited']} unseen)"
     )
     lines.append(
         f"  {'ingress jobs accepted / not done':<40} {report['ingress_jobs_accepted']:>8} / "
@@ -931,6 +1110,7 @@ def table(report: dict[str, Any]) -> str:
 async def run_chaos(cfg: ChaosConfig, procs: Procs, tmp: Path, *, out: Any = None) -> dict[str, Any]:
     """The whole soak: start the stack, drive faults until the trainer finishes, account. Every process it started
     is SIGKILLed before it returns (or raises)."""
+    cfg.validate()
     driver = Driver(cfg, procs, tmp, out=out)
     started = time.monotonic()
     try:
@@ -977,6 +1157,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=d.timeout_s, help="bound on the whole run (s)")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--stale-policy", choices=["drop", "mask"], default=d.stale_policy, help="the trainer's")
+    p.add_argument(
+        "--length-dist",
+        default=d.length_dist,
+        metavar="SPEC",
+        help="the engines' output lengths: fixed | uniform:LOW:HIGH | lognormal:MEDIAN:SIGMA | pareto:XMIN:ALPHA "
+        "(e.g. pareto:16:1.2, with --max-new-tokens 512)",
+    )
+    p.add_argument(
+        "--max-new-tokens", type=int, default=d.max_new_tokens, help=f"cap on an answer (default {d.max_new_tokens})"
+    )
+    p.add_argument(
+        "--token-latency",
+        type=float,
+        default=d.token_latency_s,
+        metavar="S",
+        help=f"the engines' seconds per decode step (default {d.token_latency_s})",
+    )
+    p.add_argument(
+        "--fail-rate",
+        type=float,
+        default=d.fail_rate,
+        metavar="P",
+        help="fraction of samples whose reward fails on every attempt (dead-lettered as error trajectories)",
+    )
+    p.add_argument(
+        "--partial-groups",
+        type=int,
+        default=d.partial_groups,
+        metavar="N",
+        help="the trainer's: a group with failed samples trains on its survivors when >= N are left (0: off)",
+    )
     p.add_argument("--cluster", action="store_true", help="a six-node Redis Cluster; redis_kill kills a primary")
     p.add_argument("--partitions", type=int, default=d.partitions, help="the run's partitions with --cluster")
     p.add_argument("--cluster-node-timeout", type=int, default=d.cluster_node_timeout_ms, metavar="MS")
@@ -1005,6 +1216,11 @@ def config_from(args: argparse.Namespace) -> ChaosConfig:
         seed=args.seed,
         cluster=args.cluster,
         stale_policy=args.stale_policy,
+        length_dist=args.length_dist,
+        max_new_tokens=args.max_new_tokens,
+        token_latency_s=args.token_latency,
+        fail_rate=args.fail_rate,
+        partial_groups=args.partial_groups,
         partitions=args.partitions,
         cluster_node_timeout_ms=args.cluster_node_timeout,
     )
