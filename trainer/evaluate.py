@@ -14,6 +14,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from rollq.producer.producer import JobRequest, Producer
+from rollq.producer.results import PartitionedConsumer, ResultConsumer
 from rollq.protocol.keys import RunKeys
 from rollq.trainer.data import load_prompts
 from rollq.trainer.metrics import EvalRecord
@@ -44,15 +45,17 @@ class Evaluator:
         self.producer = Producer(
             redis, run, reply_to=RunKeys(run).reply_stream(name), reply_ttl_s=REPLY_TTL_S, partitions=partitions
         )
-        self._consumer: Any = None
+        self._consumer: ResultConsumer | PartitionedConsumer | None = None
 
     async def evaluate(self, step: int, version: int) -> EvalRecord:
         started = time.monotonic()
-        if self._consumer is None:  # the reply group exists before any worker can publish
+        if self._consumer is None:
             await self.producer.partitions()
             self._consumer = self.producer.consumer(group="eval", name="trainer")
-            await self._consumer.setup()
+        # Every time, before any worker can publish: the stream and its group may have expired since the last one
+        # (REPLY_TTL_S without an evaluation); both calls are no-ops when they exist.
         await self.producer.keep_reply_stream()
+        await self._consumer.setup()
         tag = uuid.uuid4().hex[:8]  # fresh ids: a restarted trainer's evaluation is a new one
         requests = [
             JobRequest(
