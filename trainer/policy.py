@@ -59,8 +59,8 @@ class Policy:
         steps, each accumulating gradients over length-sorted micro-batches.
 
         Samples whose advantage is 0 (a group whose rewards are all equal) add nothing to the gradient, so they are
-        left out of both passes while still counting in the per-token mean: the same update for less compute. A
-        minibatch with none left makes no optimizer step (the policy does not drift on the moments alone)."""
+        left out of both passes while still counting in the per-token mean: the same update for less compute (a
+        minibatch with none left steps the optimizer on a zero gradient, as the passes would have)."""
         c = self.config
         dev = c.device
         ids, attn = batch.input_ids.to(dev), batch.attention_mask.to(dev)
@@ -80,9 +80,11 @@ class Policy:
             part: list[int] = chunk.tolist()
             denominator = mask[part].sum().clamp(min=1.0)
             active = [i for i in part if i in learning]
-            if not active:
-                continue
-            self.optimizer.zero_grad(set_to_none=True)
+            self.optimizer.zero_grad(set_to_none=bool(active))
+            if not active:  # a zero gradient, as the passes would give: AdamW still moves on its moments
+                for p in self.model.parameters():
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
             total = 0.0
             for mb in micro_batches(lengths, active, c.max_tokens_per_microbatch):
                 w = max(lengths[i] for i in mb)

@@ -5,25 +5,27 @@ import torch
 
 from rollq.trainer.batch import Group, build_batch
 from rollq.trainer.config import TrainConfig
+from rollq.trainer.loss import decoupled_ppo_loss
 from rollq.trainer.policy import Policy
 from tests.trainer.test_batch import traj
 
 
-def batch_of_two(policy: Policy):
+def group_of(policy: Policy, job_id: str, answers: list[tuple[list[int], float]]) -> Group:
+    """One group: the toy prompt, each answer's tokens with its reward, on-policy behaviour logprobs."""
     prompt = policy.tokenizer.encode("Write a number using digits only.")
-    good, bad = [prompt + [20, 21, 22], prompt + [300, 301, 302]]
-    mask = [0] * len(prompt) + [1, 1, 1]
-    with torch.no_grad():
-        behav = [
-            policy.token_logprobs(torch.tensor([s]), torch.ones(1, len(s), dtype=torch.long))[0].tolist()
-            for s in (good, bad)
-        ]
     samples = []
-    for i, (ids, lp, reward) in enumerate(((good, behav[0], 1.0), (bad, behav[1], 0.0))):
-        t = traj("g", i, ids, mask, [0] * len(ids), reward)
-        t.sequences[0].logprobs = type(t.sequences[0].logprobs)([0.0] + lp)  # on-policy behaviour logprobs
+    for i, (answer, reward) in enumerate(answers):
+        ids = prompt + answer
+        with torch.no_grad():
+            lp = policy.token_logprobs(torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long))[0].tolist()
+        t = traj(job_id, i, ids, [0] * len(prompt) + [1] * len(answer), [0] * len(ids), reward)
+        t.sequences[0].logprobs = type(t.sequences[0].logprobs)([0.0] + lp)
         samples.append(t)
-    return build_batch([Group(job_id="g", samples=samples)], policy.pad_id)
+    return Group(job_id=job_id, samples=samples)
+
+
+def batch_of_two(policy: Policy):
+    return build_batch([group_of(policy, "g", [([20, 21, 22], 1.0), ([300, 301, 302], 0.0)])], policy.pad_id)
 
 
 def test_a_step_moves_probability_towards_the_better_sample():
@@ -77,3 +79,40 @@ def test_a_bfloat16_compute_step_learns_the_same_direction_with_float32_weights(
     gain = ((after - before) * batch.loss_mask).sum(dim=1)
     assert gain[0] > 0 > gain[1]
     assert all(p.dtype == torch.float32 for p in policy.model.parameters())  # master weights stay float32
+
+
+def _reference_step(policy: Policy, batch) -> None:
+    """The update with every row through both passes, none skipped: what `train_step` must equal."""
+    c = policy.config
+    policy.model.eval()
+    with torch.no_grad():
+        prox = policy.token_logprobs(batch.input_ids, batch.attention_mask)
+    policy.model.train()
+    policy.optimizer.zero_grad(set_to_none=True)
+    loss, _ = decoupled_ppo_loss(
+        policy.token_logprobs(batch.input_ids, batch.attention_mask),
+        prox,
+        batch.behav_logprobs,
+        batch.advantages,
+        batch.loss_mask,
+        clip_eps=c.clip_eps,
+        behav_imp_cap=c.behav_imp_cap,
+    )
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(policy.model.parameters(), c.grad_clip)
+    policy.optimizer.step()
+
+
+def test_rows_without_advantage_are_skipped_for_the_same_update():
+    skipping, reference = Policy(TrainConfig(lr=1e-2)), Policy(TrainConfig(lr=1e-2))
+    mixed = group_of(skipping, "g", [([20, 21, 22], 1.0), ([300, 301, 302], 0.0)])
+    agreeing = group_of(skipping, "h", [([40, 41, 42], 1.0), ([50, 51], 1.0)])  # advantage 0: no signal
+    steps = [build_batch([mixed, agreeing], skipping.pad_id), build_batch([agreeing], skipping.pad_id)]
+    assert steps[1].advantages.abs().sum() == 0  # the second step has nothing to learn: AdamW moves on its moments
+    for batch in steps:
+        skipping.train_step(batch)
+        _reference_step(reference, batch)
+        for (name, a), (_, b) in zip(
+            skipping.model.named_parameters(), reference.model.named_parameters(), strict=True
+        ):
+            assert torch.allclose(a, b, atol=1e-6), name
