@@ -38,8 +38,10 @@ async def test_a_killed_enqueue_wait_leaves_nothing_behind(redis, redis_url, run
         await wait_until(lambda: redis.get(inflight_key(stream)), 10, what="the in-flight counter")
         assert 0 < await redis.pttl(stream) <= 2000 and 0 < await redis.pttl(inflight_key(stream)) <= 2000
         # ... renewed while the caller lives (every TTL/3): the stream outlives its first TTL.
-        first = await redis.pttl(stream)
-        await wait_until(lambda: _pttl_above(redis, stream, first), 5, what="a renewal of the TTL")
+        # A TTL only falls between two reads unless renewed in between (against the first read alone, a read taken
+        # just after a renewal left only a millisecond-wide window to see the next one).
+        last = [await redis.pttl(stream)]
+        await wait_until(lambda: _pttl_rose(redis, stream, last), 5, what="a renewal of the TTL")
     finally:
         enqueue.kill()
         enqueue.wait(10)
@@ -54,8 +56,10 @@ async def test_a_killed_enqueue_wait_leaves_nothing_behind(redis, redis_url, run
     assert await redis.xlen(keys.jobs) == 0
 
 
-async def _pttl_above(redis, key: str, ms: int) -> bool:
-    return await redis.pttl(key) > ms
+async def _pttl_rose(redis, key: str, last: list[int]) -> bool:
+    now = await redis.pttl(key)
+    rose, last[0] = now > last[0], now
+    return rose
 
 
 async def _gone(redis, *keys: str) -> bool:
