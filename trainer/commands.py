@@ -13,7 +13,7 @@ from typing import Any
 import msgspec
 
 from rollq.trainer.config import TrainConfig, UpConfig
-from rollq.trainer.metrics import EvalRecord, StepRecord
+from rollq.trainer.metrics import EvalRecord, MetricsLog, StepRecord
 
 # A built-in task's goal: (mean reward of the last 10 steps at least, and that many times the first 10's).
 GOALS = {"toy:digits": (0.8, 3.0), "toy:add": (0.5, 3.0)}
@@ -47,8 +47,6 @@ def summarize(records: list[StepRecord], evals: list[EvalRecord] | None = None, 
 
 
 def _run_summary(cfg: TrainConfig, records: list[StepRecord]) -> dict[str, Any]:
-    from rollq.trainer.metrics import MetricsLog
-
     return summarize(records, MetricsLog(Path(cfg.directory)).read_evals(), cfg.dataset)
 
 
