@@ -84,6 +84,7 @@ from rollq.producer.results import PartitionedConsumer, ResultConsumer
 from rollq.producer.status import gather_status
 from rollq.protocol.keys import RunKeys
 from rollq.redis_client import redis_client
+from rollq.trainer.ledger import rest_field
 
 FAULT_KINDS = ("worker_kill", "engine_kill", "redis_kill", "trainer_kill", "worker_stall")
 PROCESS_KINDS = ("worker", "trainer", "ingress", "engine", "redis")
@@ -131,6 +132,7 @@ class ChaosConfig:
     token_latency_s: float = 0.002  # the engines' decode step
     fail_rate: float = 0.0  # samples whose reward raises on every attempt (dead-lettered as `error` trajectories)
     partial_groups: int = 0  # the trainer's: a group with failed samples trains on >= this many survivors (0: off)
+    split_groups: int = 0  # the trainer's: a group's finished samples train ahead of its stragglers (0: off)
 
     @property
     def batch(self) -> int:
@@ -153,6 +155,8 @@ class ChaosConfig:
                 f"group has at most {self.group_size - 1} survivors): use 1..{self.group_size - 1}, or a larger "
                 "--group-size"
             )
+        if self.split_groups and not 2 <= self.split_groups < self.group_size:
+            raise BenchError(f"--split-groups must be in 2..{self.group_size - 1} for groups of {self.group_size}")
 
 
 @dataclass
@@ -338,6 +342,8 @@ class Stack:
         argv += ["--seed", str(c.seed), "--stale-policy", c.stale_policy]
         if c.partial_groups:
             argv += ["--partial-groups", str(c.partial_groups)]
+        if c.split_groups:
+            argv += ["--split-groups", str(c.split_groups)]
         if c.fail_rate or c.max_new_tokens != ChaosConfig.max_new_tokens:
             reward = FAILING_REWARD if c.fail_rate else TOY_REWARD
             kwargs = {"reward_fn": reward, "max_new_tokens": c.max_new_tokens}
@@ -862,22 +868,32 @@ async def account(driver: Driver, trainer_code: int, seconds: float) -> dict[str
     audit = driver.auditor
 
     def trained_as_recorded(g: str) -> bool:
-        """Whole, or (a partial group) its survivors: the ledger's count, its failed samples given back, at least
-        partial_groups left, and every sample missing one that was published as an error."""
+        """Whole; or (a partial group) its survivors: at least partial_groups left, its failed samples given back
+        and published as errors; or (a split group) the parts trained so far, its rest given back (dropped) or still
+        in flight. Whatever is missing was given back or is in flight, as the ledger says."""
         idx = sorted(per_group[g])
+        failed_back, rest_back = partial_raw.get(g, 0), partial_raw.get(rest_field(g), 0)
+        rest_in_flight = groups_raw.get(g, 0) - len(idx)
         if idx == list(range(cfg.group_size)):
-            return g not in partial_raw
+            return not failed_back and not rest_back and rest_in_flight == 0
         missing = set(range(cfg.group_size)) - set(idx)
+        errors = sum((g, i) in audit.errors for i in missing)
+        split = rest_back > 0 or rest_in_flight > 0
         return (
-            cfg.partial_groups > 0
-            and len(idx) >= cfg.partial_groups
-            and partial_raw.get(g) == len(missing)
-            and groups_raw.get(g) == len(idx)
-            and all((g, i) in audit.errors for i in missing)
+            rest_in_flight >= 0
+            and failed_back + rest_back + rest_in_flight == len(missing)
+            and (not failed_back or (cfg.partial_groups > 0 and errors >= failed_back))
+            and (split or len(idx) >= cfg.partial_groups)
+            and (not split or cfg.split_groups > 0)
         )
 
     incomplete = sorted(g for g in per_group if not trained_as_recorded(g))
-    partial_trained = sum(len(idx) < cfg.group_size for idx in per_group.values())
+    # split groups whose rest was given back, or is still in flight
+    rest_dropped = sum(rest_field(g) in partial_raw for g in per_group)
+    rest_in_flight = sum(groups_raw.get(g, 0) > len(idx) for g, idx in per_group.items())
+    # trained on survivors: failed samples given back, the rest trained
+    partial_trained = sum(g in partial_raw and rest_field(g) not in partial_raw for g in per_group)
+    split_parts = sum(m.get("split_parts", 0) for m in metrics)
     from bench.chaos_reward import fails
 
     injected = {(g, i) for g in groups_raw for i in range(cfg.group_size) if fails(g, i, cfg.fail_rate)}
@@ -900,11 +916,15 @@ async def account(driver: Driver, trainer_code: int, seconds: float) -> dict[str
     # metrics.jsonl rolls back with its checkpoint when it is killed, so it may miss drops made just before).
     dropped = {k.removeprefix("released:"): v for k, v in ledger_raw.items() if k.startswith("released:") and v}
     dropped_admitted = sum(dropped.values())
-    in_flight = sum(groups_raw[g] for g in held - trained_groups)  # a partial group holds its survivors only
+    # a partial group holds its survivors only; a split group part-trained holds its rest in flight too
+    in_flight = sum(groups_raw[g] - len(per_group.get(g, ())) for g in held)
     checks = {
         "run_finished": trainer_code == 0 and final.get("step") == cfg.steps,
+        # a group is listed once per step that trained some of it: each split part adds a listing, unless the rest
+        # after it was dropped or is still in flight
         "nothing_trained_twice": not twice
-        and len(set(sum(([g for g in m["groups"]] for m in metrics), []))) == sum(len(m["groups"]) for m in metrics),
+        and len(set(sum(([g for g in m["groups"]] for m in metrics), [])))
+        == sum(len(m["groups"]) for m in metrics) - split_parts + rest_dropped + rest_in_flight,
         "trained_groups_whole_or_partial": not incomplete,
         "trained_only_admitted": trained_groups <= held,
         "dropped_never_trained": not (trained_groups & released),
@@ -987,7 +1007,11 @@ async def account(driver: Driver, trainer_code: int, seconds: float) -> dict[str
         "partial_groups": sum(m.get("partial_groups", 0) for m in metrics),
         "partial_groups_trained": partial_trained,
         "partial_groups_min": cfg.partial_groups,
-        "partial_samples_given_back": sum(partial_raw.values()),
+        "split_parts": split_parts,
+        "split_groups_rest_given_back": rest_dropped,
+        "split_groups_rest_in_flight": rest_in_flight,
+        "split_groups_min": cfg.split_groups,
+        "partial_samples_given_back": sum(n for k, n in partial_raw.items() if not k.endswith(rest_field(""))),
         "fail_rate": cfg.fail_rate,
         "samples_failing_injected": len(injected),
         "samples_published_as_error": len(audit.errors),
@@ -1071,6 +1095,12 @@ def table(report: dict[str, Any]) -> str:
             f"  {'partial groups trained (>= ' + str(report['partial_groups_min']) + ' survivors)':<40} "
             f"{report['partial_groups_trained']:>8}   (metrics: {report['partial_groups']}; their failed samples "
             f"given back: {report['partial_samples_given_back']})"
+        )
+    if report["split_groups_min"]:
+        lines.append(
+            f"  {'parts trained ahead of stragglers':<40} {report['split_parts']:>8}   (groups whose rest was "
+            f"given back afterwards: {report['split_groups_rest_given_back']}, in flight at the end: "
+            f"{report['split_groups_rest_in_flight']})"
         )
     tok, audit = report["tokens"], report["tokens_audit"]
     lines.append(
@@ -1195,6 +1225,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="N",
         help="the trainer's: a group with failed samples trains on its survivors when >= N are left (0: off)",
     )
+    p.add_argument(
+        "--split-groups",
+        type=int,
+        default=d.split_groups,
+        metavar="N",
+        help="the trainer's: a group's finished samples train ahead of its stragglers once >= N finished (0: off)",
+    )
     p.add_argument("--cluster", action="store_true", help="a six-node Redis Cluster; redis_kill kills a primary")
     p.add_argument("--partitions", type=int, default=d.partitions, help="the run's partitions with --cluster")
     p.add_argument("--cluster-node-timeout", type=int, default=d.cluster_node_timeout_ms, metavar="MS")
@@ -1228,6 +1265,7 @@ def config_from(args: argparse.Namespace) -> ChaosConfig:
         token_latency_s=args.token_latency,
         fail_rate=args.fail_rate,
         partial_groups=args.partial_groups,
+        split_groups=args.split_groups,
         partitions=args.partitions,
         cluster_node_timeout_ms=args.cluster_node_timeout,
     )

@@ -138,7 +138,8 @@ class RunKeys(msgspec.Struct, frozen=True):
 
     @property
     def ledger_partial(self) -> str:
-        """Hash: group (job) id -> samples a partial group gave back (its failed ones), written once."""
+        """Hash: group (job) id -> samples a partial group gave back (its failed ones), written once; `<id>|rest` ->
+        what a split group had not trained when it was dropped."""
         return f"{self.run_prefix}:ledger:partial"
 
     @property

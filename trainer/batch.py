@@ -29,10 +29,14 @@ def model_tokens(traj: Trajectory) -> int:
 
 
 class Group(msgspec.Struct, kw_only=True):
-    """The n samples of one prompt: admitted, trained and dropped as one unit."""
+    """The n samples of one prompt: admitted, trained and dropped as one unit (or, split, in parts: see
+    `context_rewards`)."""
 
     job_id: str
     samples: list[Trajectory]
+    # Rewards of the group's sequences trained at earlier steps (split_groups): they join the advantages'
+    # normalisation, so a group's last part is normalised over the whole group, but are not trained again.
+    context_rewards: list[float] = []
 
     @property
     def ok(self) -> bool:
@@ -104,13 +108,15 @@ def grpo_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 def build_batch(groups: list[Group], pad_id: int = 0, min_version: int | None = None) -> Batch:
     """One row per sequence. A sample with several sequences (an agent's completions) shares its group's
-    normalisation: the advantage is computed over every sequence of the group. With `min_version`, generated tokens
-    of an older policy version are left out of the loss (counted in `masked_tokens`)."""
+    normalisation: the advantage is computed over every sequence of the group, and over its `context_rewards` (parts
+    trained earlier). With `min_version`, generated tokens of an older policy version are left out of the loss
+    (counted in `masked_tokens`)."""
     seqs: list[Sequence] = []
     advantages: list[torch.Tensor] = []
     for group in groups:
         members = [s for t in group.samples for s in t.sequences]
-        advantages.append(grpo_advantages(torch.tensor([s.reward for s in members], dtype=torch.float32)))
+        rewards = torch.tensor([*group.context_rewards, *(s.reward for s in members)], dtype=torch.float32)
+        advantages.append(grpo_advantages(rewards)[len(group.context_rewards) :])
         seqs += members
     if not seqs:
         raise ValueError("build_batch needs at least one sequence")

@@ -9,7 +9,7 @@ from typing import Any
 import msgspec
 import torch
 
-from rollq.trainer.settled import SettledGroups
+from rollq.trainer.settled import SettledGroups, TrainedPart
 
 
 class TrainerState(msgspec.Struct, kw_only=True):
@@ -25,6 +25,7 @@ class TrainerState(msgspec.Struct, kw_only=True):
     dropped: dict[str, int] = {}  # samples per drop reason, whole run
     staleness: dict[int, int] = {}  # trained samples per staleness, whole run
     settled: SettledGroups = msgspec.field(default_factory=SettledGroups)  # groups trained or dropped, by index
+    split: dict[str, TrainedPart] = {}  # groups trained in part so far (split_groups), by group id
 
 
 def save(path: Path, policy_state: dict[str, Any], state: TrainerState) -> None:

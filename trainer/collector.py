@@ -4,6 +4,10 @@ A group trains at policy version v only if every trained token was produced by a
 that fails this, or holds a failed/rejected sample, is dropped whole: its samples are acked, counted and given back
 to the ledger. Versions above v come from weights a crashed trainer published but never checkpointed; they are
 dropped too, so every trained token's version names weights the trainer still has in its history.
+
+With split_groups, a group whose finished samples would pass the bound while its stragglers decode trains in parts:
+the finished samples at this step (advantages over them), the rest when the group completes (advantages over the
+whole group). The parts trained are kept with the checkpoint (`TrainedPart`), so each sample still trains once.
 """
 
 from __future__ import annotations
@@ -12,7 +16,8 @@ import collections
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from fractions import Fraction
 from functools import partial
 
 import msgspec
@@ -20,12 +25,13 @@ import msgspec
 from rollq.producer.results import Delivered, PartitionedConsumer, ResultConsumer
 from rollq.trainer.batch import Group, model_tokens
 from rollq.trainer.ledger import Ride, StalenessLedger, direct
-from rollq.trainer.settled import SettledGroups
+from rollq.trainer.settled import SettledGroups, TrainedPart
 
 log = logging.getLogger("rollq.trainer")
 
 REPORT_EVERY_S = 30.0  # a step waiting longer than this says what it waits for
 DROP_REASONS = ("stale", "failed", "invalid", "future", "foreign")
+ONE = Fraction(1)
 
 
 class Collected(msgspec.Struct, kw_only=True):
@@ -34,6 +40,8 @@ class Collected(msgspec.Struct, kw_only=True):
     staleness: dict[int, int]  # trained samples per staleness (v - oldest token version)
     dropped: dict[str, int]  # samples dropped while collecting, per reason
     partial_groups: int = 0  # groups handed out that train on their survivors only
+    split_parts: int = 0  # parts of groups handed out ahead of their stragglers (split_groups)
+    part_samples: list[tuple[str, int]] = []  # their samples: (group id, sample index)
 
 
 class _Ready(msgspec.Struct):
@@ -61,6 +69,7 @@ class GroupCollector:
         vocab_size: int,
         stale_policy: str = "drop",
         partial_groups: int = 0,
+        split_groups: int = 0,
         on_release: Callable[[], None] = lambda: None,
         on_settled: Callable[[str], None] = lambda job_id: None,
         give_up_after_failed: int = 0,
@@ -76,6 +85,11 @@ class GroupCollector:
         # > 0: a group with failed samples trains on its survivors when at least this many are left
         self.partial_groups = partial_groups
         self._partial_ids: set[str] = set()  # complete groups that train on their survivors only
+        # > 0: a group's finished samples train ahead of its stragglers once this many are finished (at least 2)
+        self.split_groups = split_groups
+        # Groups trained in part, by id (the checkpoint keeps it): a copy of a trained sample read later is acked
+        self.parts: dict[str, TrainedPart] = {}
+        self._taken_samples: set[tuple[str, int]] = set()  # samples of parts handed out, not committed yet
         self.vocab_size = vocab_size
         self.on_release = on_release
         self.on_settled = on_settled  # a group was handed out to train or dropped: nothing more is expected of it
@@ -83,8 +97,9 @@ class GroupCollector:
         # never trained. It comes when Redis lost the commit of a trained group (a failover's last writes, AOF
         # everysec), so its entries are read again although the consumer marked them consumed.
         self.settled = SettledGroups()
-        # (group, reason) given back to the ledger lately: written again should Redis lose them (Trainer._recover)
-        self.recent_drops: collections.deque[tuple[str, str]] = collections.deque(maxlen=4096)
+        # (group, reason, samples) given back to the ledger lately: written again should Redis lose them
+        # (Trainer._recover); samples None: the whole group, else what a split group had not trained
+        self.recent_drops: collections.deque[tuple[str, str, int | None]] = collections.deque(maxlen=4096)
         self.skip: set[str] = set()  # trained before a restart, awaiting their ack
         self._partial: dict[str, list[Delivered]] = {}
         self._complete: dict[str, _Ready] = {}  # complete groups not trained yet (their versions checked each step)
@@ -142,11 +157,16 @@ class GroupCollector:
             self._settle(job_id)
             await self.ride(lambda: self.consumer.commit(items), "acking a skipped group")
             return
-        group = Group(job_id=job_id, samples=[d.trajectory for d in items])
+        part = self.parts.get(job_id)
+        trained_before = len(part.samples) if part else 0
+        context = list(part.rewards) if part else []
+        group = Group(job_id=job_id, samples=[d.trajectory for d in items], context_rewards=context)
         reason = self._unfit(group)
         if reason == "failed" and self.partial_groups:
-            survivors = Group(job_id=job_id, samples=[t for t in group.samples if t.status == "ok" and t.sequences])
-            if len(survivors.samples) >= self.partial_groups and survivors.invalid(self.vocab_size) is None:
+            ok = [t for t in group.samples if t.status == "ok" and t.sequences]
+            survivors = Group(job_id=job_id, samples=ok, context_rewards=context)
+            enough = ok and len(ok) + trained_before >= self.partial_groups
+            if enough and survivors.invalid(self.vocab_size) is None:
                 await self._train_partially(job_id, items, group, survivors, dropped)
                 return
         if reason is not None:
@@ -182,8 +202,13 @@ class GroupCollector:
         self.dropped_tokens += sum(model_tokens(t) for t in samples)
         if reason != "foreign":
             self._settle(job_id)
-            self.recent_drops.append((job_id, reason))
-            await self.ride(lambda: self.ledger.release(job_id, reason), "giving a group back to the ledger")
+            if self.parts.pop(job_id, None) is not None:  # split: its parts trained earlier stay counted
+                rest = len(samples)
+                self.recent_drops.append((job_id, reason, rest))
+                await self.ride(lambda: self.ledger.release_rest(job_id, rest, reason), "giving a group's rest back")
+            else:
+                self.recent_drops.append((job_id, reason, None))
+                await self.ride(lambda: self.ledger.release(job_id, reason), "giving a group back to the ledger")
             self.on_release()
         detail = ""
         if reason == "failed":
@@ -215,16 +240,47 @@ class GroupCollector:
         self.duplicates += 1
         log.info("dropped a duplicate of sample %d of group %s", d.trajectory.sample_index, d.trajectory.job_id)
 
-    def committed(self, job_ids: list[str]) -> None:
-        """The trainer committed these handed-out groups: from now on the consumer drops their duplicates."""
+    def committed(self, job_ids: list[str], part_samples: list[tuple[str, int]] | None = None) -> None:
+        """The trainer committed these handed-out groups and parts: from now on the consumer drops their
+        duplicates."""
         self._taken.difference_update(job_ids)
+        self._taken_samples.difference_update(part_samples or ())
+
+    def _parts_at_risk(self, version: int) -> Iterator[tuple[int, str, Group]]:
+        """(oldest version, group id, part) for each unfinished group whose finished samples could train now and
+        would pass the bound after the next update (their oldest trained token is v - eta), with enough of the
+        group finished (split_groups, and at least 2: the advantages need a spread)."""
+        for job_id, items in self._partial.items():
+            part = self.parts.get(job_id)
+            if not items or len(items) + (len(part.samples) if part else 0) < max(2, self.split_groups):
+                continue
+            if not all(d.trajectory.status == "ok" and d.trajectory.sequences for d in items):
+                continue  # a failed sample decides the group's fate when it completes
+            context = list(part.rewards) if part else []
+            group = Group(job_id=job_id, samples=[d.trajectory for d in items], context_rewards=context)
+            span = group.version_range()
+            if span is None or span[0] > version - self.max_staleness or self._out_of_bound(span, version):
+                continue
+            if group.invalid(self.vocab_size) is None:
+                yield span[0], job_id, group
+
+    def _hand_out_part(self, job_id: str, group: Group) -> list[Delivered]:
+        """The group's finished samples train now; its stragglers stay expected."""
+        items = self._partial.pop(job_id)
+        part = self.parts.setdefault(job_id, TrainedPart())
+        for t in group.samples:
+            part.samples.append(t.sample_index)
+            part.rewards += [s.reward for s in t.sequences]
+            self._taken_samples.add((job_id, t.sample_index))
+        return items
 
     async def collect(self, groups_needed: int, version: int, *, block_ms: int = 500) -> Collected:
         """Read until `groups_needed` complete groups may train at `version`. Stalest first, so the groups closest
         to the bound are the ones used."""
         dropped: Counter = Counter()
         while True:
-            fit: list[tuple[int, str]] = []
+            fit: list[tuple[int, str, Fraction]] = []  # (oldest version, group id, groups' worth)
+            parts: dict[str, Group] = {}
             for job_id, ready in list(self._complete.items()):
                 reason = self._out_of_bound(ready.span, version)
                 if reason is not None:
@@ -232,8 +288,14 @@ class GroupCollector:
                     self._partial_ids.discard(job_id)
                     await self._drop(job_id, ready.items, reason, dropped, ready.group)
                     continue
-                fit.append((ready.span[0] if ready.span else version, job_id))
-            if len(fit) >= groups_needed:
+                # a group's last part counts its share of the group
+                worth = Fraction(len(ready.items), ready.items[0].trajectory.n) if job_id in self.parts else ONE
+                fit.append((ready.span[0] if ready.span else version, job_id, worth))
+            if self.split_groups:
+                for oldest, job_id, group in self._parts_at_risk(version):
+                    fit.append((oldest, job_id, Fraction(len(group.samples), group.samples[0].n)))
+                    parts[job_id] = group
+            if sum(f[2] for f in fit) >= groups_needed:
                 break
             if time.monotonic() - self._last_report > REPORT_EVERY_S:
                 self._last_report = time.monotonic()
@@ -255,11 +317,19 @@ class GroupCollector:
                     await self.ride(partial(self.consumer.commit, [d]), "acking a settled group's sample")
                     self.settled_copies += 1
                     continue
+                part = self.parts.get(traj.job_id)
+                if part is not None and traj.sample_index in part.samples:  # trained in an earlier part
+                    if (traj.job_id, traj.sample_index) in self._taken_samples:
+                        await self._ack_duplicate(d)  # its original is committed with the step that trains it
+                    else:  # a checkpointed part whose commit a crash lost: consumed now
+                        await self.ride(partial(self.consumer.commit, [d]), "acking a trained part's sample")
+                        self.settled_copies += 1
+                    continue
                 self.samples_read += 1
                 self.model_tokens_read += model_tokens(traj)
                 items = self._partial.setdefault(traj.job_id, [])
                 items.append(d)
-                if len(items) >= traj.n:
+                if len(items) + (len(part.samples) if part else 0) >= traj.n:
                     del self._partial[traj.job_id]
                     await self._completed(traj.job_id, items, dropped)
         fit.sort(key=lambda f: f[0])  # stable: among equals, the first completed
@@ -267,22 +337,36 @@ class GroupCollector:
         deliveries: list[Delivered] = []
         staleness: Counter = Counter()
         partials = 0
-        for oldest, job_id in fit[:groups_needed]:
-            ready = self._complete.pop(job_id)
-            groups.append(ready.group)
-            deliveries += ready.items  # a partial group's failed samples too: committed with the step
+        part_samples: list[tuple[str, int]] = []
+        taken = Fraction(0)
+        for oldest, job_id, worth in fit:
+            if taken >= groups_needed:
+                break
+            taken += worth
+            if job_id in parts:  # a part ahead of its stragglers
+                group = parts[job_id]
+                deliveries += self._hand_out_part(job_id, group)
+                part_samples += [(job_id, t.sample_index) for t in group.samples]
+            else:
+                ready = self._complete.pop(job_id)
+                group = ready.group
+                deliveries += ready.items  # a partial group's failed samples too: committed with the step
+                partials += job_id in self._partial_ids
+                self._partial_ids.discard(job_id)
+                self.parts.pop(job_id, None)  # its last part: the group is settled
+                self._taken.add(job_id)
+                self._settle(job_id)
+            groups.append(group)
             # of the tokens that train: under `mask` those older than the bound do not
-            staleness[min(version - oldest, self.max_staleness)] += len(ready.group.samples)
-            partials += job_id in self._partial_ids
-            self._partial_ids.discard(job_id)
-            self._taken.add(job_id)
-            self._settle(job_id)
+            staleness[min(version - oldest, self.max_staleness)] += len(group.samples)
         return Collected(
             groups=groups,
             deliveries=deliveries,
             staleness=dict(staleness),
             dropped=dict(dropped),
             partial_groups=partials,
+            split_parts=len({j for j, _ in part_samples}),
+            part_samples=part_samples,
         )
 
 

@@ -123,6 +123,18 @@ class TrainConfig(RunSettings, kw_only=True):
             group=HOW_MUCH,
         ),
     ] = 0
+    split_groups: Annotated[
+        int,
+        setting(
+            "a group's finished samples train before its stragglers when waiting another step would put their "
+            "tokens past the bound, once at least this many of the group have finished; their advantages are "
+            "normalised over the finished samples, the stragglers' later over the whole group (0 = off: a group "
+            "trains whole)",
+            metavar="N",
+            ge=0,
+            group=HOW_MUCH,
+        ),
+    ] = 0
     min_step_s: Annotated[
         float,
         setting(

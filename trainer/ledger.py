@@ -48,10 +48,11 @@ end
 return n
 """
 
-# KEYS: ledger, groups, partial. ARGV: group id, samples, reason. A partial group (trained on its survivors) gives
-# back its failed samples, once: the group then holds the rest (a later RELEASE gives back those).
+# KEYS: ledger, groups, partial. ARGV: group id, samples, reason, field. Part of a group goes back, once per field:
+# a partial group's failed samples (field: the group id), or what a split group had not trained yet when it was
+# dropped (field: `<group id>|rest`; its parts trained earlier stay counted). The group then holds the rest.
 _RELEASE_PART = """
-if redis.call('HSETNX', KEYS[3], ARGV[1], ARGV[2]) == 0 then return 0 end
+if redis.call('HSETNX', KEYS[3], ARGV[4], ARGV[2]) == 0 then return 0 end
 local n = tonumber(redis.call('HGET', KEYS[2], ARGV[1]) or '0')
 local k = math.min(n, tonumber(ARGV[2]))
 if k > 0 then
@@ -95,6 +96,11 @@ return 1
 
 
 T = TypeVar("T")
+
+
+def rest_field(group_id: str) -> str:
+    """The partial hash's field for what a split group gave back when it was dropped."""
+    return f"{group_id}|rest"
 
 
 class Ride(Protocol):
@@ -153,7 +159,12 @@ class StalenessLedger:
     async def release_part(self, group_id: str, samples: int, reason: str) -> int:
         """A partial group gives back `samples` (its failed ones), once, counted under `reason`."""
         keys = [self.keys.ledger, self.keys.ledger_groups, self.keys.ledger_partial]
-        return int(await self._release_part(keys=keys, args=[group_id, samples, reason]))
+        return int(await self._release_part(keys=keys, args=[group_id, samples, reason, group_id]))
+
+    async def release_rest(self, group_id: str, samples: int, reason: str) -> int:
+        """A split group, dropped after parts of it trained, gives back the `samples` it had not trained, once."""
+        keys = [self.keys.ledger, self.keys.ledger_groups, self.keys.ledger_partial]
+        return int(await self._release_part(keys=keys, args=[group_id, samples, reason, rest_field(group_id)]))
 
     async def readmit(self, group_id: str, samples: int) -> bool:
         """Record again the admission of a group the trainer queued, if Redis lost it. True if it had to."""
@@ -198,4 +209,4 @@ class StalenessLedger:
         )
 
 
-__all__ = ["Admission", "LedgerState", "Ride", "StalenessLedger", "direct"]
+__all__ = ["Admission", "LedgerState", "Ride", "StalenessLedger", "direct", "rest_field"]

@@ -115,6 +115,7 @@ class Trainer:
         self.policy = policy or Policy(config)
         self.state = TrainerState(run_id=uuid.uuid4().hex[:8], model=config.model)
         self._unacked: list[Delivered] = []
+        self._unacked_parts: list[tuple[str, int]] = []  # samples of parts of groups (split_groups) among them
         self._started = 0.0
         self.feeder: GroupFeeder | None = None
         self.collector: GroupCollector | None = None
@@ -147,8 +148,11 @@ class Trainer:
         readmitted = released = 0
         for job_id in self.feeder.outstanding:
             readmitted += await self.ledger.readmit(job_id, self.cfg.group_size)
-        for job_id, reason in self.collector.recent_drops:
-            released += bool(await self.ledger.release(job_id, reason))
+        for job_id, reason, rest in self.collector.recent_drops:
+            if rest is None:
+                released += bool(await self.ledger.release(job_id, reason))
+            else:
+                released += bool(await self.ledger.release_rest(job_id, rest, reason))
         if readmitted or released:
             log.warning(
                 "Redis had lost ledger writes: recorded %d admissions and %d give-backs again", readmitted, released
@@ -293,6 +297,7 @@ class Trainer:
             vocab_size=self.policy.vocab_size,
             stale_policy=cfg.stale_policy,
             partial_groups=cfg.partial_groups,
+            split_groups=cfg.split_groups,
             on_release=self.feeder.notify,
             on_settled=self.feeder.settled,
             give_up_after_failed=0 if resumed else 2 * cfg.batch_samples,
@@ -300,6 +305,7 @@ class Trainer:
         )
         self.collector.skip = set(self.state.unacked_groups)
         self.collector.settled = self.state.settled
+        self.collector.parts = self.state.split
         # Groups admitted before a restart and not settled yet: watched for a vanished submission like new ones (a
         # checkpoint from before settled groups were recorded has none: its groups are not watched).
         if self.state.step == 0 or self.state.settled.below or self.state.settled.above:
@@ -383,9 +389,12 @@ class Trainer:
         state.trained_samples += trained_now
         state.dropped = dict(Counter(state.dropped) + Counter(got.dropped))
         state.staleness = dict(Counter(state.staleness) + Counter(got.staleness))
-        state.unacked_groups += [g.job_id for g in got.groups]
+        parts = {job_id for job_id, _ in got.part_samples}  # the rest of their groups is still to come
+        state.unacked_groups += [g.job_id for g in got.groups if g.job_id not in parts]
         state.settled = self.collector.settled  # those just trained included: what the checkpoint's model has
+        state.split = self.collector.parts
         self._unacked += got.deliveries
+        self._unacked_parts += got.part_samples
         ledger = await self.ride(self.ledger.state, "reading the ledger")
         trained = sum(got.staleness.values())
         samples_per_s, tokens_per_s = self._rates.rates(
@@ -412,6 +421,7 @@ class Trainer:
                 trained_sample_tokens=sum(g.model_tokens for g in got.groups),
                 generated_tokens=self.collector.model_tokens_read,
                 partial_groups=got.partial_groups,
+                split_parts=got.split_parts,
                 paced_s=paced,
                 admission_lag_mean=sum(lags) / len(lags) if lags else 0.0,
                 queue_s_mean=sum(waits) / len(waits) if waits else 0.0,
@@ -437,8 +447,9 @@ class Trainer:
             await asyncio.to_thread(checkpoint.save, self.checkpoint_path, self.policy.state(), state)
             unacked = self._unacked
             await self.ride(lambda: self.consumer.commit(unacked), "acking trained samples")  # the checkpoint has them
-            self.collector.committed(state.unacked_groups)
+            self.collector.committed(state.unacked_groups, self._unacked_parts)
             self._unacked = []
+            self._unacked_parts = []
             state.unacked_groups = []
         # New admissions only against versions a checkpoint knows (with checkpoint_every 1: always).
         await self.ride(lambda: self.ledger.set_version(state.version), "publishing the policy version")

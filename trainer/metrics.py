@@ -48,6 +48,7 @@ class StepRecord(msgspec.Struct, kw_only=True):
     trained_sample_tokens: int = 0  # generated tokens of the samples trained this step, masked ones included
     generated_tokens: int = 0  # generated tokens of every sample read so far (whole run)
     partial_groups: int = 0  # groups trained this step on their survivors only (partial_groups)
+    split_parts: int = 0  # groups of which this step trained the finished samples ahead of stragglers (split_groups)
     paced_s: float = 0.0  # waited before the weight update to keep the step at least min_step_s long
     # Beside the bound, not part of it: versions from a trained group's admission to the step training it (groups
     # admitted by this trainer life), and seconds its samples waited in the queue (submitted -> started).

@@ -28,4 +28,12 @@ class SettledGroups(msgspec.Struct, kw_only=True):
         return [i for i in range(self.below, until) if i not in self.above]
 
 
-__all__ = ["SettledGroups"]
+class TrainedPart(msgspec.Struct, kw_only=True):
+    """What of a split group (split_groups) trained at earlier steps. Saved in the trainer's checkpoint: a restarted
+    trainer acks those samples when they are read again, and normalises the group's rest over their rewards too."""
+
+    samples: list[int] = []  # their sample indices
+    rewards: list[float] = []  # their sequences' rewards
+
+
+__all__ = ["SettledGroups", "TrainedPart"]

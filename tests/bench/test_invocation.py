@@ -26,7 +26,7 @@ BENCHMARKS = [
     "chaos",
     "partitions",
     "gpu_check",
-    "staleness_floor",
+    "staleness_model",
 ]
 
 

@@ -2,8 +2,11 @@
 (acked, counted, given back to the ledger)."""
 
 import asyncio
+from fractions import Fraction
 
+import msgspec
 import pytest
+import torch
 
 from rollq.producer.results import ResultConsumer
 from rollq.protocol.codec import Codec
@@ -12,6 +15,7 @@ from rollq.protocol.messages import Sequence, Trajectory
 from rollq.trainer.batch import build_batch
 from rollq.trainer.collector import GroupCollector
 from rollq.trainer.ledger import StalenessLedger
+from rollq.trainer.settled import TrainedPart
 
 PREFIX = "run1-g"
 
@@ -161,3 +165,88 @@ async def test_a_partial_group_trains_on_its_survivors_and_gives_the_failed_back
     assert [round(float(a), 3) for a in build_batch(got.groups).advantages] == [-1.0, 0.0, 1.0]  # over survivors
     state = await ledger.state()
     assert state.admitted == 3 and state.released == 9 and state.released_by_reason == {"failed": 7, "stale": 2}
+
+
+async def split_setup(redis, run: str):
+    ledger, consumer, _ = await setup(redis, run, eta=1)
+    collector = GroupCollector(consumer, ledger, group_prefix=PREFIX, max_staleness=1, vocab_size=100, split_groups=2)
+    return ledger, consumer, collector
+
+
+async def test_a_split_group_trains_its_finished_samples_ahead_of_its_straggler(redis, run_name):
+    ledger, consumer, collector = await split_setup(redis, run_name)
+    g0, g1, g2, g3 = (f"{PREFIX}{g}" for g in range(4))
+    for g in (g0, g1, g2, g3):
+        assert (await ledger.admit(g, 4)).admitted
+    await publish(
+        redis,
+        run_name,
+        *(sample(g0, i, [2, 3], n=4) for i in range(3)),  # 3 of 4 finished, oldest at v - eta: at risk at v = 3
+        *(sample(g1, i, [3], n=4) for i in range(3)),  # 3 of 4 finished but fresh: they wait for their straggler
+        *(sample(g2, i, [3], n=4) for i in range(4)),
+    )
+    got = await asyncio.wait_for(collector.collect(1, version=3, block_ms=50), 10)
+    assert [(g.job_id, len(g.samples)) for g in got.groups] == [(g0, 3), (g2, 4)]  # a part counts 3/4 of a group
+    assert got.split_parts == 1 and got.part_samples == [(g0, 0), (g0, 1), (g0, 2)] and got.staleness == {1: 3, 0: 4}
+    assert [round(float(a), 3) for a in build_batch(got.groups[:1]).advantages] == [-1.0, 0.0, 1.0]  # over the 3
+    assert collector.parts[g0].samples == [0, 1, 2] and collector.index_of(g0) not in collector.settled
+    first = got
+
+    # not committed yet (checkpoint_every > 1): the straggler, a second copy of a trained sample (a worker that lost
+    # its lease: dropped here, as the consumer only knows committed samples), and a fresh group
+    await publish(redis, run_name, sample(g0, 3, [3, 4], n=4), sample(g0, 1, [2, 3], n=4))
+    await publish(redis, run_name, *(sample(g3, i, [4], n=4) for i in range(4)))
+    got = await asyncio.wait_for(collector.collect(1, version=4, block_ms=50), 10)
+    # g0's last part, then g1's finished samples: at risk now (v3 = 4 - eta); g3 waits (its share isn't needed)
+    assert [(g.job_id, len(g.samples)) for g in got.groups] == [(g0, 1), (g1, 3)]
+    assert got.split_parts == 1 and collector.duplicates == 1
+    advantage = float(build_batch(got.groups[:1]).advantages[0])  # the rest: over the whole group (rewards 0..3)
+    assert advantage == pytest.approx((3 - 1.5) / torch.tensor([0.0, 1, 2, 3]).std().item(), abs=1e-4)
+    assert g0 not in collector.parts and collector.index_of(g0) in collector.settled
+    await consumer.commit(first.deliveries + got.deliveries)
+    assert await pending(redis, run_name) == 4  # g3 waits
+    state = await ledger.state()
+    assert state.admitted == 16 and state.released == 0  # nothing given back
+
+
+async def test_a_restarted_trainer_acks_a_checkpointed_part_and_trains_only_the_rest(redis, run_name):
+    ledger, consumer, collector = await split_setup(redis, run_name)
+    g0, g1 = f"{PREFIX}0", f"{PREFIX}1"
+    for g in (g0, g1):
+        assert (await ledger.admit(g, 3)).admitted
+    await publish(redis, run_name, *(sample(g0, i, [2, 3], n=3) for i in range(2)))
+    await publish(redis, run_name, *(sample(g1, i, [3], n=3) for i in range(3)))
+    got = await asyncio.wait_for(collector.collect(1, version=3, block_ms=50), 10)
+    assert got.part_samples == [(g0, 0), (g0, 1)]
+    saved = msgspec.json.decode(msgspec.json.encode(collector.parts), type=dict[str, TrainedPart])  # checkpointed;
+    # the trainer dies before it commits: a new one reads its pending entries again
+    consumer = ResultConsumer(redis, RunKeys(run_name).results, group="trainer", name="trainer")
+    collector = GroupCollector(consumer, ledger, group_prefix=PREFIX, max_staleness=1, vocab_size=100, split_groups=2)
+    collector.parts = saved
+    collector.settled.add(1)
+    await publish(redis, run_name, sample(g0, 2, [4], n=3))
+    got = await asyncio.wait_for(collector.collect(Fraction(1, 3), version=4, block_ms=50), 10)  # type: ignore[arg-type]
+    assert [(g.job_id, [t.sample_index for t in g.samples]) for g in got.groups] == [(g0, [2])]
+    assert got.groups[0].context_rewards == [0.0, 1.0] and collector.settled_copies == 5  # g0's part and g1 acked
+    await consumer.commit(got.deliveries)
+    assert await pending(redis, run_name) == 0
+
+
+async def test_a_split_group_dropped_later_gives_back_only_what_it_had_not_trained(redis, run_name):
+    ledger, consumer, collector = await split_setup(redis, run_name)
+    g0, g1 = f"{PREFIX}0", f"{PREFIX}1"
+    for g in (g0, g1):
+        assert (await ledger.admit(g, 3)).admitted
+    await publish(
+        redis, run_name, *(sample(g0, i, [2], n=3) for i in range(2)), *(sample(g1, i, [3], n=3) for i in range(3))
+    )
+    got = await asyncio.wait_for(collector.collect(1, version=3, block_ms=50), 10)
+    assert got.part_samples == [(g0, 0), (g0, 1)]
+    await publish(redis, run_name, sample(g0, 2, [], n=3, status="error"))  # its straggler fails: the rest goes back
+    await publish(redis, run_name, *(sample(f"{PREFIX}2", i, [5], n=3) for i in range(3)))
+    assert (await ledger.admit(f"{PREFIX}2", 3)).admitted
+    got = await asyncio.wait_for(collector.collect(1, version=5, block_ms=50), 10)
+    assert [g.job_id for g in got.groups] == [f"{PREFIX}2"] and got.dropped == {"failed": 1}
+    state = await ledger.state()
+    assert state.admitted == 8 and state.released_by_reason == {"failed": 1}  # g0's 2 trained samples stay counted
+    assert g0 not in collector.parts and collector.recent_drops[-1] == (g0, "failed", 1)

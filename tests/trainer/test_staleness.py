@@ -79,8 +79,9 @@ class LossAuditor(Policy):
         return super().train_step(batch)
 
 
+@pytest.mark.parametrize("split", [0, 2], ids=["whole-groups", "split-groups"])
 async def test_under_mask_no_token_the_loss_trains_is_older_than_the_bound(
-    redis, redis_url, run_name, tmp_path, engine_process, spawn_worker, eta=1
+    redis, redis_url, run_name, tmp_path, engine_process, spawn_worker, split, eta=1
 ):
     # Slow tokens and a heavy tail: the longest answers span more than eta weight updates, so some tokens must be
     # masked (asserted below), while most groups are fresh.
@@ -98,6 +99,8 @@ async def test_under_mask_no_token_the_loss_trains_is_older_than_the_bound(
         groups_per_step=3,
         max_staleness=eta,
         stale_policy="mask",
+        split_groups=split,
+        trained_log=True,
         workflow_kwargs=WORKFLOW_KWARGS,
     )
     policy = LossAuditor(cfg)
@@ -111,5 +114,16 @@ async def test_under_mask_no_token_the_loss_trains_is_older_than_the_bound(
         trained = versions[mask > 0]
         assert trained.numel() and version - eta <= int(trained.min()) and int(trained.max()) <= version
     assert all(r["staleness_max"] <= eta for r in records)
-    assert all(r["samples"] == 12 for r in records)
     assert sum(r["masked_tokens"] for r in records) > 0, "no token was old enough to mask: the test proves nothing"
+    rows = [msgspec.json.decode(ln) for ln in (tmp_path / "run" / "trained.jsonl").read_bytes().splitlines()]
+    samples = [(r["job_id"], r["sample_index"]) for r in rows]
+    assert len(samples) == len(set(samples)) == records[-1]["trained_samples"]  # each sample trained once
+    if not split:
+        assert all(r["samples"] == 12 for r in records)
+        return
+    # split: some groups trained in parts over two steps; a step takes at least its 3 groups' worth
+    assert sum(r["split_parts"] for r in records) > 0, "no group was split: the test proves nothing"
+    steps_of = {}
+    for r in rows:
+        steps_of.setdefault(r["job_id"], set()).add(r["step"])
+    assert any(len(s) > 1 for s in steps_of.values())
