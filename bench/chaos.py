@@ -133,6 +133,7 @@ class ChaosConfig:
     fail_rate: float = 0.0  # samples whose reward raises on every attempt (dead-lettered as `error` trajectories)
     partial_groups: int = 0  # the trainer's: a group with failed samples trains on >= this many survivors (0: off)
     split_groups: int = 0  # the trainer's: a group's finished samples train ahead of its stragglers (0: off)
+    join_late: bool = False  # the trainer's: what finishes during a step and would pass the bound joins it
 
     @property
     def batch(self) -> int:
@@ -344,6 +345,8 @@ class Stack:
             argv += ["--partial-groups", str(c.partial_groups)]
         if c.split_groups:
             argv += ["--split-groups", str(c.split_groups)]
+        if c.join_late:
+            argv += ["--join-late"]
         if c.fail_rate or c.max_new_tokens != ChaosConfig.max_new_tokens:
             reward = FAILING_REWARD if c.fail_rate else TOY_REWARD
             kwargs = {"reward_fn": reward, "max_new_tokens": c.max_new_tokens}
@@ -1011,6 +1014,7 @@ async def account(driver: Driver, trainer_code: int, seconds: float) -> dict[str
         "split_groups_rest_given_back": rest_dropped,
         "split_groups_rest_in_flight": rest_in_flight,
         "split_groups_min": cfg.split_groups,
+        "late_samples": sum(m.get("late_samples", 0) for m in metrics),
         "partial_samples_given_back": sum(n for k, n in partial_raw.items() if not k.endswith(rest_field(""))),
         "fail_rate": cfg.fail_rate,
         "samples_failing_injected": len(injected),
@@ -1102,6 +1106,8 @@ def table(report: dict[str, Any]) -> str:
             f"given back afterwards: {report['split_groups_rest_given_back']}, in flight at the end: "
             f"{report['split_groups_rest_in_flight']})"
         )
+    if report["late_samples"]:
+        lines.append(f"  {'samples that joined a step late':<40} {report['late_samples']:>8}")
     tok, audit = report["tokens"], report["tokens_audit"]
     lines.append(
         f"  {'tokens trained / masked / dropped':<40} {tok['trained']:>8} / {tok['masked']} / {tok['dropped']}"
@@ -1232,6 +1238,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="N",
         help="the trainer's: a group's finished samples train ahead of its stragglers once >= N finished (0: off)",
     )
+    p.add_argument(
+        "--join-late",
+        action="store_true",
+        help="the trainer's: what finishes while a step trains and would pass the bound joins that step",
+    )
     p.add_argument("--cluster", action="store_true", help="a six-node Redis Cluster; redis_kill kills a primary")
     p.add_argument("--partitions", type=int, default=d.partitions, help="the run's partitions with --cluster")
     p.add_argument("--cluster-node-timeout", type=int, default=d.cluster_node_timeout_ms, metavar="MS")
@@ -1266,6 +1277,7 @@ def config_from(args: argparse.Namespace) -> ChaosConfig:
         fail_rate=args.fail_rate,
         partial_groups=args.partial_groups,
         split_groups=args.split_groups,
+        join_late=args.join_late,
         partitions=args.partitions,
         cluster_node_timeout_ms=args.cluster_node_timeout,
     )

@@ -43,6 +43,18 @@ class Collected(msgspec.Struct, kw_only=True):
     split_parts: int = 0  # parts of groups handed out ahead of their stragglers (split_groups)
     part_samples: list[tuple[str, int]] = []  # their samples: (group id, sample index)
 
+    def merged(self, other: Collected) -> Collected:
+        """Both hand-outs as one (a step's groups and those that joined it late)."""
+        return Collected(
+            groups=self.groups + other.groups,
+            deliveries=self.deliveries + other.deliveries,
+            staleness=dict(Counter(self.staleness) + Counter(other.staleness)),
+            dropped=dict(Counter(self.dropped) + Counter(other.dropped)),
+            partial_groups=self.partial_groups + other.partial_groups,
+            split_parts=self.split_parts + other.split_parts,
+            part_samples=self.part_samples + other.part_samples,
+        )
+
 
 class _Ready(msgspec.Struct):
     """A complete group that passed the version-independent checks, with its trained tokens' version span."""
@@ -276,25 +288,10 @@ class GroupCollector:
 
     async def collect(self, groups_needed: int, version: int, *, block_ms: int = 500) -> Collected:
         """Read until `groups_needed` complete groups may train at `version`. Stalest first, so the groups closest
-        to the bound are the ones used."""
+        to the bound are the ones used. With split_groups, parts of groups count their share of a group."""
         dropped: Counter = Counter()
         while True:
-            fit: list[tuple[int, str, Fraction]] = []  # (oldest version, group id, groups' worth)
-            parts: dict[str, Group] = {}
-            for job_id, ready in list(self._complete.items()):
-                reason = self._out_of_bound(ready.span, version)
-                if reason is not None:
-                    del self._complete[job_id]
-                    self._partial_ids.discard(job_id)
-                    await self._drop(job_id, ready.items, reason, dropped, ready.group)
-                    continue
-                # a group's last part counts its share of the group
-                worth = Fraction(len(ready.items), ready.items[0].trajectory.n) if job_id in self.parts else ONE
-                fit.append((ready.span[0] if ready.span else version, job_id, worth))
-            if self.split_groups:
-                for oldest, job_id, group in self._parts_at_risk(version):
-                    fit.append((oldest, job_id, Fraction(len(group.samples), group.samples[0].n)))
-                    parts[job_id] = group
+            fit, parts = await self._fit(version, dropped)
             if sum(f[2] for f in fit) >= groups_needed:
                 break
             if time.monotonic() - self._last_report > REPORT_EVERY_S:
@@ -305,44 +302,87 @@ class GroupCollector:
                     groups_needed,
                     sum(map(len, self._partial.values())),
                 )
-            for d in await self.ride(lambda: self.consumer.read(count=512, block_ms=block_ms), "reading results"):
-                traj = d.trajectory
-                if not traj.job_id.startswith(self.group_prefix):
-                    await self._drop(traj.job_id, [d], "foreign", dropped)
-                    continue
-                if self._held_already(traj.job_id, traj.sample_index):
-                    await self._ack_duplicate(d)
-                    continue
-                if self.index_of(traj.job_id) in self.settled:  # trained (or dropped) already: consumed, not again
-                    await self.ride(partial(self.consumer.commit, [d]), "acking a settled group's sample")
-                    self.settled_copies += 1
-                    continue
-                part = self.parts.get(traj.job_id)
-                if part is not None and traj.sample_index in part.samples:  # trained in an earlier part
-                    if (traj.job_id, traj.sample_index) in self._taken_samples:
-                        await self._ack_duplicate(d)  # its original is committed with the step that trains it
-                    else:  # a checkpointed part whose commit a crash lost: consumed now
-                        await self.ride(partial(self.consumer.commit, [d]), "acking a trained part's sample")
-                        self.settled_copies += 1
-                    continue
-                self.samples_read += 1
-                self.model_tokens_read += model_tokens(traj)
-                items = self._partial.setdefault(traj.job_id, [])
-                items.append(d)
-                if len(items) + (len(part.samples) if part else 0) >= traj.n:
-                    del self._partial[traj.job_id]
-                    await self._completed(traj.job_id, items, dropped)
+            await self._read(dropped, block_ms)
         fit.sort(key=lambda f: f[0])  # stable: among equals, the first completed
+        chosen: list[tuple[int, str, Fraction]] = []
+        taken = Fraction(0)
+        for f in fit:
+            if taken >= groups_needed:
+                break
+            taken += f[2]
+            chosen.append(f)
+        return self._hand_out(chosen, parts, version, dropped)
+
+    async def collect_at_risk(self, version: int) -> Collected:
+        """Without waiting: every group (and, with split_groups, part) read by now that may train at `version` and
+        would pass the bound after the next update (its oldest trained token is v - eta). What finished while the
+        step trained joins it this way (join_late), rather than the next step with a version more of age."""
+        dropped: Counter = Counter()
+        await self._read(dropped, block_ms=1)
+        fit, parts = await self._fit(version, dropped)
+        chosen = sorted((f for f in fit if f[0] <= version - self.max_staleness), key=lambda f: f[0])
+        return self._hand_out(chosen, parts, version, dropped)
+
+    async def _fit(self, version: int, dropped: Counter) -> tuple[list[tuple[int, str, Fraction]], dict[str, Group]]:
+        """(oldest version, group id, groups' worth) of what may train at `version`, and the parts among them
+        (split_groups). Complete groups past the bound are dropped here."""
+        fit: list[tuple[int, str, Fraction]] = []
+        for job_id, ready in list(self._complete.items()):
+            reason = self._out_of_bound(ready.span, version)
+            if reason is not None:
+                del self._complete[job_id]
+                self._partial_ids.discard(job_id)
+                await self._drop(job_id, ready.items, reason, dropped, ready.group)
+                continue
+            # a group's last part counts its share of the group
+            worth = Fraction(len(ready.items), ready.items[0].trajectory.n) if job_id in self.parts else ONE
+            fit.append((ready.span[0] if ready.span else version, job_id, worth))
+        parts: dict[str, Group] = {}
+        if self.split_groups:
+            for oldest, job_id, group in self._parts_at_risk(version):
+                fit.append((oldest, job_id, Fraction(len(group.samples), group.samples[0].n)))
+                parts[job_id] = group
+        return fit, parts
+
+    async def _read(self, dropped: Counter, block_ms: int) -> None:
+        """One read of the results stream, each trajectory filed (or acked when it is not to be trained)."""
+        for d in await self.ride(lambda: self.consumer.read(count=512, block_ms=block_ms), "reading results"):
+            traj = d.trajectory
+            if not traj.job_id.startswith(self.group_prefix):
+                await self._drop(traj.job_id, [d], "foreign", dropped)
+                continue
+            if self._held_already(traj.job_id, traj.sample_index):
+                await self._ack_duplicate(d)
+                continue
+            if self.index_of(traj.job_id) in self.settled:  # trained (or dropped) already: consumed, not again
+                await self.ride(partial(self.consumer.commit, [d]), "acking a settled group's sample")
+                self.settled_copies += 1
+                continue
+            part = self.parts.get(traj.job_id)
+            if part is not None and traj.sample_index in part.samples:  # trained in an earlier part
+                if (traj.job_id, traj.sample_index) in self._taken_samples:
+                    await self._ack_duplicate(d)  # its original is committed with the step that trains it
+                else:  # a checkpointed part whose commit a crash lost: consumed now
+                    await self.ride(partial(self.consumer.commit, [d]), "acking a trained part's sample")
+                    self.settled_copies += 1
+                continue
+            self.samples_read += 1
+            self.model_tokens_read += model_tokens(traj)
+            items = self._partial.setdefault(traj.job_id, [])
+            items.append(d)
+            if len(items) + (len(part.samples) if part else 0) >= traj.n:
+                del self._partial[traj.job_id]
+                await self._completed(traj.job_id, items, dropped)
+
+    def _hand_out(
+        self, chosen: list[tuple[int, str, Fraction]], parts: dict[str, Group], version: int, dropped: Counter
+    ) -> Collected:
         groups: list[Group] = []
         deliveries: list[Delivered] = []
         staleness: Counter = Counter()
         partials = 0
         part_samples: list[tuple[str, int]] = []
-        taken = Fraction(0)
-        for oldest, job_id, worth in fit:
-            if taken >= groups_needed:
-                break
-            taken += worth
+        for oldest, job_id, _ in chosen:
             if job_id in parts:  # a part ahead of its stragglers
                 group = parts[job_id]
                 deliveries += self._hand_out_part(job_id, group)

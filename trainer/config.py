@@ -135,6 +135,15 @@ class TrainConfig(RunSettings, kw_only=True):
             group=HOW_MUCH,
         ),
     ] = 0
+    join_late: Annotated[
+        bool,
+        setting(
+            "groups (and parts, with split_groups) that finish while a step trains and would pass the bound at the "
+            "next update join that step's optimizer step (the per-token mean over both), instead of the next step a "
+            "version older; needs ppo_minibatches 1",
+            group=HOW_MUCH,
+        ),
+    ] = False
     min_step_s: Annotated[
         float,
         setting(

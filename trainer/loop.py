@@ -27,6 +27,7 @@ from typing import Any, TextIO, TypeVar
 
 import msgspec
 import redis.asyncio as aioredis
+import torch
 
 from rollq.engine.fleet import FleetController
 from rollq.engine.pool import EnginePool
@@ -35,9 +36,9 @@ from rollq.producer.producer import Producer
 from rollq.producer.results import Delivered, PartitionedConsumer, ResultConsumer
 from rollq.redis_client import ride_out
 from rollq.trainer import checkpoint
-from rollq.trainer.batch import Group, build_batch, trained_versions
+from rollq.trainer.batch import Batch, Group, build_batch, trained_versions
 from rollq.trainer.checkpoint import TrainerState
-from rollq.trainer.collector import GroupCollector
+from rollq.trainer.collector import Collected, GroupCollector
 from rollq.trainer.config import TrainConfig
 from rollq.trainer.data import PromptOrder, load_prompts
 from rollq.trainer.evaluate import Evaluator
@@ -259,6 +260,10 @@ class Trainer:
 
     async def _run(self) -> list[StepRecord]:
         cfg = self.cfg
+        if cfg.join_late and not self.policy.fused_prox:
+            raise ValueError(
+                "join_late needs one optimizer step per batch (ppo_minibatches 1) and a model without dropout"
+            )
         if cfg.pause_mode == "in_place":
             log.warning(
                 "pause_mode in_place: an engine's prefix cache cannot be flushed while requests sit in its running "
@@ -354,6 +359,24 @@ class Trainer:
         record = await self.ride(lambda: evaluator.evaluate(state.step, state.version), "evaluating")
         self.metrics.write_eval(record)
 
+    def _late_joiner(
+        self, version: int, min_version: int | None, joined: list[tuple[Collected, Batch | None]]
+    ) -> Callable[[], Batch | None]:
+        """join_late: called from the training thread once the step's batch is through its passes; what finished
+        meanwhile and would pass the bound at the next update (collect_at_risk) joins the step's optimizer step."""
+        assert self.collector is not None
+        collector, event_loop, pad_id = self.collector, asyncio.get_running_loop(), self.policy.pad_id
+
+        def late() -> Batch | None:
+            extra = asyncio.run_coroutine_threadsafe(collector.collect_at_risk(version), event_loop).result()
+            if not extra.groups and not extra.dropped:
+                return None
+            extra_batch = build_batch(extra.groups, pad_id, min_version) if extra.groups else None
+            joined.append((extra, extra_batch))  # its drops count too
+            return extra_batch
+
+        return late
+
     async def _step(self) -> None:
         cfg, state = self.cfg, self.state
         assert self.collector is not None and self.feeder is not None
@@ -368,7 +391,15 @@ class Trainer:
         t1 = time.monotonic()
         min_version = state.version - cfg.max_staleness if cfg.stale_policy == "mask" else None
         batch = build_batch(got.groups, self.policy.pad_id, min_version)
-        stats = await asyncio.to_thread(self.policy.train_step, batch)
+        joined: list[tuple[Collected, Batch | None]] = []  # join_late: what joined the step while it trained
+        joiner = self._late_joiner(state.version, min_version, joined) if cfg.join_late else None
+        stats = await asyncio.to_thread(self.policy.train_step, batch, joiner)
+        late_samples, batches = 0, [batch]
+        for extra, extra_batch in joined:
+            got = got.merged(extra)
+            late_samples += sum(len(g.samples) for g in extra.groups)
+            batches += [extra_batch] if extra_batch is not None else []
+        rewards = torch.cat([b.rewards for b in batches])
         t2 = time.monotonic()
         self._train_estimate_s = t2 - t1
         late = max(0.0, cfg.min_step_s - (t2 - t0))
@@ -389,8 +420,10 @@ class Trainer:
         state.trained_samples += trained_now
         state.dropped = dict(Counter(state.dropped) + Counter(got.dropped))
         state.staleness = dict(Counter(state.staleness) + Counter(got.staleness))
-        parts = {job_id for job_id, _ in got.part_samples}  # the rest of their groups is still to come
-        state.unacked_groups += [g.job_id for g in got.groups if g.job_id not in parts]
+        # groups handed out whole or their last part (a group still in `parts` has its rest to come)
+        state.unacked_groups += list(
+            dict.fromkeys(g.job_id for g in got.groups if g.job_id not in self.collector.parts)
+        )
         state.settled = self.collector.settled  # those just trained included: what the checkpoint's model has
         state.split = self.collector.parts
         self._unacked += got.deliveries
@@ -404,9 +437,9 @@ class Trainer:
             StepRecord(
                 step=state.step,
                 version=state.version,
-                reward_mean=float(batch.rewards.mean()),
-                reward_max=float(batch.rewards.max()),
-                reward_min=float(batch.rewards.min()),
+                reward_mean=float(rewards.mean()),
+                reward_max=float(rewards.max()),
+                reward_min=float(rewards.min()),
                 samples=trained_now,
                 trained_samples=state.trained_samples,
                 groups=[g.job_id for g in got.groups],
@@ -415,13 +448,14 @@ class Trainer:
                 staleness_mean=sum(k * n for k, n in got.staleness.items()) / max(1, trained),
                 staleness_max=max(got.staleness, default=0),
                 staleness_hist={str(k): n for k, n in sorted(got.staleness.items())},
-                trained_tokens=batch.tokens,
-                masked_tokens=batch.masked_tokens,
+                trained_tokens=sum(b.tokens for b in batches),
+                masked_tokens=sum(b.masked_tokens for b in batches),
                 dropped_tokens=self.collector.dropped_tokens - dropped_before,
                 trained_sample_tokens=sum(g.model_tokens for g in got.groups),
                 generated_tokens=self.collector.model_tokens_read,
                 partial_groups=got.partial_groups,
                 split_parts=got.split_parts,
+                late_samples=late_samples,
                 paced_s=paced,
                 admission_lag_mean=sum(lags) / len(lags) if lags else 0.0,
                 queue_s_mean=sum(waits) / len(waits) if waits else 0.0,

@@ -49,6 +49,7 @@ class StepRecord(msgspec.Struct, kw_only=True):
     generated_tokens: int = 0  # generated tokens of every sample read so far (whole run)
     partial_groups: int = 0  # groups trained this step on their survivors only (partial_groups)
     split_parts: int = 0  # groups of which this step trained the finished samples ahead of stragglers (split_groups)
+    late_samples: int = 0  # samples that joined the step while it trained (join_late), in `samples` too
     paced_s: float = 0.0  # waited before the weight update to keep the step at least min_step_s long
     # Beside the bound, not part of it: versions from a trained group's admission to the step training it (groups
     # admitted by this trainer life), and seconds its samples waited in the queue (submitted -> started).

@@ -60,7 +60,8 @@ SOAK = ChaosConfig(
 # The same faults on a harder workload: long-tailed answers (Pareto lengths up to 256 tokens) under `mask`, so tokens
 # older than v - eta are masked out of the loss; 10 % of the samples failing on every attempt (dead-lettered as error
 # trajectories), groups with >= 3 of 4 survivors training on them (the others dropped whole as `failed`), and split
-# groups (a group's finished samples train ahead of its stragglers once 2 of 4 are done, when waiting would mask them).
+# groups (a group's finished samples train ahead of its stragglers once 2 of 4 are done, when waiting would mask them)
+# with late joins (what finishes while a step trains and would pass the bound joins that step).
 # Shorter (25 steps): the long tail makes a step slower.
 HARD_SOAK = dataclasses.replace(
     SOAK,
@@ -71,6 +72,7 @@ HARD_SOAK = dataclasses.replace(
     fail_rate=0.1,
     partial_groups=3,
     split_groups=2,
+    join_late=True,
 )
 
 

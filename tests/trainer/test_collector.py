@@ -250,3 +250,25 @@ async def test_a_split_group_dropped_later_gives_back_only_what_it_had_not_train
     state = await ledger.state()
     assert state.admitted == 8 and state.released_by_reason == {"failed": 1}  # g0's 2 trained samples stay counted
     assert g0 not in collector.parts and collector.recent_drops[-1] == (g0, "failed", 1)
+
+
+async def test_collect_at_risk_takes_only_what_would_pass_the_bound_at_the_next_update(redis, run_name):
+    ledger, consumer, collector = await split_setup(redis, run_name)
+    g0, g1, g2 = (f"{PREFIX}{g}" for g in range(3))
+    for g in (g0, g1, g2):
+        assert (await ledger.admit(g, 4)).admitted
+    await publish(
+        redis,
+        run_name,
+        *(sample(g0, i, [2, 3], n=4) for i in range(4)),  # complete, oldest token v - eta: at risk
+        *(sample(g1, i, [3], n=4) for i in range(4)),  # complete and fresh: waits for a step
+        *(sample(g2, i, [2], n=4) for i in range(3)),  # 3 of 4 finished, at risk: a part
+    )
+    got = await asyncio.wait_for(collector.collect_at_risk(version=3), 5)  # no waiting for a quota
+    assert [(g.job_id, len(g.samples)) for g in got.groups] == [(g0, 4), (g2, 3)]
+    assert got.part_samples == [(g2, i) for i in range(3)] and got.staleness == {1: 7}
+    assert (await asyncio.wait_for(collector.collect_at_risk(version=3), 5)).groups == []  # nothing more at risk
+    rest = await asyncio.wait_for(collector.collect(1, version=3, block_ms=50), 5)
+    assert [g.job_id for g in rest.groups] == [g1]
+    merged = got.merged(rest)
+    assert [g.job_id for g in merged.groups] == [g0, g2, g1] and merged.staleness == {1: 7, 0: 4}

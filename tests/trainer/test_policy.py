@@ -1,12 +1,13 @@
 """The trained model: a decoupled-PPO step on the tiny model, micro-batching, weights for the engines."""
 
 import msgspec
+import pytest
 import torch
 
 from rollq.trainer.batch import Group, build_batch
 from rollq.trainer.config import TrainConfig
 from rollq.trainer.loss import decoupled_ppo_loss
-from rollq.trainer.policy import Policy
+from rollq.trainer.policy import Policy, has_dropout
 from tests.trainer.test_batch import traj
 
 
@@ -116,3 +117,46 @@ def test_rows_without_advantage_are_skipped_for_the_same_update():
             skipping.model.named_parameters(), reference.model.named_parameters(), strict=True
         ):
             assert torch.allclose(a, b, atol=1e-6), name
+
+
+def test_one_optimizer_step_takes_its_proximal_logprobs_from_the_training_pass_for_the_same_update():
+    fused, separate = Policy(TrainConfig(lr=1e-2)), Policy(TrainConfig(lr=1e-2))
+    separate.fused_prox = False  # the proximal pass of its own, as with several optimizer steps per batch
+    assert fused.fused_prox and not has_dropout(fused.model)
+    batch = batch_of_two(fused)
+    stats = [fused.train_step(batch), separate.train_step(batch)]
+    # Compared as the models' outputs: a parameter whose true gradient is 0 (attention's key bias: softmax ignores
+    # it) gets float noise, which AdamW scales up to a full step either way
+    after = [p.token_logprobs(batch.input_ids, batch.attention_mask).detach() for p in (fused, separate)]
+    assert torch.allclose(after[0], after[1], atol=1e-5)
+    moved = separate.token_logprobs(batch.input_ids, batch.attention_mask).detach()
+    assert not torch.allclose(moved, Policy(TrainConfig()).token_logprobs(batch.input_ids, batch.attention_mask))
+    assert abs(stats[0].behav_prox_gap - stats[1].behav_prox_gap) < 1e-6 and stats[0].clip_fraction == 0
+
+
+def test_several_optimizer_steps_or_dropout_keep_the_proximal_pass_of_its_own():
+    assert not Policy(TrainConfig(ppo_minibatches=2)).fused_prox  # after the first step the weights moved on
+    assert has_dropout(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.1)))
+    assert not has_dropout(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.0)))
+
+
+def test_rows_that_join_a_step_late_give_the_update_of_one_batch_of_both():
+    whole, joined = Policy(TrainConfig(lr=1e-2)), Policy(TrainConfig(lr=1e-2))
+    first = group_of(whole, "g", [([20, 21, 22], 1.0), ([300, 301, 302], 0.0)])
+    late = group_of(whole, "h", [([40, 41, 42, 43, 44], 0.0), ([50, 51], 1.0), ([60], 0.5)])
+    whole.train_step(build_batch([first, late], whole.pad_id))
+    calls = []
+    joined.train_step(build_batch([first], joined.pad_id), late=lambda: calls.append(1) or build_batch([late]))
+    assert calls == [1]
+    batch = build_batch([first, late], whole.pad_id)
+    after = [p.token_logprobs(batch.input_ids, batch.attention_mask).detach() for p in (whole, joined)]
+    assert torch.allclose(after[0], after[1], atol=1e-5)
+    alone = Policy(TrainConfig(lr=1e-2))  # without the late rows the update differs: the test can fail
+    alone.train_step(build_batch([first], alone.pad_id), late=lambda: None)
+    assert not torch.allclose(after[0], alone.token_logprobs(batch.input_ids, batch.attention_mask).detach())
+
+
+def test_rows_join_late_only_with_one_optimizer_step():
+    policy = Policy(TrainConfig(ppo_minibatches=2))
+    with pytest.raises(ValueError, match="one optimizer step"):
+        policy.train_step(batch_of_two(policy), late=lambda: None)

@@ -72,16 +72,26 @@ class LossAuditor(Policy):
 
     def __init__(self, config: TrainConfig) -> None:
         super().__init__(config)
-        self.steps: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.steps: list[list[tuple[torch.Tensor, torch.Tensor]]] = []  # per step: its batch and what joined late
 
-    def train_step(self, batch):
-        self.steps.append((batch.versions.clone(), batch.loss_mask.clone()))
-        return super().train_step(batch)
+    def train_step(self, batch, late=None):
+        seen = [(batch.versions.clone(), batch.loss_mask.clone())]
+        self.steps.append(seen)
+
+        def recorded_late():
+            joined = late()
+            if joined is not None:
+                seen.append((joined.versions.clone(), joined.loss_mask.clone()))
+            return joined
+
+        return super().train_step(batch, recorded_late if late is not None else None)
 
 
-@pytest.mark.parametrize("split", [0, 2], ids=["whole-groups", "split-groups"])
+@pytest.mark.parametrize(
+    ("split", "join_late"), [(0, False), (2, False), (2, True)], ids=["whole-groups", "split-groups", "join-late"]
+)
 async def test_under_mask_no_token_the_loss_trains_is_older_than_the_bound(
-    redis, redis_url, run_name, tmp_path, engine_process, spawn_worker, split, eta=1
+    redis, redis_url, run_name, tmp_path, engine_process, spawn_worker, split, join_late, eta=1
 ):
     # Slow tokens and a heavy tail: the longest answers span more than eta weight updates, so some tokens must be
     # masked (asserted below), while most groups are fresh.
@@ -100,6 +110,7 @@ async def test_under_mask_no_token_the_loss_trains_is_older_than_the_bound(
         max_staleness=eta,
         stale_policy="mask",
         split_groups=split,
+        join_late=join_late,
         trained_log=True,
         workflow_kwargs=WORKFLOW_KWARGS,
     )
@@ -110,8 +121,8 @@ async def test_under_mask_no_token_the_loss_trains_is_older_than_the_bound(
     finally:
         await pool.close()
     assert [r["step"] for r in records] == list(range(1, 9)) and len(policy.steps) == 8
-    for version, (versions, mask) in enumerate(policy.steps):  # step i trains policy version i
-        trained = versions[mask > 0]
+    for version, seen in enumerate(policy.steps):  # step i trains policy version i
+        trained = torch.cat([versions[mask > 0] for versions, mask in seen])
         assert trained.numel() and version - eta <= int(trained.min()) and int(trained.max()) <= version
     assert all(r["staleness_max"] <= eta for r in records)
     assert sum(r["masked_tokens"] for r in records) > 0, "no token was old enough to mask: the test proves nothing"
@@ -127,3 +138,9 @@ async def test_under_mask_no_token_the_loss_trains_is_older_than_the_bound(
     for r in rows:
         steps_of.setdefault(r["job_id"], set()).add(r["step"])
     assert any(len(s) > 1 for s in steps_of.values())
+    late = sum(r["late_samples"] for r in records)
+    if join_late:  # what finished while a step trained joined it: seen by the loss, counted in the step's samples
+        assert late > 0, "nothing joined a step late: the test proves nothing"
+        assert late == sum(int((j[1].sum(dim=1) >= 0).sum()) for s in policy.steps for j in s[1:])
+    else:
+        assert late == 0 and all(len(s) == 1 for s in policy.steps)
