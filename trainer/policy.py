@@ -135,7 +135,7 @@ class Policy:
         r = self._rows(batch)
         self.model.train()
         sums, losses, norms = LossSums(), [], []
-        gap = float(((r.prox - r.behav).abs() * r.mask).sum()) if not self.fused_prox else 0.0
+        gap = 0.0  # |prox - behav| over trained tokens (prox is filled by the end, whichever way it is taken)
         for chunk in torch.randperm(r.ids.shape[0]).chunk(c.ppo_minibatches):
             part: list[int] = chunk.tolist()
             denominator = r.mask[part].sum().clamp(min=1.0)
@@ -158,8 +158,7 @@ class Policy:
             norms.append(float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), c.grad_clip)))
             self.optimizer.step()
             losses.append(total)
-        if self.fused_prox:
-            gap += float(((r.prox - r.behav).abs() * r.mask).sum())
+        gap += float(((r.prox - r.behav).abs() * r.mask).sum())
         tokens = max(sums.tokens, 1.0)
         return TrainStats(
             loss=sum(losses) / max(1, len(losses)),
