@@ -3,6 +3,7 @@
 Redis comes from $BENCH_ARQ_REDIS, the queue name from $BENCH_ARQ_QUEUE. With BENCH_ARQ_UVLOOP=1 the worker runs on
 uvloop, like the rollq worker does.
 `LOG_CONFIG` (pass `--custom-log-dict bench.arq_settings.LOG_CONFIG`) keeps arq's per-job INFO lines off.
+Jobs and results are msgpack (rollq.workers.rewards.arq_codec), as in rollq's own arq use: never pickle.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 from arq.connections import RedisSettings
 
 from bench.workflows import FixedTrajectory
+from rollq.workers.rewards import arq_codec
 
 if os.environ.get("BENCH_ARQ_UVLOOP") == "1":
     import asyncio
@@ -35,6 +37,8 @@ class WorkerSettings:
     redis_settings = RedisSettings.from_dsn(os.environ.get("BENCH_ARQ_REDIS", "redis://127.0.0.1:6379/1"))
     queue_name = os.environ.get("BENCH_ARQ_QUEUE", "arq:queue")
     max_jobs = 256
+    job_serializer = staticmethod(arq_codec.encode)
+    job_deserializer = staticmethod(arq_codec.decode)
     # poll_delay: arq's default (0.5 s)
 
 

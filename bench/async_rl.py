@@ -91,6 +91,8 @@ async def start_engines(procs: Procs, args: argparse.Namespace) -> list[str]:
                 str(args.token_latency),
                 "--max-running",
                 str(args.max_running),
+                "--weights-root",  # the trainer's run directories are under the benchmark's temporary directory
+                str(procs.log_dir),
                 "--log-level",
                 "WARNING",
             ],

@@ -45,7 +45,8 @@ class _Evictions(logging.Handler):
 async def _one_mode(
     mode: PauseMode, repeat: int, weights: Path, *, engines: int, load_s: float, per_engine: int, max_new: int
 ) -> dict[str, Any]:
-    config = EngineServerConfig(port=0, weight_version="0", health_timeout_s=1.0)  # SGLang: 20 s
+    # health_timeout_s: SGLang's is 20 s
+    config = EngineServerConfig(port=0, weight_version="0", health_timeout_s=1.0, weights_root=str(weights))
     handles = [
         await serve(SyntheticBackend(SyntheticConfig(load_delay_s=load_s, per_token_latency_s=0.005)), config)
         for _ in range(engines)

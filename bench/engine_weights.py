@@ -83,7 +83,7 @@ async def measure(model_dir: Path, engines: int, repeat: int, work: Path) -> dic
     try:
         for _ in range(engines):
             backend = ReferenceBackend(ReferenceConfig(model=str(model_dir), max_running=4))
-            handles.append(await serve(backend, EngineServerConfig(host="127.0.0.1", port=0)))
+            handles.append(await serve(backend, EngineServerConfig(host="127.0.0.1", port=0, weights_root=str(work))))
             pool.add(handles[-1].url)
         model = handles[0].server.backend.model
         members = pool.engines()

@@ -100,7 +100,7 @@ async def engine_checks(policy: Any, device: str, dtype: str, tmp: Path) -> dict
 
     engine = await serve(
         ReferenceBackend(ReferenceConfig(model="tiny", device=device, dtype=dtype, max_running=8)),
-        EngineServerConfig(port=0),
+        EngineServerConfig(port=0, weights_root=str(tmp)),
     )
     try:
         prompt = policy.tokenizer.encode("Write a number using digits only.")

@@ -11,8 +11,9 @@ measured is the queueing, transport and encoding overhead per trajectory.
   concurrently with a `ResultConsumer` that reads (count=512) and commits; timed from the first submit to the last
   commit, and every (job id, sample index) is checked to arrive exactly once.
 - arq: `ArqRedis.enqueue_job` (concurrent, 64 at a time) into one `arq` worker subprocess (max_jobs=256, default
-  poll_delay 0.5 s); the results are fetched and unpickled by polling their result keys. By default the arq worker
-  gets the rollq worker's advantages (uvloop, WARNING-level logs); `--arq-stock` runs it as shipped.
+  poll_delay 0.5 s); the results are fetched and decoded by polling their result keys. Jobs and results are msgpack
+  (rollq.workers.rewards.arq_codec), as in rollq's own arq use, never arq's default pickle. By default the arq worker
+  gets the rollq worker's advantages (uvloop, WARNING-level logs); `--arq-stock` runs it on arq's own loop and logs.
 - asyncio.Queue: producer -> queue -> N worker coroutines (decode the job, run the workflow, `to_sequences`,
   `Trajectory`, `Codec.encode`) -> queue -> consumer (`decode_trajectory`): rollq's per-item work minus Redis.
 
@@ -197,6 +198,8 @@ async def bench_arq(url: str, procs: Procs, jobs: int, timeout_s: float, *, stoc
     from arq.connections import RedisSettings, create_pool
     from arq.jobs import deserialize_result
 
+    from rollq.workers.rewards import arq_codec
+
     env = bench_env()
     env["BENCH_ARQ_REDIS"] = url
     queue = env["BENCH_ARQ_QUEUE"] = f"arq:bench-{uuid.uuid4().hex[:10]}"  # a queue of its own on a shared Redis
@@ -204,7 +207,12 @@ async def bench_arq(url: str, procs: Procs, jobs: int, timeout_s: float, *, stoc
     if not stock:
         env["BENCH_ARQ_UVLOOP"] = "1"
         argv += ["--custom-log-dict", "bench.arq_settings.LOG_CONFIG"]
-    pool = await create_pool(RedisSettings.from_dsn(url), default_queue_name=queue)
+    pool = await create_pool(
+        RedisSettings.from_dsn(url),
+        default_queue_name=queue,
+        job_serializer=arq_codec.encode,
+        job_deserializer=arq_codec.decode,
+    )
     worker = procs.start("arq-worker", argv, env=env)
     arq_jobs: list[Any] = []
     try:
@@ -247,7 +255,7 @@ async def bench_arq(url: str, procs: Procs, jobs: int, timeout_s: float, *, stoc
                 for job_id, raw in zip(part, values, strict=True):
                     if raw is None:
                         continue
-                    info = deserialize_result(raw)
+                    info = deserialize_result(raw, deserializer=arq_codec.decode)
                     out = info.result
                     if not info.success or len(out["input_ids"]) != TOKENS:
                         bad += 1

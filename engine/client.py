@@ -22,16 +22,27 @@ from rollq.engine.types import (
 
 
 class EngineError(Exception):
-    """The engine answered, with an error (4xx): the request itself is wrong; retrying elsewhere won't help."""
+    """The engine answered, with an error (4xx): the request itself is wrong; retrying elsewhere won't help.
+    The text names the engine, the route (when known), the HTTP status and the engine's message."""
 
-    def __init__(self, url: str, status: int, message: str) -> None:
-        if status in (401, 403):  # the engine's own answer is a bare "Unauthorized"
-            message = (
-                f"{message} (the engine refused the key sent: give the pool the engines' `api_key` for generation "
-                "and `admin_api_key` for the control routes when they run with --admin-api-key)"
-            )
-        super().__init__(f"{url}: HTTP {status}: {message}")
+    def __init__(self, url: str, status: int, message: str, route: str = "") -> None:
+        message = message or "(no message)"
+        if status in (401, 403):  # the engine's own answer is a bare "Unauthorized": say which setting to fix
+            if route in ADMIN_ROUTES:
+                hint = (
+                    " on a control route: set engine_admin_api_key to the engine's admin_api_key (or engine_api_key "
+                    "to its api_key when it has none): ROLLQ_TRAINER_ENGINE_ADMIN_API_KEY, "
+                    "ROLLQ_WORKER_ENGINE_ADMIN_API_KEY"
+                )
+            else:
+                hint = (
+                    ": set engine_api_key to the engine's api_key: ROLLQ_TRAINER_ENGINE_API_KEY, "
+                    "ROLLQ_WORKER_ENGINE_API_KEY"
+                )
+            message = f"{message} (the engine refused the key sent{hint})"
+        super().__init__(f"{url}{route}: HTTP {status}: {message}")
         self.url = url
+        self.route = route
         self.status = status
         self.message = message
 
@@ -63,7 +74,7 @@ def _stream_error(url: str, error: Any) -> EngineError:
     `data: {"error": {"message", "type", "code", "retryable"}}`: the request's error, not the engine's."""
     code = error.get("code") if isinstance(error, dict) else None
     status = code if isinstance(code, int) and 400 <= code < 600 else 400
-    return EngineError(url, status, error_message({"error": error}))
+    return EngineError(url, status, error_message({"error": error}), "/generate")
 
 
 def _abort_error(url: str, result: GenerateResult) -> EngineError | EngineUnavailable | None:
@@ -88,7 +99,7 @@ def error_message(body: Any) -> str:
             return err
         if "message" in body:
             return str(body["message"])
-    return str(body)[:500]
+    return str(body)[:500] if body else ""
 
 
 def parse_generate(body: dict[str, Any]) -> GenerateResult:
@@ -169,7 +180,7 @@ class SGLangClient:
     async def _json(self, method: str, path: str, *, json: Any = None, timeout: float | None = 30.0) -> Any:
         resp = await self._request(method, path, json=json, timeout=timeout)
         if resp.status >= 400:
-            raise EngineError(self.url, resp.status, error_message(_json_or_text(resp)))
+            raise EngineError(self.url, resp.status, error_message(_json_or_text(resp)), path)
         if not resp.content:
             return None
         try:
@@ -228,7 +239,7 @@ class SGLangClient:
                     reply = _Reply(resp.status, await resp.read())
                     if resp.status >= 500:
                         raise EngineUnavailable(self.url, f"HTTP {reply.status}: {reply.text[:200]}")
-                    raise EngineError(self.url, resp.status, error_message(_json_or_text(reply)))
+                    raise EngineError(self.url, resp.status, error_message(_json_or_text(reply)), "/generate")
                 buffer = b""
                 while True:
                     data = await resp.content.readany()  # no line-length limit: a chunk holds the whole output
@@ -281,11 +292,7 @@ class SGLangClient:
             payload["weight_version"] = weight_version
         if flush_cache is not None:
             payload["flush_cache"] = flush_cache
-        resp = await self._request("POST", "/update_weights_from_disk", json=payload, timeout=timeout)
-        body = resp.json() if resp.content else {}
-        if resp.status >= 400 or not body.get("success", False):
-            raise EngineError(self.url, resp.status, error_message(body))
-        return body
+        return await self._success_call("/update_weights_from_disk", payload, timeout)
 
     async def flush_cache(self) -> None:
         await self._json("POST", "/flush_cache")
@@ -335,7 +342,7 @@ class SGLangClient:
         except ValueError:
             body = {"message": resp.text}
         if resp.status >= 400 or not isinstance(body, dict) or not body.get("success", False):
-            raise EngineError(self.url, resp.status, error_message(body))
+            raise EngineError(self.url, resp.status, error_message(body), path)
         return body
 
     async def init_weights_update_group(

@@ -56,8 +56,8 @@ class FleetController:
                     return None
                 except EngineUnavailable as exc:
                     error, unreachable = exc.reason, exc.unreachable
-                except EngineError as exc:
-                    return exc.message  # the engine refused: retrying the same call won't help
+                except EngineError as exc:  # the engine refused: retrying the same call won't help
+                    return str(exc)  # engine, route, HTTP status and the engine's message (a 401 names the setting)
                 if attempt < self.retries:
                     await asyncio.sleep(self.retry_delay_s * (attempt + 1))
             if unreachable:  # dead, not paused: out of routing now so its requests fail over

@@ -77,7 +77,7 @@ class MetricsServer:
     """`/metrics` of `registry` on `host:port`, served from a thread: a scrape never waits for the event loop, and
     collectors read the service's objects and Redis there."""
 
-    def __init__(self, registry: CollectorRegistry, port: int, host: str = "0.0.0.0") -> None:
+    def __init__(self, registry: CollectorRegistry, port: int, host: str) -> None:
         self.registry = registry
         server, thread = start_http_server(port, addr=host, registry=registry)
         self._server: WSGIServer = server

@@ -111,13 +111,6 @@ def stop_cut(decode: Decode, ids: list[int], checked: int, stops: list[str]) -> 
     return hi, found
 
 
-async def _abort_quietly(client: SGLangClient, rid: str) -> None:
-    try:
-        await client.abort_request(rid)
-    except (EngineError, EngineUnavailable):
-        pass
-
-
 class PoolConfig(msgspec.Struct, kw_only=True):
     urls: list[str] = []
     api_key: str | None = None
@@ -188,6 +181,7 @@ class EnginePool:
         self._changed = asyncio.Event()
         self._health_task: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
+        self._abort_refusal_said = False  # a refused /abort_request (no admin key) is logged once, not per request
         self._rid_prefix = uuid.uuid4().hex[:12]
         self._rid_counter = itertools.count()
         self._target_version: str | None = None  # the fleet's weights; engines on another version are stale
@@ -198,6 +192,18 @@ class EnginePool:
             self.add(url)
 
     # -- membership --------------------------------------------------------------------------------------------------
+
+    async def _abort_quietly(self, client: SGLangClient, rid: str) -> None:
+        """Free an engine's slot for a request nobody waits for; a failure costs only the engine's time. A refused key
+        says so once: /abort_request is a control route (SGLang's admin key when the engine has one)."""
+        try:
+            await client.abort_request(rid)
+        except EngineError as exc:
+            if exc.status in (401, 403) and not self._abort_refusal_said:
+                self._abort_refusal_said = True
+                log.warning("aborts are refused, so engines run abandoned requests to the end: %s", exc)
+        except EngineUnavailable:
+            pass
 
     def _session(self) -> aiohttp.ClientSession:
         if self.http is None:
@@ -527,7 +533,7 @@ class EnginePool:
                 )
             except asyncio.CancelledError:
                 # The caller gave up: free the engine's slot too (a closed connection alone may not abort it).
-                task = asyncio.get_running_loop().create_task(_abort_quietly(member.client, f"{rid}-{segments}"))
+                task = asyncio.get_running_loop().create_task(self._abort_quietly(member.client, f"{rid}-{segments}"))
                 self._background.add(task)
                 task.add_done_callback(self._background.discard)
                 raise
@@ -627,7 +633,7 @@ class EnginePool:
             if aborted or not any(stop in decode(ids[-(tail + len(new)) :]) for stop in stops):
                 return
             aborted = True
-            task = asyncio.get_running_loop().create_task(_abort_quietly(client, rid))
+            task = asyncio.get_running_loop().create_task(self._abort_quietly(client, rid))
             self._background.add(task)
             task.add_done_callback(self._background.discard)
 

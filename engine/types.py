@@ -11,8 +11,17 @@ import msgspec
 
 PauseMode = Literal["abort", "retract", "in_place"]
 
-# The control routes: SGLang 0.5.23 guards them with --admin-api-key when one is set (AuthLevel.ADMIN_OPTIONAL on
-# these routes of entrypoints/http_server.py; the decision in utils/auth.py:76-150). Client and server share the list.
+# The control routes: SGLang 0.5.23 guards them with --admin-api-key when one is set, else with --api-key (the decision
+# in utils/auth.py:128-143; open only when neither key is set). Every one is `@auth_level(AuthLevel.ADMIN_OPTIONAL)` in
+# sglang-0.5.23 entrypoints/http_server.py: /flush_cache :1025-1026, /update_weights_from_disk :1300-1301,
+# /init_weights_update_group :1404-1405, /destroy_weights_update_group :1420-1421, /update_weights_from_tensor
+# :1436-1437, /begin_weight_update :1458-1459, /end_weight_update :1473-1474, /update_weights_from_distributed
+# :1488-1489, /update_weight_version :1527-1528, /abort_request :1721-1722, /pause_generation :1831-1832,
+# /continue_generation :1844-1845. The distributed ones make the engine join a process group at any master_address
+# and take weights from its rank 0, so they need the admin key as much as a disk load does. Routes rollq's engine
+# serves besides these (/generate, /model_info, /server_info, /v1/models, 0.5.5's /get_*) are NORMAL there: the api
+# key; /health*, /ready, /metrics are open (utils/auth.py:101-106). 0.5.5.post3 has only --api-key, on every route
+# but /health* and /metrics (utils/common.py:1123-1134). Client and server share the list.
 ADMIN_ROUTES = frozenset(
     {
         "/pause_generation",

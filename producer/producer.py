@@ -13,6 +13,7 @@ import redis.asyncio as aioredis
 
 from rollq.producer.results import PartitionedConsumer, ResultConsumer
 from rollq.protocol import scripts
+from rollq.protocol.blobs import BLOB_MIN_BYTES, DataBlob, data_blob
 from rollq.protocol.codec import Codec
 from rollq.protocol.keys import (
     DEFAULT_CLASS,
@@ -78,7 +79,9 @@ class Producer:
     expire unless `keep_reply_stream()` is called again within that time (the caller's keep-alive).
 
     A job whose encoding is over ``max_job_bytes`` is refused (ValueError) before anything of the call is queued;
-    workers dead-letter larger payloads (their own `max_job_bytes`), so keep the two alike.
+    workers dead-letter larger payloads (their own `max_job_bytes`), so keep the two alike. Data of
+    ``blob_min_bytes`` or more is stored once in the run's blob store (`Job.data_ref`, expiring after ``seen_ttl_s``)
+    rather than copied into each of a job's n entries.
 
     On a run of K partitions (``partitions``, or the run's count when 0), a job goes to `partition_of(job_id, K)`
     with its marker, and its results to the same-named reply stream of that partition (`reply_to` names partition
@@ -99,6 +102,7 @@ class Producer:
         reply_ttl_s: int = 0,
         max_job_bytes: int = MAX_JOB_BYTES,
         partitions: int = 0,
+        blob_min_bytes: int = BLOB_MIN_BYTES,
     ) -> None:
         self.redis = redis
         self.keys = RunKeys(run)
@@ -114,7 +118,9 @@ class Producer:
         self.codec = Codec()
         self.reply_ttl_s = reply_ttl_s
         self.max_job_bytes = max_job_bytes
+        self.blob_min_bytes = blob_min_bytes
         self._submit = redis.register_script(scripts.SUBMIT)
+        self._store_blobs = redis.register_script(scripts.STORE_BLOBS)
         self._keep = redis.register_script(scripts.KEEP_REPLY_STREAM)
         self.wanted_partitions = partitions
         self._partitions = 0  # the run's count, read (or set) on first use
@@ -255,18 +261,29 @@ class Producer:
         if req.job_id is not None and (not req.job_id or len(req.job_id) > 512):
             raise ValueError("job_id must be a non-empty string of at most 512 characters")
         validate_class_name(req.job_class)
-        size = len(self.codec.encode(self._job(req, req.job_id or uuid.uuid4().hex, req.n - 1, time.time())))
+        blob = data_blob(self.codec, req.data, self.blob_min_bytes)
+        job = self._job(req, req.job_id or uuid.uuid4().hex, req.n - 1, time.time(), blob=blob)
+        size = max(len(self.codec.encode(job)), len(blob.payload) if blob else 0)
         if size > self.max_job_bytes:
             raise ValueError(
                 f"job {req.job_id or '(no id)'} encodes to {describe_bytes(size)}, over max_job_bytes="
                 f"{self.max_job_bytes} (a worker dead-letters larger jobs; pass large data by reference)"
             )
 
-    def _job(self, req: JobRequest, job_id: str, sample_index: int, now: float, reply_to: str = "") -> Job:
+    def _job(
+        self,
+        req: JobRequest,
+        job_id: str,
+        sample_index: int,
+        now: float,
+        reply_to: str = "",
+        blob: DataBlob | None = None,
+    ) -> Job:
         return Job(
             job_id=job_id,
             workflow=req.workflow,
-            data=req.data,
+            data=None if blob else req.data,
+            data_ref=blob.digest if blob else "",
             sample_index=sample_index,
             n=req.n,
             workflow_kwargs=req.workflow_kwargs,
@@ -329,16 +346,26 @@ class Producer:
         now = time.time()
         keys = self.keys.at(partition)
         reply_to = self.reply_stream(partition)
-        script_keys: list[str] = [inflight_key(reply_to)]
-        args: list[Any] = [self.seen_ttl_s, partition_share(self.max_inflight, count), reply_to, 1 if atomic else 0]
+        blobs: dict[str, bytes] = {}  # digest -> payload: one copy per distinct data in the call
+        job_keys: list[str] = []
+        job_args: list[Any] = []
         for req, job_id in chunk:
-            script_keys.append(keys.job_seen(job_id))
-            script_keys.append(keys.job_stream(req.job_class))
-            args.append(req.job_class)
-            args.append(class_bound(classes, req.job_class, count))
-            args.append(req.n)
-            args.extend(self.codec.encode(self._job(req, job_id, i, now, reply_to)) for i in range(req.n))
-        replies: list[Any] = await self._submit(keys=script_keys, args=args)  # one reply pair per job of the chunk
+            blob = data_blob(self.codec, req.data, self.blob_min_bytes)
+            if blob is not None:
+                blobs.setdefault(blob.digest, blob.payload)
+            job_keys.append(keys.job_seen(job_id))
+            job_keys.append(keys.job_stream(req.job_class))
+            job_args.append(req.job_class)
+            job_args.append(class_bound(classes, req.job_class, count))
+            job_args.append(req.n)
+            job_args.extend(self.codec.encode(self._job(req, job_id, i, now, reply_to, blob)) for i in range(req.n))
+        if blobs:  # stored first: an entry is never read before the data it references (SUBMIT keeps its layout)
+            await self._store_blobs(
+                keys=[keys.blob(digest) for digest in blobs], args=[self.seen_ttl_s, *blobs.values()]
+            )
+        script_keys = [inflight_key(reply_to), *job_keys]
+        args: list[Any] = [self.seen_ttl_s, partition_share(self.max_inflight, count), reply_to, 1 if atomic else 0]
+        replies: list[Any] = await self._submit(keys=script_keys, args=[*args, *job_args])  # a reply pair per job
         return replies
 
     async def _wait_for_room(self, req: JobRequest, partition: int, count: int) -> dict[str, JobClass]:

@@ -91,6 +91,13 @@ class Codec:
             dec = self._json_dec[typ] = msgspec.json.Decoder(typ, dec_hook=_dec_hook)
         return dec
 
+    def decode_data(self, payload: bytes) -> Any:
+        """A job's data as stored in the blob store (msgpack of any value; token arrays as extensions)."""
+        try:
+            return msgspec.msgpack.decode(payload, ext_hook=_ext_hook)
+        except (msgspec.DecodeError, ValueError, RecursionError) as exc:
+            raise CodecError(f"cannot decode job data: {exc}") from None
+
     def decode_job(self, payload: bytes) -> Job:
         return self.decode(payload, Job)
 

@@ -22,6 +22,7 @@ import zlib
 import msgspec
 
 _RUN_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+_DIGEST = re.compile(r"^[0-9a-f]{64}$")
 
 WORKER_GROUP = "workers"
 DEFAULT_CLASS = "train"  # the job class of jobs that name none; it always exists
@@ -171,6 +172,28 @@ class RunKeys(msgspec.Struct, frozen=True):
         cancelled, `s<i>` once sample i started, `c<i>` once its `cancelled` result was published. Expires with the
         job's retention; the ingress's idempotency marker."""
         return f"{self.prefix}:ctl:{job_id}"
+
+    def blob(self, digest: str) -> str:
+        """String: a content-addressed payload on this partition (a job's data, msgpack), named by the SHA-256 hex
+        digest of its bytes (`Job.data_ref`). Written with the jobs that reference it, in the same atomic step, and
+        expiring with the retention of the longest-lived submission that referenced it."""
+        if not _DIGEST.match(digest):
+            raise ValueError(f"blob digest {digest!r} is not a SHA-256 hex digest")
+        return f"{self.prefix}:blob:{digest}"
+
+    def tenant_queued(self, tenant: str) -> str:
+        """Counter: an ingress tenant's samples queued on this partition and not started yet (its quota,
+        `max_tenant_queued`). The ingress adds on admission; a worker takes one off as it starts (or skips) a
+        sample, a cancel as it cancels samples that never started."""
+        validate_run_name(tenant)
+        return f"{self.prefix}:tenant:{tenant}:queued"
+
+    def ingress_wake(self, reader: str) -> str:
+        """Stream: wake-ups of one ingress reader on this partition (`reader`, a process-unique name). The reader's
+        blocking XREAD over many jobs' results streams includes it, so a new subscriber's stream joins the read at
+        once; it holds no data and expires when its reader is gone."""
+        validate_run_name(reader)
+        return f"{self.prefix}:ingress:wake:{reader}"
 
     def job_results(self, job_id: str) -> str:
         """A job's own results stream (the ingress's jobs: their SSE event ids are its entry ids); expires with the

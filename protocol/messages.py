@@ -1,5 +1,5 @@
-"""The messages every rollq process exchanges. Adding a field with a default is compatible; anything else bumps
-SCHEMA_VERSION."""
+"""The messages every rollq process exchanges. Adding a field with a default is compatible when an older reader may
+ignore it; anything else bumps SCHEMA_VERSION."""
 
 from __future__ import annotations
 
@@ -11,7 +11,11 @@ import msgspec
 from rollq.protocol.arrays import Float32Array, Int32Array, UInt8Array
 from rollq.protocol.keys import DEFAULT_CLASS, partition_share, validate_class_name
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # the newest message schema this code reads
+# A message's `schema` absent on the wire (omit_defaults) means 1, so an older reader's default and ours agree. A job
+# that uses a field an older worker would ignore to the job's harm (JOB_SCHEMA_2_FIELDS: it would run without its
+# data, or with a wider allowlist) says schema 2, and such a worker refuses it (SchemaTooNew) instead.
+BASE_SCHEMA = 1
 
 # "cancelled": the sample was cancelled before it started (`Job.cancellable` jobs; it never ran). Consumers that
 # know only the first three treat it as they treat "error": not trainable.
@@ -68,7 +72,22 @@ class Job(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     # The engine request priority of this job's generation (larger first), within its class's; None: the class's.
     # The trainer gives older groups a higher one (`priority_by_age`) so they finish first.
     priority: int | None = None
-    schema: int = SCHEMA_VERSION
+    # The SHA-256 (hex) of the job's data in the run's blob store (RunKeys.blob, on the job's partition), when the
+    # data travels by reference (`data` is then None): the n samples of a prompt, and every job with the same data,
+    # share one stored copy. Producers use it for data of BLOB_MIN_BYTES and more (protocol.blobs).
+    data_ref: str = ""
+    # The ingress tenant that submitted it: its samples count against the tenant's queued-sample quota
+    # (RunKeys.tenant_queued) until a worker starts them.
+    tenant: str = ""
+    # Import patterns this job may use besides none (a tenant's `tenant_workflows`): the worker allows only what its
+    # own allowlist AND these allow, for everything the episode resolves (workflow, kwargs' reward_fn and tools,
+    # agent_name). None: the worker's allowlist alone.
+    allow: list[str] | None = None
+    schema: int = BASE_SCHEMA
+
+    def __post_init__(self) -> None:
+        if self.schema < 2 and (self.data_ref or self.tenant or self.allow is not None):
+            self.schema = 2
 
 
 class JobClass(msgspec.Struct, kw_only=True, frozen=True):
@@ -158,7 +177,7 @@ class Trajectory(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     submitted_at: float = 0.0
     started_at: float = 0.0
     finished_at: float = 0.0
-    schema: int = SCHEMA_VERSION
+    schema: int = BASE_SCHEMA
 
 
 class DeadLetter(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):

@@ -70,6 +70,18 @@ if write and added > 0 then redis.call('INCRBY', KEYS[1], added) end
 return out
 """
 
+# KEYS: blob keys (RunKeys.blob, one partition). ARGV: ttl_s, then each blob's payload. Stores each payload under its
+# key with the TTL, unless the key already lives at least that long (a blob is content-addressed: the same key always
+# holds the same bytes, so only its lifetime can change, and never shortens). A producer runs it before the SUBMIT
+# call whose jobs reference the blobs (`Job.data_ref`); a blob whose jobs were then refused expires on its own.
+STORE_BLOBS = """
+local ttl = tonumber(ARGV[1])
+for i = 1, #KEYS do
+  if redis.call('TTL', KEYS[i]) < ttl then redis.call('SET', KEYS[i], ARGV[i + 1], 'EX', ttl) end
+end
+return #KEYS
+"""
+
 # KEYS: the entry's job stream (its class's), reply stream, dead-letter stream, and (optional) the run's dropped-
 # results hash. ARGV: group, entry id, trajectory payload or "", dead-letter payload or "", and (optional) "1" when
 # the reply stream is a private one that must already exist. Publishes and acks in one step; returns 0 (and writes
@@ -214,39 +226,52 @@ return out
 
 # -- cancellable jobs (the ingress) --------------------------------------------------------------------------------
 
-# KEYS: the job streams the batch uses, then per job its control hash (RunKeys.job_control) and its results stream
-# (RunKeys.job_results), all on one partition. ARGV: number of job streams, max_queued (0 = no bound), retention_s,
-# then per stream its class and its class's bound (`max_inflight` on this partition, 0 = none, -1 = no such class:
-# the caller reads the run-wide classes hash), then per job: the index (1-based) of its stream, n, and its n payloads.
+# KEYS: the job streams the batch uses, then its blob keys (RunKeys.blob: data the jobs reference by digest), then
+# the tenant's queued-sample counter (RunKeys.tenant_queued), then per job its control hash (RunKeys.job_control) and
+# its results stream (RunKeys.job_results), all on one partition. ARGV: number of job streams, number of blobs,
+# max_queued (0 = no bound), retention_s, the tenant's quota on this partition (0 = none), then per stream its class
+# and its class's bound (`max_inflight` on this partition, 0 = none, -1 = no such class: the caller reads the
+# run-wide classes hash), then per blob its payload, then per job: the index (1-based) of its stream, n, and its n
+# payloads.
 # All or nothing: a job whose control hash exists is a duplicate (nothing queued for it); when the new samples would
-# push a stream past max_queued or past its class's bound (as SUBMIT: a stream's length is what is queued or
-# running, workers delete what they ack), nothing is queued at all: the reply is {-1, stream index, its length, the
-# bound}; an unknown class: {-2, stream index}. Otherwise each new job gets its control hash (n) and an empty
-# results stream (group "ingress", so it exists to carry a TTL), both expiring after retention_s, and its n
-# entries; the reply is {1, then per job 1 (admitted) or 0 (duplicate)}.
+# push the tenant past its quota the reply is {-3, 0, its queued samples, the quota}; past max_queued or its class's
+# bound on a stream (as SUBMIT: a stream's length is what is queued or running, workers delete what they ack)
+# {-1, stream index, its length, the bound}; an unknown class: {-2, stream index}; nothing is queued then. Otherwise
+# the blobs are stored (expiring after retention_s, never shortening a longer TTL), the tenant's counter grows by
+# the new samples, each new job gets its control hash (n) and an empty results stream (group "ingress", so it exists
+# to carry a TTL), both expiring after retention_s, and its n entries; the reply is {1, then per job 1 (admitted) or
+# 0 (duplicate)}.
 INGRESS_SUBMIT = """
-local nstreams = tonumber(ARGV[1])
-local max_queued = tonumber(ARGV[2])
-local ttl = ARGV[3]
-local njobs = (#KEYS - nstreams) / 2
+local nstreams, nblobs = tonumber(ARGV[1]), tonumber(ARGV[2])
+local max_queued, ttl, quota = tonumber(ARGV[3]), ARGV[4], tonumber(ARGV[5])
+local quota_key = KEYS[nstreams + nblobs + 1]
+local base = nstreams + nblobs + 1
+local njobs = (#KEYS - base) / 2
 local out = {1}
 local adding = {}
 for s = 1, nstreams do adding[s] = 0 end
-local first = 4 + 2 * nstreams
+local total = 0
+local first = 6 + 2 * nstreams + nblobs
 local a = first
 for j = 1, njobs do
   local s, n = tonumber(ARGV[a]), tonumber(ARGV[a + 1])
-  if redis.call('EXISTS', KEYS[nstreams + 2 * j - 1]) == 1 then
+  if redis.call('EXISTS', KEYS[base + 2 * j - 1]) == 1 then
     out[j + 1] = 0
   else
     out[j + 1] = 1
     adding[s] = adding[s] + n
+    total = total + n
   end
   a = a + n + 2
 end
+if total == 0 then return out end
+if quota > 0 then
+  local queued = tonumber(redis.call('GET', quota_key) or '0')
+  if queued + total > quota then return {-3, 0, queued, quota} end
+end
 for s = 1, nstreams do
   if adding[s] > 0 then
-    local b = tonumber(ARGV[3 + 2 * s])
+    local b = tonumber(ARGV[5 + 2 * s])
     if b < 0 then return {-2, s} end
     local bound = max_queued
     if b > 0 and (bound == 0 or b < bound) then bound = b end
@@ -256,11 +281,16 @@ for s = 1, nstreams do
     end
   end
 end
+for b = 1, nblobs do
+  local key = KEYS[nstreams + b]
+  if redis.call('TTL', key) < tonumber(ttl) then redis.call('SET', key, ARGV[5 + 2 * nstreams + b], 'EX', ttl) end
+end
+redis.call('INCRBY', quota_key, total)
 a = first
 for j = 1, njobs do
   local s, n = tonumber(ARGV[a]), tonumber(ARGV[a + 1])
   if out[j + 1] == 1 then
-    local ctl, res = KEYS[nstreams + 2 * j - 1], KEYS[nstreams + 2 * j]
+    local ctl, res = KEYS[base + 2 * j - 1], KEYS[base + 2 * j]
     redis.call('HSET', ctl, 'n', n)
     redis.call('EXPIRE', ctl, ttl)
     redis.call('DEL', res)
@@ -273,42 +303,55 @@ end
 return out
 """
 
-# KEYS: control hash, job stream, reply stream. ARGV: group, entry id, sample index, a "cancelled" trajectory
-# payload. Run by a worker before it runs a sample of a cancellable job. Returns 1 (go: sample marked started) or 0
-# (don't run it: the entry is acked and deleted; when the job was cancelled, its "cancelled" result is published
-# unless the cancel already did; when the control hash has expired, nobody can read the result: nothing is published).
+# KEYS: control hash, job stream, reply stream, and (a tenant's job) the tenant's queued-sample counter. ARGV: group,
+# entry id, sample index, a "cancelled" trajectory payload. Run by a worker before it runs a sample of a cancellable
+# job. Returns 1 (go: sample marked started) or 0 (don't run it: the entry is acked and deleted; when the job was
+# cancelled, its "cancelled" result is published unless the cancel already did; when the control hash has expired,
+# nobody can read the result: nothing is published). A sample leaves the tenant's count once: when it first starts,
+# or when it is skipped without having started or been cancelled (CANCEL_JOB takes off the ones it cancels).
 START_SAMPLE = """
+local function release()
+  if KEYS[4] and redis.call('DECR', KEYS[4]) < 0 then redis.call('SET', KEYS[4], 0) end
+end
+local started = 's' .. ARGV[3]
 local exists = redis.call('EXISTS', KEYS[1]) == 1
 local cancelled = exists and redis.call('HEXISTS', KEYS[1], 'cancelled') == 1
 if exists and not cancelled then
-  redis.call('HSET', KEYS[1], 's' .. ARGV[3], 1)
+  if redis.call('HSETNX', KEYS[1], started, 1) == 1 then release() end
   return 1
 end
 if redis.call('XACK', KEYS[2], ARGV[1], ARGV[2]) == 1 then
   redis.call('XDEL', KEYS[2], ARGV[2])
-  if cancelled and redis.call('HSETNX', KEYS[1], 'c' .. ARGV[3], 1) == 1 then
+  if not exists then
+    release()
+  elseif redis.call('HSETNX', KEYS[1], 'c' .. ARGV[3], 1) == 1 then
     redis.call('XADD', KEYS[3], '*', 'd', ARGV[4])
+    if redis.call('HEXISTS', KEYS[1], started) == 0 then release() end
   end
 end
 return 0
 """
 
-# KEYS: control hash, results stream. ARGV: one "cancelled" trajectory payload per sample index 0..n-1. Marks the job
-# cancelled and publishes the result of every sample that has not started (and has no result of this kind yet), so
-# waiters see all n samples accounted for at once; a worker that later takes such a sample acks it without running
+# KEYS: control hash, results stream, and (a tenant's job) the tenant's queued-sample counter. ARGV: one "cancelled"
+# trajectory payload per sample index 0..n-1. Marks the job cancelled and publishes the result of every sample that
+# has not started (and has no result of this kind yet), so waiters see all n samples accounted for at once, and
+# gives those samples back to the tenant's count; a worker that later takes such a sample acks it without running
 # it (START_SAMPLE). Returns {-1} when the job is unknown (or expired), else {1 if it was cancelled before, 0 if
 # not, then the indices of the samples that had started}.
 CANCEL_JOB = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return {-1} end
 local before = redis.call('HSETNX', KEYS[1], 'cancelled', 1) == 0 and 1 or 0
 local out = {before}
+local released = 0
 for i = 1, #ARGV do
   local idx = tostring(i - 1)
   if redis.call('HEXISTS', KEYS[1], 's' .. idx) == 1 then
     out[#out + 1] = i - 1
   elseif redis.call('HSETNX', KEYS[1], 'c' .. idx, 1) == 1 then
     redis.call('XADD', KEYS[2], '*', 'd', ARGV[i])
+    released = released + 1
   end
 end
+if KEYS[3] and released > 0 and redis.call('DECRBY', KEYS[3], released) < 0 then redis.call('SET', KEYS[3], 0) end
 return out
 """

@@ -67,7 +67,19 @@ async def engine_process(tmp_path):
         port = free_port()
         log = open(tmp_path / f"engine-{port}.log", "w")
         proc = subprocess.Popen(
-            [sys.executable, "-m", "rollq.engine", "--backend", "synthetic", "--port", str(port), *args],
+            # weights load from under the test's tmp_path (a trainer's run_dir there); *args may name another root
+            [
+                sys.executable,
+                "-m",
+                "rollq.engine",
+                "--backend",
+                "synthetic",
+                "--port",
+                str(port),
+                "--weights-root",
+                str(tmp_path),
+                *args,
+            ],
             cwd=REPO_ROOT,
             stdout=log,
             stderr=subprocess.STDOUT,

@@ -9,8 +9,8 @@ import pytest
 
 from tests.helpers import REPO_ROOT
 
-# What each part may import of rollq (besides itself). Everyone may use the two leaf modules of the root package.
-LEAVES = {"rollq.config", "rollq.redis_client"}
+# What each part may import of rollq (besides itself). Everyone may use the leaf modules of the root package.
+LEAVES = {"rollq.config", "rollq.redis_client", "rollq.http_server"}
 ALLOWED = {
     "rollq.protocol": set(),
     "rollq.producer": {"rollq.protocol"},

@@ -77,15 +77,15 @@ def train(cfg: TrainConfig) -> int:
 
 async def run_trainer(cfg: TrainConfig) -> list[StepRecord]:
     """The trainer against an existing stack: engines from the config and the run's registry."""
-    from rollq.engine.pool import EnginePool, PoolConfig
     from rollq.engine.registry import EngineRegistry
     from rollq.redis_client import redis_client
+    from rollq.trainer.engines import engine_pool
     from rollq.trainer.loop import Trainer
 
     redis = redis_client(cfg.redis_url)
     await redis.ping()  # fail now, in one line, when Redis is unreachable
     registry_client = redis_client(cfg.redis_url)
-    pool = EnginePool(PoolConfig(urls=cfg.engine))
+    pool = engine_pool(cfg)
     pool.follow(EngineRegistry(registry_client, cfg.run))
     try:
         return await Trainer(cfg, redis, pool).run()

@@ -51,6 +51,18 @@ class TrainConfig(RunSettings, kw_only=True):
             "static engine URL (repeatable); engines registered for the run are used too", metavar="URL", group=WHERE
         ),
     ] = []
+    engine_api_key: Annotated[
+        str | None,
+        setting("the engines' api_key: sent as Bearer on every engine call", metavar="KEY", group=WHERE),
+    ] = None
+    engine_admin_api_key: Annotated[
+        str | None,
+        setting(
+            "the engines' admin_api_key: sent on control routes (pause, weights, abort, flush); default engine_api_key",
+            metavar="KEY",
+            group=WHERE,
+        ),
+    ] = None
     model: Annotated[
         str,
         setting(
@@ -227,6 +239,10 @@ class TrainConfig(RunSettings, kw_only=True):
         int,
         setting("serve Prometheus /metrics on this port (0 = off)", metavar="PORT", ge=0, le=65535, group=WHERE),
     ] = 0
+    metrics_host: Annotated[
+        str,
+        setting("address the /metrics server binds (0.0.0.0 in a container so Prometheus can scrape it)", group=WHERE),
+    ] = "127.0.0.1"
     checkpoint_every: Annotated[
         int,
         setting(

@@ -88,7 +88,7 @@ class TrainerMetrics:
         self.phase.labels("train").set(r.train_s)
         self.phase.labels("step").set(r.step_s)
 
-    def serve(self, port: int, host: str = "0.0.0.0") -> MetricsServer:
+    def serve(self, port: int, host: str) -> MetricsServer:
         return MetricsServer(self.registry, port, host)
 
 

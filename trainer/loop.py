@@ -252,7 +252,7 @@ class Trainer:
             return await self._run()
         from rollq.trainer.exporter import TrainerMetrics
 
-        server = TrainerMetrics(self.cfg, self.pool, self.metrics).serve(self.cfg.metrics_port)
+        server = TrainerMetrics(self.cfg, self.pool, self.metrics).serve(self.cfg.metrics_port, self.cfg.metrics_host)
         try:
             return await self._run()
         finally:

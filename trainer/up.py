@@ -7,6 +7,7 @@ import asyncio
 import functools
 import logging
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -31,6 +32,34 @@ QUIET_CHILD_ENV = {
     "HF_HUB_OFFLINE": "1",
     "TOKENIZERS_PARALLELISM": "false",
 }
+
+
+class EngineKeys(msgspec.Struct, frozen=True):
+    """The keys of one `rollq up` run's engines: the trainer's own when it has them, else fresh random ones, so the
+    engines' control routes are never open (they listen on loopback, but so does everything a local user runs)."""
+
+    api_key: str
+    admin_api_key: str
+
+    @classmethod
+    def for_run(cls, cfg: TrainConfig) -> EngineKeys:
+        return cls(
+            api_key=cfg.engine_api_key or secrets.token_urlsafe(32),
+            admin_api_key=cfg.engine_admin_api_key or secrets.token_urlsafe(32),
+        )
+
+    def engine_env(self, weights_root: str) -> dict[str, str]:
+        """What a spawned `rollq engine` gets: its keys and where it may load weights from. In the environment, not
+        on the command line, which every local user can read (ps)."""
+        return {
+            "ROLLQ_ENGINE_API_KEY": self.api_key,
+            "ROLLQ_ENGINE_ADMIN_API_KEY": self.admin_api_key,
+            "ROLLQ_ENGINE_WEIGHTS_ROOT": weights_root,
+        }
+
+    def worker_env(self) -> dict[str, str]:
+        """What a spawned `rollq worker` gets: both keys (workers abort requests, a control route)."""
+        return {"ROLLQ_WORKER_ENGINE_API_KEY": self.api_key, "ROLLQ_WORKER_ENGINE_ADMIN_API_KEY": self.admin_api_key}
 
 
 class StackError(RuntimeError):
@@ -62,14 +91,15 @@ class LocalStack:
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self.tmp: Path | None = None
 
-    def spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
+    def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+        """Start `argv` with this process's environment plus `env` (secrets go there, not in argv)."""
         with open(self.log_dir / f"{name}.log", "w") as out:
             proc = subprocess.Popen(
                 argv,
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                env={**os.environ, **QUIET_CHILD_ENV},
+                env={**os.environ, **QUIET_CHILD_ENV, **(env or {})},
                 start_new_session=True,
                 preexec_fn=_die_with_parent,
             )
@@ -171,9 +201,31 @@ def worker_allowlist(cfg: TrainConfig, stack: UpConfig) -> list[str]:
     return allow
 
 
+def engine_argv(cfg: TrainConfig, port: int) -> list[str]:
+    """`rollq engine` as `rollq up` runs it (keys and weights root come through EngineKeys.engine_env)."""
+    return [
+        sys.executable,
+        "-m",
+        "rollq",
+        "engine",
+        "--backend",
+        "reference",
+        "--model",
+        cfg.model,
+        "--port",
+        str(port),
+        "--weight-version",
+        "0",
+        "--device",
+        cfg.device,
+        "--dtype",
+        cfg.compute_dtype,  # engines serve in the dtype the trainer computes in
+    ]
+
+
 async def run_stack(cfg: TrainConfig, stack_cfg: UpConfig) -> list[StepRecord]:
     """Start the stack, train `cfg`, stop everything. Returns the metrics records."""
-    from rollq.engine.pool import EnginePool, PoolConfig
+    from rollq.trainer.engines import engine_pool
     from rollq.trainer.loop import Trainer
 
     # SIGTERM (docker stop, kill) ends the run like Ctrl-C: cancelled, so every child is stopped below.
@@ -194,29 +246,15 @@ async def run_stack(cfg: TrainConfig, stack_cfg: UpConfig) -> list[StepRecord]:
                 raise StackError(str(exc)) from None
         url = await start_redis(stack, stack_cfg.redis_url)
         log.info("redis at %s, run %r; child logs in %s", safe_url(url), cfg.run, stack.log_dir)
+        keys = EngineKeys.for_run(cfg)
+        # The trainer writes each version under its weights directory; the engines load from there and nowhere else.
+        weights_root = Path(cfg.weights_root).resolve()
+        weights_root.mkdir(parents=True, exist_ok=True)
         urls = []
         for i in range(stack_cfg.engines):
             port = free_port()
             urls.append(f"http://127.0.0.1:{port}")
-            stack.spawn(
-                f"engine-{i}",
-                [
-                    *rollq,
-                    "engine",
-                    "--backend",
-                    "reference",
-                    "--model",
-                    cfg.model,
-                    "--port",
-                    str(port),
-                    "--weight-version",
-                    "0",
-                    "--device",
-                    cfg.device,
-                    "--dtype",
-                    cfg.compute_dtype,  # engines serve in the dtype the trainer computes in
-                ],
-            )
+            stack.spawn(f"engine-{i}", engine_argv(cfg, port), env=keys.engine_env(str(weights_root)))
         allow = [a for p in worker_allowlist(cfg, stack_cfg) for a in ("--allow", p)]
         for i in range(stack_cfg.workers):
             stack.spawn(
@@ -237,12 +275,20 @@ async def run_stack(cfg: TrainConfig, stack_cfg: UpConfig) -> list[StepRecord]:
                     *allow,
                     *[a for u in urls for a in ("--engine", u)],
                 ],
+                env=keys.worker_env(),
             )
         for u in urls:
             await wait_for(functools.partial(engine_healthy, u), stack, f"engine {u}", 300)
-        cfg = msgspec.structs.replace(cfg, redis_url=url, engine=urls)
+        cfg = msgspec.structs.replace(
+            cfg,
+            redis_url=url,
+            engine=urls,
+            weights_dir=str(weights_root),
+            engine_api_key=keys.api_key,
+            engine_admin_api_key=keys.admin_api_key,
+        )
         redis = redis_client(url)
-        pool = EnginePool(PoolConfig(urls=urls))
+        pool = engine_pool(cfg)
         try:
             training = asyncio.create_task(Trainer(cfg, redis, pool).run(), name="trainer")
             watch = asyncio.create_task(_watch(stack), name="watch")
@@ -269,4 +315,4 @@ async def _watch(stack: LocalStack) -> None:
         stack.check()
 
 
-__all__ = ["LocalStack", "StackError", "run_stack", "start_redis", "worker_allowlist"]
+__all__ = ["EngineKeys", "LocalStack", "StackError", "engine_argv", "run_stack", "start_redis", "worker_allowlist"]

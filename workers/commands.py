@@ -12,21 +12,28 @@ import uvloop
 from rollq.engine.pool import EnginePool, PoolConfig
 from rollq.engine.registry import EngineRegistry
 from rollq.redis_client import redis_client, wait_for_redis
+from rollq.workers.agents.environment import drop_worker_secrets
 from rollq.workers.chat_template import StopTextDecoder
 from rollq.workers.config import WorkerConfig
 from rollq.workers.metrics import WorkerMetrics
 from rollq.workers.worker import Worker
 
 
+def engine_pool(cfg: WorkerConfig) -> EnginePool:
+    """The worker's engines (--engine URLs; registered ones join through `follow`), called with its engine keys."""
+    keys = PoolConfig(urls=cfg.engine, api_key=cfg.engine_api_key, admin_api_key=cfg.engine_admin_api_key)
+    return EnginePool(keys, decode=StopTextDecoder(cfg.tokenizer))
+
+
 async def serve(cfg: WorkerConfig) -> int:
     await wait_for_redis(cfg.redis_url, cfg.wait_redis)
     # Engines: the static --engine URLs plus whatever registers in Redis for this run (joining and leaving live).
-    pool = EnginePool(PoolConfig(urls=cfg.engine), decode=StopTextDecoder(cfg.tokenizer))
+    pool = engine_pool(cfg)
     await pool.start()
     registry_client = redis_client(cfg.redis_url)
     pool.follow(EngineRegistry(registry_client, cfg.run))
     worker = Worker(cfg, engine=pool)
-    metrics = WorkerMetrics(worker, pool).serve(cfg.metrics_port) if cfg.metrics_port else None
+    metrics = WorkerMetrics(worker, pool).serve(cfg.metrics_port, cfg.metrics_host) if cfg.metrics_port else None
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, worker.request_stop)
@@ -41,12 +48,28 @@ async def serve(cfg: WorkerConfig) -> int:
     return 0
 
 
+def shield_secrets() -> None:
+    """Keep what the worker holds out of reach of the agents it runs (as its own user). Its settings are read by now,
+    so its secrets (ROLLQ_*, REDIS*) leave its environment: every process it starts from here on (agent hosts,
+    subproc pools, command agents, reward processes) begins without them, /proc/<pid>/environ included. And on
+    Linux it becomes non-dumpable: processes of the same user, agents among them, can no longer read its
+    /proc/<pid>/environ (the environment it started with), its memory or its file descriptors, nor trace it (root
+    still can; so can't py-spy without root)."""
+    drop_worker_secrets(os.environ)
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_DUMPABLE = 4
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
+
+
 def worker(cfg: WorkerConfig) -> int:
     # Workflows named by import path are looked up from the directory the worker was started in, like arq/celery
     # (the allowlist still decides what may be imported).
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
+    shield_secrets()
     return uvloop.run(serve(cfg))
 
 
-__all__ = ["serve", "worker"]
+__all__ = ["engine_pool", "serve", "shield_secrets", "worker"]

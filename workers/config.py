@@ -19,6 +19,18 @@ class WorkerConfig(RunSettings, kw_only=True):
         list[str],
         setting("inference engine URL (repeatable); engines registered for the run are used too", metavar="URL"),
     ] = []
+    engine_api_key: Annotated[
+        str | None, setting("the engines' api_key: sent as Bearer on every engine call", metavar="KEY")
+    ] = None
+    engine_admin_api_key: Annotated[
+        str | None,
+        setting(
+            "the engines' admin_api_key: sent on control routes (pause, weights, abort, flush); default "
+            "engine_api_key. Workers abort requests (cancelled episodes, stop strings): without it an engine with an "
+            "admin key refuses those aborts and runs the requests to max_new_tokens",
+            metavar="KEY",
+        ),
+    ] = None
     allow: Annotated[
         list[str],
         setting(
@@ -67,6 +79,9 @@ class WorkerConfig(RunSettings, kw_only=True):
     metrics_port: Annotated[
         int, setting("serve Prometheus /metrics on this port (0 = off)", metavar="PORT", ge=0, le=65535)
     ] = 0
+    metrics_host: Annotated[
+        str, setting("address the /metrics server binds (0.0.0.0 in a container so Prometheus can scrape it)")
+    ] = "127.0.0.1"
     max_job_bytes: Annotated[
         int,
         setting(

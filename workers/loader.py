@@ -45,10 +45,18 @@ class FunctionWorkflow:
 
 class WorkflowCache:
     def __init__(self) -> None:
-        self._instances: dict[tuple[str, str, AgentOptions | None], Any] = {}
+        self._instances: dict[tuple[str, str, AgentOptions | None, tuple[str, ...] | None], Any] = {}
 
-    def get(self, path: str, kwargs: dict[str, Any] | None, agent: AgentOptions | None = None) -> Any:
-        key = (path, json.dumps(kwargs, sort_keys=True, default=str) if kwargs else "", agent)
+    def get(
+        self,
+        path: str,
+        kwargs: dict[str, Any] | None,
+        agent: AgentOptions | None = None,
+        allow: list[str] | None = None,
+    ) -> Any:
+        """The workflow for (path, kwargs, agent options), built under the active allowlist once per job patterns
+        `allow` (Job.allow): an instance built for one tenant is never handed to a job of narrower patterns."""
+        key = (path, json.dumps(kwargs, sort_keys=True, default=str) if kwargs else "", agent, _patterns(allow))
         wf = self._instances.get(key)
         if wf is None:
             wf = self._instances[key] = self._build(path, kwargs or {}, agent)
@@ -90,25 +98,24 @@ class WorkflowCache:
         return obj
 
 
+def _patterns(allow: list[str] | None) -> tuple[str, ...] | None:
+    return None if allow is None else tuple(allow)
+
+
 def _command_workflow(path: str, kwargs: dict[str, Any], agent: AgentOptions | None) -> Any:
     """`exec:PROGRAM ARGS...`: a command agent (rollq.workers.agents.command), after the allowlist allowed PROGRAM.
 
-    It takes no workflow_kwargs: they would have to become arguments or environment variables, and a job that sets
-    a command's environment (PATH, LD_PRELOAD...) could run what the allowlist refused; fixed arguments belong in
-    the command line, per-sample inputs in the job's data (the program's stdin). Its mode is always its own process:
-    `mode: subproc` is accepted and means the same."""
-    from rollq.workers.agents.command import CommandAgent, parse_command
+    Its only workflow_kwarg is `env`, variables added to its minimal environment, each allowed by an `env:NAME`
+    pattern (a job that sets a command's environment freely, PATH, LD_PRELOAD..., could run what the allowlist
+    refused); fixed arguments belong in the command line, per-sample inputs in the job's data (the program's stdin).
+    Its mode is always its own process: `mode: subproc` is accepted and means the same."""
+    from rollq.workers.agents.command import command_agent
     from rollq.workers.agents.runner import AgentWorkflow
 
-    if kwargs:
-        raise WorkflowLoadError(
-            f"command agent {path!r} takes no workflow_kwargs (got {', '.join(sorted(kwargs))}): put fixed "
-            "arguments in the command line and per-sample inputs in the job's data, which it reads on stdin"
-        )
-    argv = parse_command(path, active_allowlist())
+    command = command_agent(path, kwargs, active_allowlist())
     if agent is not None and agent.mode != "inline":
         agent = msgspec.structs.replace(agent, mode="inline")  # the command is its own process already
-    return AgentWorkflow(CommandAgent(argv, path), path, None, agent)
+    return AgentWorkflow(command, path, None, agent)
 
 
 def _construct(cls: Any, path: str, kwargs: dict[str, Any]) -> Any:

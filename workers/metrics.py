@@ -89,7 +89,7 @@ class WorkerMetrics:
         if sequences:
             self.tokens.labels(job_class).inc(sum(s.loss_mask.count(1) for s in sequences))
 
-    def serve(self, port: int, host: str = "0.0.0.0") -> MetricsServer:
+    def serve(self, port: int, host: str) -> MetricsServer:
         return MetricsServer(self.registry, port, host)
 
 

@@ -50,6 +50,7 @@ from rollq.redis_client import (
     run_partitions,
 )
 from rollq.workers.batcher import WriteBatcher
+from rollq.workers.blobs import BlobError, BlobReader
 from rollq.workers.config import WorkerConfig
 from rollq.workers.context import ContextConfig, EpisodeContext, RecordingEngine, WorkflowContext, episode_scope
 from rollq.workers.fair_share import FairShare
@@ -146,6 +147,7 @@ class Worker:
         self.engine = engine
         self._episode_engine = RecordingEngine.wrap(engine)  # keeps each episode's responses (outputs.py uses them)
         self.codec = Codec()
+        self.blobs = BlobReader(self.redis, max_bytes=config.max_job_bytes)  # jobs' data stored by reference
         self.workflows = WorkflowCache()
         # Shared by this worker's workflows (HTTP clients, the agents' recording proxy); closed when it stops.
         self.context = WorkflowContext(
@@ -496,6 +498,7 @@ class Worker:
             "started_at": time.time(),
         }
         sweep = True  # the first beat also forgets info entries that have no heartbeat at all
+        refused = ""  # the last refusal logged (logged once, not every beat)
         while True:
             try:
                 info["running"] = len(self._running)
@@ -511,6 +514,10 @@ class Worker:
                 sweep = False
             except TRANSIENT_ERRORS:
                 pass
+            except ResponseError as exc:  # e.g. NOPERM from a Redis user without these rights: say so, keep beating
+                if str(exc) != refused:
+                    refused = str(exc)
+                    log.error("heartbeat failed: %s (the worker keeps running; `rollq status` may show it dead)", exc)
             await asyncio.sleep(self.cfg.heartbeat_ms / 1000)
 
     # -- one job -------------------------------------------------------------------------------------------------
@@ -542,9 +549,12 @@ class Worker:
                     started_at=started,
                     finished_at=started,
                 )
+                start_keys = [keys.job_control(job.job_id), jobs, reply_to]
+                if job.tenant:  # the sample leaves its tenant's queued-sample count (quota) as it starts
+                    start_keys.append(keys.tenant_queued(job.tenant))
                 if not await self._writes.script(
                     self._start_sample,
-                    [keys.job_control(job.job_id), jobs, reply_to],
+                    start_keys,
                     [WORKER_GROUP, eid, job.sample_index, self.codec.encode(skipped)],
                 ):
                     return
@@ -558,8 +568,14 @@ class Worker:
                         runs - 1,
                     )
                 )
+            data = await self._data(job, keys, runs)
+            # A tenant's job may use only what its tenant's patterns allow too, for everything it imports.
+            allowlist = self.allowlist.narrowed(job.allow)
             try:
-                workflow = self.workflows.get(workflow_path(job.workflow, job.data), job.workflow_kwargs, job.agent)
+                with enforcing(allowlist):
+                    workflow = self.workflows.get(
+                        workflow_path(job.workflow, data), job.workflow_kwargs, job.agent, job.allow
+                    )
             except WorkflowLoadError as exc:
                 raise _Fatal(self._error(type(exc).__name__, str(exc), runs)) from None
             try:
@@ -573,8 +589,8 @@ class Worker:
                     job_class=job_class.name,
                     priority=job_class.priority if job.priority is None else job.priority,
                 )
-                with episode_scope(episode) as responses:  # what workflow_context.get() returns in the episode
-                    output = await workflow.arun_episode(self._episode_engine, job.data)
+                with enforcing(allowlist), episode_scope(episode) as responses:  # workflow_context.get() in it
+                    output = await workflow.arun_episode(self._episode_engine, data)
                 sequences = to_sequences(output, responses)
             except asyncio.CancelledError:
                 raise
@@ -640,6 +656,17 @@ class Worker:
     def _observe(self, job: Job | None, outcome: str, started: float, sequences: list[Sequence] | None = None) -> None:
         for observe in self.episode_observers:
             observe(job.job_class if job else DEFAULT_CLASS, outcome, time.time() - started, sequences)
+
+    async def _data(self, job: Job, keys: RunKeys, runs: int) -> object:
+        """The job's data: its own, or what its `data_ref` names in the blob store (a sample's own decoded copy)."""
+        if not job.data_ref:
+            return job.data
+        try:
+            return self.codec.decode_data(await self.blobs.get(keys, job.data_ref))
+        except BlobError as exc:
+            raise _Fatal(self._error(exc.kind, f"job {job.job_id}#{job.sample_index}: {exc}", runs)) from None
+        except CodecError as exc:
+            raise _Fatal(self._error("MalformedJob", f"job {job.job_id}#{job.sample_index}: {exc}", runs)) from None
 
     def _decode(self, eid: str, payload: bytes | None, fields: dict | None, keys: RunKeys) -> Job:
         if payload is None:

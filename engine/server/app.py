@@ -19,7 +19,9 @@ from aiohttp import web
 from rollq.engine.server.backend import Backend, GenState
 from rollq.engine.server.distributed_routes import add_distributed_routes
 from rollq.engine.server.validation import BadRequest, EngineValueError, GenerateCall, parse_generate
+from rollq.engine.server.weights_root import WeightsPathRefused, resolve_under
 from rollq.engine.types import ADMIN_ROUTES, FinishReason, PauseMode, SamplingParams
+from rollq.http_server import BAD_JSON, read_body, start_site
 
 log = logging.getLogger("rollq.engine")
 
@@ -36,6 +38,8 @@ class EngineServerConfig(msgspec.Struct, kw_only=True):
     port: int = 30000  # 0: any free port (see ServerHandle.url)
     api_key: str | None = None
     admin_api_key: str | None = None  # guards the control routes (utils/auth.py:76-150 in 0.5.23)
+    # /update_weights_from_disk reads only from under this directory; None: no disk load at all (weights_root.py)
+    weights_root: str | None = None
     compat: Compat = "0.5.23"  # "0.5.5": pause takes no mode and always aborts at once; streamed output_ids deltas
     weight_version: str = "default"
     skip_tokenizer_init: bool = False
@@ -44,6 +48,13 @@ class EngineServerConfig(msgspec.Struct, kw_only=True):
     health_timeout_s: float = 20.0
     stream_poll_s: float = 0.01  # how often a stream looks for new tokens (the contract has no token callback)
     shutdown_timeout_s: float = 5.0
+    # Read timeouts (rollq/http_server.py). The head timeout is also the idle keep-alive timeout: above the engine
+    # pool's keep-alive (60 s, engine/http.py), so the pool never reuses a connection the server is closing.
+    header_timeout_s: float = 75.0
+    body_timeout_s: float = 60.0
+    # Largest request body on every route (aiohttp's 413 beyond). /generate is the big one: a long prompt's ids are
+    # about 8 bytes a token, so 32 MiB holds a batch of 4M tokens; no route takes tensors over HTTP.
+    max_body_bytes: int = 32 << 20
 
 
 class _Req:
@@ -494,8 +505,12 @@ class EngineServer:
         flush = body.get("flush_cache", True)  # io_struct.py:1993: defaults to true
         if not isinstance(flush, bool):
             return _bad_request("flush_cache must be a boolean")
+        try:  # before the update lock and the pause: a refused path changes nothing and waits for nothing
+            resolved = str(resolve_under(self.config.weights_root, path))
+        except WeightsPathRefused as exc:
+            return _json({"success": False, "message": str(exc), "num_paused_requests": 0}, 400)
         success, message, num_paused, load_s = await self.apply_weight_update(
-            lambda: self.backend.load_weights(path),
+            lambda: self.backend.load_weights(resolved),
             version=version,
             flush_cache=flush or self.config.compat == "0.5.5",  # 0.5.5 always flushes (its pause always aborts)
             abort_all=bool(body.get("abort_all_requests")),
@@ -685,12 +700,12 @@ class EngineServer:
 
 
 async def _read_json(request: web.Request, optional: bool = False) -> dict[str, Any] | web.Response:
-    raw = await request.read()
+    raw = await read_body(request)  # 408 for a body that trickles in (body_timeout_s)
     if not raw.strip():
         return {} if optional or request.method != "POST" else _bad_request("the request needs a JSON body")
     try:
         body = msgspec.json.decode(raw)
-    except msgspec.DecodeError as exc:
+    except BAD_JSON as exc:  # invalid UTF-8 and too deep nesting are the client's fault too, never a 500
         return _bad_request(f"Invalid JSON body: {exc}")
     if not isinstance(body, dict):
         if optional and body is None:
@@ -729,7 +744,7 @@ def build_app(backend: Backend, config: EngineServerConfig) -> web.Application:
     keyed = config.api_key or config.admin_api_key
     app = web.Application(
         middlewares=[_auth_middleware(config.api_key, config.admin_api_key)] if keyed else [],
-        client_max_size=256 * 1024 * 1024,
+        client_max_size=config.max_body_bytes,
     )
     app[SERVER_KEY] = server
     s = server
@@ -778,10 +793,17 @@ class ServerHandle:
 
 async def serve(backend: Backend, config: EngineServerConfig) -> ServerHandle:
     app = build_app(backend, config)
-    runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=config.shutdown_timeout_s)
-    await runner.setup()
-    site = web.TCPSite(runner, config.host, config.port, backlog=4096, reuse_address=True)
-    await site.start()
-    port = runner.addresses[0][1] if config.port == 0 else config.port
+    runner, port = await start_site(
+        app,
+        config.host,
+        config.port,
+        header_timeout_s=config.header_timeout_s,
+        body_timeout_s=config.body_timeout_s,
+        backlog=4096,
+        reuse_address=True,
+        access_log=None,
+        handle_signals=False,
+        shutdown_timeout=config.shutdown_timeout_s,
+    )
     host = config.host if config.host not in ("0.0.0.0", "::") else "127.0.0.1"
     return ServerHandle(runner, app[SERVER_KEY], host, port)

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
 import signal
 import sys
+import tempfile
+from pathlib import Path
 
 from rollq.engine.server.app import EngineServerConfig, serve
 from rollq.engine.server.backend import Backend
@@ -137,11 +140,19 @@ async def _run_sglang(args: EngineConfig, model_path: str) -> int:
         skip_tokenizer_init=args.skip_tokenizer_init,
     )
     stop = _stop_event()
-    proc = await asyncio.create_subprocess_exec(*launch.command())
+    keys_dir = Path(tempfile.mkdtemp(prefix="rollq-sglang-"))  # mode 0700
+    try:
+        proc = await asyncio.create_subprocess_exec(*launch.command(launch.write_secrets(keys_dir)))
+    except BaseException:
+        shutil.rmtree(keys_dir, ignore_errors=True)
+        raise
     url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '') else args.host}:{args.port}"
     registration = None
     try:
-        await wait_ready(url, proc, args.ready_timeout)
+        try:
+            await wait_ready(url, proc, args.ready_timeout)
+        finally:  # SGLang reads its config file while parsing its arguments: the keys need not stay on disk
+            shutil.rmtree(keys_dir, ignore_errors=True)
         log.info("sglang ready at %s", url)
         registration = await _register(args, url)
         exited = asyncio.create_task(proc.wait())
@@ -169,6 +180,10 @@ def _run(coro) -> int:
 
 
 def engine(args: EngineConfig) -> int:
+    refusal = args.open_exposure()
+    if refusal is not None:  # defaults closed: an engine reachable from the network has keys, or says it may not
+        print(f"rollq engine: {refusal}", file=sys.stderr)
+        return 2
     if args.backend == "sglang":
         from rollq.engine.server.sglang_launcher import sglang_installed
 
@@ -203,5 +218,9 @@ def engine(args: EngineConfig) -> int:
         weight_version=args.weight_version,
         skip_tokenizer_init=args.skip_tokenizer_init,
         health_timeout_s=args.health_timeout,
+        header_timeout_s=args.header_timeout,
+        body_timeout_s=args.body_timeout,
+        max_body_bytes=args.max_body_bytes,
+        weights_root=args.weights_root,
     )
     return _run(_serve(backend, config, args))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 from typing import Annotated, Literal
 
 from rollq.config import RunSettings, setting
@@ -32,6 +33,22 @@ class EngineConfig(RunSettings, kw_only=True):
         str | None,
         setting("require `Authorization: Bearer KEY` on control routes (pause, weights, abort, flush)", metavar="KEY"),
     ] = None
+    insecure_no_auth: Annotated[
+        bool,
+        setting(
+            "serve without keys on a non-loopback address (anyone who reaches it can pause it, abort requests and "
+            "load weights)"
+        ),
+    ] = False
+    weights_root: Annotated[
+        str | None,
+        setting(
+            "directory /update_weights_from_disk may read weights from (resolved; anything outside it, or missing, "
+            "is refused with one generic error); unset: no weights are loaded from disk. The sglang backend cannot "
+            "enforce it: protect its control routes with admin_api_key",
+            metavar="DIR",
+        ),
+    ] = None
     weight_version: Annotated[str, setting("the weight version reported until the first update")] = "default"
     skip_tokenizer_init: Annotated[
         bool,
@@ -52,6 +69,21 @@ class EngineConfig(RunSettings, kw_only=True):
             gt=0,
         ),
     ] = 20.0
+    header_timeout: Annotated[
+        float,
+        setting(
+            "seconds a connection may go without a complete request head, after it opens or its last response (also "
+            "the idle keep-alive timeout: keep it above the clients' keep-alive, 60 s for rollq's engine pool)",
+            metavar="S",
+            gt=0,
+        ),
+    ] = 75.0
+    body_timeout: Annotated[
+        float, setting("seconds a request body may take to arrive (408 beyond)", metavar="S", gt=0)
+    ] = 60.0
+    max_body_bytes: Annotated[
+        int, setting("largest request body on any route (413 beyond)", metavar="BYTES", ge=1024)
+    ] = 32 << 20
     radix_cache: Annotated[
         bool, setting("reference backend: reuse the KV of cached prompt prefixes (--no-radix-cache to disable)")
     ] = True
@@ -122,5 +154,27 @@ class EngineConfig(RunSettings, kw_only=True):
         ),
     ] = "<|im_start|>assistant"
 
+    def open_exposure(self) -> str | None:
+        """Why this engine must not start as configured: bound beyond loopback with no key (its control routes
+        would be open to the network); None when it may start."""
+        if self.api_key or self.admin_api_key or self.insecure_no_auth or is_loopback(self.host):
+            return None
+        return (
+            f"host {self.host!r} is not a loopback address and no key is set: set api_key and admin_api_key "
+            "(--api-key/--admin-api-key, ROLLQ_ENGINE_API_KEY/ROLLQ_ENGINE_ADMIN_API_KEY), or insecure_no_auth: true "
+            "to serve it open"
+        )
 
-__all__ = ["EngineConfig"]
+
+def is_loopback(host: str) -> bool:
+    """Whether binding `host` reaches only this machine ("localhost", 127.0.0.0/8, ::1). Empty, 0.0.0.0, ::, other
+    names and addresses: not loopback."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+__all__ = ["EngineConfig", "is_loopback"]

@@ -19,6 +19,7 @@ from aiohttp import web
 from rollq.engine.server.backend import Backend
 from rollq.engine.server.weight_group import InitGroupRequest, WeightGroups
 from rollq.engine.weight_group import parse_dtype
+from rollq.http_server import BAD_JSON, read_body
 
 T = TypeVar("T")
 
@@ -73,12 +74,12 @@ def _validation_error(message: str) -> web.Response:
 
 
 async def _decode(request: web.Request, kind: type[T]) -> T | web.Response:
-    raw = await request.read()
+    raw = await read_body(request)  # 408 for a body that trickles in
     try:
         return msgspec.json.decode(raw or b"{}", type=kind)
     except msgspec.ValidationError as exc:
         return _validation_error(str(exc))
-    except msgspec.DecodeError as exc:
+    except BAD_JSON as exc:  # malformed, invalid UTF-8 in a field read, too deep: the client's fault, never a 500
         return _validation_error(f"Invalid JSON body: {exc}")
 
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import logging
+import os
 import sys
+from pathlib import Path
 
 import httpx
 import msgspec
@@ -27,7 +29,30 @@ class SGLangLaunch(msgspec.Struct, kw_only=True):
     skip_tokenizer_init: bool = True  # token in, token out: never re-tokenize
     extra_args: list[str] = []
 
-    def command(self) -> list[str]:
+    def secrets(self) -> dict[str, str]:
+        """The keys as SGLang config-file entries: `--config FILE` turns `api-key: K` into `--api-key K` inside the
+        server (server_args_config_parser.py in 0.5.23 and 0.5.5; the flags are the fields' names, arg_utils.py:290),
+        so they never appear on a command line, which every local user can read (ps, /proc/PID/cmdline)."""
+        keys = {"api-key": self.api_key, "admin-api-key": self.admin_api_key}
+        return {name: key for name, key in keys.items() if key}
+
+    def write_secrets(self, directory: Path) -> Path | None:
+        """The keys in a YAML file only this user can read, in `directory`; None when there are no keys."""
+        secrets = self.secrets()
+        if not secrets:
+            return None
+        import yaml
+
+        path = directory / "sglang-keys.yaml"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            yaml.safe_dump(secrets, f)  # quoted as needed: a key that reads as a number or a bool stays a string
+        return path
+
+    def command(self, secrets_file: Path | None = None) -> list[str]:
+        """The launch command; the keys (if any) go in `secrets_file` (write_secrets), never on the command line."""
+        if self.secrets() and secrets_file is None:
+            raise ValueError("the engine keys go in a file: command(self.write_secrets(directory))")
         cmd = [
             sys.executable,
             "-m",
@@ -50,10 +75,8 @@ class SGLangLaunch(msgspec.Struct, kw_only=True):
         ]
         if self.skip_tokenizer_init:
             cmd.append("--skip-tokenizer-init")
-        if self.api_key:
-            cmd += ["--api-key", self.api_key]
-        if self.admin_api_key:
-            cmd += ["--admin-api-key", self.admin_api_key]
+        if secrets_file is not None:
+            cmd += ["--config", str(secrets_file)]
         return cmd + list(self.extra_args)
 
 

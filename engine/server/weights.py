@@ -8,10 +8,17 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from rollq.engine.server.weights_root import file_in
+
 
 def safetensors_files(path: str | Path) -> list[Path]:
-    """The safetensors files a path names. Raises FileNotFoundError with what was looked for."""
-    p = Path(path).expanduser()
+    """The safetensors files a path names: the file itself, or those of a directory (its index's shards,
+    `model.safetensors` or `*.safetensors`), each of which must stay inside the directory (`file_in`: an index may
+    not name absolute or `..` shards, nor a symlink lead out). Raises FileNotFoundError with what was looked for.
+
+    The server resolves `path` under its weights_root first (weights_root.resolve_under): the messages here only
+    describe paths under the root. `~` is not expanded."""
+    p = Path(path)
     if p.is_file():
         if p.suffix != ".safetensors":
             raise ValueError(f"{p} is not a .safetensors file")
@@ -20,16 +27,19 @@ def safetensors_files(path: str | Path) -> list[Path]:
         raise FileNotFoundError(f"weights path {p} does not exist")
     index = p / "model.safetensors.index.json"
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        missing = [s for s in shards if not (p / s).is_file()]
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(s, str) for s in weight_map.values()):
+            raise ValueError(f"{index} has no weight_map of tensor names to shard file names")
+        shards = [file_in(p, s, "a shard of model.safetensors.index.json") for s in sorted(set(weight_map.values()))]
+        missing = [s.name for s in shards if not s.is_file()]
         if missing:
             raise FileNotFoundError(f"{index} names missing shards: {missing}")
-        return [p / s for s in shards]
+        return shards
     if (p / "model.safetensors").is_file():
-        return [p / "model.safetensors"]
+        return [file_in(p, "model.safetensors")]
     found = sorted(p.glob("*.safetensors"))
     if found:
-        return found
+        return [file_in(p, f.name) for f in found]
     raise FileNotFoundError(f"no model.safetensors, model.safetensors.index.json or *.safetensors in {p}")
 
 

@@ -10,6 +10,10 @@ so any number of ingress replicas serve the same jobs and SSE resumes from any o
 - Cancellation: CANCEL_JOB marks the job cancelled and publishes a `cancelled` result for every sample not started;
   a worker marks a sample started (START_SAMPLE) in the same record before running it, so each sample either runs
   or is cancelled, never both.
+- What one request may cost: its body (max_body_bytes), what its jobs take in Redis (max_request_bytes: a job's
+  data is stored once, in the blob store, however many samples it asks for), the tenant's samples waiting
+  (max_tenant_queued), and its SSE streams (max_event_streams, per tenant too), which share one Redis reader per
+  partition (producer/ingress/events.py) instead of a connection each.
 """
 
 from __future__ import annotations
@@ -32,7 +36,9 @@ import redis.asyncio as aioredis
 from aiohttp import web
 
 from rollq.config import ConfigError
+from rollq.http_server import BAD_JSON, read_body
 from rollq.producer.ingress.config import IngressConfig
+from rollq.producer.ingress.events import StreamReader, entry_id
 from rollq.producer.ingress.models import (
     JOB_ID_PATTERN,
     NAME_PATTERN,
@@ -50,6 +56,7 @@ from rollq.producer.ingress.models import (
     openapi,
 )
 from rollq.protocol import scripts
+from rollq.protocol.blobs import BLOB_MIN_BYTES, DataBlob, data_blob
 from rollq.protocol.codec import Codec, CodecError
 from rollq.protocol.keys import DEFAULT_CLASS, PAYLOAD_FIELD, WORKER_GROUP, RunKeys, partition_of, partition_share
 from rollq.protocol.messages import Job, JobClass, Trajectory, class_bound, job_classes
@@ -61,6 +68,10 @@ _JOB_ID = re.compile(JOB_ID_PATTERN)
 _TENANT = re.compile(NAME_PATTERN)
 _EVENT_ID = re.compile(r"^\d+-\d+$")
 _AT = re.compile(r"^(.*) - at `(\$[^`]*)`$")
+# A string of a job's workflow_kwargs that names an import path (`pkg.mod:attr`): checked against the tenant's
+# patterns up front (the workers enforce them on everything the episode imports, dotted names too: Job.allow).
+_IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+QUOTA_RETRY_AFTER_S = 5  # a tenant over its quota waits for workers to start its samples: longer than a busy retry
 
 
 class IngressStats(msgspec.Struct):
@@ -75,6 +86,7 @@ class IngressStats(msgspec.Struct):
     refused_forbidden: int = 0  # 403 (the tenant may not name that workflow)
     refused_too_large: int = 0  # 413 (body or batch)
     refused_busy: int = 0  # 429 (backpressure: the whole batch)
+    refused_quota: int = 0  # 429 (the tenant's queued samples, or its open SSE streams)
     cancels: int = 0
     events_sent: int = 0  # SSE sample events
     event_streams_open: int = 0  # SSE connections now
@@ -82,9 +94,10 @@ class IngressStats(msgspec.Struct):
 
 
 class HttpError(Exception):
-    def __init__(self, status: int, kind: str, message: str, field: str | None = None) -> None:
+    def __init__(self, status: int, kind: str, message: str, field: str | None = None, *, retry_after: int = 1) -> None:
         super().__init__(message)
         self.status, self.kind, self.message, self.field = status, kind, message, field
+        self.retry_after = retry_after  # seconds, sent with 429 and 503
 
 
 _REFUSALS = {401: "refused_unauthorized", 400: "refused_invalid", 403: "refused_forbidden", 413: "refused_too_large"}
@@ -140,9 +153,35 @@ def workflow_names(spec: JobSpec) -> list[str]:
     return names
 
 
+def kwargs_import_paths(value: Any, at: str) -> list[tuple[str, str]]:
+    """(path in the request, import path) of every string in a job's workflow_kwargs shaped as `pkg.mod:attr`
+    (reward_fn, tools, ...: workflows resolve such strings through the workers' allowlist)."""
+    found: list[tuple[str, str]] = []
+    stack: list[tuple[Any, str]] = [(value, at)]
+    while stack:
+        item, where = stack.pop()
+        if isinstance(item, str):
+            if _IMPORT_PATH.match(item):
+                found.append((where, item.replace(":", ".")))
+        elif isinstance(item, dict):
+            stack.extend((v, f"{where}.{k}") for k, v in item.items())
+        elif isinstance(item, list):
+            stack.extend((v, f"{where}[{i}]") for i, v in enumerate(item))
+    return found
+
+
 def pattern_allows(patterns: list[str], name: str) -> bool:
     """Shell-style, a pattern covering everything below it (as the workers' allowlist)."""
     return any(fnmatch.fnmatchcase(name, p) or fnmatch.fnmatchcase(name, p + ".*") for p in patterns)
+
+
+class _Prepared(msgspec.Struct):
+    """A job of a request, ready to queue: its spec, the caller's id, its sample-0 Job and its data's blob."""
+
+    spec: JobSpec
+    client_id: str
+    job: Job
+    blob: DataBlob | None
 
 
 class Ingress:
@@ -161,6 +200,8 @@ class Ingress:
         self._cancel = self.redis.register_script(scripts.CANCEL_JOB)
         self._groups: set[str] = set()
         self._partitions = 0  # the run's partition count, read on first use
+        self._readers: dict[int, StreamReader] = {}  # partition -> the reader of its jobs' results streams
+        self._streams_of: dict[str, int] = {}  # tenant -> its open SSE streams
         self._openapi = msgspec.json.encode(openapi())
         if self.open:
             log.warning("rollq ingress: no tokens configured (tokens / tokens_file): every job request gets 401")
@@ -180,6 +221,9 @@ class Ingress:
         return app
 
     async def _close(self, app: web.Application) -> None:
+        readers, self._readers = list(self._readers.values()), {}
+        for reader in readers:
+            await reader.close()
         if self._own_redis:
             await self.redis.aclose()
 
@@ -200,13 +244,16 @@ class Ingress:
             err = HttpError(exc.status, exc.reason.lower().replace(" ", "_"), exc.reason)
         except TRANSIENT_ERRORS as exc:
             err = HttpError(503, "unavailable", f"Redis is not answering ({type(exc).__name__}); try again")
-        counter = _REFUSALS.get(err.status)
+        counter = "refused_quota" if err.kind == "quota" else _REFUSALS.get(err.status)
         if counter:
             setattr(self.stats, counter, getattr(self.stats, counter) + 1)
-        headers = {"Retry-After": "1"} if err.status in (429, 503) else None
+        headers = {"Retry-After": str(err.retry_after)} if err.status in (429, 503) else None
         if err.status == 401:
             headers = {"WWW-Authenticate": 'Bearer realm="rollq"'}
-        return _json(ErrorBody(err.kind, err.message, err.field), err.status, headers)
+        response = _json(ErrorBody(err.kind, err.message, err.field), err.status, headers)
+        if err.status == 408:
+            response.force_close()  # the rest of a trickled body is not waited for on this connection
+        return response
 
     # -- helpers ----------------------------------------------------------------------------------------------
 
@@ -244,7 +291,7 @@ class Ingress:
         limit = self.cfg.max_body_bytes
         if request.content_length is not None and request.content_length > limit:
             raise HttpError(413, "too_large", f"request body of {request.content_length} bytes exceeds {limit}")
-        return await request.read()  # raises HTTPRequestEntityTooLarge past client_max_size (chunked bodies)
+        return await read_body(request)  # 413 past client_max_size (chunked bodies), 408 past body_timeout
 
     def _view(self, traj: Trajectory, client_id: str) -> dict[str, Any]:
         view: dict[str, Any] = self.codec.to_builtins(traj)
@@ -258,7 +305,7 @@ class Ingress:
         """The jobs of a request and the path prefix of each (`$.jobs[i]` in a batch, `$` for one job)."""
         try:
             obj = msgspec.json.decode(body)
-        except (msgspec.DecodeError, RecursionError) as exc:
+        except BAD_JSON as exc:
             raise HttpError(400, "invalid", f"the body is not valid JSON: {exc}") from None
         batch = isinstance(obj, dict) and "jobs" in obj
         try:
@@ -294,13 +341,15 @@ class Ingress:
                     )
                 seen_ids.add(spec.job_id)
             if patterns is not None:
-                for name in workflow_names(spec):
+                named = [(f"{at}.workflow", name) for name in workflow_names(spec)]
+                named += kwargs_import_paths(spec.workflow_kwargs, f"{at}.workflow_kwargs")
+                for field, name in named:
                     if not pattern_allows(patterns, name):
                         raise HttpError(
                             403,
                             "forbidden",
-                            f"{at}.workflow: tenant {tenant!r} may not run {name!r} (allowed: {', '.join(patterns)})",
-                            f"{at}.workflow",
+                            f"{field}: tenant {tenant!r} may not use {name!r} (allowed: {', '.join(patterns)})",
+                            field,
                         )
             if spec.job_class not in (None, DEFAULT_CLASS):
                 if classes is None:
@@ -313,39 +362,81 @@ class Ingress:
                         f"(it has {', '.join(sorted(classes))})",
                         f"{at}.job_class",
                     )
-        admitted = await self._admit(tenant, specs)
+        admitted = await self._admit(tenant, specs, patterns, where)
         return _json(SubmitResponse(admitted), 202)
 
     async def _classes(self) -> dict[str, JobClass]:
         return job_classes(await self.redis.hgetall(self.keys.classes))  # type: ignore[misc]  # stub: sync|async
 
-    async def _admit(self, tenant: str, specs: list[JobSpec]) -> list[Admitted]:
+    def _prepare(self, tenant: str, specs: list[JobSpec], where: str, patterns: list[str] | None) -> list[_Prepared]:
+        """Each job's sample-0 entry and its data's blob, refusing (413) a request whose jobs would take more than
+        max_request_bytes in Redis before anything more is encoded: n entries per job, each distinct data once."""
+        now = time.time()
+        total = 0
+        blobs: set[str] = set()
+        out = []
+        for i, spec in enumerate(specs):
+            client_id = spec.job_id or uuid.uuid4().hex
+            job_id = self.internal_id(tenant, client_id)
+            blob = data_blob(self.codec, spec.data, BLOB_MIN_BYTES)
+            job = Job(
+                job_id=job_id,
+                workflow=spec.workflow,
+                data=None if blob else spec.data,
+                data_ref=blob.digest if blob else "",
+                n=spec.n,
+                workflow_kwargs=spec.workflow_kwargs,
+                agent=spec.agent,
+                submitted_at=now,
+                is_eval=spec.is_eval,
+                cancellable=True,
+                job_class=spec.job_class or DEFAULT_CLASS,
+                tenant=tenant,
+                allow=patterns,
+            )
+            first = self.codec.encode(job)
+            total += spec.n * (len(first) + 8)  # + the reply stream's name and a longer sample index, at most
+            if blob is not None and blob.digest not in blobs:
+                blobs.add(blob.digest)
+                total += len(blob.payload)
+            if total > self.cfg.max_request_bytes:
+                raise HttpError(
+                    413,
+                    "too_large",
+                    f"{where.format(i)}: the request's jobs would take over {total:,} bytes in Redis by this job "
+                    f"(n x each sample's entry, plus each distinct data once), over max_request_bytes="
+                    f"{self.cfg.max_request_bytes:,}: fewer samples or jobs per request",
+                    where.format(i),
+                )
+            out.append(_Prepared(spec, client_id, job, blob))
+        return out
+
+    async def _admit(self, tenant: str, specs: list[JobSpec], patterns: list[str] | None, where: str) -> list[Admitted]:
         """One INGRESS_SUBMIT per partition the batch's jobs live on (one, unless the run is partitioned), all or
         nothing on each. Should a later partition refuse after an earlier one admitted (its bound filled meanwhile),
         the 429 names the jobs admitted: resubmitting the batch with the same job ids is safe (duplicates)."""
+        prepared = self._prepare(tenant, specs, where, patterns)
         count = await self.partitions()
         classes = await self._classes()
-        client_ids = [spec.job_id or uuid.uuid4().hex for spec in specs]
         by_partition: dict[int, list[int]] = {}
-        for k, client_id in enumerate(client_ids):
-            by_partition.setdefault(partition_of(self.internal_id(tenant, client_id), count), []).append(k)
+        for k, job in enumerate(prepared):
+            by_partition.setdefault(partition_of(job.job.job_id, count), []).append(k)
         fresh: dict[int, bool] = {}
         for partition, indices in sorted(by_partition.items()):
             try:
-                jobs = [(specs[k], client_ids[k]) for k in indices]
-                flags = await self._admit_on(partition, count, classes, tenant, jobs)
+                flags = await self._admit_on(partition, count, classes, tenant, [prepared[k] for k in indices])
             except HttpError as exc:
-                admitted = [client_ids[k] for k, new in fresh.items() if new]
+                admitted = [prepared[k].client_id for k, new in fresh.items() if new]
                 if admitted and exc.status == 429:
                     exc.message += f"; on other partitions these jobs were queued: {', '.join(admitted)}"
                 raise
             fresh.update(zip(indices, flags, strict=True))
         out = []
-        for k, (spec, client_id) in enumerate(zip(specs, client_ids, strict=True)):
-            out.append(Admitted(client_id, fresh[k], spec.n))
+        for k, job in enumerate(prepared):
+            out.append(Admitted(job.client_id, fresh[k], job.spec.n))
             if fresh[k]:
                 self.stats.jobs_admitted += 1
-                self.stats.samples_admitted += spec.n
+                self.stats.samples_admitted += job.spec.n
             else:
                 self.stats.jobs_duplicate += 1
         return out
@@ -356,56 +447,54 @@ class Ingress:
         count: int,
         classes: dict[str, JobClass],
         tenant: str,
-        jobs: list[tuple[JobSpec, str]],
+        jobs: list[_Prepared],
     ) -> list[bool]:
         """Admit `jobs` (all on `partition`) all or nothing; per job, True if new (False: a duplicate)."""
-        now = time.time()
         keys = self.keys.at(partition)
         streams: dict[str, int] = {}
         stream_args: list[Any] = []
         stream_classes: list[str] = []
+        blobs: dict[str, bytes] = {}
         job_keys: list[str] = []
         args: list[Any] = []
-        for spec, client_id in jobs:
-            job_id = self.internal_id(tenant, client_id)
-            job_class = spec.job_class or DEFAULT_CLASS
-            stream = keys.job_stream(job_class)
+        encode = self.codec.encode
+        for prepared in jobs:
+            job = msgspec.structs.replace(prepared.job, reply_to=keys.job_results(prepared.job.job_id))
+            stream = keys.job_stream(job.job_class)
             index = streams.get(stream, 0)
             if not index:
                 index = streams[stream] = len(streams) + 1
-                stream_classes.append(job_class)
-                stream_args += (job_class, class_bound(classes, job_class, count))
-            job_keys += (keys.job_control(job_id), keys.job_results(job_id))
-            args += (index, spec.n)
-            job = Job(
-                job_id=job_id,
-                workflow=spec.workflow,
-                data=spec.data,
-                n=spec.n,
-                workflow_kwargs=spec.workflow_kwargs,
-                agent=spec.agent,
-                reply_to=keys.job_results(job_id),
-                submitted_at=now,
-                is_eval=spec.is_eval,
-                cancellable=True,
-                job_class=job_class,
-            )
-            encode = self.codec.encode
-            args += [encode(msgspec.structs.replace(job, sample_index=i)) if i else encode(job) for i in range(spec.n)]
+                stream_classes.append(job.job_class)
+                stream_args += (job.job_class, class_bound(classes, job.job_class, count))
+            if prepared.blob is not None:
+                blobs.setdefault(prepared.blob.digest, prepared.blob.payload)
+            job_keys += (keys.job_control(job.job_id), keys.job_results(job.job_id))
+            args += (index, job.n)
+            args += [encode(msgspec.structs.replace(job, sample_index=i)) if i else encode(job) for i in range(job.n)]
         for stream in streams:
             if stream not in self._groups:
                 await ensure_group(self.redis, stream, WORKER_GROUP)
                 self._groups.add(stream)
+        quota = partition_share(self.cfg.max_tenant_queued, count)
         reply = await self._submit(
-            keys=[*streams, *job_keys],
-            args=[len(streams), partition_share(self.cfg.max_queued, count), int(self.cfg.retention)]
-            + [*stream_args, *args],
+            keys=[*streams, *(keys.blob(digest) for digest in blobs), keys.tenant_queued(tenant), *job_keys],
+            args=[len(streams), len(blobs), partition_share(self.cfg.max_queued, count), int(self.cfg.retention)]
+            + [quota, *stream_args, *blobs.values(), *args],
         )
+        where = f" on partition {partition}" if count > 1 else ""
+        if int(reply[0]) == -3:
+            raise HttpError(
+                429,
+                "quota",
+                f"tenant {tenant!r} has {int(reply[2])} samples queued and not started{where}; this request's new "
+                f"samples would pass its quota of {int(reply[3])} (max_tenant_queued): nothing was queued, retry "
+                "when workers have started some",
+                retry_after=QUOTA_RETRY_AFTER_S,
+            )
         if int(reply[0]) < 0:
             job_class = stream_classes[int(reply[1]) - 1]
             if int(reply[0]) == -2:
                 raise HttpError(400, "invalid", f"run {self.cfg.run!r} has no job class {job_class!r}", "job_class")
-            where = f" on partition {partition}" if count > 1 else ""
             raise HttpError(
                 429,
                 "busy",
@@ -416,12 +505,19 @@ class Ingress:
 
     # -- GET /v1/jobs/{id} -----------------------------------------------------------------------------------
 
-    async def _record(self, client_id: str, job_id: str) -> dict[bytes, bytes]:
+    async def _record(self, client_id: str, job_id: str) -> tuple[dict[bytes, bytes], int]:
+        """The job's control record and its n. A record that does not read as one the ingress wrote (n not an
+        integer in [1, max_n]: written by someone else, or damaged) is a 404 like a missing one, never a 500."""
         keys = await self.keys_of(job_id)
         record: dict[bytes, bytes] = await self.redis.hgetall(keys.job_control(job_id))  # type: ignore[misc]
         if not record:
             raise HttpError(404, "not_found", f"no job {client_id!r} (never submitted, or past its retention)")
-        return record
+        raw = record.get(b"n", b"")
+        n = int(raw) if raw.isdigit() and len(raw) <= 9 else 0
+        if not 1 <= n <= self.cfg.max_n:
+            log.error("job %r: its control record is unreadable (n=%r); answered as not found", job_id, raw[:32])
+            raise HttpError(404, "not_found", f"no job {client_id!r} (its record in Redis is unreadable)")
+        return record, n
 
     def _decode(self, fields: dict[bytes, bytes] | None) -> Trajectory | None:
         try:
@@ -432,8 +528,7 @@ class Ingress:
     async def get_job(self, request: web.Request) -> web.Response:
         client_id, job_id = self._job_ref(request)
         want = request.query.get("trajectories", "true").lower() not in ("false", "0", "no")
-        record = await self._record(client_id, job_id)
-        n = int(record.get(b"n", 0))
+        record, n = await self._record(client_id, job_id)
         firsts: dict[int, Trajectory] = {}
         for _, fields in await self.redis.xrange((await self.keys_of(job_id)).job_results(job_id)):
             traj = self._decode(fields)
@@ -462,8 +557,8 @@ class Ingress:
 
     async def cancel(self, request: web.Request) -> web.Response:
         client_id, job_id = self._job_ref(request)
-        record = await self._record(client_id, job_id)
-        n = int(record.get(b"n", 0))
+        tenant = job_id.partition(":")[0]
+        _, n = await self._record(client_id, job_id)
         now = time.time()
         payloads = [
             self.codec.encode(
@@ -480,7 +575,9 @@ class Ingress:
             for i in range(n)
         ]
         keys = await self.keys_of(job_id)
-        reply = await self._cancel(keys=[keys.job_control(job_id), keys.job_results(job_id)], args=payloads)
+        reply = await self._cancel(
+            keys=[keys.job_control(job_id), keys.job_results(job_id), keys.tenant_queued(tenant)], args=payloads
+        )
         if int(reply[0]) == -1:
             raise HttpError(404, "not_found", f"no job {client_id!r} (never submitted, or past its retention)")
         started = sorted(int(i) for i in reply[1:])
@@ -490,47 +587,95 @@ class Ingress:
 
     # -- GET /v1/jobs/{id}/events ----------------------------------------------------------------------------
 
+    def _open_stream(self, tenant: str) -> None:
+        """Count an SSE stream of `tenant` in, or refuse it (429) past max_event_streams or the tenant's share."""
+        cfg = self.cfg
+        if self.stats.event_streams_open >= cfg.max_event_streams:
+            raise HttpError(
+                429, "busy", f"this ingress serves max_event_streams={cfg.max_event_streams} SSE streams already"
+            )
+        mine = self._streams_of.get(tenant, 0)
+        if mine >= cfg.max_event_streams_per_tenant:
+            raise HttpError(
+                429,
+                "quota",
+                f"tenant {tenant!r} holds {mine} SSE streams on this ingress, its limit "
+                f"(max_event_streams_per_tenant={cfg.max_event_streams_per_tenant}): close one first",
+                retry_after=QUOTA_RETRY_AFTER_S,
+            )
+        self._streams_of[tenant] = mine + 1
+        self.stats.event_streams_open += 1
+
+    def _close_stream(self, tenant: str) -> None:
+        self.stats.event_streams_open -= 1
+        left = self._streams_of.get(tenant, 1) - 1
+        if left:
+            self._streams_of[tenant] = left
+        else:
+            self._streams_of.pop(tenant, None)
+
+    def _reader(self, partition: int) -> StreamReader:
+        reader = self._readers.get(partition)
+        if reader is None:
+            block_ms = max(1, int(self.cfg.keepalive * 1000))
+            reader = self._readers[partition] = StreamReader(self.redis, self.keys.at(partition), block_ms=block_ms)
+        return reader
+
     async def events(self, request: web.Request) -> web.StreamResponse:
         client_id, job_id = self._job_ref(request)
+        tenant = job_id.partition(":")[0]
         last = request.headers.get("Last-Event-ID") or request.query.get("last_event_id") or "0-0"
-        if not _EVENT_ID.match(last):
-            raise HttpError(400, "invalid", f"Last-Event-ID {last!r} is not an event id (like 1700000000000-0)")
-        record = await self._record(client_id, job_id)
-        n = int(record.get(b"n", 0))
+        if not _EVENT_ID.match(last) or len(last) > 41:
+            raise HttpError(400, "invalid", f"Last-Event-ID {last[:48]!r} is not an event id (like 1700000000000-0)")
+        _, n = await self._record(client_id, job_id)
         keys = await self.keys_of(job_id)
         stream = keys.job_results(job_id)
         seen: set[int] = set()
         counts = Counts()
+
+        def count(traj: Trajectory | None) -> bool:
+            """Count a sample's first result; False for anything else (a repeat, a foreign or unreadable entry)."""
+            if traj is None or not 0 <= traj.sample_index < n or traj.sample_index in seen:
+                return False
+            seen.add(traj.sample_index)
+            setattr(counts, traj.status, getattr(counts, traj.status) + 1)
+            return True
+
         if last != "0-0":  # what the client already has: its samples are not sent again
             for _, fields in await self.redis.xrange(stream, "-", last):
-                traj = self._decode(fields)
-                if traj is not None and 0 <= traj.sample_index < n and traj.sample_index not in seen:
-                    seen.add(traj.sample_index)
-                    setattr(counts, traj.status, getattr(counts, traj.status) + 1)
-        resp = web.StreamResponse(
-            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-        )
-        await resp.prepare(request)
-        self.stats.event_streams_open += 1
-        block_ms = max(1, int(self.cfg.keepalive * 1000))
+                count(self._decode(fields))
+        self._open_stream(tenant)
+        reader = self._reader(keys.partition)
+        sub = await reader.subscribe(stream, last)
         try:
+            resp = web.StreamResponse(
+                headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+            )
+            await resp.prepare(request)
+            # What arrived before the reader took the stream up (when it already read it for another client).
+            backlog = await self.redis.xrange(stream, f"({last}", "+") if len(seen) < n else []
+            at = entry_id(last)
             while len(seen) < n:
-                reply = await self.redis.xread({stream: last}, count=256, block=block_ms)
-                entries = reply[0][1] if reply else []
-                if not entries:
+                batch = backlog or await sub.get(self.cfg.keepalive)
+                backlog = []
+                if batch is None:
                     if not await self.redis.exists(keys.job_control(job_id)):
                         await resp.write(b'event: expired\ndata: {"message": "the job passed its retention"}\n\n')
                         return resp
                     await resp.write(b": keepalive\n\n")
                     continue
+                if isinstance(batch, str):
+                    await resp.write(b"event: error\ndata: " + msgspec.json.encode({"message": batch}) + b"\n\n")
+                    return resp
                 chunks = []
-                for eid, fields in entries:
-                    last = eid.decode()
+                for eid, fields in batch:
+                    if entry_id(eid) <= at:
+                        continue  # delivered again (the reader and the backlog overlap)
+                    at, last = entry_id(eid), eid.decode()
                     traj = self._decode(fields)
-                    if traj is None or not 0 <= traj.sample_index < n or traj.sample_index in seen:
+                    if not count(traj):
                         continue
-                    seen.add(traj.sample_index)
-                    setattr(counts, traj.status, getattr(counts, traj.status) + 1)
+                    assert traj is not None
                     data = json.dumps(self._view(traj, client_id), separators=(",", ":"))
                     chunks.append(f"id: {last}\nevent: sample\ndata: {data}\n\n".encode())
                 if chunks:
@@ -542,7 +687,8 @@ class Ingress:
         except ConnectionResetError:
             pass  # the client went away (with handler cancellation, the handler is cancelled instead)
         finally:
-            self.stats.event_streams_open -= 1
+            reader.unsubscribe(sub)
+            self._close_stream(tenant)
         return resp
 
     # -- the rest ---------------------------------------------------------------------------------------------

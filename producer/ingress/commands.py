@@ -7,9 +7,8 @@ import logging
 import signal
 
 import uvloop
-from aiohttp import web
-from prometheus_client import start_http_server
 
+from rollq.http_server import start_metrics_server, start_site
 from rollq.producer.ingress.app import Ingress
 from rollq.producer.ingress.config import IngressConfig
 from rollq.producer.metrics import ingress_registry
@@ -19,16 +18,21 @@ log = logging.getLogger("rollq.ingress")
 
 async def serve(cfg: IngressConfig, *, started: asyncio.Event | None = None) -> int:
     ingress = Ingress(cfg)
-    runner = web.AppRunner(ingress.app(), handler_cancellation=True, access_log=None)
-    await runner.setup()
+    runner, _ = await start_site(
+        ingress.app(),
+        cfg.host,
+        cfg.port,
+        header_timeout_s=cfg.header_timeout,
+        body_timeout_s=cfg.body_timeout,
+        handler_cancellation=True,
+        access_log=None,
+    )
     metrics = None
     if cfg.metrics_port:  # served from prometheus_client's thread: a scrape never waits for the event loop
-        metrics, _ = start_http_server(
-            cfg.metrics_port, addr="0.0.0.0", registry=ingress_registry(ingress.stats, cfg.redis_url, cfg.run)
+        metrics, _ = start_metrics_server(
+            cfg.metrics_port, cfg.host, ingress_registry(ingress.stats, cfg.redis_url, cfg.run)
         )
     try:
-        site = web.TCPSite(runner, cfg.host, cfg.port)
-        await site.start()
         log.info("rollq ingress: run %r, listening on http://%s:%d", cfg.run, cfg.host, cfg.port)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()

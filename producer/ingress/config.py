@@ -42,6 +42,16 @@ class IngressConfig(RunSettings, kw_only=True):
     ] = 8 * 1024 * 1024
     max_batch: Annotated[int, setting("most jobs in one POST (413 beyond)", metavar="N", ge=1, group=LIMITS)] = 1000
     max_n: Annotated[int, setting("most samples per job (400 beyond)", metavar="N", ge=1, group=LIMITS)] = 1024
+    max_request_bytes: Annotated[
+        int,
+        setting(
+            "most bytes one request's jobs take in Redis, every sample's entry and the data stored once (413 beyond): "
+            "what bounds a small body asking for many samples",
+            metavar="BYTES",
+            ge=1024,
+            group=LIMITS,
+        ),
+    ] = 16 * 1024 * 1024
     max_queued: Annotated[
         int,
         setting(
@@ -51,7 +61,42 @@ class IngressConfig(RunSettings, kw_only=True):
             ge=0,
             group=LIMITS,
         ),
-    ] = 0
+    ] = 1_000_000
+    max_tenant_queued: Annotated[
+        int,
+        setting(
+            "quota: a tenant's samples queued and not yet started, at most (429 with Retry-After beyond; 0 = none)",
+            metavar="N",
+            ge=0,
+            group=LIMITS,
+        ),
+    ] = 100_000
+    max_event_streams: Annotated[
+        int,
+        setting(
+            "open SSE streams (GET .../events) this ingress serves at once (429 beyond)",
+            metavar="N",
+            ge=1,
+            group=LIMITS,
+        ),
+    ] = 10_000
+    max_event_streams_per_tenant: Annotated[
+        int,
+        setting("open SSE streams one tenant may hold on this ingress (429 beyond)", metavar="N", ge=1, group=LIMITS),
+    ] = 1_000
+    header_timeout: Annotated[
+        float,
+        setting(
+            "seconds a connection may go without a complete request head, after it opens or its last answer (also "
+            "how long an idle keep-alive connection stays open: keep it above your clients' keep-alive)",
+            metavar="S",
+            gt=0,
+            group=LIMITS,
+        ),
+    ] = 30.0
+    body_timeout: Annotated[
+        float, setting("seconds a request body may take to arrive (408 beyond)", metavar="S", gt=0, group=LIMITS)
+    ] = 60.0
     keepalive: Annotated[
         float, setting("SSE comment line every S seconds while nothing happens", metavar="S", gt=0)
     ] = 15.0

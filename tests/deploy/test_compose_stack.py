@@ -76,12 +76,12 @@ async def submit_via_ingress(url: str, jobs: int = 2, n: int = 2) -> list:
         return views
 
 
-async def test_compose_stack_runs_locally(tmp_path):
+async def test_compose_stack_runs_locally(tmp_path, compose_secrets):
     run = f"compose{uuid.uuid4().hex[:8]}"
     env = interpolation_env(
         ROLLQ_RUN=run, ROLLQ_TRAINER_STEPS=str(STEPS), ROLLQ_INGRESS_TOKENS=f"{{{TOKEN}: compose-test}}"
     )
-    model = resolved(env=env)
+    model = resolved(env=env, secrets=compose_secrets)
     stack = LocalStack(model, tmp_path, scale={"worker": WORKERS})
     started = time.monotonic()
     timings: dict[str, float] = {}
@@ -97,9 +97,12 @@ async def test_compose_stack_runs_locally(tmp_path):
         # engines, their HTTP port
         scraped = await asyncio.to_thread(scrape_targets, stack)
         assert {"worker", "trainer", "reward-worker", "engine"} <= scraped, scraped
-        redis_url = stack.replicas["worker"][0].env["ROLLQ_REDIS_URL"]
-        trajectories = await submit_and_wait(redis_url, run)
+        # jobs from a Python producer with the ingress's Redis user (`producer`); the test's own user only reads
+        producer_url = stack.replicas["ingress"][0].env["ROLLQ_REDIS_URL"]
+        assert producer_url.startswith("redis://producer:"), producer_url
+        trajectories = await submit_and_wait(producer_url, run)
         assert len(trajectories) == 8 and all(t.status == "ok" for t in trajectories), trajectories
+        redis_url = stack.admin_url
         assert {t.worker_id for t in trajectories} <= {w["name"] for w in await _workers(redis_url, run)}, (
             "jobs ran on the compose workers"
         )
@@ -169,11 +172,11 @@ async def _workers(redis_url: str, run: str) -> list[dict]:
         await redis.aclose()
 
 
-async def test_sglang_register_sidecar_keeps_the_engine_registered(tmp_path):
+async def test_sglang_register_sidecar_keeps_the_engine_registered(tmp_path, compose_secrets):
     """Profile sglang: the sidecar's command, environment and healthcheck as compose.yaml says (SGLang itself needs
     a GPU; registration does not contact it). Registered while it runs, deregistered on SIGTERM."""
     run = f"compose{uuid.uuid4().hex[:8]}"
-    model = resolved("sglang", env=interpolation_env(ROLLQ_RUN=run))
+    model = resolved("sglang", env=interpolation_env(ROLLQ_RUN=run), secrets=compose_secrets)
     stack = LocalStack(model, tmp_path)
     try:
         for name in ("redis", "sglang-register"):

@@ -21,14 +21,16 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-async def start_engine():
+async def start_engine(tmp_path: Path):
     """`await start_engine(server=dict(...), **synthetic_config)` -> ServerHandle (`backend=` another backend instead
-    of a synthetic one); closed at teardown."""
+    of a synthetic one); closed at teardown. The engine loads weights from under the test's tmp_path (weights_root)
+    unless `server` says otherwise."""
     handles: list[ServerHandle] = []
 
     async def start(server: dict | None = None, backend: Backend | None = None, **synthetic) -> ServerHandle:
         backend = backend or SyntheticBackend(SyntheticConfig(**synthetic))
-        handle = await serve(backend, EngineServerConfig(host="127.0.0.1", port=0, **(server or {})))
+        config = {"host": "127.0.0.1", "port": 0, "weights_root": str(tmp_path), **(server or {})}
+        handle = await serve(backend, EngineServerConfig(**config))
         handles.append(handle)
         return handle
 

@@ -32,8 +32,9 @@ Start = Callable[..., Awaitable[ServerHandle]]
 
 
 @pytest.fixture
-async def strict() -> AsyncIterator[Start]:
-    """`await strict(load_delay_s=..., compat=..., ...)` -> a strict in-process engine, closed at teardown."""
+async def strict(tmp_path: Path) -> AsyncIterator[Start]:
+    """`await strict(load_delay_s=..., compat=..., ...)` -> a strict in-process engine loading weights from under
+    tmp_path, closed at teardown."""
     handles: list[ServerHandle] = []
 
     async def start(*, compat: str = "0.5.23", skip_tokenizer_init: bool = False, **synthetic: Any) -> ServerHandle:
@@ -45,6 +46,7 @@ async def strict() -> AsyncIterator[Start]:
             shutdown_timeout_s=0.5,
             compat=compat,  # type: ignore[arg-type]
             skip_tokenizer_init=skip_tokenizer_init,
+            weights_root=str(tmp_path),
         )
         handles.append(await serve(SyntheticBackend(SyntheticConfig(**synthetic)), config))
         return handles[-1]

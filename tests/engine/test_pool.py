@@ -3,6 +3,7 @@
 import asyncio
 import os
 import signal
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -25,11 +26,15 @@ from tests.helpers import wait_until
 from tests.redis_server import free_port
 
 
-async def start_engines(count: int, **synthetic):
+async def start_engines(count: int, weights_root: Path, **synthetic):
+    """`count` synthetic engines loading weights from under `weights_root`."""
     handles = []
     for _ in range(count):
         backend = SyntheticBackend(SyntheticConfig(**synthetic))
-        handles.append(await serve(backend, EngineServerConfig(host="127.0.0.1", port=free_port(), weight_version="0")))
+        config = EngineServerConfig(
+            host="127.0.0.1", port=free_port(), weight_version="0", weights_root=str(weights_root)
+        )
+        handles.append(await serve(backend, config))
     return handles
 
 
@@ -40,8 +45,8 @@ def request(i: int, tokens: int = 40, affinity: str = "") -> ModelRequest:
 
 
 @pytest.fixture
-async def engines():
-    handles = await start_engines(3, per_token_latency_s=0.002)
+async def engines(tmp_path: Path):
+    handles = await start_engines(3, tmp_path, per_token_latency_s=0.002)
     yield handles
     for h in handles:
         await h.close()

@@ -245,7 +245,7 @@ async def test_synthetic_stepped_queue_follows_priority() -> None:
 
 async def test_server_update_flushes_only_when_asked(tiny_dir: Path, prompts: list[list[int]]) -> None:
     backend = ReferenceBackend(ReferenceConfig(model=str(tiny_dir), max_running=2))
-    handle = await serve(backend, EngineServerConfig(host="127.0.0.1", port=0))
+    handle = await serve(backend, EngineServerConfig(host="127.0.0.1", port=0, weights_root=str(tiny_dir)))
     try:
         async with httpx.AsyncClient(base_url=handle.url, timeout=httpx.Timeout(20.0)) as http:
 

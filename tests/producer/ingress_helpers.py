@@ -8,8 +8,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from aiohttp import web
-
+from rollq.http_server import start_site
 from rollq.producer.ingress import Ingress, IngressConfig
 from rollq.workers.context import workflow_context
 from tests.workflows import trajectory
@@ -47,12 +46,17 @@ async def running_ingress(redis_url: str, run: str, **config: Any) -> AsyncItera
     config.setdefault("tokens", TOKENS)
     config.setdefault("tenant_workflows", TENANT_WORKFLOWS)
     config.setdefault("keepalive", 0.5)
-    ingress = Ingress(IngressConfig(redis_url=redis_url, run=run, host="127.0.0.1", port=0, **config))
-    runner = web.AppRunner(ingress.app(), handler_cancellation=True, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
+    cfg = IngressConfig(redis_url=redis_url, run=run, host="127.0.0.1", port=0, **config)
+    ingress = Ingress(cfg)
+    runner, port = await start_site(  # as `rollq ingress` serves it (producer/ingress/commands.py)
+        ingress.app(),
+        "127.0.0.1",
+        0,
+        header_timeout_s=cfg.header_timeout,
+        body_timeout_s=cfg.body_timeout,
+        handler_cancellation=True,
+        access_log=None,
+    )
     try:
         yield ingress, f"http://127.0.0.1:{port}"
     finally:

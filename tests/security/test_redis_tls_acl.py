@@ -73,10 +73,17 @@ async def test_wrong_password_and_missing_client_certificate_are_clear_errors(tl
 async def test_reward_worker_settings_carry_tls_and_the_user(tls_redis):
     from arq.connections import create_pool
 
+    from rollq.workers.rewards import arq_codec
+
     settings = arq_settings(RunSettings(redis_url=tls_redis.url("rewards"), **tls_redis.tls()).redis_url)
     assert settings.ssl and settings.username == "rewards" and settings.ssl_certfile == str(tls_redis.cert)
     settings.conn_retries = 0
-    pool = await create_pool(settings, default_queue_name=RunKeys(tls_redis.run).rewards)
+    pool = await create_pool(
+        settings,
+        default_queue_name=RunKeys(tls_redis.run).rewards,
+        job_serializer=arq_codec.encode,  # never arq's pickle default (tests/security/test_arq_pickle.py)
+        job_deserializer=arq_codec.decode,
+    )
     try:
         job = await pool.enqueue_job("some_reward", _job_id="tls-arq-1")
         assert job is not None and await job.status() is not None

@@ -3,8 +3,11 @@ anything is imported or constructed; a job naming anything else is dead-lettered
 
 import asyncio
 import json
+import os
+import shutil
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -12,6 +15,7 @@ from rollq.producer import Producer
 from rollq.protocol.codec import Codec
 from rollq.protocol.keys import PAYLOAD_FIELD, RunKeys
 from rollq.protocol.messages import Job
+from rollq.workers.loader import WorkflowCache
 from rollq.workers.resolver import (
     Allowlist,
     ImportNotAllowed,
@@ -91,9 +95,127 @@ def test_rollq_builtins_are_allowed_by_default_and_old_paths_map_to_the_new_ones
 
 def test_commands_are_named_in_the_same_list():
     allowlist = Allowlist(patterns=("command:python3", "my_pkg"))
-    allowlist.check_command("python3")
+    allowlist.check_command("python3", shutil.which("python3"))
     with pytest.raises(ImportNotAllowed, match="command 'bash' is not allowed"):
-        allowlist.check_command("bash")
+        allowlist.check_command("bash", shutil.which("bash"))
+
+
+@pytest.fixture
+def two_modules(tmp_path, monkeypatch):
+    """`allowed_pkg` (the operator allows it) re-exports a class of `foreign_mod` (not allowed) and holds objects."""
+    (tmp_path / "foreign_mod.py").write_text(
+        textwrap.dedent("""
+        import json
+
+        class Foreign:
+            TOOL = json.JSONDecoder().scan_once  # a callable object (a C scanner) held by a foreign class
+        """)
+    )
+    (tmp_path / "allowed_pkg.py").write_text(
+        textwrap.dedent("""
+        import json
+        from foreign_mod import Foreign
+
+        HELPER = json.JSONDecoder()  # an object the module built: its attributes come from anywhere
+        TOOLS = [len]
+
+        class Wf:
+            LIMIT = 3
+
+            def method(self):
+                return "method"
+
+            class Inner:
+                NAME = "inner"
+        """)
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield Allowlist(patterns=("allowed_pkg",))
+    for name in ("allowed_pkg", "foreign_mod"):
+        sys.modules.pop(name, None)
+
+
+def test_a_path_walks_only_through_modules_and_classes_defined_in_allowed_modules(two_modules):
+    """F12a: a path that walked into an object's attributes handed out a callable from outside the list (a json
+    scanner); so did a class attribute of a re-exported foreign class."""
+    allowed = two_modules
+    with pytest.raises(WorkflowLoadError, match="goes into the attributes of a JSONDecoder object"):
+        resolve("allowed_pkg:HELPER.scan_once", allowlist=allowed)
+    with pytest.raises(WorkflowLoadError, match="goes into the attributes"):
+        resolve("allowed_pkg:HELPER.scan_once")  # the same rule without an allowlist: a path means one thing
+    with pytest.raises(ImportNotAllowed, match="names foreign_mod.Foreign, defined in a module the allowlist"):
+        resolve("allowed_pkg:Foreign.TOOL", allowlist=allowed)
+    # What legitimate paths name still resolves: a module's objects, classes, their attributes and methods.
+    assert type(resolve("allowed_pkg:HELPER", allowlist=allowed)).__name__ == "JSONDecoder"
+    assert resolve("allowed_pkg:TOOLS", allowlist=allowed) == [len]
+    assert resolve("allowed_pkg:Wf.LIMIT", allowlist=allowed) == 3
+    assert resolve("allowed_pkg:Wf.method", allowlist=allowed)(None) == "method"
+    assert resolve("allowed_pkg:Wf.Inner.NAME", allowlist=allowed) == "inner"
+    assert resolve("rollq.workers.builtin.rlvr:RLVRWorkflow.arun_episode", allowlist=Allowlist()) is not None
+
+
+@pytest.fixture
+def agents(tmp_path):
+    """A folder of agent programs: `run.sh` (writes a marker), links to it, and links out of the folder."""
+    folder = tmp_path / "agents"
+    folder.mkdir()
+    run = folder / "run.sh"
+    run.write_text(f"#!/bin/sh\ntouch {tmp_path / 'ran'}\necho 1.0\n")
+    run.chmod(0o755)
+    (folder / "link.sh").symlink_to("run.sh")  # a link to another allowed file
+    (folder / "sh").symlink_to(shutil.which("sh"))  # a link out of the folder
+    (folder / "bin").symlink_to(Path(shutil.which("sh")).parent)  # a linked folder inside the allowed one
+    return folder
+
+
+async def run_command(workflow: str, allowlist: Allowlist) -> object:
+    with enforcing(allowlist):
+        wf = WorkflowCache().get(workflow, None)
+    return await asyncio.wait_for(wf.target.run({}, "http://127.0.0.1:9/v1", "k", "http://127.0.0.1:9"), 10)
+
+
+async def test_command_links_are_resolved_before_they_are_matched(agents, tmp_path, monkeypatch):
+    """F12b: `agents/sh -> /bin/sh` inside an allowed folder ran `id`; a link is checked as the file it leads to."""
+    allowlist = Allowlist(patterns=(f"command:{agents}/*",))
+    ran = tmp_path / "ran"
+    for program in (agents / "sh", agents / "bin" / "sh"):
+        with pytest.raises(ImportNotAllowed, match="symbolic link .* to a file that no command: pattern allows"):
+            await run_command(f"exec:{program} -c 'touch {ran}'", allowlist)
+    assert not ran.exists()
+    assert await run_command(f"exec:{agents}/link.sh", allowlist) == 1.0  # a link to an allowed file runs
+    assert ran.exists()
+    # An operator who lists the link's target too allows it (any pattern may cover the real file).
+    target = Allowlist(patterns=(f"command:{agents}/*", f"command:{os.path.realpath(shutil.which('sh'))}"))
+    assert await run_command(f"exec:{agents}/sh -c 'echo 0.5'", target) == 0.5
+
+
+async def test_a_linked_checkout_path_and_relative_patterns_still_match(agents, tmp_path, monkeypatch):
+    """The patterns' own folders are resolved too: an allowed folder reached through a linked parent still is one."""
+    linked = tmp_path / "checkout"
+    linked.symlink_to(tmp_path)  # as /work -> /old_root/work
+    via_link = Allowlist(patterns=(f"command:{linked}/agents/*",))
+    assert await run_command(f"exec:{linked}/agents/run.sh", via_link) == 1.0
+    with pytest.raises(ImportNotAllowed, match="symbolic link"):
+        await run_command(f"exec:{linked}/agents/sh -c 'echo 1'", via_link)
+    monkeypatch.chdir(linked)  # relative patterns are relative to the worker's folder
+    relative = Allowlist(patterns=("command:agents/*",))
+    assert await run_command("exec:agents/run.sh", relative) == 1.0
+    with pytest.raises(ImportNotAllowed, match="symbolic link"):
+        await run_command("exec:agents/sh -c 'echo 1'", relative)
+    with pytest.raises(ImportNotAllowed, match="'..' path component"):
+        await run_command("exec:agents/../agents/run.sh", relative)
+
+
+async def test_bare_names_are_checked_as_what_the_path_finds(agents, monkeypatch):
+    """A bare name listed by name runs what the worker's PATH finds; one that is not is checked as that file."""
+    monkeypatch.setenv("PATH", f"{agents}{os.pathsep}{os.environ['PATH']}")
+    in_folder = Allowlist(patterns=(f"command:{agents}/*",))
+    assert await run_command("exec:run.sh", in_folder) == 1.0  # found in an allowed folder
+    with pytest.raises(ImportNotAllowed, match="symbolic link"):
+        await run_command("exec:sh -c 'echo 1'", in_folder)  # PATH finds agents/sh, a link out of the folder
+    with pytest.raises(ImportNotAllowed, match="command 'true' is not allowed"):
+        await run_command("exec:true", in_folder)
+    assert await run_command("exec:sh -c 'echo 0.25'", Allowlist(patterns=("command:sh",))) == 0.25  # by name
 
 
 async def test_a_reward_worker_refuses_reward_functions_outside_its_allowlist(side_effect_module):

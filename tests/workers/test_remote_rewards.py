@@ -17,6 +17,7 @@ import pytest
 import redis as sync_redis
 
 from rollq.protocol.keys import RunKeys
+from rollq.workers.rewards.arq_codec import NotPlainData
 from rollq.workers.rewards.processes import RewardError, RewardNotANumber, RewardTimeout
 from rollq.workers.rewards.remote import NoRewardWorker, RemoteReward
 from tests.helpers import REPO_ROOT
@@ -85,6 +86,30 @@ async def test_returns_the_reward(remote):
     async with remote("tests.reward_fns.returns") as rr:  # module.function spelling too
         result = await rr(3)
         assert result == 3.0 and type(result) is float
+
+
+async def test_a_workflow_shaped_call_round_trips(remote):
+    """What RewardCaller sends in remote mode: texts, token id lists, and the job's data as keyword arguments."""
+    data = {"bonus": 0.5, "meta": {"tags": ["a", None, 2.5, True], 7: b"\x00"}, "none": None}
+    async with remote("tests.reward_fns:completion_reward") as rr:
+        assert await rr("prompt", "completion", [1, 2, 3], [4, 5, 6, 7], **data) == 4.5
+
+
+async def test_arguments_that_are_not_plain_data_fail_at_the_caller(remote, redis, served_run):
+    import datetime
+
+    async with remote("tests.reward_fns:exact_match") as rr:
+        with pytest.raises(
+            NotPlainData,
+            match=r"remote reward call of tests.reward_fns:exact_match: kwargs\['when'\] is datetime.datetime, "
+            "not plain data",
+        ):
+            await rr("42", when=datetime.datetime(2024, 1, 1))
+        with pytest.raises(NotPlainData, match=r"args\[0\] is object, not plain data"):
+            await rr(object())
+        with pytest.raises(NotPlainData, match=r"remote reward call of .*can't serialize ints"):
+            await rr("42", big=2**70)
+    assert await redis.zcard(RunKeys(served_run).rewards) == 0  # refused before anything was enqueued
 
 
 async def test_hung_reward_times_out_and_the_worker_keeps_serving(remote, tmp_path):

@@ -155,7 +155,8 @@ async def test_agent_name_picks_a_builtin_loop_and_an_unknown_one_is_dead_letter
 
 async def test_a_job_over_max_job_bytes_is_dead_lettered_undecoded(redis, redis_url, run_name):
     keys = RunKeys(run_name)
-    producer = Producer(redis, run_name, max_job_bytes=1 << 20)  # lets it through; the worker's limit is lower
+    # lets it through, its data inline in each entry; the worker's limit is lower
+    producer = Producer(redis, run_name, max_job_bytes=1 << 20, blob_min_bytes=1 << 30)
     codec = Codec()
     async with running_worker(redis_url, run_name, max_job_bytes=4000) as worker:
         await producer.submit("tests.workflows:Echo", {"i": 1, "blob": "x" * 5000}, job_id="big", n=2)
@@ -171,6 +172,22 @@ async def test_a_job_over_max_job_bytes_is_dead_lettered_undecoded(redis, redis_
     assert all(lt.raw is not None and len(lt.raw) == 4096 for lt in letters)  # a prefix, not the payload
     assert worker.stats.dead_lettered == 2 and worker.stats.completed == 1
     assert await redis.xlen(keys.jobs) == 0
+
+
+async def test_a_job_whose_stored_data_is_over_max_job_bytes_is_dead_lettered_unread(redis, redis_url, run_name):
+    keys = RunKeys(run_name)
+    producer = Producer(redis, run_name, max_job_bytes=1 << 20)  # the data goes to the blob store, read by reference
+    async with running_worker(redis_url, run_name, max_job_bytes=4000) as worker:
+        await producer.submit("tests.workflows:Echo", {"i": 1, "blob": "x" * 5000}, job_id="big", n=2)
+        await producer.submit("tests.workflows:Echo", {"i": 2, "blob": "x" * 1000}, job_id="small")
+        trajs = {(t.job_id, t.sample_index): t for t in await collect(producer, {"big": 2, "small": 1})}
+    assert trajs["small", 0].status == "ok"
+    for i in range(2):
+        err = trajs["big", i].error
+        assert trajs["big", i].status == "error" and err.type == "JobTooLarge" and "max_job_bytes=4000" in err.message
+    letters = [Codec().decode_dead_letter(f[PAYLOAD_FIELD]) for _, f in await redis.xrange(keys.dead)]
+    assert len(letters) == 2 and all(lt.error.type == "JobTooLarge" and lt.job.data_ref for lt in letters)
+    assert worker.stats.dead_lettered == 2 and worker.stats.completed == 1
 
 
 async def test_a_trajectory_over_max_trajectory_bytes_is_an_error_result(redis, redis_url, run_name):

@@ -1,9 +1,12 @@
 """Command agents: an agent in any language, run as a process per episode (a job's workflow `exec:PROGRAM ARGS...`).
 
 The contract, for the program:
-- environment: the worker's, plus OPENAI_BASE_URL (the recording proxy's base URL, ending /v1), OPENAI_API_KEY (the
-  episode's session key), ANTHROPIC_BASE_URL (the proxy's root URL) and ANTHROPIC_API_KEY (the same key). The
-  official SDKs read these, so an unmodified agent talks to the proxy and every completion is recorded token-exactly;
+- environment: a minimal one, never the worker's (rollq.workers.agents.environment): PATH, HOME and TMPDIR (a
+  fresh folder per episode, removed after it), LANG and the worker's LC_* settings, OPENAI_BASE_URL (the recording
+  proxy's base URL, ending /v1), OPENAI_API_KEY (the episode's session key), ANTHROPIC_BASE_URL (the proxy's root URL)
+  and ANTHROPIC_API_KEY (the same key), and what the job passes as `workflow_kwargs: {"env": {NAME: value}}` (names
+  the operator allowed with `env:NAME` patterns). The official SDKs read these, so an unmodified agent talks to the
+  proxy and every completion is recorded token-exactly;
 - stdin: the job's data as one JSON document, then end of file;
 - stdout: the LAST non-empty line is the result, as JSON: a number (the reward of the last completion), an object
   `{completion_id: reward}`, or `null` (the agent rejects the sample). Anything before that line is logged at debug
@@ -19,10 +22,13 @@ never blocks the worker's loop: output is consumed as it arrives (a chatty agent
 last stdout line and the stderr tail are kept, so memory stays bounded whatever the program prints.
 
 The allowlist: `parse_command` checks the program *as written* in the job (not its basename, which any file could
-share) against the worker's `command:NAME` patterns, before anything runs. `command:node` allows `exec:node a.js`
-(found on the worker's PATH); `command:/opt/agents/*` allows any program named by a path under /opt/agents. A path
-with a `..` component is refused while an allowlist is active (it could leave an allowed folder). Without an active
-allowlist (trusted local code) any command runs.
+share) and the file it really is (symbolic links resolved) against the worker's `command:NAME` patterns, before
+anything runs (`Allowlist.check_command` has the rules). `command:node` allows `exec:node a.js` (found on the
+worker's PATH); `command:/opt/agents/*` allows any program named by a path under /opt/agents that is not a link out
+of the allowed folders. A path with a `..` component is refused while an allowlist is active (it could leave an
+allowed folder). The worker runs the very file it checked. Allowing a program allows it with any arguments and
+whatever it runs in turn (`command:python3` allows `exec:python3 -c ...`). Without an active allowlist (trusted
+local code) any command runs.
 """
 
 from __future__ import annotations
@@ -33,10 +39,13 @@ import os
 import shlex
 import shutil
 import signal
+import tempfile
+from collections.abc import Mapping
 from typing import Any, cast
 
 import msgspec
 
+from rollq.workers.agents.environment import command_environment, command_options, proxy_variables
 from rollq.workers.agents.export import AgentOutputError
 from rollq.workers.agents.subproc import agent_result
 from rollq.workers.resolver import Allowlist, ImportNotAllowed, WorkflowLoadError
@@ -60,6 +69,19 @@ def is_command(workflow: str) -> bool:
 def parse_command(workflow: str, allowlist: Allowlist | None) -> list[str]:
     """`exec:PROGRAM ARGS...` -> argv (shell-style split, no shell runs), after the allowlist allowed PROGRAM.
     Raises WorkflowLoadError (malformed, not found) or ImportNotAllowed before anything runs."""
+    return _parse(workflow, allowlist)[0]
+
+
+def command_agent(workflow: str, kwargs: Mapping[str, Any], allowlist: Allowlist | None) -> CommandAgent:
+    """The agent a job's `exec:` workflow and workflow_kwargs (`env`, see rollq.workers.agents.environment) name,
+    after the allowlist allowed both; nothing has run yet."""
+    argv, executable = _parse(workflow, allowlist)
+    options = command_options(kwargs, allowlist)
+    return CommandAgent(argv, workflow, executable=executable, env=options.env)
+
+
+def _parse(workflow: str, allowlist: Allowlist | None) -> tuple[list[str], str]:
+    """argv and the absolute path of the file to run (the one the allowlist checked)."""
     spec = workflow[len(EXEC_PREFIX) :] if is_command(workflow) else workflow
     try:
         argv = shlex.split(spec)
@@ -68,14 +90,15 @@ def parse_command(workflow: str, allowlist: Allowlist | None) -> list[str]:
     if not argv:
         raise WorkflowLoadError(f"workflow {workflow!r} names no command: write 'exec:PROGRAM ARGS...'")
     program = argv[0]
+    if allowlist is not None and ".." in program.split("/"):
+        raise ImportNotAllowed(f"command {program!r} has a '..' path component; name it without one")
+    found = shutil.which(program)
     if allowlist is not None:
-        if ".." in program.split("/"):
-            raise ImportNotAllowed(f"command {program!r} has a '..' path component; name it without one")
-        allowlist.check_command(program)
-    if shutil.which(program) is None:
+        allowlist.check_command(program, found)
+    if found is None:
         where = "is not an executable file" if "/" in program else "is not an executable on the worker's PATH"
         raise WorkflowLoadError(f"command {program!r} {where}")
-    return argv
+    return argv, os.path.abspath(found)
 
 
 class _Output(asyncio.SubprocessProtocol):
@@ -128,32 +151,49 @@ class _Output(asyncio.SubprocessProtocol):
 
 
 class CommandAgent:
-    """Runs `argv` once per episode against the recording proxy (see the module's docstring for the contract)."""
+    """Runs `argv` once per episode against the recording proxy (see the module's docstring for the contract).
 
-    def __init__(self, argv: list[str], name: str | None = None) -> None:
+    `executable`: the file to run (what the allowlist checked; default: argv[0] as found on the worker's PATH), as
+    argv[0]. `env`: variables the job passes (checked by `command_agent`)."""
+
+    def __init__(
+        self,
+        argv: list[str],
+        name: str | None = None,
+        *,
+        executable: str | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
         if not argv:
             raise ValueError("a command agent needs a program to run")
         self.argv = list(argv)
         self.name = name or EXEC_PREFIX + shlex.join(self.argv)
+        self.executable = executable
+        self.env = dict(env or {})
 
     async def run(self, data: Any, base_url: str, api_key: str, anthropic_base_url: str) -> Any:
         try:
             payload = msgspec.json.encode(data) + b"\n"
         except (TypeError, msgspec.EncodeError) as exc:
             raise AgentOutputError(f"{self.name}: the job's data cannot be written as JSON: {exc}") from None
-        env = {
-            **os.environ,
-            "OPENAI_BASE_URL": base_url,
-            "OPENAI_API_KEY": api_key,
-            "ANTHROPIC_BASE_URL": anthropic_base_url,
-            "ANTHROPIC_API_KEY": api_key,
-        }
+        home = tempfile.mkdtemp(prefix="rollq-agent-")  # the episode's HOME and TMPDIR, removed after it
+        try:
+            tmpdir = os.path.join(home, "tmp")
+            os.mkdir(tmpdir, 0o700)
+            env = command_environment(home, tmpdir, proxy_variables(base_url, api_key, anthropic_base_url), self.env)
+            return await self._run(payload, env)
+        finally:
+            # In a thread (an agent may leave a large tree), finished even when the episode is cancelled meanwhile.
+            await asyncio.shield(asyncio.get_running_loop().run_in_executor(None, _remove_tree, home))
+
+    async def _run(self, payload: bytes, env: dict[str, str]) -> Any:
         loop = asyncio.get_running_loop()
         out = _Output(self.name)
         try:
             transport, _ = await loop.subprocess_exec(
                 lambda: out,
-                *self.argv,
+                self.executable or self.argv[0],
+                *self.argv[1:],
                 stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE,
@@ -222,6 +262,10 @@ def _write_stdin(transport: asyncio.SubprocessTransport, payload: bytes) -> None
         pass
 
 
+def _remove_tree(path: str) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
 def _kill_group(pid: int) -> None:
     try:
         os.killpg(pid, signal.SIGKILL)
@@ -247,4 +291,4 @@ def _tail(stderr: bytearray) -> str:
     return f"stderr:\n{text}"
 
 
-__all__ = ["EXEC_PREFIX", "CommandAgent", "CommandError", "is_command", "parse_command"]
+__all__ = ["EXEC_PREFIX", "CommandAgent", "CommandError", "command_agent", "is_command", "parse_command"]

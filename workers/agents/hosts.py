@@ -23,6 +23,10 @@ base_url, anthropic_base_url, api_key and http_client offered. The host runs a l
 `workflow_context()` works inside agents, and AsyncRewardWrappers they build share pools within the host, closed
 with it.
 
+Environment: a host starts with the worker's environment minus the worker's secrets (ROLLQ_*, REDIS*; see
+rollq.workers.agents.environment). It still holds the worker's ContextConfig, whose redis_url (with any password) is
+what agents' remote rewards use to reach the reward workers: code in a host can read it.
+
 Failure handling (worker side): an episode is picked onto the least-loaded host; hosts start lazily. The host
 enforces the timeout cooperatively; the worker waits timeout + HOST_GRACE_S more, and a host that has not answered
 by then is stuck (a CPU-bound agent blocking its loop): it is SIGKILLed and every episode it ran fails with
@@ -48,6 +52,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import msgspec
 
+from rollq.workers.agents.environment import drop_worker_secrets
 from rollq.workers.context import ContextConfig, EpisodeContext, WorkflowContext, episode_scope
 from rollq.workers.resolver import Allowlist, enforcing, resolve
 from rollq.workers.rewards.processes import join_all
@@ -96,6 +101,9 @@ def _exit_text(code: int | None) -> str:
 
 
 def _host_main(sock: socket.socket, config: ContextConfig) -> None:
+    # The host inherited the worker's environment (through the fork server); agents (and what they start) must not
+    # see its secrets. The Redis URL that agents' remote rewards use comes in `config`, not from the environment.
+    drop_worker_secrets(os.environ)
     # Ctrl-C reaches the whole process group; the worker decides when hosts stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # Started as a daemon (so a worker that exits without closing its hosts takes them along), but agents' own
@@ -132,7 +140,10 @@ class _Host:
 
     def start(self, msg: list[Any]) -> None:
         _, eid, path, kwargs_json, data, urls, api_key, allow, episode, timeout = msg
-        allowlist = None if allow is None else Allowlist(patterns=tuple(allow[0]), setting=allow[1])
+        allowlist = None
+        if allow is not None:
+            within = None if allow[2] is None else tuple(allow[2])
+            allowlist = Allowlist(patterns=tuple(allow[0]), setting=allow[1], within=within)
         ep = msgspec.convert(episode, EpisodeContext) if episode is not None else EpisodeContext()
         task = asyncio.create_task(self.episode(eid, path, kwargs_json, data, urls, api_key, allowlist, ep, timeout))
         self.tasks[eid] = task
@@ -308,7 +319,7 @@ class AgentHosts:
             data,
             urls,
             api_key,
-            None if allowlist is None else [list(allowlist.patterns), allowlist.setting],
+            None if allowlist is None else [list(allowlist.patterns), allowlist.setting, allowlist.within],
             None if episode is None else msgspec.to_builtins(episode),
             timeout_s,
         ]

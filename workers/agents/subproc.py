@@ -2,7 +2,8 @@
 
 The agent sees the proxy through the environment (OPENAI_BASE_URL / OPENAI_API_KEY, and the ANTHROPIC_ pair), as an
 unmodified script would; it may be synchronous. A child runs one episode at a time, so setting the environment per
-call is safe.
+call is safe. The child inherited the worker's environment (through the fork server): the worker's secrets (ROLLQ_*,
+REDIS*) are removed from it before any agent code runs (rollq.workers.agents.environment).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import json
 import os
 from typing import Any
 
+from rollq.workers.agents.environment import drop_worker_secrets, proxy_variables
 from rollq.workers.resolver import Allowlist, resolve
 from rollq.workers.rewards.values import as_reward
 
@@ -39,14 +41,8 @@ def extra_kwargs_for(run: Any, offered: dict[str, Any]) -> dict[str, Any]:
 def run_agent(
     path: str, kwargs_json: str, data: Any, urls: dict[str, str], api_key: str, allowlist: Allowlist | None = None
 ) -> Any:
-    os.environ.update(
-        {
-            "OPENAI_BASE_URL": urls["base_url"],
-            "OPENAI_API_KEY": api_key,
-            "ANTHROPIC_BASE_URL": urls["anthropic_base_url"],
-            "ANTHROPIC_API_KEY": api_key,
-        }
-    )
+    drop_worker_secrets(os.environ)  # before the agent is even imported
+    os.environ.update(proxy_variables(urls["base_url"], api_key, urls["anthropic_base_url"]))
     agent = _agent(path, kwargs_json, allowlist)
     offered = {"base_url": urls["base_url"], "anthropic_base_url": urls["anthropic_base_url"], "api_key": api_key}
     result = agent.run(data, **extra_kwargs_for(agent.run, offered))

@@ -378,8 +378,9 @@ async def stream_events(
     yield event("response.incomplete" if done["status"] == "incomplete" else "response.completed", response=done)
 
 
-def error_frame(message: str) -> bytes:
-    body = {"type": "error", "code": "server_error", "message": message, "param": None, "sequence_number": 0}
+def error_frame(message: str, client_fault: bool = False) -> bytes:
+    code = "invalid_request_error" if client_fault else "server_error"
+    body = {"type": "error", "code": code, "message": message, "param": None, "sequence_number": 0}
     return b"event: error\ndata: " + json.dumps(body).encode() + b"\n\n"
 
 

@@ -16,7 +16,9 @@ from typing import Any, Literal
 import msgspec
 from aiohttp import web
 
+from rollq.engine.client import EngineError
 from rollq.engine.types import InferenceEngine, ModelRequest, SamplingParams
+from rollq.http_server import BAD_JSON, read_body, start_site
 from rollq.workers.chat_template import stop_token_ids
 from rollq.workers.proxy import anthropic, responses
 from rollq.workers.proxy.chat import (
@@ -53,6 +55,10 @@ class ProxyConfig(msgspec.Struct, kw_only=True, frozen=True):
     # (templates that rewrite earlier turns, e.g. drop their reasoning): a new token sequence, still the parent's
     # child for rewards.
     continuation: Literal["exact", "template"] = "exact"
+    # Read timeouts (rollq/http_server.py). The head timeout is also the idle keep-alive timeout: above the agents'
+    # clients' keep-alive (aiohttp's 15 s, httpx's 5 s), so a reused connection is never closed under a request.
+    header_timeout_s: float = 30.0
+    body_timeout_s: float = 60.0
 
 
 class _Prompt(msgspec.Struct, kw_only=True):
@@ -70,12 +76,23 @@ def _json_response(body: Any, status: int = 200) -> web.Response:
     return web.Response(body=msgspec.json.encode(body), status=status, content_type="application/json")
 
 
-def _openai_error(message: str, status: int, kind: str = "invalid_request_error", param: str | None = None):
-    return _json_response({"error": {"message": message, "type": kind, "param": param, "code": None}}, status=status)
+def _openai_error(
+    message: str, status: int, kind: str = "invalid_request_error", param: str | None = None, code: str | None = None
+):
+    return _json_response({"error": {"message": message, "type": kind, "param": param, "code": code}}, status=status)
 
 
 def _anthropic_error(message: str, status: int, kind: str = "invalid_request_error"):
     return _json_response({"type": "error", "error": {"type": kind, "message": message}}, status=status)
+
+
+def _refusal(exc: Exception) -> str | None:
+    """The engine's reason when it refused the request itself (4xx: context too long, bad token ids, a request this
+    engine cannot serve): the client's fault, answered 400. None for the engine's or rollq's own failures (down, 5xx,
+    or 401/403: the worker's engine key is wrong), answered 502."""
+    if isinstance(exc, EngineError) and 400 <= exc.status < 500 and exc.status not in (401, 403):
+        return f"the engine refused the request: {exc.message}"
+    return None
 
 
 class RecordingProxy:
@@ -83,6 +100,8 @@ class RecordingProxy:
         self.engine = engine  # anything with `async agenerate(ModelRequest) -> ModelResponse` (the EnginePool)
         self.tokenizer = tokenizer
         self.prompts = PromptEncoder(tokenizer)
+        # Token ids a completions prompt may hold: what the tokenizer can decode (None: it does not say).
+        self.vocab_size: int | None = len(tokenizer) if hasattr(tokenizer, "__len__") else None
         self.config = config or ProxyConfig()
         self.sessions = SessionStore()
         self._runner: web.AppRunner | None = None
@@ -113,11 +132,16 @@ class RecordingProxy:
     async def start(self) -> RecordingProxy:
         # handler_cancellation: a client that goes away (an SDK timing out before it retries) cancels its handler,
         # and with it the generation, which is then never recorded.
-        self._runner = web.AppRunner(self.app(), access_log=None, handle_signals=False, handler_cancellation=True)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self.config.host, self.config.port)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self._runner, self.port = await start_site(
+            self.app(),
+            self.config.host,
+            self.config.port,
+            header_timeout_s=self.config.header_timeout_s,
+            body_timeout_s=self.config.body_timeout_s,
+            access_log=None,
+            handle_signals=False,
+            handler_cancellation=True,
+        )
         log.info("recording proxy on %s", self.base_url)
         return self
 
@@ -142,9 +166,10 @@ class RecordingProxy:
 
     @staticmethod
     async def _body(request: web.Request) -> dict[str, Any]:
+        raw = await read_body(request)  # 408 for a body that trickles in
         try:
-            body = msgspec.json.decode(await request.read())
-        except (msgspec.DecodeError, RecursionError) as exc:
+            body = msgspec.json.decode(raw)
+        except BAD_JSON as exc:
             raise BadRequest(f"the body is not valid JSON: {exc}") from None
         if not isinstance(body, dict):
             raise BadRequest("the body must be a JSON object")
@@ -273,7 +298,9 @@ class RecordingProxy:
             raise  # the client went away; stream_deltas cancels the generation
         except Exception as exc:
             _mark_delivered(finals, False)
-            await resp.write(error_frame(f"generation failed: {type(exc).__name__}: {exc}"))
+            refused = _refusal(exc)  # the status is sent: the event names whose fault it was
+            message = refused or f"generation failed: {type(exc).__name__}: {exc}"
+            await resp.write(error_frame(message, client_fault=refused is not None))
             await resp.write_eof()
         return resp
 
@@ -335,7 +362,7 @@ class RecordingProxy:
                 session, prompt, params, parse_tools=parse_tools, rid=rid, want_pieces=params.logprobs
             )
         except Exception as exc:  # the engine pool's failure: the agent sees a server error, as with a real API
-            return _openai_error(f"generation failed: {type(exc).__name__}: {exc}", 502, "server_error")
+            return _openai_failure(exc)
         return await self._deliver(
             request, chat_completion(rid, model, choices, len(prompt.ids), params.logprobs), choices
         )
@@ -369,7 +396,7 @@ class RecordingProxy:
                 session, prompt, params, parse_tools=False, rid=rid, want_pieces=params.logprobs
             )
         except Exception as exc:
-            return _openai_error(f"generation failed: {type(exc).__name__}: {exc}", 502, "server_error")
+            return _openai_failure(exc)
         return await self._deliver(
             request, text_completion(rid, model, choices, len(prompt_ids), params.logprobs), choices
         )
@@ -380,6 +407,11 @@ class RecordingProxy:
         if isinstance(prompt, str) and prompt:
             return self.prompts.encode(prompt)
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            vocab = self.vocab_size
+            bad = next((t for t in prompt if t < 0 or (vocab is not None and t >= vocab)), None)
+            if bad is not None:  # the engine would refuse it too; said here, before a generation is queued
+                span = f"[0, {vocab})" if vocab is not None else "non-negative"
+                raise BadRequest(f"'prompt' token id {bad} is out of the vocabulary range {span}", "prompt")
             return list(prompt)
         raise BadRequest("'prompt' must be one non-empty string or one list of token ids (no batches)", "prompt")
 
@@ -387,13 +419,16 @@ class RecordingProxy:
         return _json_response({"object": "list", "data": [self._model_card()]})
 
     async def model(self, request: web.Request) -> web.Response:
-        return _json_response({**self._model_card(), "id": request.match_info["model"]})
+        name = request.match_info["model"]
+        if name != self.config.model_name:  # OpenAI: 404 model_not_found
+            return _openai_error(f"The model '{name}' does not exist", 404, param="model", code="model_not_found")
+        return _json_response(self._model_card())
 
     def _model_card(self) -> dict[str, Any]:
         return {"id": self.config.model_name, "object": "model", "created": 0, "owned_by": "rollq"}
 
     async def health(self, request: web.Request) -> web.Response:
-        return _json_response({"status": "ok", "sessions": len(self.sessions)})
+        return _json_response({"status": "ok"})  # unauthenticated: says nothing about the episodes it serves
 
     # -- Anthropic ---------------------------------------------------------------------------------------------------
 
@@ -424,6 +459,9 @@ class RecordingProxy:
                 session, prompt, params, parse_tools=parse_tools, rid=mid, want_pieces=False
             )
         except Exception as exc:
+            refused = _refusal(exc)
+            if refused is not None:
+                return _anthropic_error(refused, 400)
             return _anthropic_error(f"generation failed: {type(exc).__name__}: {exc}", 502, "api_error")
         return await self._deliver(
             request, anthropic.message(mid, model, choice, len(prompt.ids), params.stop), [choice]
@@ -470,7 +508,7 @@ class RecordingProxy:
                 session, prompt, params, parse_tools=req.parse_tools, rid=rid, want_pieces=params.logprobs
             )
         except Exception as exc:
-            return _openai_error(f"generation failed: {type(exc).__name__}: {exc}", 502, "server_error")
+            return _openai_failure(exc)
         remember(choice)
         return await self._deliver(request, responses.response(rid, model, req, choice, len(prompt.ids)), [choice])
 
@@ -511,12 +549,23 @@ async def _event_frames(events: Any) -> Any:
         yield b"event: " + name.encode() + b"\ndata: " + msgspec.json.encode(data) + b"\n\n"
 
 
-def _openai_error_frame(message: str) -> bytes:
-    return b"data: " + msgspec.json.encode({"error": {"message": message, "type": "server_error"}}) + b"\n\n"
+def _openai_failure(exc: Exception) -> web.Response:
+    refused = _refusal(exc)
+    if refused is not None:
+        return _openai_error(refused, 400)
+    return _openai_error(f"generation failed: {type(exc).__name__}: {exc}", 502, "server_error")
 
 
-def _anthropic_error_frame(message: str) -> bytes:
-    body = {"type": "error", "error": {"type": "api_error", "message": message}}
+def _openai_error_frame(message: str, client_fault: bool = False) -> bytes:
+    kind = "invalid_request_error" if client_fault else "server_error"
+    return b"data: " + msgspec.json.encode({"error": {"message": message, "type": kind}}) + b"\n\n"
+
+
+def _anthropic_error_frame(message: str, client_fault: bool = False) -> bytes:
+    body = {
+        "type": "error",
+        "error": {"type": "invalid_request_error" if client_fault else "api_error", "message": message},
+    }
     return b"event: error\ndata: " + msgspec.json.encode(body) + b"\n\n"
 
 

@@ -22,7 +22,7 @@ import msgspec
 from rollq.config import DEFAULT_RUN, ENV_PREFIX
 from rollq.redis_client import redis_url_from_env
 from rollq.workers.context import workflow_context
-from rollq.workers.resolver import resolve
+from rollq.workers.resolver import active_allowlist, resolve
 from rollq.workers.rewards.processes import AsyncRewardWrapper
 from rollq.workers.rewards.remote import RemoteReward
 from rollq.workers.rewards.values import as_reward
@@ -130,6 +130,9 @@ class RewardCaller:
         self.fn: Callable[..., Any] | None  # None only in remote mode, for a function not importable here
         if config.mode == "remote":
             path = import_path(fn)
+            allowlist = active_allowlist()
+            if allowlist is not None:  # a tenant's job may hand the reward workers only what its patterns allow
+                allowlist.check_within(path)
             # Imported here too when possible, only to drop data keys colliding with its positional parameters;
             # a function that exists only on the reward workers gets all of data as keyword arguments.
             try:

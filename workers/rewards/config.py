@@ -24,6 +24,9 @@ class RewardWorkerConfig(RunSettings, kw_only=True):
     metrics_port: Annotated[
         int, setting("serve Prometheus /metrics on this port (0 = off)", metavar="PORT", ge=0, le=65535)
     ] = 0
+    metrics_host: Annotated[
+        str, setting("address the /metrics server binds (0.0.0.0 in a container so Prometheus can scrape it)")
+    ] = "127.0.0.1"
     allow: Annotated[
         list[str],
         setting(

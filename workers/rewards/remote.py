@@ -9,6 +9,10 @@ and reported as a timeout without taking the reward worker down.
 The arq job never raises for a reward failure: it returns a tagged result ({"ok": reward} or {"error": type name,
 "message": ..., "traceback": ...}). The exception type thus crosses the queue explicitly (no pickled user exception
 classes), and arq retries a job only when its worker died (in-progress key expired) or shut down mid-job.
+
+Jobs and results travel as msgpack (rollq.workers.rewards.arq_codec), never pickle: a call's arguments must be plain
+data (NotPlainData otherwise, before anything is enqueued), and a result that is not msgpack (a pickle planted in
+`arq:result:*`) is refused unread: the call fails with RewardError, as a failed reward does.
 """
 
 from __future__ import annotations
@@ -20,13 +24,14 @@ from typing import Any
 import msgspec
 from arq.connections import ArqRedis, create_pool
 from arq.constants import abort_jobs_ss, in_progress_key_prefix, job_key_prefix, result_key_prefix
-from arq.jobs import Job, JobResult, JobStatus
+from arq.jobs import DeserializationError, Job, JobResult, JobStatus, SerializationError
 from arq.utils import timestamp_ms
 from redis.exceptions import WatchError
 
 from rollq.protocol.keys import RunKeys
 from rollq.redis_client import arq_settings
 from rollq.workers.resolver import split_import_path
+from rollq.workers.rewards import arq_codec
 from rollq.workers.rewards.processes import RewardError, RewardNotANumber, RewardTimeout
 
 COMPUTE_REWARD = "compute_reward"  # the arq function name, shared by both sides
@@ -93,27 +98,48 @@ class RemoteReward:
             self._pool_lock = self._pool_lock or asyncio.Lock()
             async with self._pool_lock:
                 if self._pool is None:
-                    self._pool = await create_pool(arq_settings(self.config.redis_url), default_queue_name=self.queue)
+                    self._pool = await create_pool(
+                        arq_settings(self.config.redis_url),
+                        default_queue_name=self.queue,
+                        job_serializer=arq_codec.encode,
+                        job_deserializer=arq_codec.decode,
+                    )
         return self._pool
 
     async def __call__(self, *args: Any, **kwargs: Any) -> float:
-        pool = await self._get_pool()
         c = self.config
+        try:  # here, to name the argument as the caller knows it (arq's record nests them)
+            arq_codec.check_plain(args, "args")
+            arq_codec.check_plain(kwargs, "kwargs")
+        except arq_codec.NotPlainData as exc:
+            raise arq_codec.NotPlainData(f"remote reward call of {c.fn}: {exc}") from None
+        pool = await self._get_pool()
         # Positional (fn_path, args, kwargs) so reward kwargs never collide with arq's own `_`-prefixed options.
         # _expires: a job nobody took within the pickup window is dropped by arq instead of running for no one.
-        job = await pool.enqueue_job(
-            COMPUTE_REWARD,
-            c.fn,
-            list(args),
-            kwargs,
-            _queue_name=self.queue,
-            _expires=c.pickup_timeout_seconds + RUN_MARGIN_S,
-        )
+        try:
+            job = await pool.enqueue_job(
+                COMPUTE_REWARD,
+                c.fn,
+                list(args),
+                kwargs,
+                _queue_name=self.queue,
+                _expires=c.pickup_timeout_seconds + RUN_MARGIN_S,
+            )
+        except SerializationError as exc:  # nothing was written (e.g. an int beyond 64 bits)
+            if isinstance(exc.__cause__, arq_codec.NotPlainData):
+                raise arq_codec.NotPlainData(f"remote reward call of {c.fn}: {exc.__cause__}") from None
+            raise
         assert job is not None  # only None for a duplicate _job_id, and ids here are fresh uuids
         try:
             info = await self._wait(pool, job)
         except NoRewardWorker:
             raise  # withdrawn, nothing to abort
+        except DeserializationError as exc:  # the result is there but unreadable: the job is over, nothing to abort
+            with contextlib.suppress(Exception):
+                await pool.delete(result_key_prefix + job.job_id)
+            refused = arq_codec.refusal(exc)
+            why = str(refused) if refused else arq_codec.exception_record(exc)["message"]
+            raise RewardError(f"reward job {job.job_id} for {c.fn}: unreadable result: {why}") from None
         except BaseException:
             # Timed out or cancelled (the rollout worker is draining): stop the reward run for no one.
             await asyncio.shield(_abort(pool, job.job_id))
@@ -160,10 +186,8 @@ class RemoteReward:
 
     def _unpack(self, info: JobResult) -> float:
         if not info.success:  # arq-level failure: function timeout, aborted, retries used up by dying workers
-            raise RewardError(
-                f"reward job for {self.config.fn} failed on the reward worker: "
-                f"{type(info.result).__name__}: {info.result}"
-            )
+            why = arq_codec.describe_failure(info.result)
+            raise RewardError(f"reward job for {self.config.fn} failed on the reward worker: {why}")
         tagged = info.result
         if isinstance(tagged, dict) and "ok" in tagged:
             return float(tagged["ok"])

@@ -67,6 +67,13 @@ class Jobs:
         return sorted(got, key=lambda t: (t.job_id, t.sample_index))
 
 
+async def warm_up(jobs: Jobs, tmp_path: Path) -> None:
+    """One episode first, so the host is started and has imported the SDK: a 1 s episode timeout then covers the
+    episode alone (an SDK import and a first request can take longer than that on a loaded machine)."""
+    [t] = await jobs.run("tests.agents:PidAgent", kwargs={"record": str(tmp_path / "warm-up")})
+    assert t.status == "ok", t.error
+
+
 def _lines(path: Path) -> list[list[int]]:
     return [list(map(int, line.split())) for line in path.read_text().splitlines()] if path.exists() else []
 
@@ -138,6 +145,7 @@ async def test_timeout_cancels_the_episode_in_its_host_which_stays_usable(redis,
     async with running_worker(redis_url, run_name, engine=pool, max_attempts=1, concurrency=8, agent_hosts=2):
         jobs = Jobs(redis, run_name)
         await jobs.consumer.setup()
+        await warm_up(jobs, tmp_path)
         [t] = await jobs.run("tests.agents:StuckAgent", kwargs={"record": str(stuck)}, timeout_seconds=1.0)
         assert t.status == "error" and t.error.type == "AgentTimeout", t.error
         assert "longer than 1s" in t.error.message and "killed" not in t.error.message, t.error.message
@@ -154,6 +162,7 @@ async def test_cpu_stuck_agent_gets_its_host_killed_and_the_next_episode_works(
     async with running_worker(redis_url, run_name, engine=pool, max_attempts=1, concurrency=8, agent_hosts=1):
         jobs = Jobs(redis, run_name)
         await jobs.consumer.setup()
+        await warm_up(jobs, tmp_path)
         [t] = await jobs.run(
             "tests.agents:StuckAgent",
             kwargs={"record": str(stuck), "how": "spin"},

@@ -8,6 +8,7 @@ from __future__ import annotations
 import array
 import asyncio
 import json
+import os
 import shlex
 import shutil
 import subprocess
@@ -320,13 +321,17 @@ async def test_a_last_line_that_is_not_json_fails_the_job(redis, redis_url, run_
         ("exec:sh -c 'touch {tmp}/ran", ["command:*"], "WorkflowLoadError", "No closing quotation"),
         ("exec:  ", ["command:*"], "WorkflowLoadError", "names no command"),
         ("exec:no-such-program-here", ["command:*"], "WorkflowLoadError", "not an executable on the worker's PATH"),
+        # A link inside the allowed folder to a program outside it (F12b: `agents/sh -> /bin/sh` ran `id`).
+        ("exec:{tmp}/sh -c 'touch {tmp}/ran'", ["command:{tmp}/*"], "ImportNotAllowed", "is a symbolic link"),
     ],
 )
 async def test_refused_commands_never_run_and_are_dead_lettered(
     redis, redis_url, run_name, stack, tmp_path, workflow, allow, error_type, message
 ):
     marker = script(tmp_path, "marker.sh", 'touch "$(dirname "$0")/ran"\necho 1.0\n')
+    (tmp_path / "sh").symlink_to(shutil.which("sh"))
     workflow = workflow.format(marker=marker, tmp=tmp_path, tmpname=tmp_path.name)
+    allow = [pattern.format(tmp=tmp_path) for pattern in allow]
     [t] = await run_jobs(redis, redis_url, run_name, stack, workflow, allow=allow)
     assert t.status == "error" and t.error.type == error_type and message in t.error.message, t.error
     dead = await redis.xrange(f"rollq:{{{run_name}}}:dead")
@@ -334,16 +339,17 @@ async def test_refused_commands_never_run_and_are_dead_lettered(
     assert not (tmp_path / "ran").exists()  # refused before anything ran
 
 
-def test_workflow_kwargs_are_refused_and_subproc_mode_means_the_same(tmp_path):
+def test_workflow_kwargs_other_than_env_are_refused_and_subproc_mode_means_the_same(tmp_path):
     cache = WorkflowCache()
     with enforcing(Allowlist(patterns=("command:sh",))):
-        with pytest.raises(WorkflowLoadError, match="takes no workflow_kwargs"):
+        with pytest.raises(WorkflowLoadError, match="workflow_kwargs may hold only env"):
             cache.get("exec:sh -c 'echo 1'", {"x": 1})
         with pytest.raises(ImportNotAllowed):
             cache.get("exec:/bin/sh -c 'echo 1'", None)  # as written: /bin/sh is not `sh`
         wf = cache.get("exec:sh -c 'echo 1'", None, AgentOptions(mode="subproc", timeout_seconds=5))
     assert wf.options.mode == "inline" and wf.options.timeout_seconds == 5
     assert wf.target.argv == ["sh", "-c", "echo 1"]
+    assert wf.target.executable == os.path.abspath(shutil.which("sh"))  # the file checked is the file run
     # Without an active allowlist (trusted local code) any command runs.
     assert WorkflowCache().get(f"exec:{shutil.which('sh')} -c true", None).target.argv[0] == shutil.which("sh")
 

@@ -14,6 +14,8 @@ from openai import AsyncOpenAI
 
 from rollq.engine.fleet import FleetController
 from rollq.engine.pool import EnginePool, PoolConfig
+from rollq.engine.server.app import EngineServerConfig, serve
+from rollq.engine.server.synthetic import SyntheticBackend, SyntheticConfig
 from rollq.workers.agents.export import assign_rewards, export
 from rollq.workers.context import WorkflowContext
 from tests.agents import CALL_ADD, SCRIPT
@@ -30,6 +32,18 @@ async def stack(**engine_config):
     async with scripted_engine(SCRIPT, **engine_config) as engine, EnginePool(PoolConfig(urls=[engine.url])) as pool:
         async with WorkflowContext() as ctx:
             yield engine, pool, await ctx.proxy(pool), ctx
+
+
+@asynccontextmanager
+async def loading_stack(weights_root: Path, **engine_config):
+    """`stack` whose engine loads weights from under `weights_root`."""
+    backend = SyntheticBackend(SyntheticConfig(tokenizer="tiny", replies=SCRIPT, **engine_config))
+    engine = await serve(backend, EngineServerConfig(host="127.0.0.1", port=0, weights_root=str(weights_root)))
+    try:
+        async with EnginePool(PoolConfig(urls=[engine.url])) as pool, WorkflowContext() as ctx:
+            yield engine, pool, await ctx.proxy(pool), ctx
+    finally:
+        await engine.close()
 
 
 def chat_body(max_tokens: int = 64) -> dict:
@@ -100,7 +114,7 @@ async def test_identical_requests_that_both_completed_are_both_kept():
 async def test_a_request_during_a_weight_update_waits_and_carries_the_engines_versions(tmp_path: Path):
     """A request arriving while the fleet is paused for an update waits (no 5xx, no retry) and finishes under the
     new weights; its tokens carry the version the engine reported for each of them."""
-    async with stack(per_token_latency_s=0.002) as (engine, pool, proxy, ctx):
+    async with loading_stack(tmp_path, per_token_latency_s=0.002) as (engine, pool, proxy, ctx):
         session = proxy.sessions.open()
         client = AsyncOpenAI(base_url=proxy.base_url, api_key=session.key, http_client=ctx.http_client(), max_retries=0)
         fleet = FleetController(pool)

@@ -1,0 +1,15 @@
+"""The trainer's engine pool, built from its settings (`rollq train` and `rollq up` both use it)."""
+
+from __future__ import annotations
+
+from rollq.engine.pool import EnginePool, PoolConfig
+from rollq.trainer.config import TrainConfig
+
+
+def engine_pool(cfg: TrainConfig) -> EnginePool:
+    """The trainer's engines (cfg.engine; registered ones join through `follow`), called with its engine keys: the
+    admin key (default: the api key) on the control routes it drives (pause, weights, continue)."""
+    return EnginePool(PoolConfig(urls=cfg.engine, api_key=cfg.engine_api_key, admin_api_key=cfg.engine_admin_api_key))
+
+
+__all__ = ["engine_pool"]
