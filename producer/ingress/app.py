@@ -56,7 +56,7 @@ from rollq.producer.ingress.models import (
     openapi,
 )
 from rollq.protocol import scripts
-from rollq.protocol.blobs import BLOB_MIN_BYTES, DataBlob, data_blob
+from rollq.protocol.blobs import BLOB_MIN_BYTES, DataBlob
 from rollq.protocol.codec import Codec, CodecError
 from rollq.protocol.keys import DEFAULT_CLASS, PAYLOAD_FIELD, WORKER_GROUP, RunKeys, partition_of, partition_share
 from rollq.protocol.messages import Job, JobClass, Trajectory, class_bound, job_classes
@@ -176,11 +176,14 @@ def pattern_allows(patterns: list[str], name: str) -> bool:
 
 
 class _Prepared(msgspec.Struct):
-    """A job of a request, ready to queue: its spec, the caller's id, its sample-0 Job and its data's blob."""
+    """A job of a request, ready to queue: its spec, the caller's id, its partition, its sample-0 Job and entry, and
+    its data's blob."""
 
     spec: JobSpec
     client_id: str
+    partition: int
     job: Job
+    first: bytes  # the sample-0 entry's payload
     blob: DataBlob | None
 
 
@@ -368,7 +371,9 @@ class Ingress:
     async def _classes(self) -> dict[str, JobClass]:
         return job_classes(await self.redis.hgetall(self.keys.classes))  # type: ignore[misc]  # stub: sync|async
 
-    def _prepare(self, tenant: str, specs: list[JobSpec], where: str, patterns: list[str] | None) -> list[_Prepared]:
+    def _prepare(
+        self, tenant: str, specs: list[JobSpec], where: str, patterns: list[str] | None, partitions: int
+    ) -> list[_Prepared]:
         """Each job's sample-0 entry and its data's blob, refusing (413) a request whose jobs would take more than
         max_request_bytes in Redis before anything more is encoded: n entries per job, each distinct data once."""
         now = time.time()
@@ -378,15 +383,15 @@ class Ingress:
         for i, spec in enumerate(specs):
             client_id = spec.job_id or uuid.uuid4().hex
             job_id = self.internal_id(tenant, client_id)
-            blob = data_blob(self.codec, spec.data, BLOB_MIN_BYTES)
+            partition = partition_of(job_id, partitions)
             job = Job(
                 job_id=job_id,
                 workflow=spec.workflow,
-                data=None if blob else spec.data,
-                data_ref=blob.digest if blob else "",
+                data=spec.data,
                 n=spec.n,
                 workflow_kwargs=spec.workflow_kwargs,
                 agent=spec.agent,
+                reply_to=self.keys.at(partition).job_results(job_id),
                 submitted_at=now,
                 is_eval=spec.is_eval,
                 cancellable=True,
@@ -395,7 +400,14 @@ class Ingress:
                 allow=patterns,
             )
             first = self.codec.encode(job)
-            total += spec.n * (len(first) + 8)  # + the reply stream's name and a longer sample index, at most
+            blob = None
+            if len(first) >= BLOB_MIN_BYTES and spec.data is not None:  # else its data is smaller still: inline
+                encoded = self.codec.encode(spec.data)
+                if len(encoded) >= BLOB_MIN_BYTES:
+                    blob = DataBlob(encoded)
+                    job = msgspec.structs.replace(job, data=None, data_ref=blob.digest)
+                    first = self.codec.encode(job)
+            total += spec.n * (len(first) + 4)  # + a longer sample index, at most
             if blob is not None and blob.digest not in blobs:
                 blobs.add(blob.digest)
                 total += len(blob.payload)
@@ -408,19 +420,19 @@ class Ingress:
                     f"{self.cfg.max_request_bytes:,}: fewer samples or jobs per request",
                     where.format(i),
                 )
-            out.append(_Prepared(spec, client_id, job, blob))
+            out.append(_Prepared(spec, client_id, partition, job, first, blob))
         return out
 
     async def _admit(self, tenant: str, specs: list[JobSpec], patterns: list[str] | None, where: str) -> list[Admitted]:
         """One INGRESS_SUBMIT per partition the batch's jobs live on (one, unless the run is partitioned), all or
         nothing on each. Should a later partition refuse after an earlier one admitted (its bound filled meanwhile),
         the 429 names the jobs admitted: resubmitting the batch with the same job ids is safe (duplicates)."""
-        prepared = self._prepare(tenant, specs, where, patterns)
         count = await self.partitions()
+        prepared = self._prepare(tenant, specs, where, patterns, count)
         classes = await self._classes()
         by_partition: dict[int, list[int]] = {}
         for k, job in enumerate(prepared):
-            by_partition.setdefault(partition_of(job.job.job_id, count), []).append(k)
+            by_partition.setdefault(job.partition, []).append(k)
         fresh: dict[int, bool] = {}
         for partition, indices in sorted(by_partition.items()):
             try:
@@ -459,7 +471,7 @@ class Ingress:
         args: list[Any] = []
         encode = self.codec.encode
         for prepared in jobs:
-            job = msgspec.structs.replace(prepared.job, reply_to=keys.job_results(prepared.job.job_id))
+            job = prepared.job
             stream = keys.job_stream(job.job_class)
             index = streams.get(stream, 0)
             if not index:
@@ -470,7 +482,8 @@ class Ingress:
                 blobs.setdefault(prepared.blob.digest, prepared.blob.payload)
             job_keys += (keys.job_control(job.job_id), keys.job_results(job.job_id))
             args += (index, job.n)
-            args += [encode(msgspec.structs.replace(job, sample_index=i)) if i else encode(job) for i in range(job.n)]
+            args.append(prepared.first)
+            args += [encode(msgspec.structs.replace(job, sample_index=i)) for i in range(1, job.n)]
         for stream in streams:
             if stream not in self._groups:
                 await ensure_group(self.redis, stream, WORKER_GROUP)
@@ -652,8 +665,8 @@ class Ingress:
                 headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
             )
             await resp.prepare(request)
-            # What arrived before the reader took the stream up (when it already read it for another client).
-            backlog = await self.redis.xrange(stream, f"({last}", "+") if len(seen) < n else []
+            # What arrived before the reader took the stream up, when it already followed it for another client.
+            backlog = await self.redis.xrange(stream, f"({last}", "+") if len(seen) < n and not sub.from_since else []
             at = entry_id(last)
             while len(seen) < n:
                 batch = backlog or await sub.get(self.cfg.keepalive)

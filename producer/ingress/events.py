@@ -37,8 +37,11 @@ class Subscription:
     """What one SSE connection receives: batches of entries of its stream, or an error message (the stream can't be
     read). `get(timeout)` waits at most `timeout` seconds (None: nothing arrived)."""
 
-    def __init__(self, stream: str) -> None:
+    def __init__(self, stream: str, *, from_since: bool) -> None:
         self.stream = stream
+        # The reader took the stream up at this subscriber's `since`: everything after it arrives here (no backlog
+        # for the subscriber to read itself).
+        self.from_since = from_since
         self._queue: asyncio.Queue[list[Entry] | str] = asyncio.Queue()
 
     def deliver(self, item: list[Entry] | str) -> None:
@@ -70,11 +73,11 @@ class StreamReader:
         return len(self._subs)
 
     async def subscribe(self, stream: str, since: str) -> Subscription:
-        """Receive the entries of `stream` after `since` (an entry id). Entries between `since` and where the reader
-        already is on that stream (another subscriber's) are the caller's to read (XRANGE); deliveries may repeat
-        what it read, so it skips ids it has."""
-        sub = Subscription(stream)
+        """Receive the entries of `stream` after `since` (an entry id). When the reader already follows that stream
+        for another subscriber (`from_since` false), the entries between `since` and where it is are the caller's to
+        read (XRANGE); deliveries may repeat what it read, so it skips ids it has."""
         subs = self._subs.get(stream)
+        sub = Subscription(stream, from_since=subs is None)
         if subs is None:
             self._subs[stream] = {sub}
             self._cursors[stream] = since

@@ -287,3 +287,40 @@ async def test_workers_hold_a_tenants_job_to_its_patterns_for_everything_it_impo
         err = got[refused].error
         assert got[refused].status == "error" and err.type == "ImportNotAllowed", (refused, err)
         assert "tenant" in err.message, err.message
+
+
+async def test_clients_joining_a_followed_stream_get_every_sample_once(redis_url, run_name, redis, http):
+    """Two SSE clients of one job share the reader; the second joins after a sample was read for the first (it reads
+    that backlog itself), a third resumes after that sample: each gets each sample once, then `done`."""
+    from rollq.protocol.messages import Trajectory
+
+    keys = RunKeys(run_name)
+    stream = keys.job_results("acme:j")
+
+    async def publish(i: int) -> str:
+        traj = Trajectory(job_id="acme:j", sample_index=i, n=3, status="ok")
+        return (await redis.xadd(stream, {"d": Codec().encode(traj)})).decode()
+
+    async def follow(client: httpx.AsyncClient, url: str, last: str = "") -> list[str]:
+        headers = {**auth(), **({"Last-Event-ID": last} if last else {})}
+        async with client.stream("GET", f"{url}/v1/jobs/j/events", headers=headers) as events:
+            text = "".join([chunk async for chunk in events.aiter_text()])
+        return [line.removeprefix("event: ") for line in text.splitlines() if line.startswith("event: ")]
+
+    async with running_ingress(redis_url, run_name) as (app, url), httpx.AsyncClient(timeout=20) as many:
+        assert (
+            await http.post(f"{url}/v1/jobs", json={"workflow": ECHO, "n": 3, "job_id": "j"}, headers=auth())
+        ).is_success
+        first = asyncio.create_task(follow(many, url))
+        await asyncio.wait_for(_until(lambda: app.stats.event_streams_open == 1), 10)
+        sample0 = await publish(0)
+        await asyncio.wait_for(_until(lambda: app.stats.events_sent == 1), 10)  # the reader has read past it
+        second = asyncio.create_task(follow(many, url))
+        third = asyncio.create_task(follow(many, url, last=sample0))
+        await asyncio.wait_for(_until(lambda: app.stats.event_streams_open == 3), 10)
+        await publish(1)
+        await publish(1)  # a duplicate result of sample 1 (a retried publish): not sent again
+        await publish(2)
+        got = await asyncio.wait_for(asyncio.gather(first, second, third), 20)
+    assert got[0] == got[1] == ["sample", "sample", "sample", "done"]
+    assert got[2] == ["sample", "sample", "done"]
