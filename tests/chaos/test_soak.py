@@ -118,6 +118,10 @@ async def test_the_whole_stack_survives_every_fault_and_accounts_for_every_sampl
             assert report["samples_trained"] < soak.steps * soak.batch
     if soak.split_groups:  # some groups did train in parts
         assert report["split_parts"] > 0
-    if soak.stale_policy == "mask" and soak.long_tail:
-        assert report["tokens"]["masked"] > 0 and report["tokens_audit"]["older_max"] >= report["tokens"]["masked"]
+    if soak.stale_policy == "mask":  # what was masked was older than v - eta when it trained (the audit's bound)
+        assert report["tokens_audit"]["older_max"] >= report["tokens"]["masked"]
+    # A long tail with whole groups masks some tokens; split groups and late joins often leave none to mask (what
+    # they are for), so there the audit's agreement above is the check (as in bench.chaos's tokens_masked).
+    if soak.stale_policy == "mask" and soak.long_tail and not (soak.split_groups or soak.join_late):
+        assert report["tokens"]["masked"] > 0
     assert report["ok"]
