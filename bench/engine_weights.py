@@ -23,16 +23,16 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from bench.common import print_summary
-from rollq.engine.pool import EnginePool, PoolConfig
-from rollq.engine.server.app import EngineServerConfig, ServerHandle, serve
-from rollq.engine.server.reference import ReferenceBackend, ReferenceConfig
-from rollq.engine.tiny_model import build_tiny
-from rollq.engine.weight_group import DistributedSyncConfig, DistributedWeightSync
+
+if TYPE_CHECKING:
+    import torch
+
+    from rollq.engine.server.app import ServerHandle
+
+# torch, transformers and the engine load in the functions that use them, so `--help` answers at once.
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 
@@ -40,6 +40,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 def smollm2_shaped(directory: Path, tokenizer_from: Path) -> Path:
     """A random-init model with SmolLM2-135M's shape, saved where a reference engine can load it (the tiny model's
     tokenizer: the engines only load weights here, they generate nothing)."""
+    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
@@ -77,6 +78,11 @@ def save(tensors: dict[str, torch.Tensor], directory: Path) -> int:
 
 
 async def measure(model_dir: Path, engines: int, repeat: int, work: Path) -> dict[str, Any]:
+    from rollq.engine.pool import EnginePool, PoolConfig
+    from rollq.engine.server.app import EngineServerConfig, serve
+    from rollq.engine.server.reference import ReferenceBackend, ReferenceConfig
+    from rollq.engine.weight_group import DistributedSyncConfig, DistributedWeightSync
+
     handles: list[ServerHandle] = []
     pool = EnginePool(PoolConfig())
     sync = DistributedWeightSync(pool, DistributedSyncConfig(timeout_s=120.0))
@@ -129,6 +135,8 @@ async def measure(model_dir: Path, engines: int, repeat: int, work: Path) -> dic
 
 async def disk_vs_distributed(repeat: int = 1) -> dict:
     """Update seconds and bytes moved, disk vs distributed, per model and engine count (see the module doc)."""
+    from rollq.engine.tiny_model import build_tiny
+
     out: dict[str, Any] = {"repeat": repeat, "rows": []}
     with tempfile.TemporaryDirectory(prefix="rollq-bench-weights-") as tmp:
         root = Path(tmp)

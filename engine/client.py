@@ -20,6 +20,8 @@ from rollq.engine.types import (
     SamplingParams,
 )
 
+SNIPPET_CHARS = 300  # of a body quoted in an error message
+
 
 class EngineError(Exception):
     """The engine answered, with an error (4xx): the request itself is wrong; retrying elsewhere won't help.
@@ -49,13 +51,15 @@ class EngineError(Exception):
 
 class EngineUnavailable(Exception):
     """The engine did not answer, or answered 5xx: it may be dead; the request can go to another engine.
+    The text names the engine, the route (when known) and the reason (the HTTP status for a 5xx).
 
     `unreachable`: the connection itself failed (refused, reset, closed mid-answer): the process is gone. Otherwise
     it was slow or answered 5xx, which a paused or updating SGLang does (/health_generate: 503 after 20 s)."""
 
-    def __init__(self, url: str, reason: str, *, unreachable: bool = False) -> None:
-        super().__init__(f"{url}: {reason}")
+    def __init__(self, url: str, reason: str, *, unreachable: bool = False, route: str = "") -> None:
+        super().__init__(f"{url}{route}: {reason}")
         self.url = url
+        self.route = route
         self.reason = reason
         self.unreachable = unreachable
 
@@ -63,10 +67,10 @@ class EngineUnavailable(Exception):
 HealthStatus = Literal["ok", "busy", "down"]
 
 
-def _unavailable(url: str, exc: BaseException, what: str = "") -> EngineUnavailable:
+def _unavailable(url: str, exc: BaseException, what: str = "", route: str = "") -> EngineUnavailable:
     # A timeout is not "unreachable" (the engine may be loading weights); a refused or dropped connection is.
     unreachable = not isinstance(exc, TimeoutError) and isinstance(exc, aiohttp.ClientError | OSError)
-    return EngineUnavailable(url, f"{what}{type(exc).__name__}: {exc}", unreachable=unreachable)
+    return EngineUnavailable(url, f"{what}{type(exc).__name__}: {exc}", unreachable=unreachable, route=route)
 
 
 def _stream_error(url: str, error: Any) -> EngineError:
@@ -85,8 +89,8 @@ def _abort_error(url: str, result: GenerateResult) -> EngineError | EngineUnavai
         return None
     message = finish.message or "aborted"
     if finish.status_code >= 500:
-        return EngineUnavailable(url, f"HTTP {finish.status_code}: {message}")
-    return EngineError(url, finish.status_code, message)
+        return EngineUnavailable(url, f"HTTP {finish.status_code}: {message}", route="/generate")
+    return EngineError(url, finish.status_code, message, "/generate")
 
 
 def error_message(body: Any) -> str:
@@ -99,7 +103,7 @@ def error_message(body: Any) -> str:
             return err
         if "message" in body:
             return str(body["message"])
-    return str(body)[:500] if body else ""
+    return str(body).strip()[:SNIPPET_CHARS] if body else ""
 
 
 def parse_generate(body: dict[str, Any]) -> GenerateResult:
@@ -126,10 +130,11 @@ def _json_or_text(reply: _Reply) -> Any:
 
 
 class _Reply:
-    __slots__ = ("status", "content")
+    __slots__ = ("status", "reason", "content")
 
-    def __init__(self, status: int, content: bytes) -> None:
+    def __init__(self, status: int, content: bytes, reason: str | None = None) -> None:
         self.status = status
+        self.reason = reason or ""  # the status line's phrase ("Not Found"): what an empty body leaves to say
         self.content = content
 
     def json(self) -> Any:
@@ -141,6 +146,27 @@ class _Reply:
     @property
     def text(self) -> str:
         return self.content.decode(errors="replace")
+
+    @property
+    def snippet(self) -> str:
+        """The body for an error message: its start, or the status phrase when it is empty."""
+        return self.text.strip()[:SNIPPET_CHARS] or self.reason or "(empty body)"
+
+    def status_text(self) -> str:
+        """`HTTP 503: <body or phrase>`: what an EngineUnavailable says of a 5xx."""
+        return f"HTTP {self.status}: {self.snippet}"
+
+
+def _refusal(url: str, reply: _Reply, route: str, body: Any = None) -> EngineError:
+    """An error answer (or a success the caller cannot accept) as EngineError: the engine's message when the body
+    has one, else the body itself, else (empty, `{}`) the status phrase: never an empty reason or `{}`."""
+    message = error_message(_json_or_text(reply) if body is None else body)
+    return EngineError(url, reply.status, message or reply.reason or "(empty body)", route)
+
+
+def _not_json(url: str, reply: _Reply, route: str, wanted: str = "a JSON object") -> EngineError:
+    """A 2xx whose body is not what the route answers (a proxy's page, a router's own reply): name what came."""
+    return EngineError(url, reply.status, f"expected {wanted}, got: {reply.snippet}", route)
 
 
 _decode = msgspec.json.Decoder().decode
@@ -170,23 +196,47 @@ class SGLangClient:
             async with self.http.request(
                 method, self.url + path, timeout=aiohttp.ClientTimeout(total=timeout, connect=5.0), **body
             ) as resp:
-                reply = _Reply(resp.status, await resp.read())
+                reply = _Reply(resp.status, await resp.read(), resp.reason)
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-            raise _unavailable(self.url, exc) from None
+            raise _unavailable(self.url, exc, route=path) from None
         if reply.status >= 500:
-            raise EngineUnavailable(self.url, f"HTTP {reply.status}: {reply.text[:200]}")
+            raise EngineUnavailable(self.url, reply.status_text(), route=path)
         return reply
 
     async def _json(self, method: str, path: str, *, json: Any = None, timeout: float | None = 30.0) -> Any:
         resp = await self._request(method, path, json=json, timeout=timeout)
         if resp.status >= 400:
-            raise EngineError(self.url, resp.status, error_message(_json_or_text(resp)), path)
+            raise _refusal(self.url, resp, path)
         if not resp.content:
             return None
         try:
             return resp.json()
         except ValueError:
             return resp.text
+
+    async def _json_object(
+        self,
+        method: str,
+        path: str,
+        *,
+        json: Any = None,
+        timeout: float | None = 30.0,
+        first_of_list: bool = False,  # /generate with n > 1 answers a list; callers ask for one sample per call
+    ) -> dict[str, Any]:
+        """A route that answers a JSON object (/generate, the info routes): anything else (a proxy's page, a router's
+        reply of another shape) is an EngineError naming the engine, the route, the status and the body."""
+        resp = await self._request(method, path, json=json, timeout=timeout)
+        if resp.status >= 400:
+            raise _refusal(self.url, resp, path)
+        try:
+            body = resp.json()
+        except ValueError:
+            body = None
+        if first_of_list and isinstance(body, list) and body:
+            body = body[0]
+        if not isinstance(body, dict):
+            raise _not_json(self.url, resp, path)
+        return body
 
     async def generate(
         self,
@@ -211,9 +261,7 @@ class SGLangClient:
         if on_progress is not None:
             result = await self._generate_stream(payload, timeout, on_progress)
         else:
-            body = await self._json("POST", "/generate", json=payload, timeout=timeout)
-            if isinstance(body, list):  # n > 1 answers a list; callers ask for one sample per call
-                body = body[0]
+            body = await self._json_object("POST", "/generate", json=payload, timeout=timeout, first_of_list=True)
             result = parse_generate(body)
         error = _abort_error(self.url, result)
         if error is not None:
@@ -236,10 +284,10 @@ class SGLangClient:
                 **_json_body(payload, self.headers),
             ) as resp:
                 if resp.status >= 400:
-                    reply = _Reply(resp.status, await resp.read())
+                    reply = _Reply(resp.status, await resp.read(), resp.reason)
                     if resp.status >= 500:
-                        raise EngineUnavailable(self.url, f"HTTP {reply.status}: {reply.text[:200]}")
-                    raise EngineError(self.url, resp.status, error_message(_json_or_text(reply)), "/generate")
+                        raise EngineUnavailable(self.url, reply.status_text(), route="/generate")
+                    raise _refusal(self.url, reply, "/generate")
                 buffer = b""
                 while True:
                     data = await resp.content.readany()  # no line-length limit: a chunk holds the whole output
@@ -264,11 +312,11 @@ class SGLangClient:
                     if error is not None:
                         break
         except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as exc:
-            raise _unavailable(self.url, exc, "stream broke: ") from None
+            raise _unavailable(self.url, exc, "stream broke: ", "/generate") from None
         if error is not None:
             raise _stream_error(self.url, error)
         if last is None or (last.get("meta_info") or {}).get("finish_reason") is None:
-            raise EngineUnavailable(self.url, "stream ended before the request finished")
+            raise EngineUnavailable(self.url, "stream ended before the request finished", route="/generate")
         return parse_generate(last)
 
     async def pause_generation(self, mode: PauseMode = "abort") -> None:
@@ -295,7 +343,15 @@ class SGLangClient:
         return await self._success_call("/update_weights_from_disk", payload, timeout)
 
     async def flush_cache(self) -> None:
-        await self._json("POST", "/flush_cache")
+        """SGLang answers 200 (plain text "Cache flushed.") or 400 (not flushed: requests are queued or running).
+        sglang-router answers 206 `{"status": "partial_success", ...}` when some of its engines refused: anything but
+        a 200, or a JSON status other than success, is a cache that was not flushed."""
+        resp = await self._request("POST", "/flush_cache")
+        body = _json_or_text(resp) if resp.content else None
+        outcome = body.get("status") if isinstance(body, dict) else None
+        if resp.status != 200 or outcome not in (None, "success", "ok"):
+            message = error_message(body) or resp.snippet
+            raise EngineError(self.url, resp.status, f"{outcome}: {message}" if outcome else message, "/flush_cache")
 
     async def abort_request(self, rid: str = "", *, abort_all: bool = False) -> None:
         await self._json("POST", "/abort_request", json={"rid": rid, "abort_all": abort_all})
@@ -314,11 +370,11 @@ class SGLangClient:
 
     async def _get_with_fallback(self, new: str, old: str) -> dict[str, Any]:
         try:
-            return await self._json("GET", new)
+            return await self._json_object("GET", new)
         except EngineError as exc:
             if exc.status != 404:
                 raise
-            return await self._json("GET", old)
+            return await self._json_object("GET", old)
 
     async def model_info(self) -> dict[str, Any]:
         return await self._get_with_fallback("/model_info", "/get_model_info")
@@ -330,7 +386,11 @@ class SGLangClient:
         info = await self.model_info()
         if "weight_version" in info:
             return str(info["weight_version"])
-        return str((await self._json("GET", "/get_weight_version"))["weight_version"])
+        reply = await self._json_object("GET", "/get_weight_version")
+        if "weight_version" not in reply:
+            got = str(reply)[:SNIPPET_CHARS]
+            raise EngineError(self.url, 200, f"expected a weight_version, got: {got}", "/get_weight_version")
+        return str(reply["weight_version"])
 
     # --- the distributed weight update path (SGLang 0.5.23; see rollq.engine.weight_group) ---
 
@@ -339,10 +399,12 @@ class SGLangClient:
         resp = await self._request("POST", path, json=payload, timeout=timeout)
         try:
             body = resp.json() if resp.content else {}
-        except ValueError:
-            body = {"message": resp.text}
-        if resp.status >= 400 or not isinstance(body, dict) or not body.get("success", False):
-            raise EngineError(self.url, resp.status, error_message(body), path)
+        except ValueError:  # a proxy's plain-text page: quoted in the error, never a bare JSONDecodeError
+            body = {"message": resp.text.strip()[:SNIPPET_CHARS]}
+        if resp.status < 400 and not (isinstance(body, dict) and "success" in body):
+            raise _not_json(self.url, resp, path, 'a JSON {"success": ...} answer')  # a router's or proxy's own reply
+        if resp.status >= 400 or not body.get("success"):
+            raise _refusal(self.url, resp, path, body)
         return body
 
     async def init_weights_update_group(

@@ -19,9 +19,34 @@ log = logging.getLogger("rollq.engine")
 
 class FleetResult(msgspec.Struct):
     ok: list[str]
-    failed: dict[str, str]  # url -> error
+    # url -> "<url><route>: HTTP <status>: <the engine's message or body>", or why nothing answered
+    failed: dict[str, str]
     seconds: float
     load_seconds: float = 0.0  # longest weight load reported by an engine (rollq engines report it)
+
+
+class CycleReport(msgspec.Struct):
+    """One pause -> update -> resume over the fleet: each phase's result, and the seconds per phase (`phases`: what
+    `cycle_with` returns)."""
+
+    pause: FleetResult
+    update: FleetResult
+    resume: FleetResult
+    phases: dict[str, float]
+
+    @property
+    def updated(self) -> list[str]:
+        """The engines that loaded the new weights and were resumed: those that serve the new version now."""
+        return [url for url in self.update.ok if url not in self.resume.failed]
+
+    def failures(self) -> dict[str, list[str]]:
+        """Each engine's failed calls in this cycle, phase by phase (a failed pause alone does not keep an engine
+        from being updated)."""
+        out: dict[str, list[str]] = {}
+        for result in (self.pause, self.update, self.resume):
+            for url, error in result.failed.items():
+                out.setdefault(url, []).append(error)
+        return out
 
 
 class FleetController:
@@ -54,8 +79,8 @@ class FleetController:
                     if isinstance(reply, dict) and "load_seconds" in reply:
                         loads.append(float(reply["load_seconds"]))
                     return None
-                except EngineUnavailable as exc:
-                    error, unreachable = exc.reason, exc.unreachable
+                except EngineUnavailable as exc:  # engine, route, and the HTTP status or why nothing answered
+                    error, unreachable = str(exc), exc.unreachable
                 except EngineError as exc:  # the engine refused: retrying the same call won't help
                     return str(exc)  # engine, route, HTTP status and the engine's message (a 401 names the setting)
                 if attempt < self.retries:
@@ -130,17 +155,24 @@ class FleetController:
     ) -> dict[str, float]:
         """pause -> `update_weights()` (from disk, or a broadcast) -> resume. Returns seconds per phase; `control_s`
         is the total minus the slowest engine's weight load (what the control plane itself costs). Generation
-        resumes right after the load."""
+        resumes right after the load. Failures are only logged: `run_cycle` reports them."""
+        return (await self.run_cycle(update_weights, mode=mode)).phases
+
+    async def run_cycle(
+        self, update_weights: Callable[[], Awaitable[FleetResult]], *, mode: PauseMode = "retract"
+    ) -> CycleReport:
+        """`cycle_with`, reporting which engines each phase reached (`CycleReport.updated`: those serving the new
+        weights), so a caller can refuse to go on with too few."""
         t0 = time.monotonic()
         try:
-            await self.pause(mode)
+            paused = await self.pause(mode)
             t1 = time.monotonic()
             update = await update_weights()
             t2 = time.monotonic()
         finally:
-            await self.resume()  # whatever happened: never leave the fleet paused, nor marked paused
+            resumed = await self.resume()  # whatever happened: never leave the fleet paused, nor marked paused
         t3 = time.monotonic()
-        return {
+        phases = {
             "pause_s": t1 - t0,
             "update_s": t2 - t1,
             "resume_s": t3 - t2,
@@ -148,3 +180,4 @@ class FleetController:
             "load_s": update.load_seconds,
             "control_s": t3 - t0 - update.load_seconds,
         }
+        return CycleReport(pause=paused, update=update, resume=resumed, phases=phases)

@@ -252,9 +252,11 @@ class DistributedWeightSync:
         dead: set[str] = set()
 
         def fail(member: EngineMember, exc: BaseException) -> None:
-            errors[member.url] = exc.reason if isinstance(exc, EngineUnavailable) else str(exc)
+            errors[member.url] = str(exc)  # engine, route and HTTP status (or why nothing answered)
             if isinstance(exc, EngineUnavailable):
                 dead.add(member.url)
+                if exc.unreachable:  # gone, not slow: out of routing now, as FleetController does
+                    self.pool.evict(member.url, f"weight update: {exc.reason}")
 
         # begin first: it is fast and proves the engine alive, so a dead one never stalls the group's join.
         began: list[EngineMember] = []

@@ -16,7 +16,7 @@ from rollq.protocol import scripts
 from rollq.protocol.codec import Codec, CodecError
 from rollq.protocol.keys import DEFAULT_RESULTS_GROUP, PAYLOAD_FIELD, consumed_key, inflight_key
 from rollq.protocol.messages import Trajectory
-from rollq.redis_client import TRANSIENT_ERRORS, ensure_group, is_nogroup
+from rollq.redis_client import TRANSIENT_ERRORS, ReplicaWait, ensure_group, is_nogroup
 
 DEFAULT_DEDUP_TTL_S = 7 * 24 * 3600
 
@@ -57,8 +57,10 @@ class ResultConsumer:
         claim_idle_ms: int = 300_000,
         dedup_ttl_s: int = DEFAULT_DEDUP_TTL_S,
         trim_interval_s: float = 1.0,
+        wait: ReplicaWait | None = None,
     ) -> None:
         self.redis = redis
+        self.wait = wait  # commits wait for the replicas of their Redis Cluster node (the trainer's: ReplicaWait)
         self.stream = stream
         self.group = group
         self.name = name
@@ -96,12 +98,17 @@ class ResultConsumer:
             await self.setup()
         try:
             raw = await self._read_raw(count, block_ms)
+            out = await self._filter([e for e in raw if e[0].decode() not in self._held])
+        except TRANSIENT_ERRORS:
+            # A read whose reply was lost with the connection, or whose entries were read and then not handed out
+            # (the duplicate filter failed), left them pending for this consumer: walk its pending list again.
+            self._own_cursor = "0"
+            raise
         except ResponseError as exc:
-            if isinstance(exc, TRANSIENT_ERRORS) or not is_nogroup(exc):
+            if not is_nogroup(exc):
                 raise
             self._group_ready = False
             return []
-        out = await self._filter([e for e in raw if e[0].decode() not in self._held])
         self._held.update(d.entry_id for d in out)
         return out
 
@@ -172,7 +179,10 @@ class ResultConsumer:
         for d in items:
             keys.append(consumed_key(self.stream, self.group, d.trajectory.job_id))
             args.extend((d.entry_id, d.trajectory.sample_index))
-        fresh = int(await self._commit(keys=keys, args=args))
+        if self.wait is not None:
+            fresh = int(await self.wait.script(self._commit, keys, args))
+        else:
+            fresh = int(await self._commit(keys=keys, args=args))
         self._held.difference_update(d.entry_id for d in items)
         await self._maybe_trim()
         return fresh
@@ -194,6 +204,9 @@ class PartitionedConsumer:
             raise ValueError("a partitioned consumer needs at least one partition")
         self.parts = {part.stream: part for part in parts}
         self.partition_block_ms = partition_block_ms
+        # Read from some partitions by a read that failed on another: handed out first by the next read. (Redis
+        # delivered them: they are pending for this consumer and held by their part, so no later read returns them.)
+        self._carried: list[Delivered] = []
 
     @property
     def streams(self) -> list[str]:
@@ -216,9 +229,24 @@ class PartitionedConsumer:
             part.resync()
 
     async def read(self, count: int = 256, block_ms: int = 1000) -> list[Delivered]:
+        """Every partition's new trajectories. When a partition's read fails (its Redis node is away: a Cluster
+        failover), the error is raised once all reads are done, and what the others read is kept for the next call
+        (a read that moved entries into this consumer's pending list must not be dropped: they would never come
+        back, and their groups would never complete)."""
         block = min(block_ms, self.partition_block_ms)
-        batches = await asyncio.gather(*(part.read(count, block) for part in self.parts.values()))
-        return [d for batch in batches for d in batch]
+        batches = await asyncio.gather(
+            *(part.read(count, block) for part in self.parts.values()), return_exceptions=True
+        )
+        failed: BaseException | None = None
+        for batch in batches:
+            if isinstance(batch, BaseException):
+                failed = failed or batch
+            else:
+                self._carried += batch
+        if failed is not None:
+            raise failed
+        out, self._carried = self._carried, []
+        return out
 
     async def commit(self, items: list[Delivered]) -> int:
         """Commit each item on its own partition's stream. Returns how many were consumed for the first time."""

@@ -20,6 +20,9 @@ from redis.exceptions import (
     ClusterDownError,
     ClusterError,
     ConnectionError,
+    NoPermissionError,
+    NoScriptError,
+    RedisClusterException,
     SlotNotCoveredError,
     TimeoutError,
     TryAgainError,
@@ -78,6 +81,62 @@ def cluster_url(url: str) -> tuple[str, bool]:
     return urlunsplit(parts._replace(query=urlencode(query, doseq=True))), flag[-1].lower() in ("yes", "true", "1")
 
 
+class _ClusterPipeline(aioredis.cluster.ClusterPipeline):
+    """redis-py's cluster pipeline, with one of its failover bugs turned into the error it stands for. When a command
+    of the pipeline failed while the client was resetting its topology (a node died: another call's connection error
+    closes the client), redis-py 5.x raises `AttributeError: 'NoneType' object has no attribute 'name'` (its default
+    node is gone; redis/redis-py#3458, #3835). The writes are repeated like any others a failover interrupted."""
+
+    async def execute(self, raise_on_error: bool = True, allow_redirections: bool = True) -> list[Any]:
+        try:
+            return await super().execute(raise_on_error, allow_redirections)
+        except AttributeError as exc:
+            if "'NoneType' object has no attribute" not in str(exc):
+                raise
+            raise ConnectionError(f"the cluster's topology changed under a pipeline ({exc})") from exc
+
+
+class _KnownNodes(dict):
+    """A cluster client's startup nodes (those it asks for the topology) that keep every node the client has known.
+    redis-py drops a node from them at each connection error on it (`_execute_command`), and closes all the client's
+    connections at that moment; in a failover the first error thus also fails the commands in flight on the healthy
+    nodes, which drop those nodes in turn. On a young cluster (whose CLUSTER SLOTS lists no replica yet: none has
+    acknowledged a write) that empties them, and the client refuses every call from then on, for good, with
+    `RedisClusterException: Redis Cluster cannot be connected. Please provide at least one reachable node: None`
+    (not a RedisError: it ended the worker that got it). Dropping is a no-op here: a node that is down is asked in
+    turn and fails fast, and the next one answers."""
+
+    def pop(self, key: Any, *default: Any) -> Any:
+        if key in self:
+            return self[key]
+        if default:
+            return default[0]
+        raise KeyError(key)
+
+
+class _RedisCluster(aioredis.RedisCluster):
+    """The async cluster client rollq uses: its pipelines are _ClusterPipeline, its startup nodes _KnownNodes, and a
+    topology that no node it knows answers for is a ConnectionError (Redis is away: every rollq process rides it
+    out), not redis-py's RedisClusterException."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.nodes_manager.startup_nodes = _KnownNodes(self.nodes_manager.startup_nodes)
+
+    async def initialize(self) -> _RedisCluster:
+        try:
+            await super().initialize()
+        except RedisClusterException as exc:
+            if "cannot be connected" not in str(exc) and "not covered" not in str(exc):
+                raise
+            raise ConnectionError(f"no node of the Redis Cluster answered for its topology ({exc})") from exc
+        return self
+
+    def pipeline(self, transaction: Any | None = None, shard_hint: Any | None = None) -> _ClusterPipeline:
+        super().pipeline(transaction, shard_hint)  # refuses what redis-py refuses (transactions, shard hints)
+        return _ClusterPipeline(self)  # type: ignore[abstract]  # redis-py's stub: connection_pool is abstract there
+
+
 def is_cluster(client: Any) -> bool:
     """`client` talks to a Redis Cluster (multi-key commands must stay within one slot; no MULTI across slots)."""
     return isinstance(client, aioredis.RedisCluster)
@@ -96,7 +155,7 @@ def redis_client(url: str, *, retries: int = 3) -> aioredis.Redis:
         "socket_connect_timeout": 5,
     }
     if cluster:
-        client: Any = aioredis.RedisCluster.from_url(plain, **options)
+        client: Any = _RedisCluster.from_url(plain, **options)
         return client  # typed as Redis: the cluster client answers rollq's commands alike
     return aioredis.Redis.from_url(plain, **options)
 
@@ -108,6 +167,79 @@ def sync_redis_client(url: str, **options: Any) -> redis.Redis:
         client: Any = redis.RedisCluster.from_url(plain, **options)
         return client  # typed as Redis: the cluster client answers rollq's commands alike
     return redis.Redis.from_url(plain, **options)
+
+
+class ReplicaWait:
+    """Lua script calls whose writes should survive a Redis Cluster failover: each is followed, on the same
+    connection, by `WAIT replicas timeout`, so it returns once that many replicas of the key's node have the write
+    (or after the timeout). A plain Redis (no cluster) gets no WAIT. A WAIT that comes back short is logged (once
+    until WAITs succeed again) and no WAIT is sent for `backoff_s`: a replica that is down or resyncing, or a cluster
+    without replicas, costs one timeout per `backoff_s`, not one per write. The write stands either way: what a
+    failover then loses, the caller's recovery writes again (docs/architecture.md, "Redis Cluster failover")."""
+
+    def __init__(self, client: Any, replicas: int = 1, timeout_ms: int = 100, *, backoff_s: float = 10.0) -> None:
+        self.client = client
+        self.replicas = replicas if is_cluster(client) else 0
+        self.timeout_ms = timeout_ms
+        self.backoff_s = backoff_s
+        self.waited = 0  # WAITs answered by every replica asked for
+        self.short = 0  # WAITs that timed out short of them
+        self._off_until = 0.0
+        self._failing = False  # the last WAIT came back short (logged once per streak)
+
+    def _node(self, key: str) -> Any:
+        """The node serving `key`, from the cluster client's map of the slots (no call; before the client's first
+        call it has none, and that call goes without WAIT)."""
+        if self.replicas <= 0 or time.monotonic() < self._off_until:
+            return None
+        nodes = self.client.nodes_manager.slots_cache.get(self.client.keyslot(key))
+        return nodes[0] if nodes else None
+
+    async def script(self, script: Any, keys: list[Any], args: list[Any]) -> Any:
+        """`await script(keys=keys, args=args)` (a redis-py AsyncScript whose keys share one slot), then WAIT."""
+        node = self._node(keys[0])
+        if node is None:
+            return await script(keys=keys, args=args)
+        for attempt in (1, 2):
+            pipe = self.client.pipeline()
+            pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+            pipe.execute_command("WAIT", self.replicas, self.timeout_ms, target_nodes=node)
+            reply, acked = await pipe.execute(raise_on_error=False)
+            if attempt == 1 and isinstance(reply, NoScriptError):  # a promoted replica has no script cache
+                await self.client.script_load(script.script)
+                continue
+            break
+        if isinstance(reply, Exception):
+            raise reply
+        self._answered(acked)
+        return reply
+
+    def _answered(self, acked: Any) -> None:
+        if isinstance(acked, TRANSIENT_ERRORS):
+            return  # the write was answered; the next one waits again
+        if isinstance(acked, NoPermissionError):  # a Redis user without WAIT: writes go on without it
+            log.error("WAIT refused (%s): writes no longer wait for replicas", acked)
+            self.replicas = 0
+            return
+        if not isinstance(acked, Exception) and int(acked) >= self.replicas:
+            self.waited += 1
+            if self._failing:
+                self._failing = False
+                log.warning("replicas have the writes again within %d ms (WAIT)", self.timeout_ms)
+            return
+        self.short += 1  # (an error: the map of the slots is out of date, say, and the node a replica now)
+        self._off_until = time.monotonic() + self.backoff_s
+        if not self._failing:
+            self._failing = True
+            log.warning(
+                "%s of %d replica(s) had a write within %d ms (WAIT): a failover now may lose it (it is written "
+                "again then). Not waiting for replicas for %.0fs at a time until they answer (a cluster without "
+                "replicas: redis_wait_replicas 0)",
+                f"WAIT failed ({acked}): none" if isinstance(acked, Exception) else f"only {int(acked)}",
+                self.replicas,
+                self.timeout_ms,
+                self.backoff_s,
+            )
 
 
 async def run_partitions(client: aioredis.Redis, key: str, wanted: int = 0, *, claim: bool = False) -> int:
@@ -199,12 +331,15 @@ async def ride_out(
     url: str = "",
     recover: Callable[[], Awaitable[object]] | None = None,
     stop: asyncio.Event | None = None,
+    moved: Callable[[], bool] | None = None,
 ) -> T:
     """`await op()`, repeated while Redis is away (TRANSIENT_ERRORS), with a backoff capped at 2 s, for up to `limit_s`
     seconds from the first failure; then raise RedisUnavailable. Once a failed op can be tried again, `recover()`
     runs first (re-create what a restarted Redis may have lost: consumer groups, the ledger), within the same limit.
-    `op` must be safe to repeat: a reply lost with the connection may mean it was applied. With `stop` set, the
-    wait ends early and the last error is raised."""
+    `moved()` (a ClusterView's) tells when a Redis Cluster failed over without `op` seeing it fail (redis-py's cluster
+    client follows a failover by itself once it is over): `recover()` then runs after `op`. `op` must be safe to
+    repeat: a reply lost with the connection may mean it was applied. With `stop` set, the wait ends early and the
+    last error is raised."""
     loop = asyncio.get_running_loop()
     started: float | None = None
     delay = 0.05
@@ -213,6 +348,13 @@ async def ride_out(
             if started is not None and recover is not None:
                 await recover()
             result = await op()
+            if recover is not None and moved is not None and moved():
+                log.warning(
+                    "a Redis Cluster node of %s changed while %s (a failover): writing again what it may have lost",
+                    safe_url(url),
+                    what,
+                )
+                await recover()
         except TRANSIENT_ERRORS as exc:
             now = loop.time()
             if started is None:
@@ -234,6 +376,38 @@ async def ride_out(
         if started is not None:
             log.warning("redis at %s is back after %.1fs (%s)", safe_url(url), loop.time() - started, what)
         return result
+
+
+class ClusterView:
+    """Which node serves the slot of each of some keys, as a Redis Cluster client last mapped them (no call is made).
+    `moved()` says whether one changed since the last look: a failover (or a slot migration) that the client rode
+    out by itself, whose new primary may lack the old one's last writes. Always False on a plain Redis."""
+
+    def __init__(self, client: Any, keys: list[str] | None = None) -> None:
+        self.client = client
+        self._slots: list[int] = []
+        self._last: tuple[str, ...] | None = None
+        self.watch(keys or [])
+
+    def watch(self, keys: list[str]) -> None:
+        """Look at these keys' slots from now on (the next look sets the baseline)."""
+        self._slots = sorted({self.client.keyslot(k) for k in keys}) if is_cluster(self.client) else []
+        self._last = None
+
+    def moved(self) -> bool:
+        if not self._slots:
+            return False
+        cache = self.client.nodes_manager.slots_cache
+        names = []
+        for slot in self._slots:
+            nodes = cache.get(slot)
+            if not nodes:
+                return False  # the client is reading the topology again: look next time
+            names.append(nodes[0].name)
+        view = tuple(names)
+        changed = self._last is not None and view != self._last
+        self._last = view
+        return changed
 
 
 class OutageClock:

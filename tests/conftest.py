@@ -19,6 +19,22 @@ def redis_server() -> RedisServer:
     server.close()
 
 
+@pytest.fixture(scope="session")
+def tiny_dir() -> Path:
+    """The tiny offline model where rollq builds it ($ROLLQ_CACHE, else ~/.cache/rollq: engines started with
+    `--tokenizer tiny` use the same build). Built once (about 8 CPU seconds) and read-only to the tests. The xdist
+    workers take turns under a file lock, so the first builds and the others find its build."""
+    import fcntl
+
+    from rollq.engine.tiny_model import build_tiny, default_cache_dir
+
+    target = default_cache_dir()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / ".tiny-model.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return build_tiny(target)
+
+
 @pytest.fixture
 def redis_url(redis_server: RedisServer) -> str:
     return redis_server.url
@@ -58,7 +74,7 @@ def spawn_worker(tmp_path: Path):
 
 
 @pytest.fixture
-async def engine_process(tmp_path):
+async def engine_process(tmp_path, tiny_dir):  # tiny_dir: built once, before engines that load it race to build it
     """`await engine_process(*args)` runs `python -m rollq.engine --backend synthetic --port P *args` and waits for
     /health; returns (Popen, url). Killed at teardown."""
     procs: list[subprocess.Popen] = []
@@ -86,7 +102,8 @@ async def engine_process(tmp_path):
         )
         procs.append(proc)
         url = f"http://127.0.0.1:{port}"
-        await wait_until(lambda: proc.poll() is not None or engine_healthy(url), 30, what=f"{url} healthy")
+        # a hang guard, not a speed check: three test processes share two cores in CI
+        await wait_until(lambda: proc.poll() is not None or engine_healthy(url), 90, what=f"{url} healthy")
         assert proc.poll() is None, (tmp_path / f"engine-{port}.log").read_text()
         return proc, url
 

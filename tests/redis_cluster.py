@@ -7,12 +7,21 @@ Control traffic uses only the stdlib and redis-py's sync client; every wait is b
         cluster.kill(node)
         cluster.wait_failover(node)
         cluster.restart(node)  # rejoins as a replica of the promoted node
+
+    A primary's last writes, lost by the failover (replication is asynchronous), deterministically:
+
+        replicas = cluster.pause_replication(node)  # what `node` acknowledges from here on reaches no replica
+        ...writes...
+        cluster.kill(node)
+        cluster.resume(replicas)
+        cluster.wait_failover(node)  # the promoted replica lacks those writes
 """
 
 from __future__ import annotations
 
 import contextlib
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -127,6 +136,7 @@ class LocalCluster:
         self.dir = Path(directory or tempfile.mkdtemp(prefix="rollq-redis-cluster-"))
         self.nodes: list[ClusterNode] = []
         self._replicas_before_kill: dict[str, set[str]] = {}
+        self._stopped: set[int] = set()  # ports of nodes SIGSTOPped by pause_replication
         self._taken: set[int] = set()
         for i in range(primaries * (1 + replicas)):
             d = self.dir / f"node{i}"
@@ -257,6 +267,7 @@ class LocalCluster:
         raise TimeoutError(f"cluster not ok within {timeout_s}s (last error: {last!r})")
 
     def close(self) -> None:
+        self.resume([n for n in self.nodes if n.port in self._stopped])
         for n in self.nodes:
             if n.proc and n.proc.poll() is None:
                 n.proc.kill()
@@ -275,7 +286,7 @@ class LocalCluster:
     # ---- topology ----------------------------------------------------------------------------------------------
 
     def _any_live(self) -> ClusterNode:
-        return next(n for n in self.nodes if n.alive)
+        return next(n for n in self.nodes if n.alive and n.port not in self._stopped)
 
     def keyslot(self, key: str | bytes) -> int:
         with self._any_live().client() as c:
@@ -309,6 +320,26 @@ class LocalCluster:
         return [n for n in self.nodes if n.port in ports]
 
     # ---- faults ------------------------------------------------------------------------------------------------
+
+    def pause_replication(self, primary: ClusterNode) -> list[ClusterNode]:
+        """Freeze `primary`'s replicas (SIGSTOP) and close their replication links, so that the writes `primary`
+        acknowledges from now on reach no replica: the last writes a failover loses, on purpose. Returns the
+        replicas, for resume(). Keep the pause short (well under the node timeout)."""
+        replicas = self.replicas_of(primary)
+        for r in replicas:
+            assert r.proc is not None
+            r.proc.send_signal(signal.SIGSTOP)
+            self._stopped.add(r.port)
+        with primary.client() as c:
+            c.execute_command("CLIENT", "KILL", "TYPE", "replica")  # whatever was sent before stays theirs
+        return replicas
+
+    def resume(self, nodes: list[ClusterNode]) -> None:
+        """SIGCONT nodes pause_replication() froze."""
+        for n in nodes:
+            if n.proc is not None and n.proc.poll() is None:
+                n.proc.send_signal(signal.SIGCONT)
+            self._stopped.discard(n.port)
 
     def kill(self, node: ClusterNode) -> None:
         """SIGKILL the node's process (no shutdown, no final fsync). Remembers its replicas for wait_failover."""

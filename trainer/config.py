@@ -235,6 +235,37 @@ class TrainConfig(RunSettings, kw_only=True):
             group=UPDATES,
         ),
     ] = 60.0
+    min_engines_updated: Annotated[
+        int,
+        setting(
+            "a weight update must leave at least this many engines at the new version (0 = every engine of the pool "
+            "that is healthy, at least one: an engine whose control calls cannot connect is out of routing and "
+            "skipped, one that answers and refuses counts); short of it the pause -> load -> resume cycle is retried "
+            "(weight_update_retries), then the trainer exits with each failing engine's route, HTTP status and "
+            "answer. Engines it did not update are out of its routing until reloaded",
+            metavar="N",
+            ge=0,
+            group=UPDATES,
+        ),
+    ] = 0
+    weight_update_retries: Annotated[
+        int,
+        setting(
+            "times a weight update that fell short of min_engines_updated is tried again before the trainer stops",
+            metavar="N",
+            ge=0,
+            group=UPDATES,
+        ),
+    ] = 3
+    weight_update_backoff_s: Annotated[
+        float,
+        setting(
+            "wait before the first weight update retry, doubled before each next one (1 s, 3 retries: 7 s in all)",
+            metavar="S",
+            ge=0,
+            group=UPDATES,
+        ),
+    ] = 1.0
     metrics_port: Annotated[
         int,
         setting("serve Prometheus /metrics on this port (0 = off)", metavar="PORT", ge=0, le=65535, group=WHERE),
@@ -261,6 +292,27 @@ class TrainConfig(RunSettings, kw_only=True):
             group=UPDATES,
         ),
     ] = 60.0
+    redis_wait_replicas: Annotated[
+        int,
+        setting(
+            "on a Redis Cluster, each ledger write and each ack of trained samples waits (WAIT) until this many "
+            "replicas of its node have it, so a failover keeps it (0 = never wait, e.g. a cluster without replicas; "
+            "what a failover loses is written again either way)",
+            metavar="N",
+            ge=0,
+            group=UPDATES,
+        ),
+    ] = 1
+    redis_wait_timeout_ms: Annotated[
+        int,
+        setting(
+            "the longest such a write waits for its replicas; after one that times out (a replica down or "
+            "resyncing) the trainer does not wait for 10 s",
+            metavar="MS",
+            ge=1,
+            group=UPDATES,
+        ),
+    ] = 100
     trained_log: Annotated[
         bool,
         setting(

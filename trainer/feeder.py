@@ -134,10 +134,14 @@ class GroupFeeder:
                 except TimeoutError:
                     pass
                 continue
-            # Safe to repeat: SUBMIT's idempotency marker queues a job id once.
-            await self.ride(partial(self.producer.submit_many, [self.request(self.next_index)]), "queueing a group")
+            # Outstanding from its admission on: should Redis lose that admission while the group is being queued (a
+            # failover under the SUBMIT below), the trainer's recovery records it again (trainer/recovery.py).
             self._outstanding.setdefault(job_id, time.monotonic())
             self._admitted_version.setdefault(job_id, admission.version)
+            # Safe to repeat: SUBMIT's idempotency marker queues a job id once.
+            await self.ride(partial(self.producer.submit_many, [self.request(self.next_index)]), "queueing a group")
+            if job_id in self._outstanding:  # (not settled meanwhile: results of an earlier life's submission)
+                self._outstanding[job_id] = time.monotonic()  # queued now: reoffer_after_s counts from here
             self.next_index += 1
 
 

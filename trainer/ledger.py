@@ -10,12 +10,14 @@ check (oldest token version >= v - eta) makes the bound exact when completions a
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import msgspec
 import redis.asyncio as aioredis
+from redis.commands.core import AsyncScript
 
 from rollq.protocol.keys import RunKeys
+from rollq.redis_client import ReplicaWait
 
 # KEYS: ledger, groups. ARGV: group id, samples, B, eta. -> {admitted 1/0, version, samples admitted, limit}
 _ADMIT = """
@@ -129,11 +131,25 @@ class LedgerState(msgspec.Struct, frozen=True):
 
 
 class StalenessLedger:
-    def __init__(self, redis: aioredis.Redis, run: str, batch_samples: int, max_staleness: int) -> None:
+    """The ledger's writes are Lua scripts, each safe to repeat. With `wait` (the trainer's ReplicaWait) each write
+    waits for the replicas of its Redis Cluster node, so a failover keeps it; what one loses anyway, the trainer
+    writes again (Trainer._recover)."""
+
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        run: str,
+        batch_samples: int,
+        max_staleness: int,
+        *,
+        wait: ReplicaWait | None = None,
+    ) -> None:
         self.redis = redis
         self.keys = RunKeys(run)
         self.batch_samples = batch_samples
         self.max_staleness = max_staleness
+        self.wait = wait
+        self.published: int | None = None  # the version this ledger object last wrote (set_version, restore, reset)
         self._admit = redis.register_script(_ADMIT)
         self._release = redis.register_script(_RELEASE)
         self._set_version = redis.register_script(_SET_VERSION)
@@ -144,44 +160,56 @@ class StalenessLedger:
     def limit(self, version: int) -> int:
         return (self.max_staleness + version + 1) * self.batch_samples
 
+    async def _write(self, script: AsyncScript, keys: list[str], args: list[Any]) -> Any:
+        if self.wait is not None:
+            return await self.wait.script(script, keys, args)
+        return await script(keys=keys, args=args)
+
     async def admit(self, group_id: str, samples: int) -> Admission:
         """Admit a whole group or nothing. A group admitted before is admitted again without counting."""
-        ok, version, admitted, limit = await self._admit(
-            keys=[self.keys.ledger, self.keys.ledger_groups],
-            args=[group_id, samples, self.batch_samples, self.max_staleness],
+        ok, version, admitted, limit = await self._write(
+            self._admit,
+            [self.keys.ledger, self.keys.ledger_groups],
+            [group_id, samples, self.batch_samples, self.max_staleness],
         )
         return Admission(bool(ok), int(version), int(admitted), int(limit))
 
     async def release(self, group_id: str, reason: str = "dropped") -> int:
         """Give a dropped group's samples back (once), counted under its drop reason. Returns how many."""
-        return int(await self._release(keys=[self.keys.ledger, self.keys.ledger_groups], args=[group_id, reason]))
+        return int(await self._write(self._release, [self.keys.ledger, self.keys.ledger_groups], [group_id, reason]))
 
     async def release_part(self, group_id: str, samples: int, reason: str) -> int:
         """A partial group gives back `samples` (its failed ones), once, counted under `reason`."""
         keys = [self.keys.ledger, self.keys.ledger_groups, self.keys.ledger_partial]
-        return int(await self._release_part(keys=keys, args=[group_id, samples, reason, group_id]))
+        return int(await self._write(self._release_part, keys, [group_id, samples, reason, group_id]))
 
     async def release_rest(self, group_id: str, samples: int, reason: str) -> int:
         """A split group, dropped after parts of it trained, gives back the `samples` it had not trained, once."""
         keys = [self.keys.ledger, self.keys.ledger_groups, self.keys.ledger_partial]
-        return int(await self._release_part(keys=keys, args=[group_id, samples, reason, rest_field(group_id)]))
+        return int(await self._write(self._release_part, keys, [group_id, samples, reason, rest_field(group_id)]))
 
     async def readmit(self, group_id: str, samples: int) -> bool:
         """Record again the admission of a group the trainer queued, if Redis lost it. True if it had to."""
-        return bool(await self._readmit(keys=[self.keys.ledger, self.keys.ledger_groups], args=[group_id, samples]))
+        return bool(await self._write(self._readmit, [self.keys.ledger, self.keys.ledger_groups], [group_id, samples]))
 
     async def set_version(self, version: int) -> int:
-        return int(await self._set_version(keys=[self.keys.ledger], args=[version]))
+        """Publish the trainer's version (it only moves forward); returns the ledger's."""
+        current = int(await self._write(self._set_version, [self.keys.ledger], [version]))
+        self.published = max(version, self.published or 0)
+        return current
 
     async def restore(self, version: int, trained_samples: int) -> bool:
         """A restarted trainer's version (from its checkpoint). If Redis lost the ledger, it is rebuilt from what
         the checkpoint knows (the samples trained so far); returns True then."""
-        return bool(
-            await self._restore(
-                keys=[self.keys.ledger, self.keys.ledger_groups],
-                args=[version, trained_samples, self.batch_samples, self.max_staleness],
+        rebuilt = bool(
+            await self._write(
+                self._restore,
+                [self.keys.ledger, self.keys.ledger_groups],
+                [version, trained_samples, self.batch_samples, self.max_staleness],
             )
         )
+        self.published = version
+        return rebuilt
 
     async def state(self) -> LedgerState:
         raw = await self.redis.hgetall(self.keys.ledger)  # type: ignore[misc]  # redis-py stub: sync|async union
@@ -207,6 +235,7 @@ class StalenessLedger:
                 "eta": self.max_staleness,
             },
         )
+        self.published = 0
 
 
 __all__ = ["Admission", "LedgerState", "Ride", "StalenessLedger", "direct", "rest_field"]

@@ -4,7 +4,8 @@ to the new weights, checkpoint.
 One step, policy version v -> v + 1:
   collect B samples of complete groups fit to train at v -> decoupled PPO step -> pause engines, new weights
   (version v + 1) onto them: written to a shared directory and loaded (update_weights_from_disk), or broadcast
-  (weight_sync distributed, rollq.engine.weight_group) -> resume (generation restarts here) -> metrics line ->
+  (weight_sync distributed, rollq.engine.weight_group) -> resume (generation restarts here; a cycle that updated
+  fewer engines than min_engines_updated is retried, then ends the run: trainer/publish.py) -> metrics line ->
   checkpoint -> ack what the checkpoint holds -> publish v + 1 in the ledger (new admissions).
 A trainer killed anywhere restarts from its checkpoint: groups it trained and checkpointed are acked without
 training, everything else is redelivered. With checkpoint_every 1 the ledger never runs ahead of the checkpoint,
@@ -15,6 +16,7 @@ crash, never checkpointed) are dropped at consumption.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import shutil
@@ -29,12 +31,12 @@ import msgspec
 import redis.asyncio as aioredis
 import torch
 
-from rollq.engine.fleet import FleetController
+from rollq.engine.fleet import FleetController, FleetResult
 from rollq.engine.pool import EnginePool
 from rollq.engine.weight_group import DistributedSyncConfig, DistributedWeightSync
 from rollq.producer.producer import Producer
 from rollq.producer.results import Delivered, PartitionedConsumer, ResultConsumer
-from rollq.redis_client import ride_out
+from rollq.redis_client import ClusterView, ReplicaWait, ride_out
 from rollq.trainer import checkpoint
 from rollq.trainer.batch import Batch, Group, build_batch, trained_versions
 from rollq.trainer.checkpoint import TrainerState
@@ -46,6 +48,8 @@ from rollq.trainer.feeder import GroupFeeder
 from rollq.trainer.ledger import StalenessLedger
 from rollq.trainer.metrics import MetricsLog, RateWindow, StepRecord, plot
 from rollq.trainer.policy import Policy
+from rollq.trainer.publish import UpdateRequirement, publish
+from rollq.trainer.recovery import recover, repair_ledger
 
 log = logging.getLogger("rollq.trainer")
 T = TypeVar("T")
@@ -82,6 +86,11 @@ class Trainer:
         self.redis = redis
         self.pool = pool
         self.fleet = FleetController(pool)
+        self.update_requirement = UpdateRequirement(
+            min_engines=config.min_engines_updated,
+            retries=config.weight_update_retries,
+            backoff_s=config.weight_update_backoff_s,
+        )
         self.weight_sync: DistributedWeightSync | None = None
         if config.weight_sync == "distributed":
             self.weight_sync = DistributedWeightSync(
@@ -96,7 +105,14 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.weights_root = Path(config.weights_root)
         self.metrics = MetricsLog(self.run_dir, progress)
-        self.ledger = StalenessLedger(redis, config.run, config.batch_samples, config.max_staleness)
+        # On a Redis Cluster the ledger's writes and the acks of trained samples wait for a replica (WAIT), so a
+        # failover keeps them; what one loses anyway is written again (_recover).
+        self.replica_wait = ReplicaWait(redis, config.redis_wait_replicas, config.redis_wait_timeout_ms)
+        self.ledger = StalenessLedger(
+            redis, config.run, config.batch_samples, config.max_staleness, wait=self.replica_wait
+        )
+        # A failover the cluster client followed by itself (no call failed) calls for the same recovery (_recover).
+        self.cluster_view = ClusterView(redis, [self.ledger.keys.ledger])
         self.producer = Producer(redis, config.run, partitions=config.partitions)
         # One stream per partition on a partitioned run: replaced once the run's partition count is known (_run).
         self.consumer: ResultConsumer | PartitionedConsumer = ResultConsumer(
@@ -126,38 +142,22 @@ class Trainer:
     async def ride(self, op: Callable[[], Awaitable[T]], what: str) -> T:
         """A Redis call that rides out an outage of up to `redis_outage_s` (then RedisUnavailable ends the run)."""
         return await ride_out(
-            op, what=what, limit_s=self.cfg.redis_outage_s, url=self.cfg.redis_url, recover=self._recover
+            op,
+            what=what,
+            limit_s=self.cfg.redis_outage_s,
+            url=self.cfg.redis_url,
+            recover=self._recover,
+            moved=self.cluster_view.moved,
         )
 
     async def _recover(self) -> None:
-        """Redis answered again after an outage: re-create what a restart may have lost (the results group, the
-        ledger) and re-read this consumer's pending entries (a read whose reply was lost left some there)."""
-        self.consumer.resync()
-        await self.consumer.setup()
-        await self.producer.remember_partitions()
-        if self._resumed and not await self.redis.exists(self.ledger.keys.ledger):
-            await self.ledger.restore(self.state.version, self.state.trained_samples)
-            log.warning("the staleness ledger was gone from Redis after an outage; rebuilt from the trainer's state")
-        await self._repair_ledger()
-
-    async def _repair_ledger(self) -> None:
-        """Write again what Redis may have lost of the ledger (its last writes, in an AOF everysec restart or a
-        Cluster failover): the admissions of groups in flight and the give-backs of recent drops, each a no-op where
-        Redis kept it. (A lost version is written again at the next step.)"""
-        if not self._resumed or self.feeder is None or self.collector is None:
-            return
-        readmitted = released = 0
-        for job_id in self.feeder.outstanding:
-            readmitted += await self.ledger.readmit(job_id, self.cfg.group_size)
-        for job_id, reason, rest in self.collector.recent_drops:
-            if rest is None:
-                released += bool(await self.ledger.release(job_id, reason))
-            else:
-                released += bool(await self.ledger.release_rest(job_id, rest, reason))
-        if readmitted or released:
-            log.warning(
-                "Redis had lost ledger writes: recorded %d admissions and %d give-backs again", readmitted, released
-            )
+        """Redis answered again after an outage: re-create what it may have lost (the results group, the ledger),
+        write again the ledger writes it lost (a failover's or an AOF everysec restart's last writes) and re-read
+        this consumer's pending entries (trainer/recovery.py)."""
+        state = self.state if self._resumed else None
+        await recover(
+            self.consumer, self.producer, self.ledger, state=state, feeder=self.feeder, collector=self.collector
+        )
 
     @property
     def checkpoint_path(self) -> Path:
@@ -213,27 +213,31 @@ class Trainer:
         os.replace(tmp, path)
 
     async def _publish_weights(self, version: int) -> dict[str, float]:
-        """Weights of `version` onto every engine: pause, load, resume. Generation resumes right after the load."""
+        """Weights of `version` onto the engines: pause, load, resume (generation resumes right after the load), on at
+        least `min_engines_updated` of them (default: every healthy one), the cycle retried with backoff until it is;
+        else WeightUpdateFailed ends the run (trainer/publish.py). Returns the phases of the cycle that made it."""
         if self.weight_sync is not None:
-            return await self._broadcast_weights(self.weight_sync, version)
-        path = await asyncio.to_thread(self.policy.save_weights, self.weights_root / f"v{version}")
-        await self.fleet.reconcile()  # engines that missed an update (or joined since) first catch up
-        phases = await self.fleet.cycle(str(path), version, mode=self.cfg.pause_mode)
-        for old in self.weights_root.glob("v*"):
-            if old.name[1:].isdigit() and int(old.name[1:]) <= version - KEEP_WEIGHT_VERSIONS:
-                await asyncio.to_thread(shutil.rmtree, old, True)
-        return phases
+            update = self._broadcast(self.weight_sync, version)
+        else:
+            path = await asyncio.to_thread(self.policy.save_weights, self.weights_root / f"v{version}")
+            await self.fleet.reconcile()  # engines that missed an update (or joined since) first catch up
+            update = functools.partial(self.fleet.update_weights, str(path), version)
+        mode, requirement = self.cfg.pause_mode, self.update_requirement
+        report = await publish(lambda: self.fleet.run_cycle(update, mode=mode), self.pool, requirement, version)
+        if self.weight_sync is None:
+            for old in self.weights_root.glob("v*"):
+                if old.name[1:].isdigit() and int(old.name[1:]) <= version - KEEP_WEIGHT_VERSIONS:
+                    await asyncio.to_thread(shutil.rmtree, old, True)
+        return report.phases
 
-    async def _broadcast_weights(self, sync: DistributedWeightSync, version: int) -> dict[str, float]:
-        """pause -> broadcast to every engine (stale and newly joined ones included: each update covers the whole
-        pool, over a group rebuilt when membership changed) -> resume; no shared disk. The phases `fleet.cycle` reports.
-        An in_place pause keeps KV in the running batch, so the engines must not be asked to flush their cache
-        (SGLang would load the weights and still fail the call)."""
-        mode = self.cfg.pause_mode
+    def _broadcast(self, sync: DistributedWeightSync, version: int) -> Callable[[], Awaitable[FleetResult]]:
+        """The update step of a cycle without a shared disk: broadcast to every engine (stale and newly joined ones
+        included: each update covers the whole pool, over a group rebuilt when membership changed). An in_place pause
+        keeps KV in the running batch, so the engines must not be asked to flush their cache (SGLang would load the
+        weights and still fail the call)."""
+        flush = self.cfg.pause_mode != "in_place"
         named = [(name, p.detach()) for name, p in self.policy.model.named_parameters()]
-        return await self.fleet.cycle_with(
-            lambda: sync.update(named, version, flush_cache=mode != "in_place"), mode=mode
-        )
+        return lambda: sync.update(named, version, flush_cache=flush)
 
     # -- the loop ------------------------------------------------------------------------------------------------------
 
@@ -276,7 +280,9 @@ class Trainer:
         if cfg.trained_log:
             self._cut_trained_log(self.state.step)
         await self.ride(self.producer.partitions, "reading the run's partitions")
-        self.consumer = self.producer.consumer(group=CONSUMER_GROUP, name=CONSUMER_NAME)
+        self.consumer = self.producer.consumer(group=CONSUMER_GROUP, name=CONSUMER_NAME, wait=self.replica_wait)
+        streams = self.consumer.streams if isinstance(self.consumer, PartitionedConsumer) else [self.consumer.stream]
+        self.cluster_view.watch([self.ledger.keys.ledger, *streams])  # the shards of the ledger and of each partition
         await self.ride(self.consumer.setup, "creating the results group")
         self._resumed = True
         await self._publish_weights(self.state.version)  # engines start from the trainer's weights
@@ -315,6 +321,9 @@ class Trainer:
         # checkpoint from before settled groups were recorded has none: its groups are not watched).
         if self.state.step == 0 or self.state.settled.below or self.state.settled.above:
             self.feeder.watch(self.state.settled.unsettled(self.state.next_group))
+        if resumed:  # Redis may have lost ledger writes of the previous life (it and a Redis primary died together)
+            feeder, collector = self.feeder, self.collector
+            await self.ride(lambda: repair_ledger(self.ledger, feeder, collector), "writing the ledger again")
         log.info(
             "%s at step %d (policy version %d); %d steps to go",
             "resumed" if resumed else "starting",

@@ -45,7 +45,7 @@ class Policy:
         self.path = model_dir(config.model)
         self.tokenizer = AutoTokenizer.from_pretrained(self.path)
         model = AutoModelForCausalLM.from_pretrained(self.path, dtype=torch.float32)
-        self.model = model.to(config.device)  # type: ignore[arg-type]  # transformers' @wraps(Module.to) hides self
+        self.model = model.to(config.device)
         # fused: one kernel for the whole update on CUDA (not available on CPU)
         fused = torch.device(config.device).type == "cuda"
         self.optimizer = torch.optim.AdamW(

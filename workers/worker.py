@@ -189,6 +189,10 @@ class Worker:
         self._fair = FairShare(self._classes.values())
         self._groups: set[str] = set()  # streams whose consumer group this worker has ensured
         self._own: dict[str, str] = {}  # stream -> cursor through this consumer's own pending entries (a restart)
+        # A read failed (Redis away, a Cluster failover): a reply lost with the connection may have delivered entries
+        # to this consumer. Once Redis answers again, its pending entries are walked (as at a restart) and those not
+        # running are started, rather than left to wait out their lease as if this worker had died.
+        self._rewalk = False
         self._held: list[tuple[str, Entry]] = []  # read by a blocking multi-stream read beyond the free slots
         self._stop = asyncio.Event()
         self._slot_free = asyncio.Event()
@@ -300,7 +304,9 @@ class Worker:
                     entries = await self._read(stream, cursor, free, block=None)
                     if entries:
                         self._own[stream] = entries[-1][0].decode()
-                        await self._start(stream, entries, await self._deliveries(stream, entries))
+                        held = {e[0] for s, e in self._held if s == stream}  # read already, started when slots free up
+                        if fresh := [e for e in entries if e[0] not in held]:
+                            await self._start(stream, fresh, await self._deliveries(stream, fresh))
                     else:
                         del self._own[stream]
                     continue
@@ -318,7 +324,12 @@ class Worker:
                     await self._read_classes(free)
                 delay = 0.05
                 outage.ok()
+                if self._rewalk:
+                    self._rewalk = False
+                    for stream in self._class_of:
+                        self._own.setdefault(stream, "0")
             except TRANSIENT_ERRORS as exc:
+                self._rewalk = True
                 outage.failed(exc)  # past redis_outage_s: RedisUnavailable ends the worker
                 log.warning("redis unavailable (%s); retrying in %.2fs", exc, delay)
                 try:
@@ -376,13 +387,9 @@ class Worker:
             order = self._fair.allocate(free, candidates)
             plan = collections.Counter(order)
             reads = [(name, stream, n) for name, count in plan.items() for stream, n in self._split(name, count, empty)]
-            pipe = self.redis.pipeline(transaction=False)
-            for _, stream, n in reads:
-                pipe.xreadgroup(WORKER_GROUP, self.name, {stream: ">"}, count=n)
-            replies = await pipe.execute()
+            replies = await self._read_new([(stream, n) for _, stream, n in reads])
             got: dict[str, collections.deque[tuple[str, Entry]]] = {name: collections.deque() for name in plan}
-            for (name, stream, n), reply in zip(reads, replies, strict=True):
-                entries = reply[0][1] if reply else []
+            for (name, stream, n), entries in zip(reads, replies, strict=True):
                 got[name].extend((stream, e) for e in entries)
                 if len(entries) < n:
                     empty.add(stream)
@@ -419,8 +426,31 @@ class Worker:
             woke = [(key.decode() if isinstance(key, bytes) else key, entries) for key, entries in reply or []]
             return sorted(woke, key=lambda kv: streams.index(kv[0]))
         block = min(self.cfg.block_ms, self.cfg.cluster_block_ms)
-        replies = await asyncio.gather(*(self._read(stream, ">", count, block=block) for stream in streams))
+        replies = await self._read_new([(stream, count) for stream in streams], block=block)
         return [(stream, entries) for stream, entries in zip(streams, replies, strict=True) if entries]
+
+    async def _read_new(self, reads: list[tuple[str, int]], block: int | None = None) -> list[list[Entry]]:
+        """New entries (`>`) of each (stream, count), in `reads` order: one pipeline on one Redis (`block` unused:
+        callers block on one Redis with one multi-stream read). On Redis Cluster (a pipeline's reads span nodes)
+        each stream is read on its own, all at once, blocking up to `block` ms; when a read fails (its node is away:
+        a failover), what the others read is kept in `_held` (started first, leases refreshed) and the error raised.
+        Entries Redis delivered are pending for this worker: dropping them would leave them to wait out a lease
+        (`lease_ms`) before anyone runs them."""
+        if not self._cluster:
+            pipe = self.redis.pipeline(transaction=False)
+            for stream, n in reads:
+                pipe.xreadgroup(WORKER_GROUP, self.name, {stream: ">"}, count=n)
+            return [reply[0][1] if reply else [] for reply in await pipe.execute()]
+        replies = await asyncio.gather(
+            *(self._read(stream, ">", n, block=block) for stream, n in reads), return_exceptions=True
+        )
+        failed = next((r for r in replies if isinstance(r, BaseException)), None)
+        if failed is None:
+            return [r for r in replies if not isinstance(r, BaseException)]
+        for (stream, _), reply in zip(reads, replies, strict=True):
+            if not isinstance(reply, BaseException):
+                self._held.extend((stream, e) for e in reply)
+        raise failed
 
     async def _read(self, stream: str, start: str, count: int, block: int | None) -> list[Entry]:
         reply = await self.redis.xreadgroup(WORKER_GROUP, self.name, {stream: start}, count=count, block=block)

@@ -18,7 +18,6 @@ from aiohttp import web
 
 from rollq.engine.server.backend import Backend
 from rollq.engine.server.weight_group import InitGroupRequest, WeightGroups
-from rollq.engine.weight_group import parse_dtype
 from rollq.http_server import BAD_JSON, read_body
 
 T = TypeVar("T")
@@ -132,6 +131,8 @@ class DistributedRoutes:
             return _validation_error("names, dtypes and shapes must have the same length")
         if req.load_format not in (None, "auto"):
             return _reply(False, f"Failed to receive weights: load_format {req.load_format!r} is not supported.")
+        from rollq.engine.weight_group import parse_dtype  # imports torch: only when a distributed update comes
+
         try:
             for d in req.dtypes:
                 parse_dtype(d)

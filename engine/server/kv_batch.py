@@ -351,7 +351,7 @@ class KVBatch:
 
     @property
     def _layers(self) -> list[_BufferLayer]:
-        return [] if self._cache is None else self._cache.layers  # type: ignore[return-value]
+        return [] if self._cache is None else self._cache.layers
 
     @property
     def size(self) -> int:

@@ -114,7 +114,7 @@ class ReferenceBackend(Backend):
                 local_files_only=True,
                 attn_implementation=CASCADE if cascade else cfg.attn_implementation,
             )
-            .to(cfg.device)  # type: ignore[arg-type]  # transformers' @wraps(Module.to) hides self
+            .to(cfg.device)
             .eval()
         )
         self.model.requires_grad_(False)

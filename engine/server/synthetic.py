@@ -125,11 +125,18 @@ class SyntheticConfig(msgspec.Struct, kw_only=True, frozen=True):
 def load_tokenizer(name: str) -> tuple[Any, Path]:
     """(HF tokenizer, its directory) for `name`: "tiny" / "smollm2" (built offline on first use) or a tokenizer
     directory."""
-    from transformers import AutoTokenizer  # heavy: imported only when a tokenizer is asked for
-
     from rollq.engine.tiny_model import model_dir
 
     path = model_dir(name)
+    if name == "tiny":
+        # transformers' plain tokenizer over tokenizer.json: the same ids, text and chat template as AutoTokenizer's
+        # Qwen2Tokenizer for this model (tests/engine/test_synthetic.py checks), without AutoTokenizer's import of
+        # torch, which tripled the start-up of an engine that needs no model.
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True), path
+    from transformers import AutoTokenizer  # heavy: imported only when a tokenizer is asked for
+
     return AutoTokenizer.from_pretrained(path, local_files_only=True), path
 
 

@@ -10,13 +10,16 @@ from __future__ import annotations
 import datetime
 import logging
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
-import torch
-import torch.distributed as dist
 
-from rollq.engine.weight_group import abort_group, gloo_group, local_address, parse_dtype
+if TYPE_CHECKING:
+    import torch
+
+# torch (and rollq.engine.weight_group, which imports it) load where a group is joined or used, not here: every engine
+# serves these routes, and importing torch would double the start-up time of the engines that never use them (the
+# synthetic backend's most of all).
 
 log = logging.getLogger("rollq.engine")
 
@@ -80,6 +83,10 @@ class WeightGroups:
             req.world_size,
             req.group_name,
         )
+        import torch.distributed as dist
+
+        from rollq.engine.weight_group import gloo_group, local_address
+
         try:
             store = dist.TCPStore(
                 req.master_address,
@@ -98,7 +105,7 @@ class WeightGroups:
             old = self._groups.pop(req.group_name, None)
             self._groups[req.group_name] = _Group(store, group, req.rank_offset, req.world_size)
         if old is not None:
-            abort_group(old.group)
+            _abort_group(old.group)
         return True, "Succeeded to initialize custom process group."
 
     def destroy(self, name: str) -> tuple[bool, str]:
@@ -106,7 +113,7 @@ class WeightGroups:
             entry = self._groups.pop(name, None)
         if entry is None:
             return False, "The group to be destroyed does not exist."
-        abort_group(entry.group)
+        _abort_group(entry.group)
         return True, "Succeeded to destroy custom process group."
 
     def destroy_all(self) -> None:
@@ -124,6 +131,11 @@ class WeightGroups:
             known = list(self._groups)
         if entry is None:
             raise RuntimeError(f"Group {name} not in {known}. Please call `init_weights_update_group` first.")
+        import torch
+        import torch.distributed as dist
+
+        from rollq.engine.weight_group import parse_dtype
+
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         out: list[tuple[str, torch.Tensor]] = []
@@ -139,9 +151,15 @@ class WeightGroups:
             with self._lock:
                 if self._groups.get(name) is entry:
                     del self._groups[name]
-            abort_group(entry.group)
+            _abort_group(entry.group)
             raise
         return out
 
 
 __all__ = ["InitGroupRequest", "WeightGroups"]
+
+
+def _abort_group(group: Any) -> None:
+    from rollq.engine.weight_group import abort_group
+
+    abort_group(group)

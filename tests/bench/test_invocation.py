@@ -23,8 +23,8 @@ BENCHMARKS = [
     "async_rl",
     "ingress",
     "fair_share",
-    "chaos",
     "partitions",
+    "redis_wait",
     "gpu_check",
     "staleness_model",
 ]

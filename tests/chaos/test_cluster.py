@@ -25,8 +25,9 @@ PARTITIONS = 3
 
 
 @pytest.fixture(scope="module")
-def cluster() -> LocalCluster:
-    with local_cluster(node_timeout_ms=1000) as c:
+def cluster(tmp_path_factory) -> LocalCluster:
+    # The nodes' directories (redis.log, nodes.conf) stay under pytest's basetemp for a post-mortem.
+    with local_cluster(node_timeout_ms=1000, directory=str(tmp_path_factory.mktemp("cluster"))) as c:
         yield c
 
 
@@ -45,6 +46,7 @@ STEPS, GROUP, GROUPS, ETA = 8, 4, 3, 1
 
 
 @pytest.mark.slow
+@pytest.mark.scenario  # the failover loop of CONTRIBUTING.md runs it 20 times under load
 async def test_a_training_run_goes_on_when_the_primary_of_the_run_is_killed(
     cluster, run_name, tmp_path, engine_process, spawn_worker, caplog
 ):

@@ -10,10 +10,14 @@ import msgspec
 import pytest
 
 from rollq.engine.pool import EnginePool, PoolConfig
+from rollq.protocol.codec import Codec
+from rollq.protocol.keys import PAYLOAD_FIELD, WORKER_GROUP, RunKeys
+from rollq.protocol.messages import Job
 from rollq.redis_client import RedisUnavailable, redis_client, ride_out
 from rollq.trainer.config import TrainConfig
 from rollq.trainer.ledger import StalenessLedger
 from rollq.trainer.loop import Trainer
+from tests.helpers import running_worker, wait_until
 from tests.redis_server import RedisServer, free_port
 from tests.trainer.helpers import ENGINE_ARGS, WORKFLOW_KWARGS
 
@@ -79,6 +83,7 @@ STEPS, GROUP, GROUPS, ETA = 8, 4, 3, 1
 
 
 @pytest.mark.slow
+@pytest.mark.scenario  # a whole training run across a restart: the chaos loop of CONTRIBUTING.md
 async def test_the_trainer_and_a_worker_ride_out_a_redis_restart(
     aof_redis, run_name, tmp_path, engine_process, spawn_worker, caplog
 ):
@@ -133,3 +138,31 @@ async def test_the_trainer_and_a_worker_ride_out_a_redis_restart(
     for r in records:
         assert r["staleness_max"] <= ETA and r["ledger_admitted"] <= r["ledger_limit"]
     await redis.aclose()
+
+
+async def test_a_job_delivered_by_a_read_whose_reply_was_lost_runs_when_redis_is_back_not_after_its_lease(
+    aof_redis, run_name, caplog
+):
+    """A read's reply lost with the connection (Redis killed under it; on a Redis Cluster, the primary of a partition
+    failing over) may have delivered jobs to the worker: they are pending under its name, and nobody runs them until
+    their lease expires (`lease_ms`), as if the worker were dead. Once Redis answers again the worker walks its
+    pending jobs and runs those it does not hold."""
+    caplog.set_level("WARNING", logger="rollq.worker")
+    keys = RunKeys(run_name)
+    async with running_worker(aof_redis.url, run_name, name="w", lease_ms=60_000, reclaim_interval_ms=60_000):
+        client = redis_client(aof_redis.url)
+        try:
+            job = Job(job_id="j", workflow="tests.workflows:Echo", n=1)
+            pipe = client.pipeline(transaction=True)  # queued and delivered to `w` at once: its read never saw it
+            pipe.xadd(keys.jobs, {PAYLOAD_FIELD: Codec().encode(job)})
+            pipe.xreadgroup(WORKER_GROUP, "w", {keys.jobs: ">"}, count=1)
+            await pipe.execute()
+            restart(aof_redis)
+            await wait_until(
+                lambda: any("redis unavailable" in r.getMessage() for r in caplog.records), 15, what="the outage seen"
+            )
+            aof_redis.start()
+            await wait_until(lambda: client.xlen(keys.results), 15, what="the job's result (its lease is 60 s)")
+            assert (await client.xpending(keys.jobs, WORKER_GROUP))["pending"] == 0
+        finally:
+            await client.aclose()

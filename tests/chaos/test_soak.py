@@ -1,4 +1,4 @@
-"""The whole-system chaos soak, short: bench/chaos.py's driver (real redis-server with AOF, two engines, three
+"""The whole-system chaos soak, short: tests/chaos/soak.py's driver (real redis-server with AOF, two engines, three
 `rollq worker`s, `rollq train`) with every fault at least once (worker SIGKILL + replacement, engine SIGKILL +
 restart, Redis SIGKILL + restart from its AOF, trainer SIGKILL + resume from its checkpoint, worker SIGSTOP past its
 lease + SIGCONT), then the same accounting as the benchmark: every admitted sample trained exactly once, dropped with
@@ -16,8 +16,8 @@ import io
 
 import pytest
 
-from bench.chaos import FAULT_KINDS, ChaosConfig, run_chaos, table
 from bench.common import Procs
+from tests.chaos.soak import FAULT_KINDS, ChaosConfig, run_chaos, table
 from tests.trainer.test_collector import PREFIX, publish, sample, setup
 
 
@@ -84,6 +84,7 @@ CLUSTER_SOAK = dataclasses.replace(SOAK, cluster=True, partitions=3, cluster_nod
 
 
 @pytest.mark.slow
+@pytest.mark.scenario
 @pytest.mark.timeout(170)
 # On one redis-server the harder workload (the faults are the same; `drop` runs on the cluster).
 @pytest.mark.parametrize("soak", [HARD_SOAK, CLUSTER_SOAK], ids=["redis-mask-failures", "cluster"])
@@ -121,7 +122,7 @@ async def test_the_whole_stack_survives_every_fault_and_accounts_for_every_sampl
     if soak.stale_policy == "mask":  # what was masked was older than v - eta when it trained (the audit's bound)
         assert report["tokens_audit"]["older_max"] >= report["tokens"]["masked"]
     # A long tail with whole groups masks some tokens; split groups and late joins often leave none to mask (what
-    # they are for), so there the audit's agreement above is the check (as in bench.chaos's tokens_masked).
+    # they are for), so there the audit's agreement above is the check (as in the soak's tokens_masked).
     if soak.stale_policy == "mask" and soak.long_tail and not (soak.split_groups or soak.join_late):
         assert report["tokens"]["masked"] > 0
     assert report["ok"]

@@ -76,6 +76,7 @@ async def submit_via_ingress(url: str, jobs: int = 2, n: int = 2) -> list:
         return views
 
 
+@pytest.mark.scenario  # every service of compose.yaml for real (~45 CPU s); its config checks stay in CI
 async def test_compose_stack_runs_locally(tmp_path, compose_secrets):
     run = f"compose{uuid.uuid4().hex[:8]}"
     env = interpolation_env(

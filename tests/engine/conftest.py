@@ -11,13 +11,6 @@ import pytest
 from rollq.engine.server.app import EngineServerConfig, ServerHandle, serve
 from rollq.engine.server.backend import Backend
 from rollq.engine.server.synthetic import SyntheticBackend, SyntheticConfig
-from rollq.engine.tiny_model import build_tiny
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny offline model, built once per test module (where $ROLLQ_CACHE=<parent> puts it)."""
-    return build_tiny(tmp_path_factory.mktemp("cache") / "tiny-model")
 
 
 @pytest.fixture

@@ -14,7 +14,6 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from transformers import AutoTokenizer  # noqa: E402
 
 from rollq.engine.server.app import EngineServerConfig, serve  # noqa: E402
 from rollq.engine.server.backend import GenState  # noqa: E402
@@ -32,6 +31,8 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def prompts(tiny_dir: Path) -> list[list[int]]:
+    from transformers import AutoTokenizer  # here, not at collection: each test process would pay for it
+
     tok = AutoTokenizer.from_pretrained(tiny_dir, local_files_only=True)
     return [tok.encode(t) for t in TEXTS]
 

@@ -22,7 +22,6 @@ from rollq.engine.pool import EnginePool, PoolConfig  # noqa: E402
 from rollq.engine.server.app import ServerHandle  # noqa: E402
 from rollq.engine.server.distributed_routes import ROUTES_KEY  # noqa: E402
 from rollq.engine.server.reference import ReferenceBackend, ReferenceConfig  # noqa: E402
-from rollq.engine.tiny_model import build_tiny  # noqa: E402
 from rollq.engine.weight_group import DistributedSyncConfig, DistributedWeightSync  # noqa: E402
 from tests.helpers import REPO_ROOT, engine_healthy, wait_until  # noqa: E402
 from tests.redis_server import free_port  # noqa: E402
@@ -31,11 +30,9 @@ TIMEOUT_S = 8.0  # the sync's bound on joins, broadcast ops and control calls in
 PROMPT = [1, 5, 9, 13, 17, 21]
 
 
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("cache")
-    build_tiny(root / "tiny-model")  # where ROLLQ_CACHE=root puts `--model tiny` (the subprocess engine's)
-    return root
+@pytest.fixture
+def cache_dir(tiny_dir: Path) -> Path:
+    return tiny_dir.parent  # where ROLLQ_CACHE=<it> puts `--model tiny` (the subprocess engine's)
 
 
 @pytest.fixture
@@ -161,7 +158,7 @@ async def test_a_killed_engine_fails_alone_and_a_late_one_catches_up(start_ref, 
     try:
         victim_url = f"http://127.0.0.1:{port}"
         survivor = await start_ref()
-        await wait_until(lambda: proc.poll() is not None or engine_healthy(victim_url), 60, what="engine up")
+        await wait_until(lambda: proc.poll() is not None or engine_healthy(victim_url), 120, what="engine up")
         assert proc.poll() is None, (tmp_path / "engine.log").read_text()
         pool.add(survivor.url)
         victim = pool.add(victim_url)

@@ -1,6 +1,10 @@
+import pytest
+
 from rollq.producer import Producer, ResultConsumer
+from rollq.producer.results import PartitionedConsumer
 from rollq.protocol import Codec, Trajectory
 from rollq.protocol.keys import PAYLOAD_FIELD, RunKeys
+from rollq.redis_client import TRANSIENT_ERRORS, redis_client
 from tests.helpers import running_worker, wait_until
 
 
@@ -88,3 +92,26 @@ async def test_acked_results_are_trimmed_only_when_every_group_acked(redis, redi
     await monitor.commit([])
     assert await redis.xlen(producer.reply_to) <= 1  # the last delivered entry may stay as the group's cursor
     assert await producer.inflight() == 0  # released once, by the primary group
+
+
+async def test_a_partition_whose_read_fails_does_not_swallow_what_the_others_read(redis, run_name, unused_redis_url):
+    """A failover on one partition's Redis node: the others' reads, which moved their entries into this consumer's
+    pending list, are handed out by the next read (dropped, they would never come back: their groups never
+    complete); and the failed partition walks its own pending list again (a lost reply may have delivered some)."""
+    keys = RunKeys(run_name)
+    down, up = ResultConsumer(redis, keys.at(0).results, name="t"), ResultConsumer(redis, keys.at(1).results, name="t")
+    consumer = PartitionedConsumer([down, up])
+    await consumer.setup()
+    assert await consumer.read(block_ms=10) == [] and down._own_cursor is None  # walked its (empty) pending list
+    await _publish(redis, keys.at(1).results, Trajectory(job_id="j", sample_index=0, n=1, status="ok"))
+    away = redis_client(unused_redis_url, retries=0)
+    down.redis = away  # partition 0's node goes down
+    with pytest.raises(TRANSIENT_ERRORS):
+        await consumer.read(block_ms=50)
+    assert down._own_cursor == "0"
+    down.redis = redis  # and is back
+    got = await consumer.read(block_ms=50)
+    assert [(d.stream, d.trajectory.job_id) for d in got] == [(keys.at(1).results, "j")]
+    await consumer.commit(got)
+    assert (await redis.xpending(keys.at(1).results, "trainer"))["pending"] == 0
+    await away.aclose()

@@ -27,7 +27,6 @@ from rollq.engine.server.reference import ReferenceBackend, ReferenceConfig
 from rollq.engine.server.sglang_launcher import SGLangLaunch
 from rollq.engine.server.synthetic import SyntheticBackend, SyntheticConfig
 from rollq.engine.server.weights_root import NO_ROOT, OUTSIDE
-from rollq.engine.tiny_model import build_tiny
 from rollq.engine.types import ADMIN_ROUTES, ModelRequest, SamplingParams
 from rollq.producer import JobRequest, Producer
 from rollq.trainer.config import TrainConfig
@@ -235,7 +234,7 @@ async def test_an_engine_started_as_up_starts_it_refuses_keyless_calls(tmp_path:
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        await wait_until(lambda: proc.poll() is not None or engine_healthy(url), 30, what="the engine up")
+        await wait_until(lambda: proc.poll() is not None or engine_healthy(url), 90, what="the engine up")
         assert proc.poll() is None, (tmp_path / "engine.log").read_text()
         assert keys.api_key.encode() not in Path(f"/proc/{proc.pid}/cmdline").read_bytes()  # not in `ps`
         admin = {"Authorization": f"Bearer {keys.admin_api_key}"}
@@ -306,7 +305,7 @@ async def test_an_engine_on_all_interfaces_without_keys_refuses_to_start_unless_
     proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        await wait_until(lambda: proc.poll() is not None or engine_healthy(url), 30, what="the engine up")
+        await wait_until(lambda: proc.poll() is not None or engine_healthy(url), 90, what="the engine up")
         assert proc.poll() is None, (tmp_path / "engine.log").read_text()
     finally:
         proc.kill()
@@ -315,11 +314,6 @@ async def test_an_engine_on_all_interfaces_without_keys_refuses_to_start_unless_
 
 
 # --- (d) weights load only from under weights_root, with one generic error ------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny(tmp_path_factory.mktemp("cache") / "tiny-model")
 
 
 @pytest.fixture

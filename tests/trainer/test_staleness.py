@@ -22,7 +22,9 @@ from tests.trainer.helpers import WORKFLOW_KWARGS
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("eta", [0, 1])
+# CI runs eta = 1 (off-policy) and the join-late mask run; the other cases are long scenarios (the loops of
+# CONTRIBUTING.md), each a whole training run of 16-30 s.
+@pytest.mark.parametrize("eta", [pytest.param(0, marks=pytest.mark.scenario), 1])
 async def test_no_trained_token_is_older_than_the_bound_and_groups_stay_whole(
     redis, redis_url, run_name, tmp_path, stack, auditor, eta
 ):
@@ -110,7 +112,12 @@ class LossAuditor(Policy):
 
 
 @pytest.mark.parametrize(
-    ("split", "join_late"), [(0, False), (2, False), (2, True)], ids=["whole-groups", "split-groups", "join-late"]
+    ("split", "join_late"),
+    [
+        pytest.param(0, False, id="whole-groups", marks=pytest.mark.scenario),
+        pytest.param(2, False, id="split-groups", marks=pytest.mark.scenario),
+        pytest.param(2, True, id="join-late"),
+    ],
 )
 async def test_under_mask_no_token_the_loss_trains_is_older_than_the_bound(
     redis, redis_url, run_name, tmp_path, engine_process, spawn_worker, split, join_late, eta=1

@@ -77,6 +77,7 @@ def test_rollq_up_refuses_a_bad_setting_before_starting_anything(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.scenario  # the whole stack up, then SIGTERM: a loop of CONTRIBUTING.md
 async def test_sigterm_stops_rollq_up_and_everything_it_started(tmp_path):
     from tests.helpers import wait_until
 

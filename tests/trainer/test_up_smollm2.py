@@ -21,6 +21,7 @@ STEPS = 2
 
 
 @pytest.mark.slow
+@pytest.mark.scenario
 # A real 135M model trained, evaluated twice and exported: 90-150 s on 2 cores (141 s and 149 s on 2026-11-25, before
 # and after issue 24), over the suite's 120 s default; its subprocesses have their own bounds (420 s and 300 s).
 @pytest.mark.timeout(400)

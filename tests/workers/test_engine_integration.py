@@ -15,6 +15,7 @@ from tests.redis_server import free_port
 
 
 @pytest.mark.slow
+@pytest.mark.scenario  # SIGKILL failover of the pool itself stays in CI: tests/engine/test_pool.py
 async def test_every_job_completes_when_an_engine_dies_mid_run(redis, redis_url, run_name, spawn_worker):
     ports = [free_port(), free_port()]
     engines = [

@@ -29,6 +29,11 @@ from tests.agents import ANSWER, CALL_ADD, SCRIPT
 from tests.helpers import running_worker, wait_until
 from tests.scripted import scripted_engine, tiny_tokenizer
 
+# In one test process: with this file's tests spread over xdist processes, a cancelled episode twice did not finish
+# within 10 s and left its program's group running (never in one process, nor with those two tests alone). Kept
+# together until that is understood.
+pytestmark = pytest.mark.xdist_group("command-agent")
+
 HERE = Path(__file__).parent
 NODE_DIR = HERE / "node"
 QUESTION = "What is 2 + 3?"
@@ -97,13 +102,27 @@ def pids_from(pidfile: Path) -> list[int] | None:
         return None
 
 
-def gone(pid: int) -> bool:
-    """No such process, or only its zombie (dead; a container's init may be slow to reap orphans)."""
+def started(pid: int) -> str | None:
+    """When `pid` started (clock ticks since boot), or None if it is gone: tells it from a later process that reuses
+    its number (three test processes start many)."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (FileNotFoundError, IndexError):
+        return None
+
+
+def gone(pid: int, born: str | None = None) -> bool:
+    """No such process, only its zombie (dead; a container's init may be slow to reap orphans), or another process
+    under its number (`born`: when ours started)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except FileNotFoundError:
         return True
-    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    return fields[0] in ("Z", "X") or (born is not None and fields[19] != born)
+
+
+def all_gone(pids: list[int], born: dict[int, str | None]) -> bool:
+    return all(gone(p, born.get(p)) for p in pids)
 
 
 # Backgrounds a child that holds stdout open, records both pids (atomically), then waits for the child.
@@ -199,7 +218,8 @@ async def test_timeout_kills_the_process_group(redis, redis_url, run_name, stack
     assert t.status == "error" and t.error.type == "AgentTimeout" and "longer than 2s" in t.error.message, t.error
     pids = pids_from(pidfile)
     assert pids and len(pids) == 2  # the shell and the child it started
-    await wait_until(lambda: all(gone(p) for p in pids), 10, what=f"pids {pids} gone")
+    born = {p: started(p) for p in pids}
+    await wait_until(lambda: all_gone(pids, born), 10, what=f"pids {pids} gone")
 
 
 async def test_cancelling_an_episode_kills_the_process_group(tmp_path):
@@ -207,11 +227,12 @@ async def test_cancelling_an_episode_kills_the_process_group(tmp_path):
     agent = CommandAgent([str(sleeper), str(pidfile)])
     task = asyncio.create_task(agent.run({"x": 1}, "http://127.0.0.1:9/v1", "key", "http://127.0.0.1:9"))
     pids = await wait_until(lambda: pids_from(pidfile), 10, what="the agent's pids")
+    born = {p: started(p) for p in pids}
     assert not any(gone(p) for p in pids)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await asyncio.wait_for(task, 10)
-    await wait_until(lambda: all(gone(p) for p in pids), 10, what=f"pids {pids} gone")
+    await wait_until(lambda: all_gone(pids, born), 10, what=f"pids {pids} gone")
 
 
 async def test_leftover_children_die_when_the_program_exits(tmp_path):
@@ -224,7 +245,8 @@ async def test_leftover_children_die_when_the_program_exits(tmp_path):
     assert result is None
     pids = pids_from(pidfile)
     assert pids is not None
-    await wait_until(lambda: all(gone(p) for p in pids), 10, what=f"pids {pids} gone")
+    born = {p: started(p) for p in pids}
+    await wait_until(lambda: all_gone(pids, born), 10, what=f"pids {pids} gone")
 
 
 def test_on_uvloop_the_workers_loop(tmp_path):
@@ -237,13 +259,16 @@ def test_on_uvloop_the_workers_loop(tmp_path):
     async def main() -> None:
         run = CommandAgent([str(leaver), str(pidfile)]).run({"big": "x" * 1_000_000}, "http://h/v1", "k", "http://h")
         assert await asyncio.wait_for(run, 10) == 0.5
+        left = pids_from(pidfile) or []  # the leaver's: killed when it exited
+        born = {p: started(p) for p in left}
         task = asyncio.create_task(CommandAgent([str(sleeper), str(sleeper_pids)]).run({}, "http://h/v1", "k", "h"))
         pids = await wait_until(lambda: pids_from(sleeper_pids), 10, what="the agent's pids")
+        born |= {p: started(p) for p in pids}
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await asyncio.wait_for(task, 10)
-        pids += pids_from(pidfile) or []
-        await wait_until(lambda: all(gone(p) for p in pids), 10, what=f"pids {pids} gone")
+        pids += left
+        await wait_until(lambda: all_gone(pids, born), 10, what=f"pids {pids} gone")
         with pytest.raises(CommandError, match="exited with code 4"):
             await asyncio.wait_for(CommandAgent(["sh", "-c", "exit 4"]).run({}, "http://h/v1", "k", "h"), 10)
 

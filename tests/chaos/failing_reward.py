@@ -1,4 +1,4 @@
-"""The chaos soak's reward with injected failures (`python -m bench.chaos --fail-rate P`).
+"""The chaos soak's reward with injected failures (`python -m tests.chaos.soak --fail-rate P`).
 
 `failing_digits_reward` is the toy task's reward, except that it raises for a fixed fraction of the samples: those
 whose (job id, sample index) hashes below `fail_rate` (a data key of the soak's prompts). The choice depends on
@@ -6,7 +6,8 @@ nothing else, so a failing sample fails on every attempt: the worker retries it,
 `max_attempts` and publishes an `error` trajectory, which the trainer counts as `failed`. The soak computes the same
 set with `fails()` to check that none of them was trained.
 
-Workers import it by path (`bench.chaos_reward:failing_digits_reward`): the soak starts them with `--allow bench`.
+Workers import it by path (`tests.chaos.failing_reward:failing_digits_reward`): the soak starts them with
+`--allow tests.chaos.failing_reward`.
 """
 
 from __future__ import annotations

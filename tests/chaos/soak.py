@@ -1,10 +1,11 @@
 """Whole-system chaos soak: the full stack as real processes, faults injected while it trains, and an accounting of
-every sample at the end.
+every sample at the end. The harness of tests/chaos/test_soak.py (a short run in the chaos loop of CONTRIBUTING.md),
+and a long run from the command line:
 
-    python -m bench.chaos                      # >= 2,000 trained episodes (samples); or: python bench/chaos.py
-    python -m bench.chaos --episodes 400       # smaller
-    python -m bench.chaos --appendfsync everysec
-    python -m bench.chaos --cluster            # on a six-node Redis Cluster, the run's queue in 3 partitions
+    python -m tests.chaos.soak                      # >= 2,000 trained episodes (samples), from the repository root
+    python -m tests.chaos.soak --episodes 400       # smaller
+    python -m tests.chaos.soak --appendfsync everysec
+    python -m tests.chaos.soak --cluster            # on a six-node Redis Cluster, the run's queue in 3 partitions
 
 The stack: `redis-server` with AOF (`--appendonly yes --appendfsync always`, or everysec), two synthetic reference
 engines (`rollq engine --backend synthetic`), three `rollq worker` processes and the trainer (`rollq train`, the toy
@@ -30,8 +31,9 @@ The workload can be made harder for the accounting:
 - --length-dist SPEC (the engines' output lengths, e.g. pareto:16:1.2), --max-new-tokens N (the cap, default 8) and
   --token-latency S (seconds per decode step): with a long tail, answers span several weight versions, and with
   --stale-policy mask the tokens older than v - eta leave the loss (`masked_tokens`);
-- --fail-rate P: a fraction P of the samples fails in its reward on every attempt (bench/chaos_reward.py, chosen by a
-  hash of (job id, sample index)), so it is dead-lettered after the workers' max_attempts as an `error` trajectory;
+- --fail-rate P: a fraction P of the samples fails in its reward on every attempt (tests/chaos/failing_reward.py,
+  chosen by a hash of (job id, sample index)), so it is dead-lettered after the workers' max_attempts as an `error`
+  trajectory;
 - --partial-groups N (the trainer's): a group with failed samples trains on its survivors when at least N are left
   (its failed samples go back to the ledger as `failed`); otherwise it is dropped whole as `failed`.
 
@@ -55,11 +57,6 @@ line printed is a JSON summary.
 
 from __future__ import annotations
 
-import sys
-
-if __name__ == "__main__" and not __package__:
-    import script_path  # noqa: F401  (run as `python bench/chaos.py`: the repository root on sys.path)
-
 import argparse
 import asyncio
 import math
@@ -69,6 +66,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass
@@ -85,6 +83,7 @@ from rollq.producer.status import gather_status
 from rollq.protocol.keys import RunKeys
 from rollq.redis_client import redis_client
 from rollq.trainer.ledger import rest_field
+from tests.helpers import wait_until
 
 FAULT_KINDS = ("worker_kill", "engine_kill", "redis_kill", "trainer_kill", "worker_stall")
 PROCESS_KINDS = ("worker", "trainer", "ingress", "engine", "redis")
@@ -96,7 +95,7 @@ INGRESS_JOB = {"workflow": "bench.workflows:FixedTrajectory", "workflow_kwargs":
 ENGINE_ARGS = ("--tokenizer", "tiny", "--sampled", "--max-running", "8")
 # The trainer's default workload (the toy task); --fail-rate swaps in the failing reward, on prompts of its own.
 TOY_REWARD = "rollq.trainer.toy:digits_reward"
-FAILING_REWARD = "bench.chaos_reward:failing_digits_reward"
+FAILING_REWARD = "tests.chaos.failing_reward:failing_digits_reward"
 AUDIT_GROUP = "chaos-audit"
 
 
@@ -191,17 +190,12 @@ def _ping(port: int) -> bool:
 
 
 async def _bounded(probe: Any, timeout_s: float, what: str, interval_s: float = 0.05) -> Any:
-    """Poll `probe` (sync or async) until it returns something true; BenchError past `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = probe()
-        if asyncio.iscoroutine(value):
-            value = await value
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise BenchError(f"timed out after {timeout_s:.0f}s waiting for {what}")
-        await asyncio.sleep(interval_s)
+    """Poll `probe` (sync or async) until it returns something true; BenchError past `timeout_s` (the CLI reports
+    it as the soak's failure)."""
+    try:
+        return await wait_until(probe, timeout_s, interval_s, what)
+    except AssertionError as exc:
+        raise BenchError(str(exc)) from None
 
 
 class Stack:
@@ -314,7 +308,16 @@ class Stack:
         self._workers_started += 1
         argv = [*rollq_argv(), "worker", "--redis", self.url, "--run", self.run, "--name", name]
         argv += ["--concurrency", str(self.cfg.concurrency), "--lease-ms", str(self.cfg.lease_ms)]
-        argv += ["--redis-outage-s", str(self.cfg.redis_outage_s), "--log-level", "WARNING", "--allow", "bench"]
+        argv += [
+            "--redis-outage-s",
+            str(self.cfg.redis_outage_s),
+            "--log-level",
+            "WARNING",
+            "--allow",
+            "bench",
+            "--allow",
+            "tests.chaos.failing_reward",
+        ]
         for url in self.engine_urls:
             argv += ["--engine", url]
         return self._start("worker", name, argv)
@@ -897,7 +900,7 @@ async def account(driver: Driver, trainer_code: int, seconds: float) -> dict[str
     # trained on survivors: failed samples given back, the rest trained
     partial_trained = sum(g in partial_raw and rest_field(g) not in partial_raw for g in per_group)
     split_parts = sum(m.get("split_parts", 0) for m in metrics)
-    from bench.chaos_reward import fails
+    from tests.chaos.failing_reward import fails
 
     injected = {(g, i) for g in groups_raw for i in range(cfg.group_size) if fails(g, i, cfg.fail_rate)}
     failing_trained = sorted(k for k in trained if k in injected)
@@ -1174,7 +1177,7 @@ async def run_chaos(cfg: ChaosConfig, procs: Procs, tmp: Path, *, out: Any = Non
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     d = ChaosConfig()
-    p = argparse.ArgumentParser(prog="python -m bench.chaos", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m tests.chaos.soak", description=__doc__.split("\n\n")[0])
     p.add_argument("--episodes", type=int, default=d.episodes, help=f"samples to train (default {d.episodes})")
     p.add_argument("--group-size", type=int, default=d.group_size)
     p.add_argument("--groups-per-step", type=int, default=d.groups_per_step)
@@ -1298,7 +1301,7 @@ def main(argv: list[str] | None = None) -> int:
 
     code = run_bench(run, "rollq-chaos-")
     if code == 0 and failed:
-        print(f"bench failed: checks {', '.join(failed)}", file=sys.stderr)
+        print(f"soak failed: checks {', '.join(failed)}", file=sys.stderr)
         return 1
     return code
 
