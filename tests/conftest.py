@@ -112,10 +112,3 @@ async def engine_process(tmp_path, tiny_dir):  # tiny_dir: built once, before en
         if p.poll() is None:
             p.kill()
             p.wait(10)
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Slow tests first (stable otherwise): the xdist processes start on the long whole-stack runs while the many short
-    tests fill the gaps, instead of ending the suite on a lone 40 s run. The order is the same in every process, as
-    xdist requires."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

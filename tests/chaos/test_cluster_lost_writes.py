@@ -160,7 +160,6 @@ async def failover(cluster: LocalCluster, victim: ClusterNode, paused: list[Clus
     return await asyncio.to_thread(cluster.wait_failover, victim, 15.0)
 
 
-@pytest.mark.slow  # a primary SIGKILLed and failed over (about 3 s each)
 async def test_a_failover_that_loses_the_last_ledger_writes_acks_and_publishes_loses_no_sample(cluster, run_name):
     url = with_query(cluster.url, {"cluster": "yes"})
     run, victim = Run(url, run_name), cluster.primary_for(RunKeys(run_name).ledger)
@@ -219,7 +218,6 @@ async def test_a_failover_that_loses_the_last_ledger_writes_acks_and_publishes_l
             await asyncio.to_thread(cluster.restart, victim)  # the module's other test gets a whole cluster back
 
 
-@pytest.mark.slow  # a primary SIGKILLed and failed over (about 3 s each)
 async def test_with_wait_the_ledger_writes_and_acks_are_on_the_replica_when_they_return(cluster, run_name):
     url = with_query(cluster.url, {"cluster": "yes"})
     run, victim = Run(url, run_name, wait_replicas=1), cluster.primary_for(RunKeys(run_name).ledger)
