@@ -326,13 +326,32 @@ class LocalCluster:
         acknowledges from now on reach no replica: the last writes a failover loses, on purpose. Returns the
         replicas, for resume(). Keep the pause short (well under the node timeout)."""
         replicas = self.replicas_of(primary)
+        self.wait_replicated(primary, replicas)
         for r in replicas:
             assert r.proc is not None
             r.proc.send_signal(signal.SIGSTOP)
             self._stopped.add(r.port)
         with primary.client() as c:
-            c.execute_command("CLIENT", "KILL", "TYPE", "replica")  # whatever was sent before stays theirs
+            c.execute_command("CLIENT", "KILL", "TYPE", "replica")  # what they applied before stays theirs
         return replicas
+
+    def wait_replicated(self, primary: ClusterNode, replicas: list[ClusterNode], timeout_s: float = 10.0) -> None:
+        """Bounded wait until every replica has applied all that ``primary`` had written when called. A replica that
+        has just synced gets nothing streamed until the primary reads its first REPLCONF ACK (up to a second later,
+        more on a busy machine), so without this wait "the writes before the pause" could still sit in the primary's
+        buffer and be lost with it."""
+        with primary.client() as c:
+            target = int(c.info("replication")["master_repl_offset"])
+        deadline = time.monotonic() + timeout_s
+        for r in replicas:
+            while True:
+                with r.client() as c:
+                    applied = int(c.info("replication").get("slave_repl_offset", -1))
+                if applied >= target:
+                    break
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"replica {r} at offset {applied}, primary {primary} at {target}")
+                time.sleep(0.01)
 
     def resume(self, nodes: list[ClusterNode]) -> None:
         """SIGCONT nodes pause_replication() froze."""

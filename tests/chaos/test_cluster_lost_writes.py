@@ -4,7 +4,8 @@ its replica's link cut just before them, so the replica that takes over certainl
 trainer's parts (ledger, feeder, collector, result consumer, recovery) and the worker's write path (its batcher's
 PUBLISH) itself, so it knows exactly which writes were lost; after the failover a real worker takes over. Nothing is
 lost or trained twice, and the ledger balances. With WAIT (the trainer's default on a cluster, `redis_wait_replicas`)
-those writes reach a replica before they return, and survive the failover."""
+those writes reach a replica before they return, and survive the failover. And two states redis-py's cluster client
+gets into in a failover, which ended workers: both are transient errors for rollq."""
 
 from __future__ import annotations
 
@@ -160,6 +161,7 @@ async def failover(cluster: LocalCluster, victim: ClusterNode, paused: list[Clus
     return await asyncio.to_thread(cluster.wait_failover, victim, 15.0)
 
 
+@pytest.mark.slow  # a primary SIGKILLed and failed over (about 3 s each)
 async def test_a_failover_that_loses_the_last_ledger_writes_acks_and_publishes_loses_no_sample(cluster, run_name):
     url = with_query(cluster.url, {"cluster": "yes"})
     run, victim = Run(url, run_name), cluster.primary_for(RunKeys(run_name).ledger)
@@ -218,6 +220,7 @@ async def test_a_failover_that_loses_the_last_ledger_writes_acks_and_publishes_l
             await asyncio.to_thread(cluster.restart, victim)  # the module's other test gets a whole cluster back
 
 
+@pytest.mark.slow  # a primary SIGKILLed and failed over (about 3 s each)
 async def test_with_wait_the_ledger_writes_and_acks_are_on_the_replica_when_they_return(cluster, run_name):
     url = with_query(cluster.url, {"cluster": "yes"})
     run, victim = Run(url, run_name, wait_replicas=1), cluster.primary_for(RunKeys(run_name).ledger)
