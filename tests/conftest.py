@@ -12,6 +12,20 @@ from tests.helpers import REPO_ROOT, WorkerProcess, engine_healthy, wait_until
 from tests.redis_server import RedisServer, free_port
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The tests of a module that share a module-scoped fixture (a trained checkpoint, a built wheel, a Redis Cluster)
+    run in one xdist process, so the fixture is built once, not once per process its tests were spread over (which
+    also raced: two processes building a wheel from the same tree). Tests already in a group keep it."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is not None:
+            continue
+        fixtures = getattr(item, "_fixtureinfo", None)
+        if fixtures is None:
+            continue
+        if any(d.scope == "module" for defs in fixtures.name2fixturedefs.values() for d in defs):
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__ if item.module else item.nodeid))
+
+
 @pytest.fixture(scope="session")
 def redis_server() -> RedisServer:
     server = RedisServer().start()
@@ -102,7 +116,7 @@ async def engine_process(tmp_path, tiny_dir):  # tiny_dir: built once, before en
         )
         procs.append(proc)
         url = f"http://127.0.0.1:{port}"
-        # a hang guard, not a speed check: three test processes share two cores in CI
+        # a hang guard, not a speed check: four test processes share two cores in CI
         await wait_until(lambda: proc.poll() is not None or engine_healthy(url), 90, what=f"{url} healthy")
         assert proc.poll() is None, (tmp_path / f"engine-{port}.log").read_text()
         return proc, url

@@ -29,7 +29,7 @@ def pyproject_packages() -> list[str]:
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
-    subprocess.run(
+    res = subprocess.run(
         [
             sys.executable,
             "-m",
@@ -42,10 +42,11 @@ def wheel(tmp_path_factory) -> Path:
             "-w",
             str(out),
         ],
-        check=True,
         capture_output=True,
+        text=True,
         timeout=120,
     )
+    assert res.returncode == 0, res.stderr
     [built] = out.glob("rollq-*.whl")
     return built
 
@@ -54,12 +55,13 @@ def wheel(tmp_path_factory) -> Path:
 def installed(wheel, tmp_path_factory) -> Path:
     """The wheel installed the normal way (copied into a site folder, no editable hook)."""
     target = tmp_path_factory.mktemp("site")
-    subprocess.run(
+    res = subprocess.run(
         [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)],
-        check=True,
         capture_output=True,
+        text=True,
         timeout=120,
     )
+    assert res.returncode == 0, res.stderr
     return target
 
 
