@@ -116,7 +116,7 @@ async def engine_process(tmp_path, tiny_dir):  # tiny_dir: built once, before en
         )
         procs.append(proc)
         url = f"http://127.0.0.1:{port}"
-        # a hang guard, not a speed check: four test processes share two cores in CI
+        # a hang guard, not a speed check: three test processes share two cores in CI
         await wait_until(lambda: proc.poll() is not None or engine_healthy(url), 90, what=f"{url} healthy")
         assert proc.poll() is None, (tmp_path / f"engine-{port}.log").read_text()
         return proc, url

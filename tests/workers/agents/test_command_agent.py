@@ -104,7 +104,7 @@ def pids_from(pidfile: Path) -> list[int] | None:
 
 def started(pid: int) -> str | None:
     """When `pid` started (clock ticks since boot), or None if it is gone: tells it from a later process that reuses
-    its number (four test processes start many)."""
+    its number (three test processes start many)."""
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
     except (FileNotFoundError, IndexError):
