@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import uuid
@@ -10,6 +11,15 @@ import pytest
 from rollq.redis_client import redis_client
 from tests.helpers import REPO_ROOT, WorkerProcess, engine_healthy, wait_until
 from tests.redis_server import RedisServer, free_port
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Bytecode caches on, for the test processes and every process they start. Where the environment turns them off
+    (PYTHONDONTWRITEBYTECODE, as on CI here) and the packages came without them (uv installs none), each of the
+    suite's Python subprocesses compiled transformers and the rest from source again: 15-30 s before a test trainer's
+    first step. Runs in the xdist controller before it starts the test processes, which inherit the environment."""
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+    sys.dont_write_bytecode = False
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
