@@ -104,13 +104,17 @@ class WorkerProcess:
 
 
 async def engine_healthy(url: str) -> bool:
-    """Whether an engine at `url` answers /health (for bounded waits on engine start-up)."""
-    import httpx
+    """Whether an engine at `url` answers /health (for bounded waits on engine start-up, polled every few ms: aiohttp,
+    whose session costs ~0.1 ms, where an httpx client loads the CA bundle each time, ~85 ms of CPU)."""
+    import aiohttp
 
     try:
-        async with httpx.AsyncClient() as c:
-            return (await c.get(url + "/health", timeout=1)).status_code == 200
-    except httpx.HTTPError:
+        async with (
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1)) as session,
+            session.get(url + "/health") as response,
+        ):
+            return response.status == 200
+    except (aiohttp.ClientError, TimeoutError):
         return False
 
 

@@ -139,12 +139,17 @@ async def redis_answers(url: str) -> bool:
 
 
 async def engine_healthy(url: str) -> bool:
-    import httpx
+    """Polled every 100 ms while engines start: aiohttp, whose session costs ~0.1 ms of CPU, where an httpx client
+    loads the CA bundle each time (~85 ms)."""
+    import aiohttp
 
     try:
-        async with httpx.AsyncClient(timeout=2) as c:
-            return (await c.get(url + "/health")).status_code == 200
-    except httpx.HTTPError:
+        async with (
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session,
+            session.get(url + "/health") as response,
+        ):
+            return response.status == 200
+    except (aiohttp.ClientError, TimeoutError):
         return False
 
 

@@ -53,7 +53,10 @@ SOAK = ChaosConfig(
     trainer_kills=1,
     stalls=1,
     lease_ms=2000,
-    timeout_s=110.0,
+    # Hang guards, not speed checks: no training step for 180 s ends the run (soak.Driver), and so does 600 s in all.
+    # The chaos loop of CONTRIBUTING.md runs three of these stacks at once on two cores; 110 s in all was a speed check
+    # that such a loop failed once at step 50 of 50.
+    timeout_s=600.0,
 )
 
 
@@ -85,7 +88,7 @@ CLUSTER_SOAK = dataclasses.replace(SOAK, cluster=True, partitions=3, cluster_nod
 
 @pytest.mark.slow
 @pytest.mark.scenario
-@pytest.mark.timeout(170)
+@pytest.mark.timeout(900)  # above the run's own 600 s bound, so its report (logs, faults so far) is what fails
 # On one redis-server the harder workload (the faults are the same; `drop` runs on the cluster).
 @pytest.mark.parametrize("soak", [HARD_SOAK, CLUSTER_SOAK], ids=["redis-mask-failures", "cluster"])
 async def test_the_whole_stack_survives_every_fault_and_accounts_for_every_sample(tmp_path, soak):
