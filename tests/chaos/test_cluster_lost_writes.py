@@ -259,6 +259,26 @@ async def test_with_wait_the_ledger_writes_and_acks_are_on_the_replica_when_they
             await asyncio.to_thread(cluster.restart, victim)
 
 
+async def test_a_waited_write_to_a_node_without_the_script_cache_sends_the_script(cluster, run_name):
+    """A promoted replica (or a restarted node) has an empty script cache: the waited ledger write falls back to EVAL
+    with the script's text, which runs wherever the slot is served, instead of failing with NoScriptError."""
+    url = with_query(cluster.url, {"cluster": "yes"})
+    run = Run(url, run_name, wait_replicas=1)
+    try:
+        await run.start()
+        run.wait.timeout_ms = 5000
+        for node in cluster.primaries():
+            with node.client() as r:
+                r.execute_command("SCRIPT", "FLUSH")
+        waited = run.wait.waited
+        assert await run.ledger.readmit(run.feeder.job_id(7), N)
+        assert run.wait.waited == waited + 1  # written and on the replica
+        with cluster.primary_for(RunKeys(run_name).ledger).client() as r:
+            assert r.hexists(run.keys.ledger_groups, run.feeder.job_id(7))
+    finally:
+        await run.close()
+
+
 async def test_redis_pys_pipeline_bug_under_a_failover_is_a_transient_error(cluster):
     """redis-py 5.x's cluster pipeline raises AttributeError ('NoneType' object has no attribute 'name') when one of
     its commands failed while the client was resetting its topology (a failover: another call's connection error
