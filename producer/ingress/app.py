@@ -108,6 +108,15 @@ def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -
     return web.Response(body=msgspec.json.encode(body), status=status, content_type="application/json", headers=headers)
 
 
+def _overflows(value: Any) -> bool:
+    """Whether msgpack cannot hold `value` (an integer below -2**63 or above 2**64-1 somewhere in it)."""
+    try:
+        msgspec.msgpack.encode(value)
+    except OverflowError:
+        return True
+    return False
+
+
 def _token_digest(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
@@ -399,7 +408,12 @@ class Ingress:
                 tenant=tenant,
                 allow=patterns,
             )
-            first = self.codec.encode(job)
+            try:
+                first = self.codec.encode(job)
+            except OverflowError as exc:  # JSON allows any integer; msgpack, the wire format, holds 64 bits
+                fields = [f"{where.format(i)}.{f}" for f in ("data", "workflow_kwargs") if _overflows(getattr(spec, f))]
+                field = fields[0] if fields else where.format(i)
+                raise HttpError(400, "invalid", f"{field}: {exc} (the wire format is msgpack)", field) from None
             blob = None
             if len(first) >= BLOB_MIN_BYTES and spec.data is not None:  # else its data is smaller still: inline
                 encoded = self.codec.encode(spec.data)

@@ -132,6 +132,9 @@ async def test_a_tenant_restricted_to_workflow_patterns_gets_403_naming_the_work
         ({"jobs": "no"}, "$.jobs"),
         ({"jobs": []}, "$.jobs"),
         ({"workflow": ECHO, "n": "3"}, "$.n"),
+        # JSON allows any integer, msgpack 64 bits (found by the schemathesis fuzz: a 500)
+        ({"jobs": [{"workflow": ECHO}, {"workflow": ECHO, "data": [[-(2**85)]]}]}, "$.jobs[1].data"),
+        ({"workflow": ECHO, "workflow_kwargs": {"k": 2**64}}, "$.workflow_kwargs"),
     ],
 )
 async def test_a_bad_item_is_a_400_naming_its_field_and_nothing_is_queued(ingress, http, redis, run_name, body, field):
