@@ -15,6 +15,7 @@ from typing import Any, NamedTuple, TypeVar
 import redis
 import redis.asyncio as aioredis
 from redis.backoff import ExponentialBackoff
+from redis.commands.core import AsyncScript
 from redis.exceptions import (
     BusyLoadingError,
     ClusterDownError,
@@ -114,6 +115,21 @@ class _KnownNodes(dict):
         raise KeyError(key)
 
 
+class _ClusterScript(AsyncScript):
+    """redis-py's script, which on NoScriptError loads the script and sends EVALSHA again; on a cluster just after a
+    failover the load can go by an out-of-date map of the slots and the second EVALSHA fail too (seen in the chaos
+    loop: the trainer's acks died of it). Then EVAL, which carries the script's text, runs wherever the slot is served
+    (and leaves the script in that node's cache)."""
+
+    async def __call__(self, keys: Any = None, args: Any = None, client: Any = None) -> Any:
+        try:
+            return await super().__call__(keys, args, client)
+        except NoScriptError:
+            keys, args = list(keys or []), list(args or [])
+            target: Any = client or self.registered_client  # redis-py's stubs type it a single-node client
+            return await target.eval(self.script, len(keys), *keys, *args)
+
+
 class _RedisCluster(aioredis.RedisCluster):
     """The async cluster client rollq uses: its pipelines are _ClusterPipeline, its startup nodes _KnownNodes, and a
     topology that no node it knows answers for is a ConnectionError (Redis is away: every rollq process rides it
@@ -131,6 +147,9 @@ class _RedisCluster(aioredis.RedisCluster):
                 raise
             raise ConnectionError(f"no node of the Redis Cluster answered for its topology ({exc})") from exc
         return self
+
+    def register_script(self, script: Any) -> Any:  # redis-py's stubs: a sync Script, taking a single-node client
+        return _ClusterScript(self, script)  # type: ignore[arg-type]
 
     def pipeline(self, transaction: Any | None = None, shard_hint: Any | None = None) -> _ClusterPipeline:
         super().pipeline(transaction, shard_hint)  # refuses what redis-py refuses (transactions, shard hints)
