@@ -138,14 +138,14 @@ async def redis_answers(url: str) -> bool:
         await client.aclose()
 
 
-async def engine_healthy(url: str) -> bool:
-    """Polled every 100 ms while engines start: aiohttp, whose session costs ~0.1 ms of CPU, where an httpx client
-    loads the CA bundle each time (~85 ms)."""
+async def engine_healthy(url: str, timeout_s: float = 2.0) -> bool:
+    """Whether the engine at `url` answers /health. Polled every 100 ms while engines start (and by the tests): aiohttp,
+    whose session costs ~0.1 ms of CPU, where an httpx client loads the CA bundle each time (~85 ms)."""
     import aiohttp
 
     try:
         async with (
-            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session,
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session,
             session.get(url + "/health") as response,
         ):
             return response.status == 200
