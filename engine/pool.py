@@ -20,7 +20,14 @@ import msgspec
 
 from rollq.engine.client import EngineError, EngineUnavailable, SGLangClient
 from rollq.engine.http import shared_http_session
-from rollq.engine.types import GenerateResult, ModelRequest, ModelResponse, ProgressCallback, SamplingParams
+from rollq.engine.types import (
+    GenerateResult,
+    ModelRequest,
+    ModelResponse,
+    ProgressCallback,
+    SamplingParams,
+    as_model_request,
+)
 
 if TYPE_CHECKING:
     from rollq.engine.registry import EngineRegistry
@@ -487,6 +494,7 @@ class EnginePool:
         Raises EngineError (the request is wrong: no failover, no eviction), EngineUnavailable (engines died under it
         more than `max_failovers` times) or NoEngineAvailable."""
         started = time.monotonic()
+        req = as_model_request(req)  # AReaL's own ModelRequest too, by its shape
         rid = req.rid or f"{self._rid_prefix}-{next(self._rid_counter)}"
         affinity = req.affinity  # without one, a resubmission still prefers the engine of its last segment
         budget = req.sampling.max_new_tokens
@@ -661,6 +669,7 @@ class EnginePool:
             engine=member.url,
             resubmissions=segments - 1,
             latency_s=time.monotonic() - started,
+            tokenizer=req.tokenizer,
         )
 
 

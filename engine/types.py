@@ -3,12 +3,16 @@ ModelRequest/ModelResponse handed to workflows."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import logging
+import math
 from collections.abc import Callable
 from typing import Any, Literal, Protocol
 
 import msgspec
 
+log = logging.getLogger("rollq.engine")
 PauseMode = Literal["abort", "retract", "in_place"]
 
 # The control routes: SGLang 0.5.23 guards them with --admin-api-key when one is set, else with --api-key (the decision
@@ -104,6 +108,21 @@ class GenerateResult(msgspec.Struct, kw_only=True):
 # AReaL's top_k default (int(1e8)): "the whole vocabulary"; SGLang spells that -1.
 _WHOLE_VOCAB_TOP_K = int(1e8)
 
+# Settings an OpenAI request has no argument for (AReaL's list; `max_tokens` is the prompt + output budget here).
+_OPENAI_UNSUPPORTED = frozenset(
+    {
+        "min_new_tokens",
+        "greedy",
+        "top_k",
+        "stop_token_ids",
+        "ignore_eos",
+        "skip_special_tokens",
+        "lora_name",
+        "use_beam_search",
+        "max_tokens",
+    }
+)
+
 
 @dataclasses.dataclass
 class GenerationHyperparameters:
@@ -137,6 +156,41 @@ class GenerationHyperparameters:
             if token_id is not None and token_id not in ids:
                 ids.append(token_id)
         return self.new(stop_token_ids=ids)
+
+    def to_openai_args_dict(
+        self, exclude_args: list[str] | None = None, api_format: str = "completions"
+    ) -> dict[str, Any]:
+        """These settings as an OpenAI client's request arguments (AReaL's helper): `n_samples` -> `n`,
+        `max_new_tokens` -> `max_completion_tokens` (completions), `max_output_tokens` (responses) or `max_tokens`
+        (openai-agents' ModelSettings). Fields OpenAI has no argument for are left out, with a warning when set."""
+        renamed = {
+            "completions": "max_completion_tokens",
+            "responses": "max_output_tokens",
+            "openai-agents": "max_tokens",
+        }
+        if api_format not in renamed:
+            raise ValueError(f"Unsupported API format: {api_format} (one of {', '.join(renamed)})")
+        names = {"n_samples": "n", "max_new_tokens": renamed[api_format]}
+        excluded = set(exclude_args or ()) | _OPENAI_UNSUPPORTED
+        defaults = GenerationHyperparameters()
+        args: dict[str, Any] = {}
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if field.name in excluded:
+                if value != getattr(defaults, field.name):
+                    log.warning("Unsupported arg for openai format: `%s` with value %s", field.name, value)
+                continue
+            args[names.get(field.name, field.name)] = value
+        return args
+
+    def to_openai_completions_args_dict(self, exclude_args: list[str] | None = None) -> dict[str, Any]:
+        return self.to_openai_args_dict(exclude_args, "completions")
+
+    def to_openai_responses_args_dict(self, exclude_args: list[str] | None = None) -> dict[str, Any]:
+        return self.to_openai_args_dict(exclude_args, "responses")
+
+    def to_openai_agents_model_settings_dict(self, exclude_args: list[str] | None = None) -> dict[str, Any]:
+        return self.to_openai_args_dict(exclude_args, "openai-agents")
 
     def sampling_params(self, prompt_len: int) -> SamplingParams:
         """SGLang's sampling params for a prompt of `prompt_len` tokens, as AReaL's remote engine builds them:
@@ -190,6 +244,43 @@ class ModelRequest(msgspec.Struct, kw_only=True):
                 raise ValueError("ModelRequest takes sampling= or gconfig=, not both")
             self.sampling = self.gconfig.sampling_params(len(self.input_ids))
 
+    def copy(self) -> ModelRequest:
+        """A copy whose lists and gconfig are the copy's own (AReaL's `ModelRequest.copy`)."""
+        dup = copy.copy(self)  # not structs.replace: __post_init__ would see both sampling and gconfig
+        dup.input_ids, dup.metadata = list(self.input_ids), dict(self.metadata)
+        dup.gconfig = None if self.gconfig is None else self.gconfig.new()
+        return dup
+
+
+def as_model_request(req: Any) -> ModelRequest:
+    """rollq's ModelRequest for any request of its shape: AReaL's own `areal.api.ModelRequest` (a dataclass with
+    rid, input_ids, gconfig, metadata, tokenizer, image_data...) when a workflow imports AReaL itself. rollq's routing
+    fields (sampling, affinity, priority) are optional on it; images are not carried yet: a request with some is
+    refused by name rather than generated without them."""
+    if isinstance(req, ModelRequest):
+        return req
+    input_ids = getattr(req, "input_ids", None)
+    if input_ids is None:
+        raise TypeError(f"a model request needs input_ids; got {type(req).__name__}")
+    for field in ("image_data", "vision_msg_vllm"):
+        if getattr(req, field, None):
+            raise ValueError(f"ModelRequest.{field}: images are not supported by rollq's engine pool yet")
+    gconfig = getattr(req, "gconfig", None)
+    if gconfig is not None and not isinstance(gconfig, GenerationHyperparameters):
+        ours = {f.name for f in dataclasses.fields(GenerationHyperparameters)}
+        gconfig = GenerationHyperparameters(**{k: v for k, v in vars(gconfig).items() if k in ours})
+    sampling = getattr(req, "sampling", None)
+    return ModelRequest(
+        input_ids=list(input_ids),
+        rid=str(getattr(req, "rid", "") or ""),
+        affinity=str(getattr(req, "affinity", "") or ""),
+        priority=getattr(req, "priority", None),
+        metadata=dict(getattr(req, "metadata", None) or {}),
+        gconfig=gconfig if sampling is None else None,
+        sampling=sampling if sampling is not None else SamplingParams(),
+        tokenizer=getattr(req, "tokenizer", None),
+    )
+
 
 class ModelResponse(msgspec.Struct, kw_only=True):
     """Tokens generated for a ModelRequest, across any pauses, weight updates and failovers (AReaL's name).
@@ -201,11 +292,19 @@ class ModelResponse(msgspec.Struct, kw_only=True):
     output_tokens: list[int]
     output_logprobs: list[float]
     output_versions: list[int]
-    stop_reason: Literal["stop", "length", "abort"]
+    stop_reason: Literal["stop", "length", "tool_calls", "abort"]  # tool_calls: set by a client that parsed some
     rid: str = ""
     engine: str = ""  # URL of the engine that finished it
     resubmissions: int = 0  # times it was resubmitted after an abort (pause) or a dead engine
     latency_s: float = 0.0
+    # AReaL's fields: the request's tokenizer (for end_with_stop), time to first token and inter-token latencies
+    # (inf / empty where not measured), and what rollq does not produce yet (images, MoE routing).
+    tokenizer: Any = None
+    ttft: float = math.inf
+    itl: list[float] = []
+    input_images: list[Any] = []
+    processor: Any = None
+    routed_experts: Any = None
 
     # AReaL's ModelResponse properties.
     @property
@@ -219,6 +318,32 @@ class ModelResponse(msgspec.Struct, kw_only=True):
     @property
     def latency(self) -> float:
         return self.latency_s
+
+    @property
+    def end_with_stop(self) -> bool:
+        """Whether the last output token is the tokenizer's eos or pad token (AReaL's property)."""
+        if self.tokenizer is None:
+            raise ValueError("tokenizer is None, cannot check end_with_stop")
+        stops = {self.tokenizer.eos_token_id, self.tokenizer.pad_token_id} - {None}
+        return bool(self.output_tokens) and self.output_tokens[-1] in stops
+
+    @property
+    def output_tokens_without_stop(self) -> list[int]:
+        """The output without its trailing eos/pad tokens when generation stopped on one (AReaL's property)."""
+        if self.stop_reason in ("length", "abort") or not self.output_tokens:
+            return self.output_tokens
+        if not self.end_with_stop:
+            raise ValueError(
+                f"output_tokens end with {self.output_tokens[-1]}, not eos or pad, but stop_reason is "
+                f"{self.stop_reason}"
+            )
+        stops = {self.tokenizer.eos_token_id, self.tokenizer.pad_token_id} - {None}
+        end = len(self.output_tokens)
+        while end > 0 and self.output_tokens[end - 1] in stops:
+            end -= 1
+        if end == 0:
+            raise ValueError("all output_tokens are eos or pad tokens; stripping them would leave no output")
+        return self.output_tokens[:end]
 
 
 # Called with each batch of newly generated (token ids, logprobs) while a streamed request runs.

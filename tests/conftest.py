@@ -22,6 +22,7 @@ def pytest_configure(config: pytest.Config) -> None:
     sys.dont_write_bytecode = False
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The tests of a module that share a module-scoped fixture (a trained checkpoint, a built wheel, a Redis Cluster)
     run in one xdist process, so the fixture is built once, not once per process its tests were spread over (which

@@ -52,3 +52,8 @@ def hang_forever(*args: object, **kwargs: object) -> float:
 def completion_reward(prompt, completion, input_ids, output_ids, bonus: float = 0.0, **data: object) -> float:
     """Workflow-shaped, with AReaL's parameter names: the data key "prompt" must be left out of the kwargs."""
     return float(len(output_ids)) + bonus
+
+
+def answer_in_completion(prompt, completions, prompt_ids, completion_ids, **data: object) -> float:
+    """AReaL's reward_fn signature (areal/api/reward_api.py): 1.0 when the sample's answer is in the completion."""
+    return float(str(data["answer"]) in completions)

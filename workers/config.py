@@ -106,6 +106,14 @@ class WorkerConfig(RunSettings, kw_only=True):
             group=AGENTS,
         ),
     ] = "tiny"
+    models_root: Annotated[
+        str,
+        setting(
+            "a directory whose model folders jobs' workflow kwargs may name as a tokenizer or processor (relative to "
+            "it), besides `tiny`, `smollm2` and --tokenizer; empty: none (a job never names other paths)",
+            metavar="DIR",
+        ),
+    ] = ""
     agent_processes: Annotated[int, setting("subproc-mode agents running at once", metavar="N", ge=1, group=AGENTS)] = 4
     agent_hosts: Annotated[
         int,

@@ -15,8 +15,12 @@ import asyncio
 import contextlib
 import contextvars
 import copy
+import functools
+import re
+import sys
 from collections.abc import Iterator
-from typing import Any
+from importlib import metadata
+from typing import TYPE_CHECKING, Any, Literal
 
 import aiohttp
 import httpx
@@ -24,9 +28,13 @@ import msgspec
 from httpx_aiohttp import HttpxAiohttpClient
 
 from rollq.config import DEFAULT_REDIS_URL
-from rollq.engine.types import InferenceEngine, ModelRequest, ModelResponse, ProgressCallback
+from rollq.engine.types import InferenceEngine, ModelRequest, ModelResponse, ProgressCallback, as_model_request
 from rollq.workers.proxy.server import ProxyConfig, RecordingProxy
 from rollq.workers.rewards.processes import shared_pools
+from rollq.workers.stats import StatsTracker, WorkflowStats
+
+if TYPE_CHECKING:
+    import httpx2
 
 
 class ContextConfig(msgspec.Struct, kw_only=True, frozen=True):
@@ -80,12 +88,29 @@ def episode_scope(ctx: EpisodeContext) -> Iterator[list[ModelResponse]]:
     responses a RecordingEngine returns inside it."""
     recording = _Recording()
     tokens = (_EPISODE.set(ctx), _RECORDING.set(recording))
+    areal_before = _set_areal_context(ctx)
     try:
         yield recording.responses
     finally:
         recording.open = False  # anything that inherited this context (a task left running) records no more
+        if areal_before is not None:
+            _set_areal_context(areal_before)
         _RECORDING.reset(tokens[1])
         _EPISODE.reset(tokens[0])
+
+
+def _set_areal_context(ctx: Any) -> Any:
+    """A workflow that imports AReaL itself reads AReaL's own `workflow_context` (is_eval decides its stats scope):
+    set it too when the workflow's imports already loaded it (rollq never imports areal). Returns what it replaced,
+    None when AReaL is not loaded. `ctx`: an EpisodeContext, or the AReaL context to put back."""
+    areal = sys.modules.get("areal.infra.workflow_context")
+    if areal is None:
+        return None
+    before = areal.get()
+    if isinstance(ctx, EpisodeContext):
+        ctx = areal.WorkflowContext(is_eval=ctx.is_eval, task_id=ctx.task_id)
+    areal.set(ctx)
+    return before
 
 
 class RecordingEngine:
@@ -101,6 +126,7 @@ class RecordingEngine:
 
     async def agenerate(self, req: ModelRequest, on_tokens: ProgressCallback | None = None) -> ModelResponse:
         episode = _EPISODE.get()
+        req = as_model_request(req)  # AReaL's own ModelRequest too, by its shape
         if episode is not None and episode.priority is not None and req.priority is None:
             req = copy.copy(req)  # the caller's request stays as it was
             req.priority = episode.priority
@@ -163,14 +189,64 @@ class _WorkflowContextAccess:
 workflow_context = _WorkflowContextAccess()
 
 
+def _httpx2_use(dist: str) -> Literal["absent", "no", "optional", "required"]:
+    """How the installed distribution `dist` relates to httpx2, from its metadata (no import): not installed, no
+    mention, an extra (it accepts httpx2 clients), or a plain requirement (it is built on httpx2)."""
+    try:
+        requires = metadata.requires(dist) or []
+    except metadata.PackageNotFoundError:
+        return "absent"
+    markers = [r.partition(";")[2] for r in requires if re.match(r"httpx2\s*(?:[\[(<>=!~;]|$)", r)]
+    if not markers:
+        return "no"
+    return "required" if any("extra" not in m for m in markers) else "optional"
+
+
+@functools.cache
+def agent_client_kind() -> Literal["httpx", "httpx2"]:
+    """Which shared client agents get as `http_client`. anthropic>=1.0 is built on httpx2 and refuses anything from
+    the httpx package (`_reject_httpx_object` in anthropic/_base_client.py); anthropic<1.0 and older openai (1.x,
+    2.0) accept only an `httpx.AsyncClient`; openai 3.x, and the later 2.x that list an httpx2 extra, accept either,
+    and so do LangChain's ChatOpenAI and openai-agents, which hand the client to openai. So: httpx2 when the
+    installed anthropic needs it and the installed openai (if any) takes it; httpx otherwise, as before (an
+    httpx2-only anthropic next to an httpx-only openai fits no one client: anthropic agents then build their own)."""
+    if _httpx2_use("anthropic") == "required" and _httpx2_use("openai") in ("absent", "optional", "required"):
+        return "httpx2"
+    return "httpx"
+
+
+class _StatsTrackerAccess:
+    """AReaL's `stats_tracker` module: `get(name)` and the default tracker's `scalar`, `stat`, `scope`... on the
+    running worker's WorkflowStats. Outside a worker what is recorded is kept nowhere."""
+
+    @staticmethod
+    def get(name: str = "") -> StatsTracker:
+        try:
+            stats = _CURRENT.get().stats
+        except LookupError:
+            stats = WorkflowStats()
+        return stats.get(name)
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self.get(""), attr)
+
+    def __repr__(self) -> str:
+        return "<rollq stats_tracker>"
+
+
+stats_tracker = _StatsTrackerAccess()
+
+
 class WorkflowContext:
     def __init__(self, config: ContextConfig | None = None) -> None:
         self.config = config or ContextConfig()
         self._httpx: httpx.AsyncClient | None = None
+        self._httpx2: httpx2.AsyncClient | None = None
         self._aiohttp: aiohttp.ClientSession | None = None
         self._proxy: RecordingProxy | None = None
         self._proxy_lock: asyncio.Lock | None = None
         self._pools: dict[Any, Any] = {}  # (kind, settings) -> AsyncRewardWrapper-like pools
+        self.stats = WorkflowStats()  # what workflows record with stats_tracker (served on /metrics)
         self._token: contextvars.Token | None = None
         self._share_token: contextvars.Token | None = None
 
@@ -185,6 +261,31 @@ class WorkflowContext:
             )
             self._httpx = HttpxAiohttpClient(limits=limits, timeout=httpx.Timeout(600.0, connect=30.0))
         return self._httpx
+
+    def httpx2_client(self) -> httpx2.AsyncClient:
+        """The shared httpx2 client: the same settings, also on an aiohttp transport (httpx-aiohttp's httpx2 variant;
+        httpx2's own pool where that is missing). For the SDKs built on httpx2, which refuse an httpx client."""
+        if self._httpx2 is None:
+            import httpx2
+
+            client_cls: type[httpx2.AsyncClient]
+            try:
+                from httpx_aiohttp.httpx2 import Httpx2AiohttpClient
+
+                client_cls = Httpx2AiohttpClient
+            except ImportError:  # httpx-aiohttp < 0.2
+                client_cls = httpx2.AsyncClient
+            limits = httpx2.Limits(
+                max_connections=self.config.http_max_connections,
+                max_keepalive_connections=self.config.http_max_connections,
+            )
+            self._httpx2 = client_cls(limits=limits, timeout=httpx2.Timeout(600.0, connect=30.0))
+        return self._httpx2
+
+    def agent_http_client(self) -> httpx.AsyncClient | httpx2.AsyncClient:
+        """What agents get as `http_client`: the shared client of the kind the installed SDKs accept
+        (`agent_client_kind()`)."""
+        return self.httpx2_client() if agent_client_kind() == "httpx2" else self.http_client()
 
     def aiohttp_session(self) -> aiohttp.ClientSession:
         if self._aiohttp is None:
@@ -229,6 +330,9 @@ class WorkflowContext:
         if self._httpx is not None:
             await self._httpx.aclose()
             self._httpx = None
+        if self._httpx2 is not None:
+            await self._httpx2.aclose()
+            self._httpx2 = None
         if self._aiohttp is not None:
             await self._aiohttp.close()
             self._aiohttp = None
@@ -254,6 +358,8 @@ __all__ = [
     "EpisodeContext",
     "RecordingEngine",
     "WorkflowContext",
+    "agent_client_kind",
     "episode_scope",
+    "stats_tracker",
     "workflow_context",
 ]

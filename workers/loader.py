@@ -16,6 +16,7 @@ from rollq.engine.types import InferenceEngine
 from rollq.protocol.messages import AgentOptions
 from rollq.workers.agents.command import is_command
 from rollq.workers.builtin import BUILTIN_WORKFLOWS, resolve_agent_name
+from rollq.workers.construct import KwargConverter
 from rollq.workers.resolver import ImportNotAllowed, WorkflowLoadError, active_allowlist, resolve
 
 log = logging.getLogger("rollq.worker")
@@ -44,8 +45,9 @@ class FunctionWorkflow:
 
 
 class WorkflowCache:
-    def __init__(self) -> None:
+    def __init__(self, converter: KwargConverter | None = None) -> None:
         self._instances: dict[tuple[str, str, AgentOptions | None, tuple[str, ...] | None], Any] = {}
+        self.converter = converter or KwargConverter()  # a job's JSON kwargs -> constructor arguments
 
     def get(
         self,
@@ -71,8 +73,7 @@ class WorkflowCache:
             if isinstance(result, Exception):
                 log.warning("closing a workflow failed: %s: %s", type(result).__name__, result)
 
-    @staticmethod
-    def _build(path: str, kwargs: dict[str, Any], agent: AgentOptions | None) -> Any:
+    def _build(self, path: str, kwargs: dict[str, Any], agent: AgentOptions | None) -> Any:
         from rollq.workers.agents.runner import AgentWorkflow, is_agent  # the agent stack loads only when used
 
         if is_command(path):
@@ -80,12 +81,12 @@ class WorkflowCache:
         obj = resolve(path)
         if is_agent(obj):
             if inspect.isclass(obj) and (agent is None or agent.mode == "inline"):
-                obj = _construct(obj, path, kwargs)  # subproc mode builds it in the child instead
+                obj = self._construct(obj, path, kwargs)  # subproc mode builds it in the child instead
             elif not inspect.isclass(obj) and kwargs:
                 raise WorkflowLoadError(f"agent {path!r} is not a class, so it takes no workflow_kwargs")
             return AgentWorkflow(obj, path, kwargs, agent)
         if inspect.isclass(obj):
-            obj = _construct(obj, path, kwargs)
+            obj = self._construct(obj, path, kwargs)
         elif kwargs:
             raise WorkflowLoadError(f"workflow {path!r} is not a class, so it takes no workflow_kwargs")
         if inspect.iscoroutinefunction(obj):
@@ -96,6 +97,16 @@ class WorkflowCache:
                 f"'async def run(self, data, **extra_kwargs)' (got {type(obj).__name__})"
             )
         return obj
+
+    def _construct(self, cls: Any, path: str, kwargs: dict[str, Any]) -> Any:
+        try:
+            return cls(**self.converter.convert(cls, kwargs))
+        except ImportNotAllowed:
+            raise  # a kwarg named a path outside the allowlist: say so as it is
+        except WorkflowLoadError:
+            raise  # a kwarg the converter refused, with its reason
+        except Exception as exc:
+            raise WorkflowLoadError(f"cannot construct workflow {path!r}: {type(exc).__name__}: {exc}") from None
 
 
 def _patterns(allow: list[str] | None) -> tuple[str, ...] | None:
@@ -116,12 +127,3 @@ def _command_workflow(path: str, kwargs: dict[str, Any], agent: AgentOptions | N
     if agent is not None and agent.mode != "inline":
         agent = msgspec.structs.replace(agent, mode="inline")  # the command is its own process already
     return AgentWorkflow(command, path, None, agent)
-
-
-def _construct(cls: Any, path: str, kwargs: dict[str, Any]) -> Any:
-    try:
-        return cls(**kwargs)
-    except ImportNotAllowed:
-        raise  # a kwarg named a path outside the allowlist: say so as it is
-    except Exception as exc:
-        raise WorkflowLoadError(f"cannot construct workflow {path!r}: {type(exc).__name__}: {exc}") from None

@@ -18,6 +18,7 @@ from rollq.engine.pool import EnginePool
 from rollq.protocol.keys import DEFAULT_CLASS
 from rollq.protocol.messages import Sequence
 from rollq.redis_client import TRANSIENT_ERRORS, sync_redis_client
+from rollq.workers.stats import WorkflowStats
 
 if TYPE_CHECKING:
     from rollq.workers.worker import Worker
@@ -50,6 +51,20 @@ class WorkerCollector(Collector):
         )
         yield GaugeMetricFamily("rollq_worker_running_jobs", "Jobs running in this worker", value=len(w._running))
         yield GaugeMetricFamily("rollq_worker_concurrency", "Jobs this worker runs at once at most", w.cfg.concurrency)
+        yield from _workflow_stats(w.context.stats)
+
+
+def _workflow_stats(stats: WorkflowStats) -> Iterator[Metric]:
+    """What workflows recorded with AReaL's stats_tracker (rollq.workers.stats): sum and count per tracker and key
+    (the mean reward of eval rollouts: sum / count of tracker "eval-rollout", key "reward")."""
+    help_text = "Values workflows recorded with stats_tracker, by tracker (e.g. rollout, eval-rollout) and key"
+    total = CounterMetricFamily("rollq_workflow_stat_sum", help_text, labels=["tracker", "key"])
+    count = CounterMetricFamily("rollq_workflow_stat_count", help_text, labels=["tracker", "key"])
+    for (tracker, key), (s, c) in list(stats.totals.items()):
+        total.add_metric([tracker, key], s)
+        count.add_metric([tracker, key], c)
+    yield total
+    yield count
 
 
 class WorkerMetrics:

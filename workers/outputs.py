@@ -4,6 +4,9 @@ Accepted, besides rollq's own mapping (input_ids, loss_mask, logprobs[, versions
 (`[1, L]` tensors, `rewards`, `attention_mask`: only the positions it marks are kept) and the short template of
 AReaL's add-a-workflow guide, `{"input_ids": prompt, "output_ids": generated, "reward": r}`, whose loss mask,
 logprobs and versions come from the engine response of this episode with exactly those prompt and output ids.
+And what AReaL's OpenAI client exports (`client.export_interactions(...)`: `{completion id: interaction}`), by its
+shape: a mapping whose values all have `to_tensor_dict()` (rollq.workers.areal_openai's interactions, and AReaL's own)
+is one trajectory per value, in order.
 """
 
 from __future__ import annotations
@@ -15,6 +18,11 @@ from typing import Any
 from rollq.engine.types import ModelResponse
 from rollq.protocol.arrays import Float32Array, Int32Array, UInt8Array
 from rollq.protocol.messages import Sequence
+
+# What a trajectory mapping may hold (rollq's, AReaL's tensor dict's and its template's keys).
+TRAJECTORY_KEYS = frozenset(
+    {"input_ids", "loss_mask", "logprobs", "versions", "reward", "rewards", "attention_mask", "output_ids"}
+)
 
 
 class WorkflowOutputError(ValueError):
@@ -113,6 +121,12 @@ def to_sequence(item: Any, responses: Seq[ModelResponse] = (), used: set[int] | 
         raise WorkflowOutputError(
             f"trajectory lacks {', '.join(missing)} (has {', '.join(map(str, item)) or 'no keys'})"
         )
+    unknown = sorted(str(k) for k in item if k not in TRAJECTORY_KEYS)
+    if unknown:  # dropping them would train on less than the workflow returned, silently
+        raise WorkflowOutputError(
+            f"trajectory has keys rollq does not carry: {', '.join(unknown)} (it carries "
+            f"{', '.join(sorted(TRAJECTORY_KEYS))}; images, multi_modal_input, are not supported yet)"
+        )
     item = _masked(item)
     try:
         input_ids = Int32Array.coerce(item["input_ids"], "input_ids")
@@ -130,6 +144,14 @@ def to_sequence(item: Any, responses: Seq[ModelResponse] = (), used: set[int] | 
         raise WorkflowOutputError(str(exc)) from None
 
 
+def _interactions(output: Mapping[Any, Any]) -> list[Any] | None:
+    """The values of an `{id: interaction}` export (each with `to_tensor_dict()`), or None for anything else."""
+    if not output or "input_ids" in output:
+        return None
+    values = list(output.values())
+    return values if all(callable(getattr(v, "to_tensor_dict", None)) for v in values) else None
+
+
 def to_sequences(output: Any, responses: Seq[ModelResponse] = ()) -> list[Sequence] | None:
     """None means the workflow rejected the sample. `responses`: what the engine returned during the episode (for
     the `output_ids` template)."""
@@ -137,6 +159,9 @@ def to_sequences(output: Any, responses: Seq[ModelResponse] = ()) -> list[Sequen
         return None
     used: set[int] = set()
     if isinstance(output, Mapping):
+        interactions = _interactions(output)
+        if interactions is not None:
+            return [to_sequence(i.to_tensor_dict(), responses, used) for i in interactions]
         return [to_sequence(output, responses, used)]
     if isinstance(output, (list, tuple)):
         if not output:

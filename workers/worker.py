@@ -52,6 +52,7 @@ from rollq.redis_client import (
 from rollq.workers.batcher import WriteBatcher
 from rollq.workers.blobs import BlobError, BlobReader
 from rollq.workers.config import WorkerConfig
+from rollq.workers.construct import KwargConverter, ModelNames
 from rollq.workers.context import ContextConfig, EpisodeContext, RecordingEngine, WorkflowContext, episode_scope
 from rollq.workers.fair_share import FairShare
 from rollq.workers.loader import WorkflowCache, workflow_path
@@ -148,7 +149,9 @@ class Worker:
         self._episode_engine = RecordingEngine.wrap(engine)  # keeps each episode's responses (outputs.py uses them)
         self.codec = Codec()
         self.blobs = BlobReader(self.redis, max_bytes=config.max_job_bytes)  # jobs' data stored by reference
-        self.workflows = WorkflowCache()
+        self.workflows = WorkflowCache(
+            KwargConverter(ModelNames(worker_tokenizer=config.tokenizer, models_root=config.models_root))
+        )
         # Shared by this worker's workflows (HTTP clients, the agents' recording proxy); closed when it stops.
         self.context = WorkflowContext(
             ContextConfig(

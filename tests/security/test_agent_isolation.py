@@ -145,7 +145,7 @@ class SyncEnvAgent:
 
 
 async def test_subproc_agents_run_without_the_workers_secrets(worker_secrets):
-    pool = AsyncRewardWrapper(run_agent, 30, 1, start_method="spawn", accept=agent_result, what="agent")
+    pool = AsyncRewardWrapper(run_agent, 30, 1, 0, start_method="spawn", accept=agent_result, what="agent")
     async with pool:
         kind, value = await pool(f"{__name__}:SyncEnvAgent", "{}", {}, URLS, "sess-key", None)
     assert kind == "rewards"

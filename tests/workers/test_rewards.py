@@ -15,7 +15,7 @@ from tests.helpers import pid_alive
 
 @pytest.fixture
 async def wrapper():
-    async with AsyncRewardWrapper(reward_fns.dispatch, timeout_seconds=1.0, max_workers=4) as w:
+    async with AsyncRewardWrapper(reward_fns.dispatch, timeout_seconds=1.0, max_workers=4, max_retries=0) as w:
         yield w
 
 
@@ -138,3 +138,9 @@ async def test_child_startup_does_not_count_against_the_timeout():
 def test_unpicklable_function_is_rejected_up_front():
     with pytest.raises(TypeError, match="picklable module-level"):
         AsyncRewardWrapper(lambda answer: 1.0)
+
+
+async def test_max_retries_defaults_to_areals():
+    w = AsyncRewardWrapper(reward_fns.sleepy)
+    assert (w.timeout_seconds, w.max_retries) == (15.0, 3)  # areal/api/reward_api.py's defaults
+    await w.close()

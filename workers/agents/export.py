@@ -111,23 +111,28 @@ def export(records: list[CompletionRecord], style: str, turn_discount: float) ->
     exact token sequence with every ancestor's output trained on and everything else (prompts, user and tool
     turns) masked. A child whose prompt does not extend its parent's tokens (a re-rendered conversation) starts a
     new sequence; the parent's then ends with the parent, rewarded with its return."""
+    return list(export_by_key(records, style, turn_discount).values())
+
+
+def export_by_key(records: list[CompletionRecord], style: str, turn_discount: float) -> dict[str, dict[str, Any]]:
+    """export()'s sequences in the same order, each keyed by the completion it ends with (its record's `key`)."""
     ordered = sorted(records, key=lambda r: (r.order, r.choice))
     rewards = tree_rewards(ordered, turn_discount)
     if style == "individual":
-        return [_individual(r, rewards[r.key]) for r in ordered]
+        return {r.key: _individual(r, rewards[r.key]) for r in ordered}
     if style != "concat":
         raise AgentOutputError(f"unknown export style {style!r} (individual or concat)")
     by_key = {r.key: r for r in ordered}
     extended = {r.parent for r in ordered if r.parent is not None and _extends(r, by_key[r.parent])}
-    out = []
+    out: dict[str, dict[str, Any]] = {}
     for leaf in ordered:
         if leaf.key in extended:
             continue
         path = [leaf]
         while path[-1].parent is not None and _extends(path[-1], parent := by_key[path[-1].parent]):
             path.append(parent)
-        out.append(_concat(path[::-1], rewards[leaf.key]))
+        out[leaf.key] = _concat(path[::-1], rewards[leaf.key])
     return out
 
 
-__all__ = ["AgentOutputError", "assign_rewards", "export", "tree_rewards"]
+__all__ = ["AgentOutputError", "assign_rewards", "export", "export_by_key", "tree_rewards"]

@@ -4,8 +4,8 @@ event loop (`--agent-hosts N`).
 An agent on the OpenAI SDK spends about as much CPU per model request in the SDK itself (request transform, httpx,
 pydantic parsing) as the worker spends on the request (proxy, engine pool, Redis). In the worker's loop both share
 one core; in a host the SDK's part runs on another. Each host is a long-lived child with its own event loop (uvloop
-when installed), its own shared httpx client (`WorkflowContext.http_client()`, the same aiohttp-backed client inline
-agents get) and many episodes at once; the agent still talks to the worker's recording proxy over loopback.
+when installed), its own shared HTTP client (`WorkflowContext.agent_http_client()`, the same aiohttp-backed client
+inline agents get) and many episodes at once; the agent still talks to the worker's recording proxy over loopback.
 
 Wire: a socketpair per host, frames of a 4-byte big-endian length + a msgpack array, read with asyncio streams on
 both sides (no thread per message).
@@ -169,7 +169,7 @@ class _Host:
             with enforcing(allowlist) if allowlist is not None else contextlib.nullcontext(), episode_scope(ep):
                 async with deadline:
                     agent = self.agent(path, kwargs_json, allowlist)
-                    offered = {**urls, "api_key": api_key, "http_client": self.ctx.http_client()}
+                    offered = {**urls, "api_key": api_key, "http_client": self.ctx.agent_http_client()}
                     value = await agent.run(data, **extra_kwargs_for(agent.run, offered))
         except asyncio.CancelledError:  # the worker cancelled the episode (or the host stops): no reply
             raise

@@ -66,7 +66,7 @@ class AgentWorkflow:
         if inspect.iscoroutinefunction(agent.run):
             if ctx.config.agent_hosts > 0 and not is_command(self.path):
                 return await self._run_hosted(ctx, data, urls, key)
-            offered["http_client"] = ctx.http_client()
+            offered["http_client"] = ctx.agent_http_client()  # httpx or httpx2: what the installed SDKs take
             call = agent.run(data, **extra_kwargs_for(agent.run, offered))
         else:  # a synchronous agent: a thread, so the loop (and the proxy it talks to) keeps running
             call = asyncio.to_thread(agent.run, data, **extra_kwargs_for(agent.run, offered))
@@ -110,6 +110,7 @@ class AgentWorkflow:
                 run_agent,
                 timeout_seconds=timeout,
                 max_workers=ctx.config.agent_processes,
+                max_retries=0,  # an agent that ran out of time is not run again
                 accept=agent_result,
                 what="agent",
                 expected="a reward or a {completion_id: reward} mapping",

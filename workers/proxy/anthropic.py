@@ -1,7 +1,9 @@
 """Anthropic Messages wire format (`POST /v1/messages`) <-> the proxy's normalised chat form.
 
 Content blocks map onto OpenAI-style messages: `tool_use` blocks become assistant tool calls, `tool_result` blocks
-become `tool` messages (placed before the user's text of the same turn), `system` becomes a system message.
+become `tool` messages (placed before the user's text of the same turn), `system` becomes a system message, and so
+does a `system` message among the messages (the per-turn instructions the claude CLI sends after the user's first
+message), in its place.
 """
 
 from __future__ import annotations
@@ -41,8 +43,11 @@ def normalize_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
         raise BadRequest("'messages' must be a non-empty list", "messages")
     for i, msg in enumerate(messages):
         where = f"messages[{i}]"
-        if not isinstance(msg, dict) or msg.get("role") not in ("user", "assistant"):
-            raise BadRequest(f"{where}: role must be 'user' or 'assistant'", "messages")
+        if not isinstance(msg, dict) or msg.get("role") not in ("user", "assistant", "system"):
+            raise BadRequest(f"{where}: role must be 'user', 'assistant' or 'system'", "messages")
+        if msg["role"] == "system":
+            out.append({"role": "system", "content": _text_of(msg.get("content"), where)})
+            continue
         texts: list[str] = []
         calls: list[dict[str, Any]] = []
         results: list[dict[str, Any]] = []

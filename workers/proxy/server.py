@@ -115,7 +115,8 @@ class RecordingProxy:
 
     @property
     def base_url(self) -> str:
-        """OpenAI-style base URL (the SDKs append /chat/completions)."""
+        """The base URL agents get: OpenAI-style (the OpenAI SDKs append /chat/completions), and the Anthropic SDKs,
+        which append /v1/messages, are served under it too (AReaL's agents hand one base_url to either SDK)."""
         return f"{self.root_url}/v1"
 
     def app(self) -> web.Application:
@@ -123,7 +124,8 @@ class RecordingProxy:
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/responses", self.responses)
-        app.router.add_post("/v1/messages", self.messages)
+        app.router.add_post("/v1/messages", self.messages)  # anthropic_base_url (the root) + /v1/messages
+        app.router.add_post("/v1/v1/messages", self.messages)  # base_url (.../v1) + /v1/messages
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model:.+}", self.model)
         app.router.add_get("/health", self.health)

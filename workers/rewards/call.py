@@ -149,7 +149,7 @@ class RewardCaller:
             if inspect.iscoroutinefunction(self.fn):
                 raise ValueError("reward_mode='process' runs sync reward functions; use 'inline' for async ones")
             self._runner = AsyncRewardWrapper(
-                self.fn, timeout_seconds=config.timeout_seconds, max_workers=config.workers
+                self.fn, timeout_seconds=config.timeout_seconds, max_workers=config.workers, max_retries=0
             )
 
     async def __call__(

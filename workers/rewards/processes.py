@@ -130,7 +130,7 @@ class AsyncRewardWrapper:
         reward_fn: Callable[..., Any],
         timeout_seconds: float = 15.0,
         max_workers: int | None = None,
-        max_retries: int = 0,
+        max_retries: int = 3,  # AReaL's default
         *,
         start_method: str = "forkserver",
         accept: Callable[[Any], Any] = as_reward,

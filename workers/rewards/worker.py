@@ -75,7 +75,9 @@ class RewardFunctions:
             if not callable(fn):
                 raise RewardError(f"reward function {fn_path!r} is not callable (got {type(fn).__name__})")
             try:
-                wrapper = AsyncRewardWrapper(fn, timeout_seconds=self.timeout_seconds, max_workers=self.max_workers)
+                wrapper = AsyncRewardWrapper(
+                    fn, timeout_seconds=self.timeout_seconds, max_workers=self.max_workers, max_retries=0
+                )
             except TypeError as exc:  # not picklable by reference
                 raise RewardError(str(exc)) from None
             self._wrappers[fn_path] = wrapper
