@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, SummaryMetricFamily
 from prometheus_client.registry import Collector
 
 from rollq.engine.metrics import MetricsServer, PoolCollector, process_registry
@@ -57,14 +57,14 @@ class WorkerCollector(Collector):
 def _workflow_stats(stats: WorkflowStats) -> Iterator[Metric]:
     """What workflows recorded with AReaL's stats_tracker (rollq.workers.stats): sum and count per tracker and key
     (the mean reward of eval rollouts: sum / count of tracker "eval-rollout", key "reward")."""
-    help_text = "Values workflows recorded with stats_tracker, by tracker (e.g. rollout, eval-rollout) and key"
-    total = CounterMetricFamily("rollq_workflow_stat_sum", help_text, labels=["tracker", "key"])
-    count = CounterMetricFamily("rollq_workflow_stat_count", help_text, labels=["tracker", "key"])
-    for (tracker, key), (s, c) in list(stats.totals.items()):
-        total.add_metric([tracker, key], s)
-        count.add_metric([tracker, key], c)
-    yield total
-    yield count
+    family = SummaryMetricFamily(
+        "rollq_workflow_stat",
+        "Values workflows recorded with stats_tracker, by tracker (e.g. rollout, eval-rollout) and key",
+        labels=["tracker", "key"],
+    )
+    for (tracker, key), (total, count) in list(stats.totals.items()):
+        family.add_metric([tracker, key], count_value=count, sum_value=total)
+    yield family
 
 
 class WorkerMetrics:

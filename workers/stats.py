@@ -2,7 +2,7 @@
 .scalar(reward=r)` and the rest of its recording surface (scope, stat, denominator, record_timing, export).
 
 What a workflow records lands in its worker's `WorkflowStats` (one per worker, in its WorkflowContext) and is served
-on the worker's /metrics as `rollq_workflow_stat_sum` / `_count` by tracker and key, so a Prometheus query gives the
+on the worker's /metrics as the summary `rollq_workflow_stat` (`_sum`, `_count`) by tracker and key: the
 mean reward of the rollouts, eval rollouts apart. AReaL reduces these across its trainer's ranks; here each worker
 process counts its own and Prometheus adds them up.
 """

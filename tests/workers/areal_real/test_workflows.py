@@ -15,6 +15,7 @@ from tests.scripted import tiny_tokenizer
 REWARD = "tests.reward_fns:answer_in_completion"
 RLVR_KWARGS = {"reward_fn": REWARD, "gconfig": {"max_new_tokens": 32}, "tokenizer": "tiny"}
 MULTI_TURN_KWARGS = {**RLVR_KWARGS, "max_turns": 3, "turn_discount": 0.9}
+MULTI_TURN_V2 = "areal.experimental.workflow.multi_turn_v2:MultiTurnWorkflow"
 
 
 def trained_text(seq) -> str:
@@ -127,6 +128,7 @@ async def test_the_files_unchanged_with_areal_importable(redis, redis_url, run_n
             workflow_kwargs=MULTI_TURN_KWARGS,
             data=QUESTION,
         ),
+        JobRequest(job_id="v2", workflow=MULTI_TURN_V2, workflow_kwargs=MULTI_TURN_KWARGS, data=QUESTION),
         JobRequest(job_id="eval", workflow=probe, data=QUESTION, is_eval=True),
         JobRequest(job_id="train", workflow=probe, data=QUESTION),
     ]
@@ -144,6 +146,12 @@ async def test_the_files_unchanged_with_areal_importable(redis, redis_url, run_n
             raise AssertionError(f"no results; the worker's log:\n{worker.output()[-4000:]}") from None
     check_rlvr(got["rlvr"], "The answer is 4.", 0.0)  # the script's first reply is wrong
     check_multi_turn(got["multi"])
+    # AReaL 1.0.4's own ArealOpenAI runs against rollq's engine (its ModelResponse reads output_tokens_without_stop,
+    # tokenizer) up to AReaL's own bug: its export_interactions() requires a style that multi_turn_v2 never passes.
+    [v2] = got["v2"]
+    assert v2.status == "error" and "export_interactions() missing 1 required positional argument: 'style'" in (
+        v2.error.message
+    ), v2.error
     [eval_run], [train_run] = got["eval"], got["train"]
     assert eval_run.status == "ok" and train_run.status == "ok", (eval_run.error, train_run.error)
     assert (eval_run.sequences[0].reward, train_run.sequences[0].reward) == (1.0, 0.0)
