@@ -63,7 +63,7 @@ def _workflow_stats(stats: WorkflowStats) -> Iterator[Metric]:
         labels=["tracker", "key"],
     )
     for (tracker, key), (total, count) in list(stats.totals.items()):
-        family.add_metric([tracker, key], count_value=count, sum_value=total)
+        family.add_metric([tracker, key], count_value=int(count), sum_value=total)
     yield family
 
 
