@@ -96,7 +96,6 @@ from bench.agent_tasks import (
 from bench.common import (
     REPO,
     BenchError,
-    Procs,
     delete_matching,
     print_summary,
     proc_cpu_s,
@@ -104,12 +103,14 @@ from bench.common import (
     start_redis,
     start_worker,
 )
+from bench.results import add_results_arg, write_results
 from rollq.engine.client import SGLangClient
 from rollq.engine.http import shared_http_session
 from rollq.engine.pool import EnginePool, PoolConfig
 from rollq.engine.server.app import EngineServerConfig, serve
 from rollq.engine.server.synthetic import LengthDist, SyntheticBackend, SyntheticConfig
 from rollq.engine.types import ModelRequest, SamplingParams
+from rollq.local import Processes
 from rollq.producer.producer import JobRequest, Producer
 from rollq.protocol.keys import RunKeys
 from rollq.protocol.messages import AgentOptions
@@ -521,7 +522,7 @@ def _question(i: int) -> str:
 
 async def bench_rollq(
     url: str,
-    procs: Procs,
+    procs: Processes,
     engine_url: str,
     *,
     workflow: str,
@@ -584,8 +585,7 @@ async def bench_rollq(
                 left = end - time.monotonic()
                 if left <= 0:
                     raise BenchError(f"rollq: only {len(got)} of {n} agent trajectories arrived in {timeout_s:g} s")
-                if worker.poll() is not None:
-                    raise BenchError(f"rollq worker died ({worker.returncode}):\n{procs.log_tail(worker)}")
+                procs.check(worker)
                 batch = await consumer.read(count=512, block_ms=max(1, min(500, int(left * 1000))))
                 for d in batch:
                     if d.trajectory.job_id.startswith(prefix):
@@ -776,7 +776,7 @@ def _scripted_wants(tok: Any) -> list[list[int]]:
     return [tok.encode(r, add_special_tokens=False) for r in SCRIPT]
 
 
-async def bench_agent_workload(url: str, procs: Procs, args: argparse.Namespace) -> dict[str, Any]:
+async def bench_agent_workload(url: str, procs: Processes, args: argparse.Namespace) -> dict[str, Any]:
     backend = SyntheticBackend(
         SyntheticConfig(
             tokenizer="tiny",
@@ -873,7 +873,7 @@ async def bench_agent_workload(url: str, procs: Procs, args: argparse.Namespace)
 # -- part 3: long-tail agent workload -------------------------------------------------------------------------------
 
 
-async def bench_long_tail(url: str, procs: Procs, args: argparse.Namespace) -> dict[str, Any]:
+async def bench_long_tail(url: str, procs: Processes, args: argparse.Namespace) -> dict[str, Any]:
     """Part 2's episodes with long tails: each reply prefixed with N filler tokens (N ~ Pareto(xmin, alpha), capped),
     each tool call lognormal. Both drawn deterministically per (episode, turn), so every system runs the very same
     workload (checked: every episode's generated token count agrees across systems)."""
@@ -1272,7 +1272,7 @@ def print_report(summary: dict[str, Any]) -> None:
             )
 
 
-async def amain(args: argparse.Namespace, procs: Procs) -> dict[str, Any]:
+async def amain(args: argparse.Namespace, procs: Processes) -> dict[str, Any]:
     skip = set(filter(None, args.skip.split(",")))
     summary: dict[str, Any] = {"cpus": os.cpu_count()}
     targets: dict[str, bool] = {}
@@ -1339,6 +1339,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--quick", action="store_true", help="smoke run: 300 conversations, 32 episodes at 16, 32 long-tail at 16"
     )
+    add_results_arg(p)
     args = p.parse_args(argv)
     if args.quick:
         args.conversations, args.rounds, args.warmup = 300, 3, 30
@@ -1350,10 +1351,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
 
-    async def run(procs: Procs, tmp: Path) -> None:
+    async def run(procs: Processes, tmp: Path) -> None:
         summary = await amain(args, procs)
         print_report(summary)
         print_summary(summary)
+        write_results("agents", summary, args.results, argv)
 
     return run_bench(run, "rollq-bench-agents-")
 

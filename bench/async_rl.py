@@ -36,26 +36,18 @@ if __name__ == "__main__" and not __package__:
     import script_path  # noqa: F401  (run as `python bench/async_rl.py`: the repository root on sys.path)
 
 import argparse
-import asyncio
 import io
 import statistics
 import uuid
+from functools import partial
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from bench.common import (
-    BenchError,
-    Procs,
-    bench_env,
-    free_port,
-    print_summary,
-    rollq_argv,
-    run_bench,
-    start_redis,
-    start_worker,
-)
+from bench.common import bench_env, print_summary, rollq_argv, run_bench, start_redis, start_worker
+from bench.results import add_results_arg, write_results
 from bench.staleness_model import waste_model
 from rollq.engine.pool import EnginePool, PoolConfig
+from rollq.local import Processes, free_port
 from rollq.producer.classes import set_class
 from rollq.protocol.keys import DEFAULT_CLASS
 from rollq.protocol.messages import JobClass
@@ -67,7 +59,17 @@ TARGET_SPEEDUP = 2.0
 WARMUP_STEPS = 2
 
 
-async def start_engines(procs: Procs, args: argparse.Namespace) -> list[str]:
+async def _healthy(http: Any, url: str) -> bool:
+    """Whether the engine at `url` answers /health (`http`: an httpx.AsyncClient)."""
+    import httpx
+
+    try:
+        return (await http.get(url + "/health")).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+async def start_engines(procs: Processes, args: argparse.Namespace) -> list[str]:
     import httpx
 
     urls = []
@@ -100,17 +102,7 @@ async def start_engines(procs: Procs, args: argparse.Namespace) -> list[str]:
         )
         url = f"http://127.0.0.1:{port}"
         async with httpx.AsyncClient(timeout=1) as http:
-            for _ in range(300):
-                if proc.poll() is not None:
-                    raise BenchError(f"engine exited with {proc.returncode}:\n{procs.log_tail(proc)}")
-                try:
-                    if (await http.get(url + "/health")).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                await asyncio.sleep(0.1)
-            else:
-                raise BenchError(f"engine {url} did not come up in 30 s")
+            await procs.wait_until(partial(_healthy, http, url), 30, f"engine {url}", watch=proc, interval_s=0.1)
         urls.append(url)
     return urls
 
@@ -156,7 +148,7 @@ REQUIRED = ("eta=2 drop", BEST, RECOMMENDED, "eta=0")  # the summary's figures a
 
 
 async def run_variant(
-    url: str, procs: Procs, engines: list[str], tmp: Path, variant: str, args: argparse.Namespace
+    url: str, procs: Processes, engines: list[str], tmp: Path, variant: str, args: argparse.Namespace
 ) -> dict[str, Any]:
     from rollq.trainer.loop import Trainer  # here, not at the top: `--help` does not load torch
 
@@ -187,7 +179,7 @@ async def run_variant(
             model="tiny",
             dataset="toy:digits",
             workflow="rlvr",
-            workflow_kwargs={"reward_fn": "rollq.trainer.toy:digits_reward", "max_new_tokens": args.max_new_tokens},
+            workflow_kwargs={"reward_fn": "rollq.tasks.digits:digits_reward", "max_new_tokens": args.max_new_tokens},
             steps=args.steps,
             group_size=args.group_size,
             groups_per_step=args.groups,
@@ -279,7 +271,7 @@ def print_report(rounds: list[dict[str, dict[str, Any]]], summary: dict[str, Any
     )
 
 
-async def amain(args: argparse.Namespace, procs: Procs, tmp: Path) -> dict[str, Any]:
+async def amain(args: argparse.Namespace, procs: Processes, tmp: Path) -> dict[str, Any]:
     url = args.redis or start_redis(procs, tmp)
     engines = await start_engines(procs, args)
     rounds: list[dict[str, dict[str, Any]]] = []
@@ -360,6 +352,7 @@ async def amain(args: argparse.Namespace, procs: Procs, tmp: Path) -> dict[str, 
         "sync_staleness_max": max(r["eta=0"]["staleness_max"] for r in rounds),
         "dropped_async": [r["eta=2 drop"]["dropped"] for r in rounds],
         "ledger_bound_held": all(r[v]["ledger_ok"] for r in rounds for v in names),
+        "rounds": rounds,
     }
     summary["target_met"] = summary["speedup"] >= TARGET_SPEEDUP
     print_report(rounds, summary)
@@ -390,6 +383,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="NAME",
         help=f"a subset of the variants ({', '.join(VARIANTS)}); {', '.join(REQUIRED)} always run",
     )
+    add_results_arg(p)
     args = p.parse_args(argv)
     args.variants = [*REQUIRED, *(v for v in args.variants if v not in REQUIRED)]
     if args.quick:
@@ -402,9 +396,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
 
-    async def run(procs: Procs, tmp: Path) -> None:
+    async def run(procs: Processes, tmp: Path) -> None:
         summary = await amain(args, procs, tmp)
         print_summary(summary)
+        write_results("async_rl", summary, args.results, argv)
 
     return run_bench(run, "rollq-bench-async-")
 

@@ -25,15 +25,18 @@ import argparse
 import asyncio
 import json
 import statistics
-import subprocess
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
-from bench.common import free_port, print_summary
+from bench.common import print_summary
+from bench.results import add_results_arg, write_results
 from rollq.engine.client import SGLangClient
 from rollq.engine.http import shared_http_session
 from rollq.engine.pool import EnginePool, PoolConfig
 from rollq.engine.types import ModelRequest, SamplingParams
+from rollq.local import Processes, free_port
 
 
 async def _drive(call, total: int, concurrency: int) -> tuple[float, float]:
@@ -73,23 +76,18 @@ async def bench_pool_overhead(requests: int, concurrency: int, rounds: int, rate
     """Saturation throughput (closed loop, `concurrency` lanes) and latency at a fixed `rate` (open loop)."""
     # The engine runs in its own process, as in production, so the client side is what is compared.
     port = free_port()
-    engine = subprocess.Popen(
-        [sys.executable, "-m", "rollq.engine", "--backend", "synthetic", "--port", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    logs = tempfile.TemporaryDirectory(prefix="rollq-bench-engine-")
+    procs = Processes(Path(logs.name))
+    argv = [sys.executable, "-m", "rollq.engine", "--backend", "synthetic", "--port", str(port)]
+    engine = procs.start("engine", argv)
     url = f"http://127.0.0.1:{port}"
     http = shared_http_session()
     client = SGLangClient(url, http)
     pool = EnginePool(PoolConfig(urls=[url]), http=http)
-    deadline = time.monotonic() + 30
-    while not await client.health_generate(timeout=1):
-        if time.monotonic() > deadline or engine.poll() is not None:
-            engine.kill()
-            raise RuntimeError("synthetic engine did not start")
-        await asyncio.sleep(0.1)
     params = SamplingParams(max_new_tokens=16, ignore_eos=True)
     try:
+        up = "the synthetic engine"
+        await procs.wait_until(lambda: client.health_generate(timeout=1), 30, up, watch=engine, interval_s=0.1)
 
         async def bare(i: int) -> None:
             await client.generate([1, 2, 3, i % 1000], params)
@@ -108,8 +106,8 @@ async def bench_pool_overhead(requests: int, concurrency: int, rounds: int, rate
     finally:
         await pool.close()
         await http.close()
-        engine.terminate()
-        engine.wait(10)
+        procs.stop_all()
+        logs.cleanup()
     bare_rps = statistics.median(r for r, _ in bare_runs)
     pool_rps = statistics.median(r for r, _ in pool_runs)
     bare_cpu = statistics.median(c for _, c in bare_runs)
@@ -170,6 +168,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--skip", default="", help="comma-separated parts to skip: a,b,c,d,e")
+    add_results_arg(p)
     args = p.parse_args()
     out = asyncio.run(amain(args))
     print()
@@ -213,6 +212,7 @@ def main() -> int:
         targets["d_prefix_gen_tok_s>=2x"] = out["d_prefix_reuse"]["speedup"] >= 2
     out["targets"] = targets
     print_summary(out)
+    write_results("engine", out, args.results)
     return 0
 
 

@@ -24,6 +24,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from bench.common import print_summary
+from bench.results import add_results_arg, write_results
 from rollq.engine.server.backend import GenState
 from rollq.engine.types import SamplingParams
 
@@ -141,6 +142,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: the backend's default)")
     p.add_argument("--repeat", type=int, default=1, help="measurements; medians are reported")
     p.add_argument("--quick", action="store_true", help="smoke run: concurrency 8, 16 new tokens")
+    add_results_arg(p)
     args = p.parse_args(argv)
     if args.quick:
         args.concurrency, args.max_new_tokens = 8, 16
@@ -148,8 +150,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    summary = asyncio.run(amain(parse_args(argv)))
+    args = parse_args(argv)
+    summary = asyncio.run(amain(args))
     print_summary(summary)
+    write_results("engine_batching", summary, args.results, argv)
     return 0
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import print_summary
+from bench.results import add_results_arg, write_results
 from rollq.engine.fleet import FleetController
 from rollq.engine.pool import EnginePool, PoolConfig
 from rollq.engine.server.app import EngineServerConfig, serve
@@ -151,6 +152,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeat", type=int, default=1, help="cycles per pause mode")
     p.add_argument("--load-s", type=float, default=3.0, help="simulated weight load, seconds")
+    add_results_arg(p)
     args = p.parse_args()
     out = asyncio.run(control_plane(args.repeat, load_s=args.load_s))
     print(
@@ -159,6 +161,7 @@ def main() -> int:
     print(table(out))
     print("targets: control <= 50 ms, 0 evictions, 0 lost:", out["targets"])
     print_summary(out)
+    write_results("engine_control", out, args.results)
     return 0 if all(out["targets"].values()) else 1
 
 

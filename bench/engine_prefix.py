@@ -40,6 +40,7 @@ from typing import Any
 import aiohttp
 
 from bench.common import print_summary
+from bench.results import add_results_arg, write_results
 from rollq.engine.server.app import EngineServerConfig, ServerHandle, serve
 
 N_SAMPLES = 8
@@ -162,6 +163,7 @@ def main() -> int:
     p.add_argument("--groups", type=int, default=8, help="GRPO groups per round, sent at once")
     p.add_argument("--hidden-size", type=int, default=0, help="0: the tiny model; else a larger tiny-family model")
     p.add_argument("--layers", type=int, default=4, help="layers of the --hidden-size model")
+    add_results_arg(p)
     args = p.parse_args()
     out = asyncio.run(prefix_reuse(args.repeat, args.groups, args.hidden_size, args.layers))
     print(f"model: {out['model']}")
@@ -174,6 +176,7 @@ def main() -> int:
         )
     print(f"speedup {out['speedup']:.2f}x (target >= 2x), prefill tokens {out['prefill_ratio']:.1f}x fewer")
     print_summary(out)
+    write_results("engine_prefix", out, args.results)
     return 0
 
 

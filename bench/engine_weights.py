@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bench.common import print_summary
+from bench.results import add_results_arg, write_results
 
 if TYPE_CHECKING:
     import torch
@@ -167,11 +168,13 @@ def table(out: dict[str, Any]) -> str:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeat", type=int, default=3, help="updates measured per path (median)")
+    add_results_arg(p)
     args = p.parse_args()
     out = asyncio.run(disk_vs_distributed(args.repeat))
     print()
     print(table(out))
     print_summary(out)
+    write_results("engine_weights", out, args.results)
     return 0
 
 

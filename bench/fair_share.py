@@ -28,7 +28,9 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from bench.common import BenchError, Procs, delete_matching, print_summary, run_bench, start_redis, start_worker
+from bench.common import BenchError, delete_matching, print_summary, run_bench, start_redis, start_worker
+from bench.results import add_results_arg, write_results
+from rollq.local import Processes
 from rollq.producer.classes import set_class
 from rollq.producer.producer import JobRequest, Producer
 from rollq.protocol.keys import RunKeys
@@ -62,7 +64,7 @@ async def collect(producer: Producer, expected: dict[str, int], timeout_s: float
 
 
 async def share_row(
-    url: str, procs: Procs, ratio: tuple[int, int], weights: tuple[float, float], few: int, args: argparse.Namespace
+    url: str, procs: Processes, ratio: tuple[int, int], weights: tuple[float, float], few: int, args: argparse.Namespace
 ) -> dict[str, Any]:
     """train:ext submitted at `ratio` (the scarcer side `few` jobs), weights train:ext."""
     run = f"fair-{uuid.uuid4().hex[:8]}"
@@ -103,7 +105,9 @@ async def share_row(
         await redis.aclose()
 
 
-async def priority_row(url: str, procs: Procs, backlog: int, urgent: int, args: argparse.Namespace) -> dict[str, Any]:
+async def priority_row(
+    url: str, procs: Processes, backlog: int, urgent: int, args: argparse.Namespace
+) -> dict[str, Any]:
     run = f"prio-{uuid.uuid4().hex[:8]}"
     redis = redis_client(url)
     try:
@@ -114,11 +118,11 @@ async def priority_row(url: str, procs: Procs, backlog: int, urgent: int, args: 
         worker = await start_worker(procs, redis, url, run, "--concurrency", str(args.concurrency))
         try:
             keys = RunKeys(run)
-            deadline = time.monotonic() + 30
-            while await redis.xlen(keys.jobs) > backlog * 3 // 4:  # let the worker get going
-                if time.monotonic() > deadline:
-                    raise BenchError("the worker did not start the backlog in 30 s")
-                await asyncio.sleep(0.005)
+
+            async def started() -> bool:  # let the worker get going
+                return await redis.xlen(keys.jobs) <= backlog * 3 // 4
+
+            await procs.wait_until(started, 30, "the worker to start the backlog", watch=worker, interval_s=0.005)
             evals = requests("eval", urgent, args.ms, "p")
             t_submit = time.time()
             await producer.submit_many(evals)
@@ -148,7 +152,7 @@ async def priority_row(url: str, procs: Procs, backlog: int, urgent: int, args: 
         await redis.aclose()
 
 
-async def main(args: argparse.Namespace, procs: Procs, tmp: Path) -> None:
+async def main(args: argparse.Namespace, procs: Processes, tmp: Path) -> None:
     url = args.redis or start_redis(procs, tmp)
     few = args.few
     rows = []
@@ -175,16 +179,16 @@ async def main(args: argparse.Namespace, procs: Procs, tmp: Path) -> None:
         f"started; eval wait p50 {prio['eval_wait_p50_ms']} ms, max {prio['eval_wait_max_ms']} ms"
     )
     worst = max(r["relative_error"] for r in rows)
-    print_summary(
-        {
-            "shares": rows,
-            "priority": prio,
-            "concurrency": args.concurrency,
-            "episode_ms": args.ms,
-            "worst_relative_error": worst,
-            "targets": {"shares_within_10pct": worst <= 0.1},
-        }
-    )
+    summary = {
+        "shares": rows,
+        "priority": prio,
+        "concurrency": args.concurrency,
+        "episode_ms": args.ms,
+        "worst_relative_error": worst,
+        "targets": {"shares_within_10pct": worst <= 0.1},
+    }
+    print_summary(summary)
+    write_results("fair_share", summary, args.results)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -195,6 +199,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ms", type=float, default=2.0, help="episode length in milliseconds (default 2)")
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--quick", action="store_true", help="smoke run: 60 jobs of the scarcer class")
+    add_results_arg(p)
     args = p.parse_args(argv)
     if args.quick:
         args.few = min(args.few, 60)

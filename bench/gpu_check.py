@@ -33,6 +33,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.results import add_results_arg, write_results
+
 
 def policy_checks(device: str, dtype: str, steps: int) -> tuple[Any, dict[str, Any]]:
     import torch
@@ -141,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda", help="torch device (default cuda)")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="compute dtype")
     p.add_argument("--steps", type=int, default=3, help="training steps (default 3)")
+    add_results_arg(p)
     args = p.parse_args(argv)
 
     import torch
@@ -157,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
             summary["ok"] = False
             summary["error"] = "no CUDA device"
             print(json.dumps(summary))
+            write_results("gpu_check", summary, args.results, argv)
             return 1
         summary["gpu"] = torch.cuda.get_device_name(0)
     policy, summary["policy"] = policy_checks(args.device, args.dtype, args.steps)
@@ -164,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         summary["engine"] = asyncio.run(engine_checks(policy, args.device, args.dtype, Path(tmp)))
     summary["ok"] = summary["policy"]["ok"] and summary["engine"]["ok"]
     print(json.dumps(summary), flush=True)
+    write_results("gpu_check", summary, args.results, argv)
     return 0 if summary["ok"] else 1
 
 

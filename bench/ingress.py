@@ -37,10 +37,8 @@ import msgspec
 
 from bench.common import (
     BenchError,
-    Procs,
     bench_env,
     delete_matching,
-    free_port,
     print_summary,
     proc_cpu_s,
     rollq_argv,
@@ -48,7 +46,9 @@ from bench.common import (
     start_redis,
     start_worker,
 )
+from bench.results import add_results_arg, write_results
 from rollq.engine.types import ModelRequest, SamplingParams
+from rollq.local import Processes, free_port
 from rollq.protocol.keys import RunKeys
 from rollq.redis_client import redis_client
 
@@ -73,20 +73,17 @@ class Generate:
         }
 
 
-async def wait_http(url: str, proc: Any, procs: Procs, what: str, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
+async def wait_http(url: str, proc: Any, procs: Processes, what: str, timeout_s: float = 30.0) -> None:
+    """Until `url` answers 200 (ChildExited with its log if `proc` dies first)."""
     async with httpx.AsyncClient() as client:
-        while True:
-            if proc.poll() is not None:
-                raise BenchError(f"{what} exited with {proc.returncode}:\n{procs.log_tail(proc)}")
+
+        async def answers() -> bool:
             try:
-                if (await client.get(url, timeout=1)).status_code == 200:
-                    return
+                return (await client.get(url, timeout=1)).status_code == 200
             except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise BenchError(f"{what} did not answer {url} in {timeout_s} s:\n{procs.log_tail(proc)}")
-            await asyncio.sleep(0.05)
+                return False
+
+        await procs.wait_until(answers, timeout_s, f"{what} to answer {url}", watch=proc)
 
 
 def batch_body(batch: int, start: int) -> bytes:
@@ -178,7 +175,7 @@ async def measure_latency(base: str, samples: int) -> dict[str, Any]:
     }
 
 
-async def amain(args: argparse.Namespace, url: str, procs: Procs) -> dict[str, Any]:
+async def amain(args: argparse.Namespace, url: str, procs: Processes) -> dict[str, Any]:
     run = f"bench-ingress-{uuid.uuid4().hex[:6]}"
     port = free_port()
     env = bench_env() | {
@@ -229,6 +226,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--clients", type=int, default=2, help="concurrent HTTP clients in the accept part")
     p.add_argument("--samples", type=int, default=200, help="jobs timed in the latency part")
     p.add_argument("--redis", default=None, help="use this Redis instead of starting one")
+    add_results_arg(p)
     args = p.parse_args(argv)
     if args.quick:
         args.jobs, args.samples = min(args.jobs, 5_000), min(args.samples, 30)
@@ -240,8 +238,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
 
-    async def run(procs: Procs, tmp: Path) -> None:
-        await amain(args, args.redis or start_redis(procs, tmp), procs)
+    async def run(procs: Processes, tmp: Path) -> None:
+        summary = await amain(args, args.redis or start_redis(procs, tmp), procs)
+        write_results("ingress", summary, args.results, argv)
 
     return run_bench(run, "rollq-bench-ingress-")
 

@@ -3,10 +3,11 @@
     python -m bench.partitions            # from the repo root (or: python bench/partitions.py)
     python -m bench.partitions --quick    # smoke run
 
-The work item is bench/queue.py's: a job in, one 1,024-token trajectory out (`bench.workflows:FixedTrajectory`), so
-what is measured is queueing, transport and encoding. Each configuration gets a fresh run: `--workers` `rollq
-worker` subprocesses, and in this process a `Producer.submit_many` running concurrently with the consumer that
-reads every partition's results and commits; every (job id, sample index) must arrive exactly once.
+The work item is bench/queue_throughput.py's: a job in, one 1,024-token trajectory out
+(`bench.workflows:FixedTrajectory`), so what is measured is queueing, transport and encoding. Each configuration
+gets a fresh run: `--workers` `rollq worker` subprocesses, and in this process a `Producer.submit_many` running
+concurrently with the consumer that reads every partition's results and commits; every (job id, sample index) must
+arrive exactly once.
 
 Configurations: one redis-server with K = 1 (the baseline: rollq as it ran before partitions), then a six-node
 Redis Cluster (three primaries with a replica each, created with `redis-cli --cluster create`) with K = 1 and each
@@ -32,9 +33,11 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from bench.common import BenchError, Procs, print_summary, proc_cpu_s, run_bench, start_redis, start_worker
+from bench.common import BenchError, print_summary, proc_cpu_s, run_bench, start_redis, start_worker
+from bench.results import add_results_arg, write_results
 from bench.workflows import TOKENS
 from rollq.config import with_query
+from rollq.local import Processes, RedisCluster
 from rollq.producer.producer import JobRequest, Producer
 from rollq.protocol.keys import RunKeys, partition_of
 from rollq.redis_client import redis_client
@@ -42,7 +45,7 @@ from rollq.redis_client import redis_client
 WORKFLOW = "bench.workflows:FixedTrajectory"
 
 
-async def measure(url: str, pids: list[int], procs: Procs, args: argparse.Namespace, partitions: int) -> dict:
+async def measure(url: str, pids: list[int], procs: Processes, args: argparse.Namespace, partitions: int) -> dict:
     """One fresh run of `args.jobs` jobs over `partitions` partitions; `pids`: the redis-servers (for their CPU)."""
     run = f"bench-{uuid.uuid4().hex[:10]}"
     redis = redis_client(url)
@@ -69,8 +72,7 @@ async def measure(url: str, pids: list[int], procs: Procs, args: argparse.Namesp
                 if time.monotonic() > deadline:
                     raise BenchError(f"only {len(seen)} of {args.jobs} trajectories arrived in {args.timeout:g} s")
                 for w in workers:
-                    if w.poll() is not None:
-                        raise BenchError(f"a rollq worker died ({w.returncode}):\n{procs.log_tail(w)}")
+                    procs.check(w)
                 batch = await consumer.read(count=512, block_ms=500)
                 for d in batch:
                     if d.trajectory.job_id in seen:
@@ -111,14 +113,12 @@ async def measure(url: str, pids: list[int], procs: Procs, args: argparse.Namesp
         await redis.aclose()
 
 
-def start_cluster(tmp: Path) -> Any:
-    """A six-node local cluster (the tests' harness: tests/redis_cluster.py), closed by the caller."""
-    from tests.redis_cluster import LocalCluster
-
-    return LocalCluster(node_timeout_ms=5000, directory=str(tmp / "cluster")).start()
+def start_cluster(tmp: Path) -> RedisCluster:
+    """A six-node local cluster, closed by the caller."""
+    return RedisCluster(node_timeout_ms=5000, directory=tmp / "cluster").start()
 
 
-async def amain(args: argparse.Namespace, procs: Procs, tmp: Path) -> dict[str, Any]:
+async def amain(args: argparse.Namespace, procs: Processes, tmp: Path) -> dict[str, Any]:
     rows: dict[str, dict] = {}
     url = start_redis(procs, tmp)
     probe = redis_client(url)
@@ -166,6 +166,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per configuration (default 300)")
     p.add_argument("--quick", action="store_true", help="smoke run: 500 jobs, K = 3 only")
+    add_results_arg(p)
     args = p.parse_args(argv)
     if args.quick:
         args.jobs, args.partitions = min(args.jobs, 500), [3]
@@ -177,8 +178,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
 
-    async def run(procs: Procs, tmp: Path) -> None:
-        print_summary(await amain(args, procs, tmp))
+    async def run(procs: Processes, tmp: Path) -> None:
+        summary = await amain(args, procs, tmp)
+        print_summary(summary)
+        write_results("partitions", summary, args.results, argv)
 
     return run_bench(run, "rollq-bench-partitions-")
 

@@ -4,7 +4,7 @@
     python -m bench.redis_wait            # from the repo root (or: python bench/redis_wait.py)
     python -m bench.redis_wait --quick    # smoke run
 
-The cluster is tests/redis_cluster.py's (three primaries, a replica each, all on this machine). The two variants
+The cluster is rollq.local.RedisCluster (three primaries, a replica each, all on this machine). The two variants
 take turns in rounds of `--round` calls, so both see the same machine; each call is timed alone (one at a time, as
 the trainer's ledger writes are). Reported per write and variant: p50, p90, p99 and mean latency in ms, and the
 WAIT variant's ratio to the plain one (baseline); WAITs that came back short are counted (they should be none). The
@@ -26,8 +26,10 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from bench.common import Procs, print_summary, run_bench
+from bench.common import print_summary, run_bench
+from bench.results import add_results_arg, write_results
 from rollq.config import with_query
+from rollq.local import Processes, RedisCluster
 from rollq.producer.results import ResultConsumer
 from rollq.protocol.codec import Codec
 from rollq.protocol.keys import PAYLOAD_FIELD, RunKeys
@@ -46,9 +48,7 @@ def stats(seconds: list[float]) -> dict[str, float]:
 
 
 async def amain(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
-    from tests.redis_cluster import LocalCluster
-
-    cluster = LocalCluster(node_timeout_ms=5000, directory=str(tmp / "cluster")).start()
+    cluster = RedisCluster(node_timeout_ms=5000, directory=tmp / "cluster").start()
     client = redis_client(with_query(cluster.url, {"cluster": "yes"}))
     try:
         run = f"bench-{uuid.uuid4().hex[:10]}"
@@ -119,6 +119,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--group", type=int, default=8, help="samples per group: acked by one COMMIT (default 8)")
     p.add_argument("--timeout-ms", type=int, default=100, help="WAIT's timeout (redis_wait_timeout_ms, 100)")
     p.add_argument("--quick", action="store_true", help="smoke run: 200 writes")
+    add_results_arg(p)
     args = p.parse_args(argv)
     if args.quick:
         args.writes = min(args.writes, 200)
@@ -130,8 +131,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
 
-    async def run(procs: Procs, tmp: Path) -> None:
-        print_summary(await amain(args, tmp))
+    async def run(procs: Processes, tmp: Path) -> None:
+        summary = await amain(args, tmp)
+        print_summary(summary)
+        write_results("redis_wait", summary, args.results, argv)
 
     return run_bench(run, "rollq-bench-redis-wait-")
 

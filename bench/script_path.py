@@ -1,6 +1,6 @@
 """Imported first by a benchmark run as a script (`python bench/NAME.py`). Python then puts bench/ first on sys.path,
-where bench/queue.py would shadow the stdlib `queue` (asyncio imports it) and `bench.common` is not importable:
-swap bench/ for the repository root. (`python -m bench.NAME` needs none of this.)"""
+where `bench.common` is not importable and a bench module named like a stdlib one would shadow it: swap bench/ for
+the repository root. (`python -m bench.NAME` needs none of this.)"""
 
 import os
 import sys

@@ -17,10 +17,15 @@ random starts.
 
 from __future__ import annotations
 
+if __name__ == "__main__" and not __package__:
+    import script_path  # noqa: F401  (run as `python bench/staleness_model.py`: the repository root on sys.path)
+
 import argparse
 import json
 import math
 import random
+
+from bench.results import add_results_arg, write_results
 
 
 def waste_model(
@@ -61,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eta", type=int, default=2)
     p.add_argument("--sync-samples-per-s", type=float, default=23.9, help="eta = 0 throughput, for the speedup column")
     p.add_argument("--batch", type=int, default=64)
+    add_results_arg(p)
     args = p.parse_args(argv)
     rows = []
     print("| step period s | speedup at that period | whole groups | each sample alone | groups started at an update |")
@@ -79,7 +85,9 @@ def main(argv: list[str] | None = None) -> int:
             }
         )
         print(f"| {step_s:.1f} | {speedup:.2f}x | {group:.1%} | {alone:.1%} | {at_update:.1%} |")
-    print(json.dumps({"bench": "staleness_model", "eta": args.eta, "rows": rows}))
+    summary = {"bench": "staleness_model", "eta": args.eta, "rows": rows}
+    print(json.dumps(summary))
+    write_results("staleness_model", summary, args.results, argv)
     return 0
 
 

@@ -1,4 +1,4 @@
-"""Workflows for the benchmark (`python -m bench.queue`): fixed-size trajectories, no engine, no sleeping."""
+"""Workflows for the benchmark (`python -m bench.queue_throughput`): fixed-size trajectories, no engine, no sleeping."""
 
 from __future__ import annotations
 

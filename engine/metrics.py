@@ -1,13 +1,10 @@
-"""Prometheus collectors over the engine client's state (`EnginePool`), read when /metrics is scraped; and the
-small HTTP exposer every rollq service that serves /metrics uses (prometheus_client's threaded server)."""
+"""Prometheus collectors over the engine client's state (`EnginePool`), read when /metrics is scraped (the worker's
+and the trainer's; the server they are served from is rollq.metrics_server)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from threading import Thread
-from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector, ProcessCollector, start_http_server
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -63,34 +60,4 @@ class PoolCollector(Collector):
         yield from (by_state, inflight, up, version)
 
 
-def process_registry() -> CollectorRegistry:
-    """A registry of one's own (tests run several services in one process) with the process, platform and GC
-    collectors that prometheus_client's default registry has."""
-    registry = CollectorRegistry()
-    ProcessCollector(registry=registry)
-    PlatformCollector(registry=registry)
-    GCCollector(registry=registry)
-    return registry
-
-
-class MetricsServer:
-    """`/metrics` of `registry` on `host:port`, served from a thread: a scrape never waits for the event loop, and
-    collectors read the service's objects and Redis there."""
-
-    def __init__(self, registry: CollectorRegistry, port: int, host: str) -> None:
-        self.registry = registry
-        server, thread = start_http_server(port, addr=host, registry=registry)
-        self._server: WSGIServer = server
-        self._thread: Thread = thread
-
-    @property
-    def port(self) -> int:
-        return int(self._server.server_address[1])
-
-    def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(timeout=5)
-
-
-__all__ = ["ENGINE_STATES", "MetricsServer", "PoolCollector", "engine_state", "process_registry"]
+__all__ = ["ENGINE_STATES", "PoolCollector", "engine_state"]

@@ -13,10 +13,11 @@ from collections.abc import Iterator
 
 import msgspec
 import redis
-from prometheus_client import CollectorRegistry, ProcessCollector
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from rollq.metrics_server import process_registry
 from rollq.protocol.codec import Codec, CodecError
 from rollq.protocol.keys import PAYLOAD_FIELD, WORKER_GROUP, RunKeys, inflight_key
 from rollq.protocol.messages import job_classes
@@ -207,10 +208,9 @@ INGRESS_HELP = {
 
 
 def ingress_registry(stats: msgspec.Struct, redis_url: str, run: str) -> CollectorRegistry:
-    """The ingress's /metrics: its counters and the run-wide collector. The hook `rollq ingress --metrics-port`
-    serves: `MetricsServer`-like, e.g. `prometheus_client.start_http_server(port, registry=ingress_registry(...))`."""
-    registry = CollectorRegistry()
-    ProcessCollector(registry=registry)
+    """The ingress's /metrics (`rollq ingress --metrics-port` serves it with rollq.metrics_server.MetricsServer):
+    its counters and the run-wide collector, besides the process's own."""
+    registry = process_registry()
     registry.register(IngressCollector(stats))
     registry.register(RunCollector(redis_url, run))
     return registry

@@ -2,7 +2,8 @@
 
 They are `array.array` subclasses with a fixed item type, so they index and iterate like lists, expose the buffer
 protocol (``torch.frombuffer`` / ``numpy.frombuffer`` read them without a copy) and travel on the wire as packed
-little-endian bytes inside a msgpack extension (see ``bench/queue.py`` for why: ~50x faster than lists of numbers).
+little-endian bytes inside a msgpack extension (see ``bench/queue_throughput.py`` for why: ~50x faster than lists of
+numbers).
 """
 
 from __future__ import annotations

@@ -35,6 +35,17 @@ def _json_enc_hook(obj: Any) -> Any:
     raise NotImplementedError(f"cannot encode {type(obj).__name__}")
 
 
+def json_schema_hook(typ: type) -> dict[str, Any]:
+    """The `schema_hook` of msgspec.json.schema / schema_components for the messages as JSON: a token array is a list
+    of numbers (as `encode_json` writes it and `decode_json` reads it), integers within its item type's range."""
+    if isinstance(typ, type) and issubclass(typ, ARRAY_TYPES):
+        if typ.bounds is None:
+            return {"type": "array", "items": {"type": "number"}}
+        low, high = typ.bounds
+        return {"type": "array", "items": {"type": "integer", "minimum": low, "maximum": high}}
+    raise NotImplementedError(f"no JSON schema for {typ!r}")
+
+
 def _dec_hook(typ: type, obj: Any) -> Any:
     # Token arrays may also arrive as plain lists (JSON, or msgpack from another language).
     if typ in ARRAY_TYPES:

@@ -2,8 +2,9 @@
 
 One import package. Its sub-packages `rollq.protocol`, `rollq.producer`, `rollq.workers`, `rollq.engine` and
 `rollq.trainer` live in the repository's top-level folders and are mapped into it by setuptools' `package-dir`
-(pyproject.toml). This folder itself holds the `rollq` command (`rollq.cli`) and the two leaf modules every service
-shares: `rollq.config` (typed settings from the config file, `ROLLQ_*` variables and flags) and `rollq.redis_client`.
+(pyproject.toml). This folder itself holds the `rollq` command (`rollq.cli`) and the leaves every service may use:
+`rollq.config` (typed settings from the config file, `ROLLQ_*` variables and flags), `rollq.redis_client`,
+`rollq.http_server`, `rollq.metrics_server` (the `/metrics` server) and `rollq.tasks` (the built-in toy tasks).
 """
 
 import os as _os

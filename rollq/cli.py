@@ -33,8 +33,9 @@ from rollq.engine.server.config import EngineConfig
 from rollq.producer.config import ClassesConfig, EnqueueConfig, StatusConfig
 from rollq.producer.ingress.config import IngressConfig
 from rollq.redis_client import RedisUnavailable
-from rollq.trainer.config import TrainConfig, UpConfig
-from rollq.trainer.export import ExportConfig
+from rollq.trainer.config import TrainConfig
+from rollq.trainer.hf_export import ExportConfig
+from rollq.up import UpConfig
 from rollq.workers.config import WorkerConfig
 from rollq.workers.rewards.config import RewardWorkerConfig
 
@@ -109,7 +110,7 @@ COMMANDS = (
         "up",
         "everything on this machine: Redis (if none answers), reference engines, workers and the trainer "
         "on the toy task (the default command)",
-        "rollq.trainer.commands:up",
+        "rollq.up:up",
         (Section("up", UpConfig), TRAINER),
         key_values="trainer",
     ),
@@ -117,7 +118,7 @@ COMMANDS = (
         "export",
         "write a trained run's model as a Hugging Face model directory (for serving: transformers, SGLang, "
         "`rollq engine --model DIR`)",
-        "rollq.trainer.export:export",
+        "rollq.trainer.hf_export:export",
         (Section("export", ExportConfig),),
     ),
 )

@@ -1,5 +1,5 @@
-"""rollq's HTTP servers with read timeouts: aiohttp apps started with a request-head timeout, request bodies read
-under a deadline, and prometheus_client's metrics server with a socket timeout.
+"""rollq's HTTP servers with read timeouts: aiohttp apps started with a request-head timeout and request bodies read
+under a deadline. (The /metrics servers, prometheus_client's, have a socket timeout: rollq.metrics_server.)
 
 aiohttp's server has no read timeout of its own (aiohttp 3.14.5, web_protocol.py):
 - The request head: the only timer is `keepalive_timeout` (default 3630 s, web_protocol.py:182). Since aiohttp 3.14.4
@@ -28,23 +28,18 @@ Use (the recording proxy and the engine server do; the ingress the same way):
     except BAD_JSON as exc:  # invalid UTF-8 and deep nesting included: answer 400
         ...
     await runner.cleanup()
-
-    server, thread = start_metrics_server(port, addr, registry)  # for prometheus_client.start_http_server
 """
 
 from __future__ import annotations
 
 import asyncio
-import threading
-from typing import Any, cast
+from typing import Any
 
 import msgspec
 from aiohttp import web
-from prometheus_client import CollectorRegistry, start_http_server
 
 DEFAULT_HEADER_TIMEOUT_S = 75.0  # nginx's keepalive_timeout; above every rollq client's keep-alive (60 s at most)
 DEFAULT_BODY_TIMEOUT_S = 60.0
-DEFAULT_METRICS_TIMEOUT_S = 10.0  # Prometheus' default scrape_timeout
 
 # What msgspec.json.decode raises for bytes that are not JSON: malformed or wrongly typed (DecodeError, ValidationError
 # is one), a string that is not UTF-8 (UnicodeDecodeError) and nesting too deep (RecursionError).
@@ -97,33 +92,11 @@ async def read_body(request: web.Request, timeout_s: float | None = None) -> byt
         raise refusal from None
 
 
-def start_metrics_server(
-    port: int,
-    addr: str,
-    registry: CollectorRegistry,
-    *,
-    timeout_s: float = DEFAULT_METRICS_TIMEOUT_S,
-) -> tuple[Any, threading.Thread]:
-    """prometheus_client.start_http_server, whose connections time out: its wsgiref server gives each connection a
-    thread that otherwise waits forever on a silent client. `timeout_s` is a socket timeout, so it bounds each read
-    and write, not a whole request: a client that sends a byte within every `timeout_s` is not cut. Returns
-    (server, thread) as start_http_server does (`server.shutdown(); server.server_close()` stops it)."""
-    server, thread = start_http_server(port, addr=addr, registry=registry)
-    # start_http_server takes no handler class; socketserver makes each connection's handler from this attribute
-    # (a connection accepted in the instant before this line gets none), and StreamRequestHandler.setup() applies
-    # the class's `timeout` to the connection's socket.
-    handler = cast(type, server.RequestHandlerClass)  # prometheus_client's quiet WSGIRequestHandler
-    server.RequestHandlerClass = type("TimedMetricsHandler", (handler,), {"timeout": timeout_s})
-    return server, thread
-
-
 __all__ = [
     "BAD_JSON",
     "BODY_TIMEOUT_S",
     "DEFAULT_BODY_TIMEOUT_S",
     "DEFAULT_HEADER_TIMEOUT_S",
-    "DEFAULT_METRICS_TIMEOUT_S",
     "read_body",
-    "start_metrics_server",
     "start_site",
 ]

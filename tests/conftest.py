@@ -5,12 +5,14 @@ import subprocess
 import sys
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from rollq.local import Processes, RedisServer, free_port
 from rollq.redis_client import redis_client
-from tests.helpers import REPO_ROOT, WorkerProcess, engine_healthy, wait_until
-from tests.redis_server import RedisServer, free_port
+from rollq.trainer.config import TrainConfig
+from tests.helpers import REPO_ROOT, WorkerProcess, engine_healthy
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -79,6 +81,19 @@ def run_name() -> str:
 
 
 @pytest.fixture
+def make_train_config(request: pytest.FixtureRequest, run_name: str, tmp_path: Path):
+    """`make_train_config(engine=[url], steps=3, ...)`: a TrainConfig for this test's run: the shared Redis (started
+    only when `redis_url` is not given), `run_name`, a run directory under tmp_path; then the given settings."""
+
+    def make(**settings: Any) -> TrainConfig:
+        if "redis_url" not in settings:
+            settings["redis_url"] = request.getfixturevalue("redis_url")
+        return TrainConfig(**{"run": run_name, "run_dir": str(tmp_path / "run"), **settings})
+
+    return make
+
+
+@pytest.fixture
 def unused_redis_url() -> str:
     return f"redis://127.0.0.1:{free_port()}/0"
 
@@ -102,38 +117,17 @@ def spawn_worker(tmp_path: Path):
 async def engine_process(tmp_path, tiny_dir):  # tiny_dir: built once, before engines that load it race to build it
     """`await engine_process(*args)` runs `python -m rollq.engine --backend synthetic --port P *args` and waits for
     /health; returns (Popen, url). Killed at teardown."""
-    procs: list[subprocess.Popen] = []
+    procs = Processes(tmp_path, cwd=REPO_ROOT)
 
     async def spawn(*args: str) -> tuple[subprocess.Popen, str]:
         port = free_port()
-        log = open(tmp_path / f"engine-{port}.log", "w")
-        proc = subprocess.Popen(
-            # weights load from under the test's tmp_path (a trainer's run_dir there); *args may name another root
-            [
-                sys.executable,
-                "-m",
-                "rollq.engine",
-                "--backend",
-                "synthetic",
-                "--port",
-                str(port),
-                "--weights-root",
-                str(tmp_path),
-                *args,
-            ],
-            cwd=REPO_ROOT,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        procs.append(proc)
+        # weights load from under the test's tmp_path (a trainer's run_dir there); *args may name another root
+        argv = [sys.executable, "-m", "rollq.engine", "--backend", "synthetic", "--port", str(port)]
+        proc = procs.start(f"engine-{port}", [*argv, "--weights-root", str(tmp_path), *args])
         url = f"http://127.0.0.1:{port}"
         # a hang guard, not a speed check: three test processes share two cores in CI
-        await wait_until(lambda: proc.poll() is not None or engine_healthy(url), 90, what=f"{url} healthy")
-        assert proc.poll() is None, (tmp_path / f"engine-{port}.log").read_text()
+        await procs.wait_until(lambda: engine_healthy(url), 90, f"{url} healthy", watch=proc, interval_s=0.02)
         return proc, url
 
     yield spawn
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-            p.wait(10)
+    procs.stop_all(grace_s=0)

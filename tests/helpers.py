@@ -7,11 +7,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+from rollq.local import wait_until
 from rollq.workers.config import WorkerConfig
 from rollq.workers.worker import Worker
 
@@ -25,20 +25,6 @@ def pid_alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
-
-
-async def wait_until(predicate: Callable, timeout_s: float = 10.0, interval_s: float = 0.02, what: str = "condition"):
-    """Bounded wait for a condition that has no event to await (another process's progress)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if asyncio.iscoroutine(value):
-            value = await value
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-        await asyncio.sleep(interval_s)
 
 
 @asynccontextmanager
@@ -105,7 +91,7 @@ class WorkerProcess:
 
 async def engine_healthy(url: str) -> bool:
     """Whether an engine at `url` answers /health (for bounded waits on engine start-up): `rollq up`'s own check."""
-    from rollq.trainer.up import engine_healthy as answers
+    from rollq.up import engine_healthy as answers
 
     return await answers(url, timeout_s=1.0)
 

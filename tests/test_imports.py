@@ -9,8 +9,9 @@ import pytest
 
 from tests.helpers import REPO_ROOT
 
-# What each part may import of rollq (besides itself). Everyone may use the leaf modules of the root package.
-LEAVES = {"rollq.config", "rollq.redis_client", "rollq.http_server"}
+# What each part may import of rollq (besides itself). Everyone may use the leaves of the root package: modules (and
+# packages, with their modules) that import no service.
+LEAVES = {"rollq.config", "rollq.redis_client", "rollq.http_server", "rollq.metrics_server", "rollq.tasks"}
 ALLOWED = {
     "rollq.protocol": set(),
     "rollq.producer": {"rollq.protocol"},
@@ -21,22 +22,31 @@ ALLOWED = {
 CLIENT_SIDE_OF_ENGINE = "rollq.engine.server"  # workers, the trainer and the engine client never import the servers
 
 
+def setuptools_table() -> dict:
+    return tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+
+
 def package_dirs() -> dict[str, Path]:
     """rollq's packages and their folders, from pyproject's package-dir mapping (the one source)."""
-    setuptools = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-    return {pkg: REPO_ROOT / folder for pkg, folder in setuptools["package-dir"].items()}
+    return {pkg: REPO_ROOT / folder for pkg, folder in setuptools_table()["package-dir"].items()}
 
 
 def modules() -> dict[str, Path]:
+    """Every module of the packages pyproject lists (the sub-packages of the root package included)."""
+    packages = set(setuptools_table()["packages"])
     out = {}
     for pkg, folder in package_dirs().items():
         for path in folder.rglob("*.py"):
             parts = path.relative_to(folder).with_suffix("").parts
             name = ".".join([pkg, *parts]).removesuffix(".__init__")
-            if name.startswith("rollq.") and pkg == "rollq" and len(parts) > 1:
-                continue  # a folder inside rollq/ that is not a package of its own
-            out[name] = path
+            package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+            if package in packages:  # not a folder inside a package that is no package itself
+                out[name] = path
     return out
+
+
+def is_leaf(module: str) -> bool:
+    return any(module == leaf or module.startswith(leaf + ".") for leaf in LEAVES)
 
 
 def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
@@ -109,6 +119,7 @@ def test_the_graph_sees_every_module_and_lazy_imports(graph):
     assert {"rollq.cli", "rollq.protocol.messages", "rollq.workers.worker", "rollq.engine.server.app"} <= set(graph)
     assert "rollq.workers.chat_template" in graph["rollq.workers.context"]  # an import inside a method
     assert "rollq.engine.tiny_model" in graph["rollq.workers.chat_template"]  # an import inside a function
+    assert "rollq.tasks.addition" in graph["rollq.trainer.data"]  # a sub-package of the root package
 
 
 def test_cycle_detection_finds_a_cycle_through_a_lazy_import():
@@ -137,14 +148,16 @@ def test_imports_point_one_way(graph):
             entry_point = (
                 module.endswith(".__main__") and dep == "rollq.cli"
             )  # `python -m rollq.engine` = `rollq engine`
-            if other != part and other not in ALLOWED[part] and dep not in LEAVES and not entry_point:
+            if other != part and other not in ALLOWED[part] and not is_leaf(dep) and not entry_point:
                 wrong.append(f"{module} -> {dep}")
     assert wrong == []
 
 
 def test_the_leaf_modules_import_no_service_and_services_do_not_import_the_cli(graph):
-    for leaf in LEAVES:
-        assert graph[leaf] <= LEAVES, leaf
+    leaves = [m for m in graph if is_leaf(m)]
+    assert set(LEAVES) <= set(leaves)
+    for leaf in leaves:
+        assert all(is_leaf(dep) for dep in graph[leaf]), leaf
     services_using_cli = {
         m for m, deps in graph.items() if "rollq.cli" in deps and part_of(m) in ALLOWED and not m.endswith("__main__")
     }

@@ -15,14 +15,14 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from rollq.engine.metrics import MetricsServer
+from rollq.local import free_port
+from rollq.metrics_server import MetricsServer
 from rollq.producer import JobRequest, Producer
 from rollq.producer.ingress import IngressStats
 from rollq.producer.metrics import RunCollector, ingress_registry
 from rollq.protocol.keys import PAYLOAD_FIELD, RunKeys
 from rollq.workers.metrics import WorkerMetrics
 from tests.helpers import REPO_ROOT, running_worker, wait_until
-from tests.redis_server import free_port
 
 DASHBOARD = REPO_ROOT / "deploy" / "grafana" / "rollq.json"
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
@@ -138,13 +138,12 @@ def test_the_dashboard_queries_rollq_metrics():
 
 @pytest.mark.slow
 async def test_every_metric_the_dashboard_queries_is_served(
-    redis, redis_url, run_name, tmp_path, engine_process, spawn_worker
+    redis, redis_url, run_name, tmp_path, make_train_config, engine_process, spawn_worker
 ):
     """A synthetic engine, a `rollq worker` and a `rollq reward-worker` (subprocesses, --metrics-port), the real
     trainer for a step or more (metrics_port) and the ingress's counters with the run collector; then the union of
     what their /metrics serve holds every metric name in the dashboard's queries."""
     from rollq.engine.pool import EnginePool, PoolConfig
-    from rollq.trainer.config import TrainConfig
     from rollq.trainer.loop import Trainer
     from tests.trainer.helpers import WORKFLOW_KWARGS
     from tests.workers.test_remote_rewards import reward_worker
@@ -153,10 +152,7 @@ async def test_every_metric_the_dashboard_queries_is_served(
     worker_port, reward_port, trainer_port = free_port(), free_port(), free_port()
     spawn_worker(redis_url, run_name, "--engine", url, "--concurrency", "8", "--metrics-port", str(worker_port))
     await redis.xadd(RunKeys(run_name).jobs, {PAYLOAD_FIELD: b"\xc1 not msgpack"})  # a dead letter to count
-    cfg = TrainConfig(
-        redis_url=redis_url,
-        run=run_name,
-        run_dir=str(tmp_path / "run"),
+    cfg = make_train_config(
         engine=[url],
         steps=1000,  # stopped once scraped
         group_size=2,

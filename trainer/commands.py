@@ -1,18 +1,16 @@
-"""`rollq train` (against a running stack) and `rollq up` (everything on this machine; the default command)."""
+"""`rollq train` (against a running stack), and the run summary `rollq up` (rollq.up) prints too."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
-from rollq.trainer.config import TrainConfig, UpConfig
+from rollq.trainer.config import TrainConfig
 from rollq.trainer.metrics import EvalRecord, MetricsLog, StepRecord
 
 # A built-in task's goal: (mean reward of the last 10 steps at least, and that many times the first 10's).
@@ -46,11 +44,12 @@ def summarize(records: list[StepRecord], evals: list[EvalRecord] | None = None, 
     return summary
 
 
-def _run_summary(cfg: TrainConfig, records: list[StepRecord]) -> dict[str, Any]:
+def run_summary(cfg: TrainConfig, records: list[StepRecord]) -> dict[str, Any]:
+    """summarize() with the run directory's held-out evaluations: what `rollq train` and `rollq up` print."""
     return summarize(records, MetricsLog(Path(cfg.directory)).read_evals(), cfg.dataset)
 
 
-def _quiet_libraries() -> None:
+def quiet_libraries() -> None:
     """A request line per engine call would bury the progress lines."""
     for name in ("httpx", "transformers"):
         logging.getLogger(name).setLevel(logging.WARNING)
@@ -65,12 +64,12 @@ def train(cfg: TrainConfig) -> int:
     """`rollq train`: the trainer against a running stack; prints a JSON summary line."""
     import uvloop
 
-    _quiet_libraries()
+    quiet_libraries()
     try:
         records = uvloop.run(run_trainer(cfg))
     except (ValueError, RuntimeError) as exc:  # a dataset that can't be read, no engine to update, ...
         return _fail("train", str(exc))
-    summary = _run_summary(cfg, records)
+    summary = run_summary(cfg, records)
     print(msgspec.json.encode(summary).decode())
     return 0
 
@@ -95,44 +94,4 @@ async def run_trainer(cfg: TrainConfig) -> list[StepRecord]:
         await registry_client.aclose()
 
 
-def up(stack: UpConfig, cfg: TrainConfig) -> int:
-    """`rollq up` (and plain `rollq`): the whole stack on this machine, training `cfg`."""
-    import uvloop
-
-    from rollq.trainer.up import StackError, run_stack
-
-    if cfg.run == "default":  # a fresh run: repeated `up`s never share keys
-        cfg = msgspec.structs.replace(cfg, run=f"up-{time.strftime('%Y%m%d-%H%M%S')}")
-    print(
-        f"rollq up: training {cfg.dataset} with the {cfg.model} model for {cfg.steps} steps "
-        f"({cfg.groups_per_step} groups x {cfg.group_size} samples, max staleness {cfg.max_staleness}); "
-        f"run directory {cfg.directory}",
-        file=sys.stderr,
-    )
-    started = time.monotonic()
-    _quiet_libraries()
-    try:
-        records = uvloop.run(run_stack(cfg, stack))
-    except (StackError, RuntimeError, ValueError) as exc:  # StackError: a part died; RuntimeError: nothing trains
-        return _fail("up", str(exc))
-    except (KeyboardInterrupt, asyncio.CancelledError):  # Ctrl-C / SIGTERM: the stack was stopped on the way out
-        print("rollq up: stopped; the run directory keeps what was done", file=sys.stderr)
-        return 130
-    summary = _run_summary(cfg, records)
-    summary["seconds"] = round(time.monotonic() - started, 1)
-    summary["run_dir"] = cfg.directory
-    goal = ("; goal " + ("met" if summary["goal_met"] else "NOT met")) if "goal_met" in summary else ""
-    held_out = ""
-    if summary.get("eval_before") is not None:
-        held_out = f"; held-out {summary['eval_before']:.3f} -> {summary['eval_after']:.3f}"
-    print(
-        f"rollq up: mean reward {summary['reward_first10']:.3f} (first 10 steps) -> {summary['reward_last10']:.3f} "
-        f"(last 10) in {summary['seconds']:.0f} s{goal}{held_out}. Wrote {cfg.directory}/metrics.jsonl and "
-        f"{cfg.directory}/plot.png",
-        file=sys.stderr,
-    )
-    print(msgspec.json.encode(summary).decode())
-    return 0
-
-
-__all__ = ["run_trainer", "summarize", "train", "up"]
+__all__ = ["quiet_libraries", "run_summary", "run_trainer", "summarize", "train"]

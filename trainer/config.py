@@ -1,5 +1,5 @@
 """The trainer's settings (`rollq train`, `rollq up`): the `trainer` section, ROLLQ_TRAINER_<KEY>, `--key` flags or
-`KEY=VALUE` overrides; and `rollq up`'s own (the `up` section)."""
+`KEY=VALUE` overrides. `rollq up`'s own (the `up` section) are rollq.up.UpConfig."""
 
 from __future__ import annotations
 
@@ -9,22 +9,22 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from rollq.config import RunSettings, Settings, setting
+from rollq.config import RunSettings, setting
 
 WHERE, WHAT, HOW_MUCH, OPTIM, UPDATES = "where", "what", "how much", "optimisation", "weight updates"
 
 
 def _toy_workflow_kwargs() -> dict[str, Any]:
-    return {"reward_fn": "rollq.trainer.toy:digits_reward", "max_new_tokens": 8}
+    return {"reward_fn": "rollq.tasks.digits:digits_reward", "max_new_tokens": 8}
 
 
 def smollm2_task() -> dict[str, Any]:
-    """What `--model smollm2` trains unless told otherwise: single-digit additions in a chat (rollq.trainer.
-    arithmetic), evaluated greedily on 20 held-out sums, sized to learn on a 2-core CPU in under 20 minutes (a
+    """What `--model smollm2` trains unless told otherwise: single-digit additions in a chat (rollq.tasks.
+    addition), evaluated greedily on 20 held-out sums, sized to learn on a 2-core CPU in under 20 minutes (a
     gentle lr: at 5e-5 the reward rose within 6 steps and then fell apart as the model forgot sums it knew)."""
     return {
         "dataset": "toy:add",
-        "workflow_kwargs": {"reward_fn": "rollq.trainer.arithmetic:addition_reward", "max_new_tokens": 8},
+        "workflow_kwargs": {"reward_fn": "rollq.tasks.addition:addition_reward", "max_new_tokens": 8},
         "eval_dataset": "toy:add-heldout",
         "steps": 80,
         "group_size": 8,
@@ -342,28 +342,4 @@ class TrainConfig(RunSettings, kw_only=True):
         return self.weights_dir or os.path.join(self.directory, "weights")
 
 
-class UpConfig(Settings, kw_only=True):
-    """`rollq up`: the whole stack on this machine (the trainer's settings are the `trainer` section's)."""
-
-    redis_url: Annotated[
-        str | None,
-        setting(
-            "Redis URL; none given: the default one if it answers, else a private redis-server",
-            flag="--redis",
-            metavar="URL",
-            shared=True,
-        ),
-    ] = None
-    engines: Annotated[int, setting("reference engines to start", metavar="N", ge=1)] = 1
-    workers: Annotated[int, setting("rollout worker processes to start", metavar="N", ge=1)] = 1
-    concurrency: Annotated[int, setting("jobs each worker runs at once", metavar="N", ge=1)] = 64
-    allow: Annotated[
-        list[str],
-        setting(
-            "import paths the workers may import besides rollq's built-ins and the trainer's workflow (repeatable)",
-            metavar="PATTERN",
-        ),
-    ] = []
-
-
-__all__ = ["TrainConfig", "UpConfig"]
+__all__ = ["TrainConfig"]

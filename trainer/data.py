@@ -16,9 +16,9 @@ class DatasetError(ValueError):
 
 def load_prompts(spec: str) -> list[dict[str, Any]]:
     if spec.startswith("toy:"):
-        from rollq.trainer import arithmetic, toy
+        from rollq.tasks import addition, digits
 
-        builtin = {"toy:digits": toy.prompts, "toy:add": arithmetic.prompts, "toy:add-heldout": arithmetic.held_out}
+        builtin = {"toy:digits": digits.prompts, "toy:add": addition.prompts, "toy:add-heldout": addition.held_out}
         if spec not in builtin:
             raise DatasetError(f"unknown toy task {spec!r} ({', '.join(builtin)})")
         return builtin[spec]()

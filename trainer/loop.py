@@ -251,10 +251,10 @@ class Trainer:
             waited += 0.5
 
     async def run(self) -> list[StepRecord]:
-        """Train `steps` steps; with `metrics_port` set, /metrics is served meanwhile (trainer/exporter.py)."""
+        """Train `steps` steps; with `metrics_port` set, /metrics is served meanwhile (trainer/prometheus_metrics)."""
         if not self.cfg.metrics_port:
             return await self._run()
-        from rollq.trainer.exporter import TrainerMetrics
+        from rollq.trainer.prometheus_metrics import TrainerMetrics
 
         server = TrainerMetrics(self.cfg, self.pool, self.metrics).serve(self.cfg.metrics_port, self.cfg.metrics_host)
         try:

@@ -88,7 +88,7 @@ class MetricsLog:
         self.eval_path = Path(run_dir) / "eval.jsonl"  # held-out evaluations (trainer/evaluate.py)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.out = out if out is not None else sys.stderr
-        self.observers: list[Callable[[StepRecord], None]] = []  # e.g. the Prometheus exporter (trainer/exporter.py)
+        self.observers: list[Callable[[StepRecord], None]] = []  # e.g. trainer/prometheus_metrics.py
 
     def write(self, record: StepRecord, total_steps: int | None = None) -> None:
         with self.path.open("ab") as f:

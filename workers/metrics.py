@@ -13,8 +13,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, SummaryMetricFamily
 from prometheus_client.registry import Collector
 
-from rollq.engine.metrics import MetricsServer, PoolCollector, process_registry
+from rollq.engine.metrics import PoolCollector
 from rollq.engine.pool import EnginePool
+from rollq.metrics_server import MetricsServer, process_registry
 from rollq.protocol.keys import DEFAULT_CLASS
 from rollq.protocol.messages import Sequence
 from rollq.redis_client import TRANSIENT_ERRORS, sync_redis_client

@@ -31,7 +31,6 @@ import contextvars
 import fnmatch
 import importlib
 import inspect
-import logging
 import os
 import re
 from collections.abc import Iterator
@@ -40,19 +39,9 @@ from typing import Any
 
 import msgspec
 
-log = logging.getLogger("rollq.worker")
-
-# rollq's own objects a job may name without the operator listing them: the built-in loops and tasks' rewards.
-BUILTIN_ALLOWED = ("rollq.workers.builtin", "rollq.trainer.toy", "rollq.trainer.arithmetic")
-
-# Import paths that jobs and configs named before the packages moved under `rollq.` (module -> its new name).
-LEGACY_MODULES = {
-    "workers.builtin.rlvr": "rollq.workers.builtin.rlvr",
-    "workers.builtin.multi_turn": "rollq.workers.builtin.multi_turn",
-    "workers.builtin.tool_agent": "rollq.workers.builtin.tool_agent",
-    "trainer.toy": "rollq.trainer.toy",
-}
-_OLD_TOP_LEVEL = ("protocol", "producer", "workers", "engine", "trainer")
+# rollq's own objects a job may name without the operator listing them: the built-in loops and the built-in toy
+# tasks' rewards.
+BUILTIN_ALLOWED = ("rollq.workers.builtin", "rollq.tasks")
 COMMAND_PREFIX = "command:"  # patterns naming programs a job may run (`exec:PROGRAM`)
 ENV_PREFIX = "env:"  # patterns naming environment variables a job may pass to a command agent
 _WILDCARD = re.compile(r"[*?[]")
@@ -195,19 +184,8 @@ def split_import_path(path: str) -> tuple[str, str]:
     return module, attr
 
 
-def current_path(path: str) -> str:
-    """`path` with a module that moved under `rollq.` renamed (old jobs and configs keep working)."""
-    module, attr = split_import_path(path)
-    new = LEGACY_MODULES.get(module)
-    if new is None:
-        return path
-    log.warning("import path %r names rollq's old module %r; using %r", path, module, new)
-    return f"{new}:{attr}"
-
-
 def resolve(path: str, *, allowlist: Allowlist | None = None) -> Any:
     """The object `path` names, after the allowlist (the given one, else the active one) has allowed it."""
-    path = current_path(path)
     module_name, attr_path = split_import_path(path)
     allowlist = allowlist or _ACTIVE.get()
     if allowlist is not None:
@@ -219,7 +197,7 @@ def resolve(path: str, *, allowlist: Allowlist | None = None) -> Any:
         obj: Any = importlib.import_module(module_name)
     except Exception as exc:  # an import can raise anything
         raise WorkflowLoadError(
-            f"cannot import module {module_name!r} for {path!r}: {type(exc).__name__}: {exc}{_moved_hint(module_name)}"
+            f"cannot import module {module_name!r} for {path!r}: {type(exc).__name__}: {exc}"
         ) from None
     for part in parts:
         if not (isinstance(obj, ModuleType) or inspect.isclass(obj)):
@@ -275,19 +253,12 @@ def _dotted(path: str) -> str:
     return f"{module}.{attr}"
 
 
-def _moved_hint(module: str) -> str:
-    if module.split(".", 1)[0] in _OLD_TOP_LEVEL:
-        return f" (rollq's packages import as rollq.*: did you mean 'rollq.{module}'?)"
-    return ""
-
-
 __all__ = [
     "BUILTIN_ALLOWED",
     "Allowlist",
     "ImportNotAllowed",
     "WorkflowLoadError",
     "active_allowlist",
-    "current_path",
     "enforcing",
     "resolve",
     "split_import_path",

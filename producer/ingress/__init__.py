@@ -4,7 +4,7 @@ them; and its typed Python client."""
 from rollq.producer.ingress.app import Ingress, IngressStats
 from rollq.producer.ingress.client import IngressClient, IngressError, SampleEvent
 from rollq.producer.ingress.config import IngressConfig
-from rollq.producer.ingress.models import JobSpec, JobStatus, TrajectoryView
+from rollq.producer.ingress.models import JobSpec, JobStatus
 
 __all__ = [
     "Ingress",
@@ -15,5 +15,4 @@ __all__ = [
     "JobSpec",
     "JobStatus",
     "SampleEvent",
-    "TrajectoryView",
 ]

@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import fnmatch
 import hashlib
-import json
 import logging
 import re
 import shlex
@@ -42,6 +41,7 @@ from rollq.producer.ingress.events import StreamReader, entry_id
 from rollq.producer.ingress.models import (
     JOB_ID_PATTERN,
     NAME_PATTERN,
+    ROUTES,
     Admitted,
     CancelResponse,
     Counts,
@@ -104,8 +104,12 @@ _REFUSALS = {401: "refused_unauthorized", 400: "refused_invalid", 403: "refused_
 _REFUSALS.update({429: "refused_busy", 503: "redis_errors"})
 
 
+_CODEC = Codec()
+
+
 def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
-    return web.Response(body=msgspec.json.encode(body), status=status, content_type="application/json", headers=headers)
+    """`body` as JSON (token arrays as lists)."""
+    return web.Response(body=_CODEC.encode_json(body), status=status, content_type="application/json", headers=headers)
 
 
 def _overflows(value: Any) -> bool:
@@ -223,12 +227,11 @@ class Ingress:
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.cfg.max_body_bytes, middlewares=[self._middleware])
         app[INGRESS] = self
-        app.router.add_post("/v1/jobs", self.submit)
-        app.router.add_get("/v1/jobs/{job_id}", self.get_job)
-        app.router.add_delete("/v1/jobs/{job_id}", self.cancel)
-        app.router.add_get("/v1/jobs/{job_id}/events", self.events)
-        app.router.add_get("/healthz", self.healthz)
-        app.router.add_get("/openapi.json", self.openapi)
+        for route in ROUTES:  # what /openapi.json describes
+            if route.method == "GET":  # add_get: HEAD too, as before (health checkers and proxies send it)
+                app.router.add_get(route.path, getattr(self, route.handler))
+            else:
+                app.router.add_route(route.method, route.path, getattr(self, route.handler))
         app.on_cleanup.append(self._close)
         return app
 
@@ -305,11 +308,9 @@ class Ingress:
             raise HttpError(413, "too_large", f"request body of {request.content_length} bytes exceeds {limit}")
         return await read_body(request)  # 413 past client_max_size (chunked bodies), 408 past body_timeout
 
-    def _view(self, traj: Trajectory, client_id: str) -> dict[str, Any]:
-        view: dict[str, Any] = self.codec.to_builtins(traj)
-        view["job_id"] = client_id
-        view.pop("schema", None)
-        return view
+    def _view(self, traj: Trajectory, client_id: str) -> Trajectory:
+        """The sample as its caller sees it: under the job id the caller gave."""
+        return msgspec.structs.replace(traj, job_id=client_id)
 
     # -- POST /v1/jobs ---------------------------------------------------------------------------------------
 
@@ -576,7 +577,7 @@ class Ingress:
             done=len(firsts) == n,
             counts=counts,
             samples=states,
-            trajectories=trajectories,  # type: ignore[arg-type]  # plain dicts shaped as TrajectoryView
+            trajectories=trajectories,
         )
         return _json(status)
 
@@ -703,8 +704,8 @@ class Ingress:
                     if not count(traj):
                         continue
                     assert traj is not None
-                    data = json.dumps(self._view(traj, client_id), separators=(",", ":"))
-                    chunks.append(f"id: {last}\nevent: sample\ndata: {data}\n\n".encode())
+                    data = self.codec.encode_json(self._view(traj, client_id))
+                    chunks.append(f"id: {last}\nevent: sample\ndata: ".encode() + data + b"\n\n")
                 if chunks:
                     await resp.write(b"".join(chunks))
                     self.stats.events_sent += len(chunks)

@@ -1,5 +1,5 @@
 """A typed Python client of the HTTP ingress (httpx): submit, get, follow (Server-Sent Events, resumed after a
-dropped connection from the last event id) and cancel. Other languages use plain HTTP (README)."""
+dropped connection from the last event id) and cancel. Other languages use plain HTTP (docs/ingress.md)."""
 
 from __future__ import annotations
 
@@ -22,8 +22,9 @@ from rollq.producer.ingress.models import (
     JobSpec,
     JobStatus,
     SubmitResponse,
-    TrajectoryView,
 )
+from rollq.protocol.codec import Codec
+from rollq.protocol.messages import Trajectory
 
 
 class IngressError(Exception):
@@ -35,10 +36,11 @@ class IngressError(Exception):
 
 
 class SampleEvent(msgspec.Struct, frozen=True):
-    """One `sample` event: its id (pass it as `last_event_id` to resume after it) and the finished sample."""
+    """One `sample` event: its id (pass it as `last_event_id` to resume after it) and the finished sample (its job_id
+    is the one the caller gave)."""
 
     id: str
-    trajectory: TrajectoryView
+    trajectory: Trajectory
 
 
 class _Event(msgspec.Struct):
@@ -57,6 +59,7 @@ class IngressClient:
         self._own = client is None
         self.http = client or httpx.AsyncClient(timeout=timeout_s)
         self.headers = {"Authorization": f"Bearer {token}"}
+        self.codec = Codec()  # what holds a Trajectory: its token arrays are lists in JSON
 
     async def __aenter__(self) -> IngressClient:
         return self
@@ -100,7 +103,7 @@ class IngressClient:
             self._url(job_id), params={"trajectories": str(trajectories).lower()}, headers=self.headers
         )
         self._check(resp)
-        return msgspec.json.decode(resp.content, type=JobStatus)
+        return self.codec.decode_json(resp.content, JobStatus)
 
     async def cancel(self, job_id: str) -> CancelResponse:
         resp = await self.http.delete(self._url(job_id), headers=self.headers)
@@ -120,7 +123,7 @@ class IngressClient:
                         failures = 0
                         if event.event == "sample" and event.id is not None:
                             last_event_id = event.id
-                            yield SampleEvent(event.id, msgspec.json.decode(event.data, type=TrajectoryView))
+                            yield SampleEvent(event.id, self.codec.decode_json(event.data, Trajectory))
                         elif event.event == "done":
                             msgspec.json.decode(event.data, type=Done)
                             return
@@ -164,7 +167,7 @@ class IngressClient:
                 elif name == "id":
                     event.id = value
 
-    async def wait(self, job_id: str, **kwargs: Any) -> list[TrajectoryView]:
+    async def wait(self, job_id: str, **kwargs: Any) -> list[Trajectory]:
         """Every sample's result, in sample order, once all have one."""
         out = [e.trajectory async for e in self.events(job_id, **kwargs)]
         return sorted(out, key=lambda t: t.sample_index)

@@ -8,7 +8,8 @@ import signal
 
 import uvloop
 
-from rollq.http_server import start_metrics_server, start_site
+from rollq.http_server import start_site
+from rollq.metrics_server import MetricsServer
 from rollq.producer.ingress.app import Ingress
 from rollq.producer.ingress.config import IngressConfig
 from rollq.producer.metrics import ingress_registry
@@ -29,9 +30,7 @@ async def serve(cfg: IngressConfig, *, started: asyncio.Event | None = None) -> 
     )
     metrics = None
     if cfg.metrics_port:  # served from prometheus_client's thread: a scrape never waits for the event loop
-        metrics, _ = start_metrics_server(
-            cfg.metrics_port, cfg.host, ingress_registry(ingress.stats, cfg.redis_url, cfg.run)
-        )
+        metrics = MetricsServer(ingress_registry(ingress.stats, cfg.redis_url, cfg.run), cfg.metrics_port, cfg.host)
     try:
         log.info("rollq ingress: run %r, listening on http://%s:%d", cfg.run, cfg.host, cfg.port)
         stop = asyncio.Event()
@@ -43,8 +42,7 @@ async def serve(cfg: IngressConfig, *, started: asyncio.Event | None = None) -> 
         await stop.wait()
     finally:
         if metrics is not None:
-            metrics.shutdown()
-            metrics.server_close()
+            metrics.close()
         await runner.cleanup()
     return 0
 

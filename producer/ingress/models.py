@@ -1,14 +1,16 @@
-"""The ingress's HTTP messages (JSON), as msgspec Structs: they validate requests (errors name the field, e.g.
-`$.jobs[2].n`) and generate `/openapi.json`. A trajectory's JSON view mirrors the wire `Trajectory`
-(rollq.protocol.messages) with token arrays as lists and the caller's own job id."""
+"""The ingress's HTTP messages (JSON), as msgspec Structs, and its routes (`ROUTES`): they validate requests (errors
+name the field, e.g. `$.jobs[2].n`), and `/openapi.json` is generated from them (`openapi()`), the app serves the
+same routes. A finished sample is the wire `Trajectory` (rollq.protocol.messages) as JSON: token arrays as lists
+(rollq.protocol.codec) and the caller's own job id."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, NamedTuple
 
 import msgspec
 
-from rollq.protocol.messages import AgentOptions, TrajectoryStatus
+from rollq.protocol.codec import json_schema_hook
+from rollq.protocol.messages import AgentOptions, Trajectory
 
 JOB_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:@~+=-]{0,199}$"
 NAME_PATTERN = r"^[A-Za-z0-9_.\-]{1,64}$"
@@ -61,41 +63,6 @@ class SubmitResponse(msgspec.Struct):
     jobs: list[Admitted]
 
 
-class SequenceView(msgspec.Struct):
-    input_ids: list[int]
-    loss_mask: list[int]
-    logprobs: list[float]
-    versions: list[int]
-    reward: float = 0.0
-
-
-class ErrorView(msgspec.Struct):
-    type: str
-    message: str
-    traceback: str = ""
-    worker_id: str = ""
-    attempt: int = 0
-    at: float = 0.0
-
-
-class TrajectoryView(msgspec.Struct):
-    """One finished sample (the SSE `sample` event's data): protocol.messages.Trajectory's JSON view, token arrays
-    as lists (what the OpenAPI schema describes)."""
-
-    job_id: str
-    sample_index: int
-    n: int
-    status: TrajectoryStatus
-    sequences: list[SequenceView] = []
-    error: ErrorView | None = None
-    worker_id: str = ""
-    workflow: str = ""
-    attempt: int = 0
-    submitted_at: float = 0.0
-    started_at: float = 0.0
-    finished_at: float = 0.0
-
-
 class Counts(msgspec.Struct):
     queued: int = 0
     running: int = 0
@@ -112,7 +79,8 @@ class JobStatus(msgspec.Struct):
     done: bool  # every sample has a result
     counts: Counts
     samples: list[SampleState]  # per sample index
-    trajectories: list[TrajectoryView] | None = None  # in sample order; left out with ?trajectories=false
+    # The finished samples in sample order (job_id: the caller's); left out with ?trajectories=false.
+    trajectories: list[Trajectory] | None = None
 
 
 class Done(msgspec.Struct):
@@ -142,115 +110,165 @@ class Health(msgspec.Struct):
     redis: bool
 
 
-def _response(description: str, ref: str | None, content_type: str = "application/json") -> dict[str, Any]:
-    out: dict[str, Any] = {"description": description}
-    if ref is not None:
-        out["content"] = {content_type: {"schema": {"$ref": f"#/components/schemas/{ref}"}}}
-    return out
+class JobPath(msgspec.Struct):
+    """The path parameters of a job's routes."""
+
+    job_id: JobId
 
 
-_ERRORS = {
-    "401": _response("missing or unknown bearer token", "ErrorBody"),
-}
+class JobQuery(msgspec.Struct):
+    """GET /v1/jobs/{job_id}'s query parameters."""
+
+    trajectories: bool = True  # false: the status without the finished samples
+
+
+class EventsHeaders(msgspec.Struct):
+    """The request headers the event stream reads."""
+
+    last_event_id: str = msgspec.field(default="", name="Last-Event-ID")  # resume after this event
+
+
+class Answer(NamedTuple):
+    """One documented answer of a route: what it means and the type of its body (None: not described)."""
+
+    description: str
+    body: Any = None
+    content_type: str = "application/json"
+
+
+class Route(NamedTuple):
+    """One operation of the ingress: the app serves it with the Ingress method `handler`; `openapi()` describes it."""
+
+    method: Literal["GET", "POST", "DELETE"]
+    path: str
+    handler: str
+    summary: str
+    answers: dict[int, Answer]
+    body: tuple[type, ...] = ()  # the request body: one of these
+    parameters: dict[Literal["path", "query", "header"], type[msgspec.Struct]] = {}  # a parameter per field
+    events: tuple[type, ...] = ()  # the data of its Server-Sent Events
+    public: bool = False  # served without a bearer token
+
+
+def _errors(*statuses: int) -> dict[int, Answer]:
+    unauthorized = Answer("missing or unknown bearer token", ErrorBody)
+    return {401: unauthorized} | {status: Answer("error", ErrorBody) for status in statuses}
+
+
+ROUTES = (
+    Route(
+        "POST",
+        "/v1/jobs",
+        "submit",
+        "submit one job or a batch (all or nothing)",
+        body=(JobSpec, JobBatch),
+        answers={
+            202: Answer("accepted (admitted, or duplicates of earlier submissions)", SubmitResponse),
+            **_errors(400, 403, 413, 415, 429),
+        },
+    ),
+    Route(
+        "GET",
+        "/v1/jobs/{job_id}",
+        "get_job",
+        "status and trajectories",
+        parameters={"path": JobPath, "query": JobQuery},
+        answers={200: Answer("the job", JobStatus), **_errors(400, 404)},
+    ),
+    Route(
+        "DELETE",
+        "/v1/jobs/{job_id}",
+        "cancel",
+        "cancel: samples not yet started never run",
+        parameters={"path": JobPath},
+        answers={200: Answer("cancelled", CancelResponse), **_errors(400, 404)},
+    ),
+    Route(
+        "GET",
+        "/v1/jobs/{job_id}/events",
+        "events",
+        "Server-Sent Events: `sample` (id = results stream entry id, data = Trajectory) as samples finish, then `done` "
+        "(data = Done); resume with the Last-Event-ID header",
+        parameters={"path": JobPath, "header": EventsHeaders},
+        answers={200: Answer("event stream", content_type="text/event-stream"), **_errors(400, 404)},
+        events=(Trajectory, Done),
+    ),
+    Route(
+        "GET",
+        "/healthz",
+        "healthz",
+        "whether Redis answers",
+        answers={200: Answer("healthy", Health), 503: Answer("unhealthy", Health)},
+        public=True,
+    ),
+    Route("GET", "/openapi.json", "openapi", "this document", answers={200: Answer("OpenAPI 3.1")}, public=True),
+)
 
 
 def openapi(title: str = "rollq ingress", version: str = "1") -> dict[str, Any]:
-    """The OpenAPI 3.1 document of the ingress, its schemas generated from the Structs above."""
-    _, components = msgspec.json.schema_components(
-        [JobSpec, JobBatch, SubmitResponse, JobStatus, TrajectoryView, Done, CancelResponse, ErrorBody, Health],
-        ref_template="#/components/schemas/{name}",
+    """The OpenAPI 3.1 document of the ingress: its paths from `ROUTES`, every schema generated from the types they
+    name (msgspec.json.schema_components)."""
+    types = list(
+        dict.fromkeys(
+            t
+            for route in ROUTES
+            for t in (*route.body, *(a.body for a in route.answers.values() if a.body is not None), *route.events)
+        )
     )
-    job_path_param = {
-        "name": "job_id",
-        "in": "path",
-        "required": True,
-        "schema": {"type": "string", "pattern": JOB_ID_PATTERN},
-    }
-    err = _response("error", "ErrorBody")
-    security: list[dict[str, list[str]]] = [{"bearer": []}]
-    submit_body = {"oneOf": [{"$ref": "#/components/schemas/JobSpec"}, {"$ref": "#/components/schemas/JobBatch"}]}
+    refs, components = msgspec.json.schema_components(
+        types, schema_hook=json_schema_hook, ref_template="#/components/schemas/{name}"
+    )
+    schema_of = dict(zip(types, refs, strict=True))
+    paths: dict[str, dict[str, Any]] = {}
+    for route in ROUTES:
+        parameters = [
+            {"name": f.encode_name, "in": where, "required": f.required, "schema": msgspec.json.schema(f.type)}
+            for where, struct in route.parameters.items()
+            for f in msgspec.structs.fields(struct)
+        ]
+        operation: dict[str, Any] = {
+            "summary": route.summary,
+            **({"parameters": parameters} if parameters else {}),
+            "responses": {
+                str(status): {
+                    "description": answer.description,
+                    "content": {answer.content_type: {"schema": schema_of.get(answer.body, {})}},
+                }
+                for status, answer in sorted(route.answers.items())
+            },
+        }
+        if route.body:
+            schema = {"oneOf": [schema_of[t] for t in route.body]} if len(route.body) > 1 else schema_of[route.body[0]]
+            operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": schema}}}
+        if route.public:
+            operation["security"] = []
+        paths.setdefault(route.path, {})[route.method.lower()] = operation
     return {
         "openapi": "3.1.0",
         "info": {"title": title, "version": version},
-        "components": {
-            "schemas": components,
-            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
-        },
-        "security": security,
-        "paths": {
-            "/v1/jobs": {
-                "post": {
-                    "summary": "submit one job or a batch (all or nothing)",
-                    "requestBody": {"required": True, "content": {"application/json": {"schema": submit_body}}},
-                    "responses": {
-                        "202": _response("accepted (admitted, or duplicates of earlier submissions)", "SubmitResponse"),
-                        "400": err,
-                        **_ERRORS,
-                        "403": err,
-                        "413": err,
-                        "415": err,
-                        "429": err,
-                    },
-                }
-            },
-            "/v1/jobs/{job_id}": {
-                "parameters": [job_path_param],
-                "get": {
-                    "summary": "status and trajectories",
-                    "parameters": [{"name": "trajectories", "in": "query", "schema": {"type": "boolean"}}],
-                    "responses": {"200": _response("the job", "JobStatus"), "400": err, **_ERRORS, "404": err},
-                },
-                "delete": {
-                    "summary": "cancel: samples not yet started never run",
-                    "responses": {"200": _response("cancelled", "CancelResponse"), "400": err, **_ERRORS, "404": err},
-                },
-            },
-            "/v1/jobs/{job_id}/events": {
-                "parameters": [job_path_param],
-                "get": {
-                    "summary": "Server-Sent Events: `sample` (id = results stream entry id, data = TrajectoryView) "
-                    "as samples finish, then `done` (data = Done); resume with the Last-Event-ID header",
-                    "parameters": [{"name": "Last-Event-ID", "in": "header", "schema": {"type": "string"}}],
-                    "responses": {
-                        "200": {"description": "event stream", "content": {"text/event-stream": {"schema": {}}}},
-                        "400": err,
-                        **_ERRORS,
-                        "404": err,
-                    },
-                },
-            },
-            "/healthz": {
-                "get": {
-                    "summary": "whether Redis answers",
-                    "security": [],
-                    "responses": {"200": _response("healthy", "Health"), "503": _response("unhealthy", "Health")},
-                }
-            },
-            "/openapi.json": {
-                "get": {
-                    "summary": "this document",
-                    "security": [],
-                    "responses": {"200": {"description": "OpenAPI 3.1", "content": {"application/json": {}}}},
-                }
-            },
-        },
+        "components": {"schemas": components, "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+        "security": [{"bearer": []}],
+        "paths": paths,
     }
 
 
 __all__ = [
+    "ROUTES",
     "Admitted",
+    "Answer",
     "CancelResponse",
     "Counts",
     "Done",
     "ErrorBody",
-    "ErrorView",
+    "EventsHeaders",
     "Health",
     "JobBatch",
+    "JobPath",
+    "JobQuery",
     "JobSpec",
     "JobStatus",
+    "Route",
     "SampleState",
-    "SequenceView",
     "SubmitResponse",
-    "TrajectoryView",
     "openapi",
 ]

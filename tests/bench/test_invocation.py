@@ -1,7 +1,6 @@
 """Every benchmark starts both ways it is documented to run from the repository root: `python -m bench.NAME` and
 `python bench/NAME.py` (as a script, bench/ is sys.path[0]: its bootstrap must put the repository root there instead,
-or `from bench.common import ...` fails and bench/queue.py shadows the stdlib `queue`). `--help` only: no Redis,
-no engines, no torch."""
+or `from bench.common import ...` fails). `--help` only: no Redis, no engines, no torch."""
 
 from __future__ import annotations
 
@@ -13,7 +12,7 @@ import pytest
 from tests.helpers import REPO_ROOT
 
 BENCHMARKS = [
-    "queue",
+    "queue_throughput",
     "engine",
     "engine_batching",
     "engine_control",
@@ -27,6 +26,7 @@ BENCHMARKS = [
     "redis_wait",
     "gpu_check",
     "staleness_model",
+    "report",
 ]
 
 
@@ -37,6 +37,12 @@ def test_every_benchmark_is_listed():
         if p.stem not in {"__init__", "common"} and "def main(" in p.read_text()
     }
     assert found == set(BENCHMARKS)
+
+
+def test_no_benchmark_shadows_a_standard_library_module():
+    """Run as a script, bench/ is first on sys.path: a bench/queue.py would be what `import queue` finds."""
+    modules = {p.stem for p in (REPO_ROOT / "bench").glob("*.py")}
+    assert not modules & sys.stdlib_module_names
 
 
 @pytest.mark.parametrize("how", ["module", "script"])

@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-from rollq.trainer.toy import digits_reward
+from rollq.tasks.digits import digits_reward
 from rollq.workers.context import workflow_context
 
 

@@ -62,9 +62,7 @@ import asyncio
 import math
 import os
 import random
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -76,14 +74,14 @@ from typing import Any
 import msgspec
 from redis.exceptions import RedisError
 
-from bench.common import BenchError, Procs, bench_env, free_port, print_summary, rollq_argv, run_bench
+from bench.common import BenchError, bench_env, print_summary, rollq_argv, run_bench
 from rollq.config import with_query
+from rollq.local import Processes, RedisServer, free_port, wait_until
 from rollq.producer.results import PartitionedConsumer, ResultConsumer
 from rollq.producer.status import gather_status
 from rollq.protocol.keys import RunKeys
 from rollq.redis_client import redis_client
 from rollq.trainer.ledger import rest_field
-from tests.helpers import wait_until
 
 FAULT_KINDS = ("worker_kill", "engine_kill", "redis_kill", "trainer_kill", "worker_stall")
 PROCESS_KINDS = ("worker", "trainer", "ingress", "engine", "redis")
@@ -94,7 +92,7 @@ INGRESS_JOB = {"workflow": "bench.workflows:FixedTrajectory", "workflow_kwargs":
 # the length distribution come from the config).
 ENGINE_ARGS = ("--tokenizer", "tiny", "--sampled", "--max-running", "8")
 # The trainer's default workload (the toy task); --fail-rate swaps in the failing reward, on prompts of its own.
-TOY_REWARD = "rollq.trainer.toy:digits_reward"
+TOY_REWARD = "rollq.tasks.digits:digits_reward"
 FAILING_REWARD = "tests.chaos.failing_reward:failing_digits_reward"
 AUDIT_GROUP = "chaos-audit"
 
@@ -180,37 +178,18 @@ class Child:
 # -- the stack --------------------------------------------------------------------------------------------------
 
 
-def _ping(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.2) as s:
-            s.sendall(b"PING\r\n")
-            return s.recv(64).startswith(b"+PONG")
-    except OSError:
-        return False
-
-
-async def _bounded(probe: Any, timeout_s: float, what: str, interval_s: float = 0.05) -> Any:
-    """Poll `probe` (sync or async) until it returns something true; BenchError past `timeout_s` (the CLI reports
-    it as the soak's failure)."""
-    try:
-        return await wait_until(probe, timeout_s, interval_s, what)
-    except AssertionError as exc:
-        raise BenchError(str(exc)) from None
-
-
 class Stack:
     """The processes of the soak, each restartable with its original command line."""
 
-    def __init__(self, cfg: ChaosConfig, procs: Procs, tmp: Path) -> None:
+    def __init__(self, cfg: ChaosConfig, procs: Processes, tmp: Path) -> None:
         self.cfg = cfg
         self.procs = procs
         self.tmp = tmp
         self.run = f"chaos{os.getpid()}"
-        self.redis_dir = tmp / "redis"
-        self.redis_dir.mkdir()
         self.run_dir = tmp / "run"
-        self.redis_port = free_port()
-        self.url = f"redis://127.0.0.1:{self.redis_port}/0"
+        self.redis = RedisServer(directory=tmp / "redis", aof=True, appendfsync=cfg.appendfsync, processes=procs)
+        self.redis.dir.mkdir()
+        self.url = self.redis.url
         self.env = bench_env()
         self.children: dict[str, Child] = {}
         self._workers_started = 0
@@ -225,7 +204,7 @@ class Stack:
         return [c for c in self.children.values() if c.kind == kind and c.proc.poll() is None]
 
     def tail(self, child: Child) -> str:
-        return self.procs.log_tail(child.proc)
+        return self.procs.tail(child.proc)
 
     # redis
     async def start_cluster(self) -> None:
@@ -247,17 +226,11 @@ class Stack:
                 self.children[f"redis-node{i}"] = Child("redis", f"redis-node{i}", [], node.proc, node.port)
 
     async def start_redis(self) -> Child:
-        exe = shutil.which("redis-server")
-        if exe is None:
-            raise BenchError("redis-server is not on PATH")
-        argv = [exe, "--port", str(self.redis_port), "--bind", "127.0.0.1", "--dir", str(self.redis_dir)]
-        argv += ["--save", "", "--appendonly", "yes", "--appendfsync", self.cfg.appendfsync, "--protected-mode", "no"]
-        child = self._start("redis", "redis", argv, self.redis_port)
-        await _bounded(
-            lambda: child.proc.poll() is not None or _ping(self.redis_port), 30, "redis-server to answer PING"
-        )
-        if child.proc.poll() is not None:
-            raise BenchError(f"redis-server exited with {child.proc.returncode}: {self.tail(child)}")
+        """redis-server with AOF, on its first port and directory every time (a restart recovers from the AOF)."""
+        await asyncio.to_thread(self.redis.start, 30)
+        assert self.redis.proc is not None
+        child = Child("redis", "redis", [], self.redis.proc, self.redis.port)
+        self.children["redis"] = child
         return child
 
     # engines
@@ -275,19 +248,17 @@ class Stack:
         await self.http_ready(child, "/health")
 
     async def http_ready(self, child: Child, path: str) -> None:
-        """Until `child` answers 200 on `path` (BenchError if it exits or 60 s pass)."""
+        """Until `child` answers 200 on `path` (ChildExited if it exits, WaitTimeout past 60 s)."""
         import httpx
 
         async def healthy() -> bool:
-            if child.proc.poll() is not None:
-                raise BenchError(f"{child.name} exited with {child.proc.returncode}: {self.tail(child)}")
             try:
                 async with httpx.AsyncClient() as c:
                     return (await c.get(f"http://127.0.0.1:{child.port}{path}", timeout=1)).status_code == 200
             except httpx.HTTPError:
                 return False
 
-        await _bounded(healthy, 60, f"{child.name} {path}", 0.1)
+        await self.procs.wait_until(healthy, 60, f"{child.name} {path}", watch=child.proc, interval_s=0.1)
 
     @property
     def engine_urls(self) -> list[str]:
@@ -324,11 +295,10 @@ class Stack:
 
     async def worker_registered(self, redis: Any, child: Child, timeout_s: float = 30) -> None:
         async def registered() -> bool:
-            if child.proc.poll() is not None:
-                raise BenchError(f"{child.name} exited with {child.proc.returncode}: {self.tail(child)}")
             return bool(await redis.zscore(RunKeys(self.run).workers, child.name))
 
-        await _bounded(registered, timeout_s, f"{child.name} to register", 0.1)
+        what = f"{child.name} to register"
+        await self.procs.wait_until(registered, timeout_s, what, watch=child.proc, interval_s=0.1)
 
     # trainer
     def trainer_argv(self) -> list[str]:
@@ -363,7 +333,7 @@ class Stack:
         return argv
 
     def prompts_file(self) -> Path:
-        from rollq.trainer.toy import prompts
+        from rollq.tasks.digits import prompts
 
         path = self.tmp / "prompts.jsonl"
         if not path.exists():
@@ -382,26 +352,14 @@ class Stack:
             return 0
 
     def kill_all(self) -> None:
-        """Teardown: SIGCONT (a stopped process can't die otherwise... it can, but be sure), SIGKILL, reap."""
+        """Teardown: SIGKILL every child (a SIGSTOPped one too) and reap it."""
         if self.cluster is not None:
             self.cluster.close()
-        for child in self.children.values():
-            if child.proc.poll() is None:
-                for sig in (signal.SIGCONT, signal.SIGKILL):
-                    try:
-                        child.proc.send_signal(sig)
-                    except ProcessLookupError:
-                        pass
-        for child in self.children.values():
-            try:
-                child.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                pass
+        self.procs.stop_all(grace_s=0)
 
-
-def _sigkill(child: Child) -> None:
-    child.proc.send_signal(signal.SIGKILL)
-    child.proc.wait(10)
+    def kill(self, child: Child) -> None:
+        """SIGKILL: the crash being simulated."""
+        self.procs.kill(child.proc)
 
 
 # -- observers --------------------------------------------------------------------------------------------------
@@ -603,7 +561,7 @@ class IngressClient:
 
 
 class Driver:
-    def __init__(self, cfg: ChaosConfig, procs: Procs, tmp: Path, *, out: Any = None) -> None:
+    def __init__(self, cfg: ChaosConfig, procs: Processes, tmp: Path, *, out: Any = None) -> None:
         self.cfg = cfg
         self.stack = Stack(cfg, procs, tmp)
         self.rng = random.Random(cfg.seed)
@@ -673,7 +631,7 @@ class Driver:
     async def worker_kill(self) -> None:
         started = time.monotonic()
         victim = self.rng.choice(self.stack.live("worker"))
-        _sigkill(victim)
+        self.stack.kill(victim)
         new = self.stack.start_worker()
         await self.stack.worker_registered(self.redis, new)
         self._record("worker_kill", f"{victim.name} SIGKILLed, {new.name} started", started)
@@ -681,7 +639,7 @@ class Driver:
     async def engine_kill(self) -> None:
         started = time.monotonic()
         victim = self.rng.choice(self.stack.live("engine"))
-        _sigkill(victim)
+        self.stack.kill(victim)
         new = self.stack._start("engine", victim.name, victim.argv, victim.port)
         await self.stack.engine_ready(new)
         self._record("engine_kill", f"{victim.name} SIGKILLed, restarted on port {victim.port}", started)
@@ -692,7 +650,7 @@ class Driver:
             return
         started = time.monotonic()
         victim = self.stack.children["redis"]
-        _sigkill(victim)
+        self.stack.kill(victim)
         await asyncio.sleep(self.cfg.redis_down_s)  # the outage being simulated, not a synchronisation
         await self.stack.start_redis()
         self._record("redis_kill", f"SIGKILLed, restarted from its AOF after {self.cfg.redis_down_s}s", started)
@@ -722,7 +680,7 @@ class Driver:
     async def trainer_kill(self) -> None:
         started = time.monotonic()
         victim = self.trainer
-        _sigkill(victim)
+        self.stack.kill(victim)
         step = self.stack.steps_done()
         self.trainer = self.stack.start_trainer(self.trainer_lives)
         self.trainer_lives += 1
@@ -736,7 +694,7 @@ class Driver:
                 raise BenchError(f"restarted trainer exited with {exited}: {self.stack.tail(self.trainer)}")
             return None
 
-        line = await _bounded(resumed, 120, "the restarted trainer to resume", 0.1)
+        line = await wait_until(resumed, 120, 0.1, "the restarted trainer to resume")
         self.resumes.append(line.strip())
         self._record(
             "trainer_kill", f"{victim.name} SIGKILLed at step ~{step}; {line.split('] ')[-1].strip()}", started
@@ -781,7 +739,7 @@ class Driver:
                 past_lease = time.monotonic() - stopped >= 1.2 * self.cfg.lease_ms / 1000
                 return past_lease and await self._pending_of(victim.name) == 0
 
-            await _bounded(reclaimed, limit, f"the jobs of stopped {victim.name} to be reclaimed", 0.1)
+            await wait_until(reclaimed, limit, 0.1, f"the jobs of stopped {victim.name} to be reclaimed")
             # optionally longer (part of the fault, not a synchronisation). With 0 the worker resumes as the
             # reclaimers run its jobs, so both copies of a sample tend to reach the trainer close together, while
             # it holds the first uncommitted (the case the trainer's collector must drop, not the consumer's dedup)
@@ -1155,7 +1113,7 @@ def table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-async def run_chaos(cfg: ChaosConfig, procs: Procs, tmp: Path, *, out: Any = None) -> dict[str, Any]:
+async def run_chaos(cfg: ChaosConfig, procs: Processes, tmp: Path, *, out: Any = None) -> dict[str, Any]:
     """The whole soak: start the stack, drive faults until the trainer finishes, account. Every process it started
     is SIGKILLed before it returns (or raises)."""
     cfg.validate()
@@ -1293,7 +1251,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = config_from(args)
     failed: list[str] = []
 
-    async def run(procs: Procs, tmp: Path) -> None:
+    async def run(procs: Processes, tmp: Path) -> None:
         report = await run_chaos(cfg, procs, tmp)
         print(table(report))
         failed.extend(k for k, v in report["checks"].items() if not v)

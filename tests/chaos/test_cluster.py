@@ -6,16 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import io
-import time
 
 import msgspec
 import pytest
 
 from rollq.config import with_query
 from rollq.engine.pool import EnginePool, PoolConfig
+from rollq.local import wait_until
 from rollq.protocol.keys import RunKeys
 from rollq.redis_client import redis_client
-from rollq.trainer.config import TrainConfig
 from rollq.trainer.loop import Trainer
 from tests.producer.test_partitions import spread_and_collect
 from tests.redis_cluster import LocalCluster, local_cluster
@@ -48,17 +47,15 @@ STEPS, GROUP, GROUPS, ETA = 8, 4, 3, 1
 @pytest.mark.slow
 @pytest.mark.scenario  # the failover loop of CONTRIBUTING.md runs it 20 times under load
 async def test_a_training_run_goes_on_when_the_primary_of_the_run_is_killed(
-    cluster, run_name, tmp_path, engine_process, spawn_worker, caplog
+    cluster, run_name, tmp_path, make_train_config, engine_process, spawn_worker, caplog
 ):
     caplog.set_level("WARNING", logger="rollq.redis")
     url = client_url(cluster)
     _, engine = await engine_process(*ENGINE_ARGS)
     workers = [spawn_worker(url, run_name, "--concurrency", "6", "--engine", engine) for _ in range(2)]
-    cfg = TrainConfig(
+    cfg = make_train_config(
         redis_url=url,
-        run=run_name,
         partitions=PARTITIONS,
-        run_dir=str(tmp_path / "run"),
         engine=[engine],
         steps=STEPS,
         group_size=GROUP,
@@ -74,10 +71,11 @@ async def test_a_training_run_goes_on_when_the_primary_of_the_run_is_killed(
     trainer = asyncio.create_task(Trainer(cfg, redis, pool, progress=io.StringIO()).run())
     victim = cluster.primary_for(RunKeys(run_name).ledger)
     try:
-        deadline = time.monotonic() + 120
-        while not (trainer.done() or (metrics.exists() and len(metrics.read_text().splitlines()) >= 3)):
-            assert time.monotonic() < deadline, "no step 3 within 120 s"
-            await asyncio.sleep(0.1)
+
+        def at_step_3() -> bool:
+            return trainer.done() or (metrics.exists() and len(metrics.read_text().splitlines()) >= 3)
+
+        await wait_until(at_step_3, 120, 0.1, "step 3")
         assert not trainer.done(), trainer.exception()
         cluster.kill(victim)
         promoted = await asyncio.to_thread(cluster.wait_failover, victim, 20.0)

@@ -16,6 +16,7 @@ import pytest
 from redis.exceptions import ConnectionError
 
 from rollq.config import with_query
+from rollq.local import ClusterNode, free_port
 from rollq.producer.producer import Producer
 from rollq.producer.results import Delivered, ResultConsumer
 from rollq.protocol.codec import Codec
@@ -30,8 +31,7 @@ from rollq.trainer.ledger import StalenessLedger
 from rollq.trainer.recovery import recover
 from rollq.workers.batcher import WriteBatcher
 from tests.helpers import running_worker, wait_until
-from tests.redis_cluster import ClusterNode, LocalCluster, local_cluster
-from tests.redis_server import free_port
+from tests.redis_cluster import LocalCluster, local_cluster
 from tests.trainer.test_collector import sample
 
 N = 2  # samples per group

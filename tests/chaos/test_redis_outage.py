@@ -10,15 +10,14 @@ import msgspec
 import pytest
 
 from rollq.engine.pool import EnginePool, PoolConfig
+from rollq.local import RedisServer, free_port
 from rollq.protocol.codec import Codec
 from rollq.protocol.keys import PAYLOAD_FIELD, WORKER_GROUP, RunKeys
 from rollq.protocol.messages import Job
 from rollq.redis_client import RedisUnavailable, redis_client, ride_out
-from rollq.trainer.config import TrainConfig
 from rollq.trainer.ledger import StalenessLedger
 from rollq.trainer.loop import Trainer
 from tests.helpers import running_worker, wait_until
-from tests.redis_server import RedisServer, free_port
 from tests.trainer.helpers import ENGINE_ARGS, WORKFLOW_KWARGS
 
 
@@ -30,11 +29,9 @@ def aof_redis():
 
 
 def restart(server: RedisServer) -> RedisServer:
-    """SIGKILL (nothing flushed beyond what AOF always already wrote), then the same port and directory."""
-    assert server.proc is not None
-    server.proc.kill()
-    server.proc.wait(10)
-    server.proc = None
+    """SIGKILL (nothing flushed beyond what AOF always already wrote); start() again uses the same port and
+    directory."""
+    server.kill()
     return server
 
 
@@ -53,7 +50,9 @@ async def test_a_worker_exits_with_a_clear_message_when_redis_stays_away(aof_red
     worker = spawn_worker(aof_redis.url, run_name, "--redis-outage-s", "2")
     client = redis_client(aof_redis.url)
     try:
-        await _wait(lambda: client.zscore(f"rollq:{{{run_name}}}:workers", worker.name), 20, "the worker's heartbeat")
+        await wait_until(
+            lambda: client.zscore(f"rollq:{{{run_name}}}:workers", worker.name), 20, what="the worker's heartbeat"
+        )
     finally:
         await client.aclose()
     restart(aof_redis)  # and never started again
@@ -66,34 +65,19 @@ async def test_a_worker_exits_with_a_clear_message_when_redis_stays_away(aof_red
     assert aof_redis.url in last and "redis_outage_s" in last, last
 
 
-async def _wait(probe, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            if await probe():
-                return
-        except OSError:
-            pass
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-        await asyncio.sleep(0.05)
-
-
 STEPS, GROUP, GROUPS, ETA = 8, 4, 3, 1
 
 
 @pytest.mark.slow
 @pytest.mark.scenario  # a whole training run across a restart: the chaos loop of CONTRIBUTING.md
 async def test_the_trainer_and_a_worker_ride_out_a_redis_restart(
-    aof_redis, run_name, tmp_path, engine_process, spawn_worker, caplog
+    aof_redis, run_name, tmp_path, make_train_config, engine_process, spawn_worker, caplog
 ):
     caplog.set_level("WARNING", logger="rollq.redis")
     _, url = await engine_process(*ENGINE_ARGS)
     worker = spawn_worker(aof_redis.url, run_name, "--concurrency", "8", "--engine", url)
-    cfg = TrainConfig(
+    cfg = make_train_config(
         redis_url=aof_redis.url,
-        run=run_name,
-        run_dir=str(tmp_path / "run"),
         engine=[url],
         steps=STEPS,
         group_size=GROUP,
@@ -108,10 +92,10 @@ async def test_the_trainer_and_a_worker_ride_out_a_redis_restart(
     trainer = asyncio.create_task(Trainer(cfg, redis, pool, progress=io.StringIO()).run())
     try:
 
-        async def at_step(n: int) -> bool:
+        def at_step(n: int) -> bool:
             return trainer.done() or (metrics.exists() and len(metrics.read_text().splitlines()) >= n)
 
-        await _wait(lambda: at_step(3), 120, "step 3")
+        await wait_until(lambda: at_step(3), 120, what="step 3")
         assert not trainer.done(), trainer.exception()
         restart(aof_redis)
         await asyncio.sleep(2)  # the outage being simulated, not a synchronization

@@ -16,7 +16,7 @@ import io
 
 import pytest
 
-from bench.common import Procs
+from rollq.local import Processes
 from tests.chaos.soak import FAULT_KINDS, ChaosConfig, run_chaos, table
 from tests.trainer.test_collector import PREFIX, publish, sample, setup
 
@@ -92,12 +92,12 @@ CLUSTER_SOAK = dataclasses.replace(SOAK, cluster=True, partitions=3, cluster_nod
 # On one redis-server the harder workload (the faults are the same; `drop` runs on the cluster).
 @pytest.mark.parametrize("soak", [HARD_SOAK, CLUSTER_SOAK], ids=["redis-mask-failures", "cluster"])
 async def test_the_whole_stack_survives_every_fault_and_accounts_for_every_sample(tmp_path, soak):
-    procs = Procs(tmp_path)
+    procs = Processes(tmp_path)
     log = io.StringIO()
     try:
         report = await run_chaos(soak, procs, tmp_path, out=log)
     finally:
-        procs.stop_all()  # run_chaos SIGKILLed everything already; this closes the logs
+        procs.stop_all()  # run_chaos SIGKILLed everything already
     print(log.getvalue())
     print(table(report))
     checks = report["checks"]

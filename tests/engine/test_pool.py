@@ -22,8 +22,8 @@ from rollq.engine.pool import (
 from rollq.engine.server.app import EngineServerConfig, serve
 from rollq.engine.server.synthetic import SyntheticBackend, SyntheticConfig
 from rollq.engine.types import GenerateResult, ModelRequest, SamplingParams
+from rollq.local import free_port
 from tests.helpers import wait_until
-from tests.redis_server import free_port
 
 
 async def start_engines(count: int, weights_root: Path, **synthetic):

@@ -23,8 +23,8 @@ from rollq.engine.server.app import ServerHandle  # noqa: E402
 from rollq.engine.server.distributed_routes import ROUTES_KEY  # noqa: E402
 from rollq.engine.server.reference import ReferenceBackend, ReferenceConfig  # noqa: E402
 from rollq.engine.weight_group import DistributedSyncConfig, DistributedWeightSync  # noqa: E402
+from rollq.local import free_port  # noqa: E402
 from tests.helpers import REPO_ROOT, engine_healthy, wait_until  # noqa: E402
-from tests.redis_server import free_port  # noqa: E402
 
 TIMEOUT_S = 8.0  # the sync's bound on joins, broadcast ops and control calls in these tests
 PROMPT = [1, 5, 9, 13, 17, 21]

@@ -345,7 +345,9 @@ async def test_openapi_lists_the_endpoints_and_schemas(ingress, http):
     doc = (await http.get(f"{url}/openapi.json")).json()
     assert doc["openapi"].startswith("3.1")
     assert {"/v1/jobs", "/v1/jobs/{job_id}", "/v1/jobs/{job_id}/events", "/healthz"} <= set(doc["paths"])
-    assert {"JobSpec", "JobBatch", "JobStatus", "TrajectoryView", "CancelResponse"} <= set(doc["components"]["schemas"])
+    assert {"JobSpec", "JobBatch", "JobStatus", "Trajectory", "Sequence", "Done", "CancelResponse"} <= set(
+        doc["components"]["schemas"]
+    )
 
 
 async def test_stats_count_what_happened(ingress, http):

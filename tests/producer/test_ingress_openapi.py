@@ -3,10 +3,7 @@ answers conform to the document. The ingress runs as `rollq ingress` in a subpro
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
-import time
 
 import httpx
 import pytest
@@ -14,16 +11,15 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis.checks import not_a_server_error
 
+from rollq.local import Processes, free_port, wait_until_sync
 from tests.helpers import REPO_ROOT
-from tests.redis_server import free_port
 
 
 @pytest.fixture(scope="module")
 def ingress_url(redis_server, tmp_path_factory):
     port = free_port()
-    log = open(tmp_path_factory.mktemp("ingress") / "ingress.log", "w")
+    procs = Processes(tmp_path_factory.mktemp("ingress"), cwd=REPO_ROOT)
     env = {
-        **os.environ,
         "ROLLQ_REDIS_URL": redis_server.url,
         "ROLLQ_RUN": "openapi",
         "ROLLQ_INGRESS_PORT": str(port),
@@ -32,20 +28,17 @@ def ingress_url(redis_server, tmp_path_factory):
         "ROLLQ_INGRESS_MAX_BATCH": "8",
         "ROLLQ_INGRESS_MAX_BODY_BYTES": "65536",
     }
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "rollq", "ingress"], cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
-    )
+    proc = procs.start("ingress", [sys.executable, "-m", "rollq", "ingress"], env=env)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while True:
-        assert proc.poll() is None, open(log.name).read()
+
+    def healthy() -> bool:
+        procs.check(proc)
         try:
-            if httpx.get(url + "/healthz", timeout=1).status_code == 200:
-                break
+            return httpx.get(url + "/healthz", timeout=1).status_code == 200
         except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, "rollq ingress did not answer /healthz in 30 s"
-        time.sleep(0.05)
+            return False
+
+    wait_until_sync(healthy, 30, 0.05, "rollq ingress to answer /healthz")
     yield url
     proc.terminate()
     assert proc.wait(10) == 0  # SIGTERM: a clean exit

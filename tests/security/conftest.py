@@ -7,15 +7,14 @@ import shutil
 import socket
 import ssl
 import subprocess
-import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from rollq.local import Processes, free_port, redis_binary, wait_until_sync
 from tests.helpers import REPO_ROOT
-from tests.redis_server import free_port
 
 ROLES = ("worker", "producer", "trainer", "engine", "rewards")
 
@@ -84,16 +83,9 @@ def tls_redis(tmp_path_factory: pytest.TempPathFactory):
         f"tls-cert-file {d / 'server.crt'}\ntls-key-file {d / 'server.key'}\ntls-ca-cert-file {d / 'ca.crt'}\n"
         f"tls-auth-clients yes\ninclude {d / 'redis-acl.conf'}\n"
     )
-    log = open(d / "redis.log", "w")
-    proc = subprocess.Popen(["redis-server", str(conf)], stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 10
-    while not _tls_ping(port, d):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"TLS redis-server did not start:\n{(d / 'redis.log').read_text()}")
-        time.sleep(0.02)
-    passwords["admin"] = f"{passwords['worker']}-admin"
-    yield TlsRedis(port, run, d / "ca.crt", d / "client.crt", d / "client.key", passwords)
-    proc.terminate()
-    proc.wait(10)
-    log.close()
+    with Processes(d) as procs:
+        proc = procs.start("redis", [redis_binary(), str(conf)])
+        wait_until_sync(lambda: proc.poll() is not None or _tls_ping(port, d), 10, what="the TLS redis-server")
+        procs.check(proc)
+        passwords["admin"] = f"{passwords['worker']}-admin"
+        yield TlsRedis(port, run, d / "ca.crt", d / "client.crt", d / "client.key", passwords)

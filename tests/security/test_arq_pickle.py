@@ -320,7 +320,7 @@ def test_every_arq_pool_and_worker_in_the_code_uses_msgpack():
         "workers/rewards/remote.py:",
         "RewardQueueWorker",
         "class WorkerSettings",
-        "bench/queue.py:",
+        "bench/queue_throughput.py:",
         "deserialize_result",
     ):
         assert expected in seen, f"the scan no longer sees {expected!r}: {found}"

@@ -28,15 +28,15 @@ from rollq.engine.server.sglang_launcher import SGLangLaunch
 from rollq.engine.server.synthetic import SyntheticBackend, SyntheticConfig
 from rollq.engine.server.weights_root import NO_ROOT, OUTSIDE
 from rollq.engine.types import ADMIN_ROUTES, ModelRequest, SamplingParams
+from rollq.local import free_port
 from rollq.producer import JobRequest, Producer
 from rollq.trainer.config import TrainConfig
 from rollq.trainer.engines import engine_pool as trainer_pool
-from rollq.trainer.up import EngineKeys, engine_argv
+from rollq.up import EngineKeys, engine_argv
 from rollq.workers import commands as worker_commands
 from rollq.workers.config import WorkerConfig
 from rollq.workers.worker import Worker
 from tests.helpers import REPO_ROOT, engine_healthy, wait_until
-from tests.redis_server import free_port
 
 USR, ADM = "usr-key", "adm-key"
 AS_USER, AS_ADMIN = {"Authorization": f"Bearer {USR}"}, {"Authorization": f"Bearer {ADM}"}

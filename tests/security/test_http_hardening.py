@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry
 from rollq.engine.pool import EnginePool, PoolConfig
 from rollq.engine.server.app import EngineServerConfig, ServerHandle, build_app, serve
 from rollq.engine.server.synthetic import SyntheticBackend, SyntheticConfig
-from rollq.http_server import start_metrics_server
+from rollq.metrics_server import MetricsServer
 from rollq.workers.context import WorkflowContext
 from rollq.workers.proxy.server import ProxyConfig, RecordingProxy
 from tests.agents import SCRIPT
@@ -222,13 +222,12 @@ async def test_a_proxy_answer_longer_than_the_timeouts_is_not_cut(http):
 
 
 async def test_the_metrics_server_closes_a_silent_connection():
-    server, _ = start_metrics_server(0, "127.0.0.1", CollectorRegistry(), timeout_s=HEAD_S)
+    server = MetricsServer(CollectorRegistry(), 0, "127.0.0.1", timeout_s=HEAD_S)  # every service's /metrics
     try:
-        got, took = await _eof_after(f"http://127.0.0.1:{server.server_port}", b"GET /metr")
+        got, took = await _eof_after(f"http://127.0.0.1:{server.port}", b"GET /metr")
         assert b" 200 " not in got and took < BOUND_S
     finally:
-        server.shutdown()
-        server.server_close()
+        server.close()
 
 
 # -- F9: bytes that are not JSON --------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import httpx
 import msgspec
 import pytest
 
+from rollq.local import RedisServer
 from rollq.producer.ingress import IngressConfig
 from rollq.producer.producer import Producer
 from rollq.protocol.codec import Codec
@@ -19,7 +20,6 @@ from rollq.protocol.keys import PAYLOAD_FIELD, RunKeys
 from rollq.redis_client import redis_client
 from tests.helpers import running_worker
 from tests.producer.ingress_helpers import running_ingress
-from tests.redis_server import RedisServer
 
 ECHO = "tests.workflows:Echo"
 
@@ -207,12 +207,12 @@ async def test_invalid_utf8_and_damaged_records_are_4xx_never_500(redis_url, run
 
 
 async def test_tenant_patterns_cover_import_paths_inside_workflow_kwargs(redis_url, run_name, redis, http):
-    """F11: a restricted tenant got 202 for `reward_fn: rollq.trainer.arithmetic:...`."""
+    """F11: a restricted tenant got 202 for `reward_fn: rollq.tasks.addition:...`."""
     async with running_ingress(redis_url, run_name) as (_, url):
-        body = {"workflow": ECHO, "workflow_kwargs": {"reward_fn": "rollq.trainer.arithmetic:reward"}}
+        body = {"workflow": ECHO, "workflow_kwargs": {"reward_fn": "rollq.tasks.addition:reward"}}
         r = await http.post(f"{url}/v1/jobs", json=body, headers=auth("tok-narrow"))
         assert r.status_code == 403, r.text
-        assert r.json()["field"] == "$.workflow_kwargs.reward_fn" and "rollq.trainer.arithmetic" in r.json()["message"]
+        assert r.json()["field"] == "$.workflow_kwargs.reward_fn" and "rollq.tasks.addition" in r.json()["message"]
         nested = {"workflow": ECHO, "workflow_kwargs": {"tools": ["tests.workflows:Echo", {"fn": "os:system"}]}}
         r = await http.post(f"{url}/v1/jobs", json=nested, headers=auth("tok-narrow"))
         assert r.status_code == 403 and r.json()["field"] == "$.workflow_kwargs.tools[1].fn"

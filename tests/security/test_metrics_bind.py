@@ -13,8 +13,8 @@ from collections.abc import Awaitable
 import psutil
 import pytest
 
+from rollq.local import free_port
 from tests.helpers import wait_until
-from tests.redis_server import free_port
 
 
 def listening_hosts(port: int) -> set[str]:
@@ -66,13 +66,12 @@ async def test_reward_worker_metrics_bind_loopback_by_default(redis_url, run_nam
 
 
 @pytest.mark.slow  # alone it spends ~10 s importing torch and transformers (shared with the trainer tests)
-async def test_trainer_metrics_bind_loopback_by_default(redis, redis_url, run_name, tmp_path):
+async def test_trainer_metrics_bind_loopback_by_default(redis, make_train_config):
     from rollq.engine.pool import EnginePool, PoolConfig
-    from rollq.trainer.config import TrainConfig
     from rollq.trainer.loop import Trainer
 
     port = free_port()
-    cfg = TrainConfig(redis_url=redis_url, run=run_name, run_dir=str(tmp_path / "run"), metrics_port=port)
+    cfg = make_train_config(metrics_port=port)
     pool = EnginePool(PoolConfig(urls=[]))  # no engine: the trainer serves /metrics while it waits for one
     try:
         trainer = Trainer(cfg, redis, pool, progress=io.StringIO())

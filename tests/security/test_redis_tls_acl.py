@@ -108,7 +108,7 @@ def test_passwords_in_redis_urls_stay_out_of_logs_and_errors():
 
 
 @pytest.mark.slow
-async def test_a_training_run_and_the_ingress_work_as_their_role_users(tls_redis, tmp_path, engine_process):
+async def test_a_training_run_and_the_ingress_work_as_their_role_users(tls_redis, make_train_config, engine_process):
     """Every role end to end over TLS as its own user: an engine registering itself (`engine`), a worker
     (`worker`), the trainer admitting, consuming and training two steps (`trainer`), and the HTTP ingress admitting
     a job, reporting and cancelling (`producer`)."""
@@ -119,7 +119,6 @@ async def test_a_training_run_and_the_ingress_work_as_their_role_users(tls_redis
 
     from rollq.engine.pool import EnginePool, PoolConfig
     from rollq.engine.registry import EngineRegistry
-    from rollq.trainer.config import TrainConfig
     from rollq.trainer.loop import Trainer
     from tests.helpers import wait_until
     from tests.producer.ingress_helpers import running_ingress
@@ -140,10 +139,9 @@ async def test_a_training_run_and_the_ingress_work_as_their_role_users(tls_redis
         await wait_until(registered, 20, what="the engine registered as user engine")
     finally:
         await registry_redis.aclose()
-    cfg = TrainConfig(
+    cfg = make_train_config(
         redis_url=tls_redis.url("trainer"),
         run=tls_redis.run,
-        run_dir=str(tmp_path / "run"),
         engine=[engine],
         steps=2,
         group_size=2,

@@ -23,7 +23,7 @@ ENGINE_ARGS = (
     "--max-running",
     "8",
 )
-WORKFLOW_KWARGS = {"reward_fn": "rollq.trainer.toy:digits_reward", "max_new_tokens": 48}
+WORKFLOW_KWARGS = {"reward_fn": "rollq.tasks.digits:digits_reward", "max_new_tokens": 48}
 
 
 class Auditor:

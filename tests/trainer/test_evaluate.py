@@ -12,7 +12,6 @@ import pytest
 
 from rollq.engine.pool import EnginePool, PoolConfig
 from rollq.trainer.commands import summarize
-from rollq.trainer.config import TrainConfig
 from rollq.trainer.loop import Trainer
 from rollq.trainer.metrics import MetricsLog
 from tests.trainer.helpers import WORKFLOW_KWARGS
@@ -20,16 +19,13 @@ from tests.trainer.helpers import WORKFLOW_KWARGS
 
 @pytest.mark.slow
 async def test_evaluations_run_at_their_steps_on_the_version_evaluated(
-    redis, redis_url, run_name, tmp_path, stack, auditor
+    redis, run_name, tmp_path, make_train_config, stack, auditor
 ):
     engines = await stack(run_name, engines=1, workers=2, concurrency=8)
     held_out = tmp_path / "held_out.jsonl"
     held_out.write_text("".join(json.dumps({"prompt": f"held-out {i}"}) + "\n" for i in range(5)))
     audit = await auditor(run_name)
-    cfg = TrainConfig(
-        redis_url=redis_url,
-        run=run_name,
-        run_dir=str(tmp_path / "run"),
+    cfg = make_train_config(
         engine=engines,
         steps=3,
         group_size=2,

@@ -18,7 +18,6 @@ from rollq.protocol.keys import PAYLOAD_FIELD, RunKeys, consumed_key
 from rollq.redis_client import redis_client
 from rollq.trainer import checkpoint
 from rollq.trainer.checkpoint import TrainerState
-from rollq.trainer.config import TrainConfig
 from rollq.trainer.data import PromptOrder, load_prompts
 from rollq.trainer.feeder import GroupFeeder
 from rollq.trainer.ledger import StalenessLedger
@@ -105,13 +104,10 @@ async def test_a_group_whose_submission_vanished_is_queued_again(redis, run_name
 
 @pytest.mark.slow
 async def test_a_run_goes_on_when_redis_lost_every_queued_submission(
-    redis_url, run_name, tmp_path, engine_process, spawn_worker
+    redis_url, run_name, tmp_path, make_train_config, engine_process, spawn_worker
 ):
     _, engine = await engine_process(*ENGINE_ARGS)
-    cfg = TrainConfig(
-        redis_url=redis_url,
-        run=run_name,
-        run_dir=str(tmp_path / "run"),
+    cfg = make_train_config(
         engine=[engine],
         steps=3,
         group_size=2,

@@ -9,21 +9,17 @@ import msgspec
 import pytest
 
 from rollq.engine.pool import EnginePool, PoolConfig
-from rollq.trainer.config import TrainConfig
 from rollq.trainer.loop import Trainer
 from tests.trainer.helpers import ENGINE_ARGS, WORKFLOW_KWARGS
 
 
 @pytest.mark.slow
 async def test_paced_steps_publish_no_sooner_than_min_step_s(
-    redis, redis_url, run_name, tmp_path, engine_process, spawn_worker
+    redis, redis_url, run_name, make_train_config, engine_process, spawn_worker
 ):
     _, engine = await engine_process(*ENGINE_ARGS)
     spawn_worker(redis_url, run_name, "--concurrency", "8", "--engine", engine)
-    cfg = TrainConfig(
-        redis_url=redis_url,
-        run=run_name,
-        run_dir=str(tmp_path / "run"),
+    cfg = make_train_config(
         engine=[engine],
         steps=3,
         group_size=2,

@@ -26,14 +26,11 @@ pytestmark = pytest.mark.slow
 # CONTRIBUTING.md), each a whole training run of 16-30 s.
 @pytest.mark.parametrize("eta", [pytest.param(0, marks=pytest.mark.scenario), 1])
 async def test_no_trained_token_is_older_than_the_bound_and_groups_stay_whole(
-    redis, redis_url, run_name, tmp_path, stack, auditor, eta
+    redis, run_name, tmp_path, make_train_config, stack, auditor, eta
 ):
     urls = await stack(run_name)
     audit = await auditor(run_name)
-    cfg = TrainConfig(
-        redis_url=redis_url,
-        run=run_name,
-        run_dir=str(tmp_path / "run"),
+    cfg = make_train_config(
         engine=urls,
         steps=8,
         group_size=4,
@@ -120,7 +117,7 @@ class LossAuditor(Policy):
     ],
 )
 async def test_under_mask_no_token_the_loss_trains_is_older_than_the_bound(
-    redis, redis_url, run_name, tmp_path, engine_process, spawn_worker, split, join_late, eta=1
+    redis, redis_url, run_name, tmp_path, make_train_config, engine_process, spawn_worker, split, join_late, eta=1
 ):
     # Slow tokens and a heavy tail: the longest answers span more than eta weight updates, so some tokens must be
     # masked (asserted below), while most groups are fresh.
@@ -128,10 +125,7 @@ async def test_under_mask_no_token_the_loss_trains_is_older_than_the_bound(
     urls = [(await engine_process(*args, "--max-running", "16"))[1] for _ in range(2)]
     for _ in range(2):
         spawn_worker(redis_url, run_name, "--concurrency", "16", *[a for u in urls for a in ("--engine", u)])
-    cfg = TrainConfig(
-        redis_url=redis_url,
-        run=run_name,
-        run_dir=str(tmp_path / "run"),
+    cfg = make_train_config(
         engine=urls,
         steps=8,
         group_size=4,

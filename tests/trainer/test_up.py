@@ -5,13 +5,13 @@ import json
 import os
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 
 import pytest
 
+from rollq.local import redis_pings
 from tests.helpers import REPO_ROOT
 
 STEPS = 30
@@ -47,8 +47,7 @@ def test_plain_rollq_trains_the_toy_task_and_cleans_up(tmp_path):
     url = re.search(r"redis at redis://([^:]+):(\d+)/0", proc.stderr)
     assert url, proc.stderr[-2000:]
     if url.group(1) == "127.0.0.1":  # (a Redis on the default port, if this machine has one, is used instead)
-        with socket.socket() as s:
-            assert s.connect_ex(("127.0.0.1", int(url.group(2)))) != 0
+        assert not redis_pings(int(url.group(2)))
 
 
 @pytest.mark.slow
@@ -104,7 +103,6 @@ async def test_sigterm_stops_rollq_up_and_everything_it_started(tmp_path):
     assert proc.returncode == 130 and "rollq up: stopped" in text, text[-2000:]
     url = re.search(r"redis at redis://([^:]+):(\d+)/0", text)
     if url.group(1) == "127.0.0.1":
-        with socket.socket() as s:
-            assert s.connect_ex(("127.0.0.1", int(url.group(2)))) != 0
+        assert not redis_pings(int(url.group(2)))
     engine_log = (tmp_path / "run" / "logs" / "engine-0.log").read_text()
     assert "shutting down" in engine_log  # the engine was told to stop (SIGTERM), not orphaned

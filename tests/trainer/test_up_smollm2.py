@@ -1,6 +1,6 @@
 """`rollq up --model smollm2`, two steps (the CI smoke of the real-model run; the full run is `rollq up --model
-smollm2`, figures in the README): the arithmetic task with SmolLM2's chat template, held-out evaluation before and
-after, and the run exported as a Hugging Face directory that transformers loads and that chats."""
+smollm2`, figures in docs/getting-started.md): the arithmetic task with SmolLM2's chat template, held-out evaluation
+before and after, and the run exported as a Hugging Face directory that transformers loads and that chats."""
 
 from __future__ import annotations
 

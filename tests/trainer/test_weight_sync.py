@@ -11,7 +11,6 @@ torch = pytest.importorskip("torch")
 from rollq.engine.pool import EnginePool, PoolConfig  # noqa: E402
 from rollq.engine.server.app import EngineServerConfig, serve  # noqa: E402
 from rollq.engine.server.reference import ReferenceBackend, ReferenceConfig  # noqa: E402
-from rollq.trainer.config import TrainConfig  # noqa: E402
 from rollq.trainer.loop import Trainer  # noqa: E402
 from rollq.trainer.policy import Policy  # noqa: E402
 
@@ -21,15 +20,12 @@ STEPS = 2
 
 
 async def test_a_run_with_distributed_weight_sync_needs_no_shared_directory(
-    redis, redis_url, run_name, tmp_path, spawn_worker
+    redis, redis_url, run_name, tmp_path, make_train_config, spawn_worker
 ):
     engine = await serve(ReferenceBackend(ReferenceConfig(model="tiny", max_running=8)), EngineServerConfig(port=0))
     spawn_worker(redis_url, run_name, "--concurrency", "4", "--engine", engine.url)
     weights_dir = tmp_path / "weights"
-    cfg = TrainConfig(
-        redis_url=redis_url,
-        run=run_name,
-        run_dir=str(tmp_path / "run"),
+    cfg = make_train_config(
         weights_dir=str(weights_dir),
         engine=[engine.url],
         steps=STEPS,

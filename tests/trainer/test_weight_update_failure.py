@@ -21,13 +21,12 @@ from rollq.engine.fleet import CycleReport, FleetController, FleetResult
 from rollq.engine.pool import EnginePool, PoolConfig
 from rollq.engine.server.app import EngineServerConfig, ServerHandle, serve
 from rollq.engine.server.synthetic import LengthDist, SyntheticBackend, SyntheticConfig
+from rollq.local import free_port
 from rollq.trainer import commands
-from rollq.trainer.config import TrainConfig
 from rollq.trainer.loop import Trainer
 from rollq.trainer.publish import UpdateRequirement, WeightUpdateFailed, publish
 from tests.control_gateway import ControlGateway
 from tests.helpers import running_worker
-from tests.redis_server import free_port
 
 REFUSED = "HTTP 404: 404 page not found"  # what the gateway answers a control call, as the error quotes it
 CYCLE_ROUTES = ("/pause_generation", "/update_weights_from_disk", "/continue_generation")
@@ -129,25 +128,23 @@ async def test_a_distributed_update_refused_by_an_engine_stops_naming_the_route(
     assert f"  {gateway.url}/pause_generation: {REFUSED}" in str(failed.value).splitlines()
 
 
-def train_config(redis_url: str, run: str, tmp_path: Path, engines: list[str], **overrides: Any) -> TrainConfig:
-    settings: dict[str, Any] = {
-        "steps": 1,
-        "group_size": 2,
-        "groups_per_step": 2,
-        "max_staleness": 1,
-        "workflow_kwargs": {"reward_fn": "rollq.trainer.toy:digits_reward", "max_new_tokens": 8},
-        "weight_update_backoff_s": 0.01,
-    }
-    settings.update(overrides)
-    return TrainConfig(redis_url=redis_url, run=run, run_dir=str(tmp_path / "run"), engine=engines, **settings)
+# A one-step run of two groups of two short answers, retrying weight updates at once.
+SMALL_RUN: dict[str, Any] = {
+    "steps": 1,
+    "group_size": 2,
+    "groups_per_step": 2,
+    "max_staleness": 1,
+    "workflow_kwargs": {"reward_fn": "rollq.tasks.digits:digits_reward", "max_new_tokens": 8},
+    "weight_update_backoff_s": 0.01,
+}
 
 
 async def test_rollq_train_exits_naming_the_engine_route_and_status_when_its_engine_refuses_weight_updates(
-    start_engine, redis_url: str, run_name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    start_engine, make_train_config, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     behind = await start_engine()
     async with ControlGateway(behind.url) as gateway:
-        cfg = train_config(redis_url, run_name, tmp_path, [gateway.url], weight_update_retries=1)
+        cfg = make_train_config(engine=[gateway.url], **SMALL_RUN, weight_update_retries=1)
         # `rollq train` itself (its own event loop, in a thread: this loop keeps serving the gateway and the engine).
         code = await asyncio.wait_for(asyncio.to_thread(commands.train, cfg), 60)
     err = capsys.readouterr().err
@@ -160,7 +157,7 @@ async def test_rollq_train_exits_naming_the_engine_route_and_status_when_its_eng
 
 @pytest.mark.slow
 async def test_a_weight_update_refused_for_a_while_is_retried_and_the_step_goes_on(
-    start_engine, redis, redis_url: str, run_name: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    start_engine, redis, redis_url: str, run_name: str, make_train_config, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.WARNING, "rollq.trainer")
     engine = await start_engine(tokenizer="tiny", sampled=True, length=LengthDist(kind="fixed", length=4))
@@ -170,7 +167,7 @@ async def test_a_weight_update_refused_for_a_while_is_retried_and_the_step_goes_
         EnginePool(PoolConfig(urls=[engine.url])) as worker_pool,
         running_worker(redis_url, run_name, engine=worker_pool, concurrency=4),
     ):
-        cfg = train_config(redis_url, run_name, tmp_path, [gateway.url], steps=2)
+        cfg = make_train_config(engine=[gateway.url], **{**SMALL_RUN, "steps": 2})
         pool = EnginePool(PoolConfig(urls=[gateway.url]))
         try:
             records = msgspec.to_builtins(

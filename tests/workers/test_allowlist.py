@@ -20,7 +20,6 @@ from rollq.workers.resolver import (
     Allowlist,
     ImportNotAllowed,
     WorkflowLoadError,
-    current_path,
     enforcing,
     resolve,
 )
@@ -79,18 +78,13 @@ def test_patterns_cover_what_is_below_them_and_defining_modules_are_checked(side
         resolve("sneaky_mod:score", allowlist=Allowlist(patterns=("sneaky",)))  # a name, not a prefix of one
 
 
-def test_rollq_builtins_are_allowed_by_default_and_old_paths_map_to_the_new_ones():
+def test_rollq_builtins_are_allowed_by_default():
     allowlist = Allowlist()
     assert resolve("rollq.workers.builtin.rlvr:RLVRWorkflow", allowlist=allowlist).__name__ == "RLVRWorkflow"
-    assert resolve("rollq.trainer.toy:digits_reward", allowlist=allowlist).__name__ == "digits_reward"
-    assert current_path("workers.builtin.tool_agent:ToolAgentWorkflow") == (
-        "rollq.workers.builtin.tool_agent:ToolAgentWorkflow"
-    )
-    assert resolve("trainer.toy:digits_reward", allowlist=allowlist).__module__ == "rollq.trainer.toy"
+    assert resolve("rollq.tasks.digits:digits_reward", allowlist=allowlist).__name__ == "digits_reward"
+    assert resolve("rollq.tasks.addition:addition_reward", allowlist=allowlist).__name__ == "addition_reward"
     with pytest.raises(ImportNotAllowed):  # rollq's other modules are not the built-ins
-        resolve("rollq.trainer.up:LocalStack", allowlist=allowlist)
-    with pytest.raises(WorkflowLoadError, match="did you mean 'rollq.workers.no_such'"):
-        resolve("workers.no_such:Thing")
+        resolve("rollq.trainer.data:load_prompts", allowlist=allowlist)
 
 
 def test_commands_are_named_in_the_same_list():

@@ -11,11 +11,11 @@ from contextlib import asynccontextmanager
 import pytest
 from redis.exceptions import ResponseError
 
+from rollq.local import RedisServer, free_port
 from rollq.protocol import scripts
 from rollq.protocol.keys import PAYLOAD_FIELD, WORKER_GROUP
 from rollq.redis_client import ensure_group, redis_client
 from rollq.workers.batcher import WriteBatcher
-from tests.redis_server import RedisServer, free_port
 
 ECHO = "return ARGV[1]"
 FAIL = "return redis.error_reply('boom: ' .. ARGV[1])"

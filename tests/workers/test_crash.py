@@ -5,11 +5,11 @@ from pathlib import Path
 
 import pytest
 
+from rollq.local import RedisServer
 from rollq.producer import JobRequest, Producer
 from rollq.protocol.keys import WORKER_GROUP, RunKeys
 from rollq.redis_client import redis_client
 from tests.helpers import wait_registered, wait_until
-from tests.redis_server import RedisServer
 
 pytestmark = pytest.mark.slow
 

@@ -9,9 +9,9 @@ import sys
 import pytest
 
 from rollq.engine.registry import EngineRegistry
+from rollq.local import free_port
 from rollq.producer import JobRequest, Producer
 from tests.helpers import REPO_ROOT, engine_healthy, wait_registered, wait_until
-from tests.redis_server import free_port
 
 
 @pytest.mark.slow

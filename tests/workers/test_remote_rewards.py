@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import subprocess
@@ -16,6 +15,7 @@ from pathlib import Path
 import pytest
 import redis as sync_redis
 
+from rollq.local import Processes, wait_until, wait_until_sync
 from rollq.protocol.keys import RunKeys
 from rollq.workers.rewards.arq_codec import NotPlainData
 from rollq.workers.rewards.processes import RewardError, RewardNotANumber, RewardTimeout
@@ -41,21 +41,15 @@ def reward_worker(redis_url: str, run: str, log: Path, *args: str) -> Iterator[s
         "tests",
         *args,
     ]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT)
-        client = sync_redis.Redis.from_url(redis_url)
+    with Processes(log.parent, cwd=REPO_ROOT) as procs, sync_redis.Redis.from_url(redis_url) as client:
+        proc = procs.start(log.stem, cmd)
+        ready = RunKeys(run).rewards + ":health-check"  # arq writes it once it polls
+        wait_until_sync(lambda: proc.poll() is not None or client.exists(ready), READY_TIMEOUT_S, what="reward worker")
+        procs.check(proc)
         try:
-            deadline = time.monotonic() + READY_TIMEOUT_S
-            while not client.exists(RunKeys(run).rewards + ":health-check"):  # bounded poll: no event to await
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise AssertionError(f"reward worker did not start:\n{log.read_text()}")
-                time.sleep(0.05)
             yield proc
         finally:
-            client.close()
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGKILL)
-            proc.wait(10)
+            procs.kill(proc)
 
 
 @pytest.fixture(scope="module")
@@ -192,7 +186,7 @@ def test_sigterm_stops_the_reward_worker(redis_url, run_name, tmp_path):
 
 
 def test_a_reward_worker_exits_with_a_clear_message_when_redis_stays_away(run_name, tmp_path):
-    from tests.redis_server import RedisServer
+    from rollq.local import RedisServer
 
     server = RedisServer().start()
     log = tmp_path / "w.log"
@@ -209,19 +203,16 @@ def test_a_reward_worker_exits_with_a_clear_message_when_redis_stays_away(run_na
 
 
 async def test_a_reward_worker_rides_out_a_redis_restart(run_name, tmp_path):
-    from tests.redis_server import RedisServer
+    from rollq.local import RedisServer
 
     server = RedisServer(aof=True).start()
     try:
         with reward_worker(server.url, run_name, tmp_path / "w.log", "--redis-outage-s", "30") as proc:
-            server.proc.kill()
-            server.proc.wait(10)
-            server.proc = None
+            server.kill()
             log = tmp_path / "w.log"
-            deadline = time.monotonic() + 20
-            while "went away" not in log.read_text():  # the outage lasts until the worker noticed it
-                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
-                await asyncio.sleep(0.05)
+            # the outage lasts until the worker noticed it
+            await wait_until(lambda: proc.poll() is not None or "went away" in log.read_text(), 20, what="the outage")
+            assert proc.poll() is None, log.read_text()[-2000:]
             server.start()  # same port, from its AOF
             async with RemoteReward("tests.reward_fns:exact_match", redis_url=server.url, run=run_name) as rr:
                 assert await rr("42") == 1.0  # served by the same reward worker process

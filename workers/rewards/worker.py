@@ -212,7 +212,7 @@ async def serve(cfg: RewardWorkerConfig) -> int:
             # Built inside the running loop: arq binds its SIGTERM/SIGINT handlers to the loop it finds.
             worker = RewardQueueWorker(**worker_settings(cfg, outcomes), refused=refused)
             if cfg.metrics_port and metrics is None:
-                from rollq.engine.metrics import MetricsServer
+                from rollq.metrics_server import MetricsServer
                 from rollq.workers.metrics import reward_worker_registry
 
                 registry, collector = reward_worker_registry(

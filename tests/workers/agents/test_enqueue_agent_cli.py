@@ -13,9 +13,9 @@ import httpx
 import pytest
 
 from rollq.engine.client import parse_generate
+from rollq.local import free_port
 from tests.agents import SCRIPT
 from tests.helpers import engine_healthy, wait_registered, wait_until
-from tests.redis_server import free_port
 from tests.scripted import tiny_tokenizer
 
 AGENT = """

@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
+from rollq.local import RedisServer
 from rollq.protocol.messages import AgentOptions
 from tests.areal_real import ConvertedWorker, UnchangedWorker, areal_file, user_package
-from tests.redis_server import RedisServer
 from tests.scripted import tiny_tokenizer
 
 FILES = {"openai": "areal/workflow/openai/math_agent.py", "langchain": "areal/workflow/langchain/math_agent.py"}

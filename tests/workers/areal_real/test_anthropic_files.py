@@ -20,10 +20,10 @@ from typing import Any
 
 import pytest
 
+from rollq.local import RedisServer
 from rollq.protocol.messages import AgentOptions
 from rollq.workers.proxy.anthropic import normalize_messages
 from tests.areal_real import UnchangedWorker, areal_file, run_converted, user_package
-from tests.redis_server import RedisServer
 from tests.scripted import tiny_tokenizer
 from tests.third_party import site
 

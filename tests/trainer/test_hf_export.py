@@ -14,7 +14,7 @@ from rollq.engine.tiny_model import model_dir
 from rollq.trainer import checkpoint
 from rollq.trainer.checkpoint import TrainerState
 from rollq.trainer.config import TrainConfig
-from rollq.trainer.export import MARKER, ExportConfig, export, export_run
+from rollq.trainer.hf_export import MARKER, ExportConfig, export, export_run
 from rollq.trainer.policy import Policy
 from tests.helpers import REPO_ROOT
 

@@ -1,5 +1,5 @@
-"""The built-in toy task of `rollq up`: write digits. A random-init model almost never does (reward ~0.01); a few
-dozen GRPO steps teach it, so the run visibly learns on a CPU in minutes."""
+"""The built-in toy task of `rollq up` (`toy:digits`): write digits. A random-init model almost never does (reward
+~0.01); a few dozen GRPO steps teach it, so the run visibly learns on a CPU in minutes."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from rollq.cli import parse
-from rollq.trainer.arithmetic import SYSTEM, addition_reward, held_out, prompts
+from rollq.tasks.addition import SYSTEM, addition_reward, held_out, prompts
 from rollq.trainer.config import TrainConfig, smollm2_task
 from rollq.trainer.data import DatasetError, load_prompts
 

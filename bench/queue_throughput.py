@@ -1,7 +1,7 @@
 """End-to-end throughput of rollq vs arq vs an in-process asyncio.Queue pipeline, plus an encoding microbenchmark.
 
-    python -m bench.queue            # from the repo root (or: python bench/queue.py)
-    python -m bench.queue --quick    # smoke run
+    python -m bench.queue_throughput            # from the repo root (or: python bench/queue_throughput.py)
+    python -m bench.queue_throughput --quick    # smoke run
 
 Every system moves the same work item: a job in, one 1,024-token trajectory (input_ids, loss_mask, logprobs,
 versions, reward) out, produced by `bench.workflows:FixedTrajectory` (precomputed lists, no sleeping), so what is
@@ -27,7 +27,7 @@ import os
 import sys
 
 if __name__ == "__main__" and not __package__:
-    import script_path  # noqa: F401  (run as `python bench/queue.py`: the repository root on sys.path)
+    import script_path  # noqa: F401  (run as `python bench/queue_throughput.py`: the repository root on sys.path)
 
 import argparse
 import asyncio
@@ -44,7 +44,6 @@ import msgspec
 
 from bench.common import (
     BenchError,
-    Procs,
     bench_env,
     delete_matching,
     print_summary,
@@ -53,7 +52,9 @@ from bench.common import (
     start_redis,
     start_worker,
 )
+from bench.results import add_results_arg, write_results
 from bench.workflows import TOKENS, FixedTrajectory, make_trajectory
+from rollq.local import Processes
 from rollq.producer.producer import JobRequest, Producer
 from rollq.protocol.codec import Codec
 from rollq.protocol.keys import RunKeys
@@ -93,7 +94,7 @@ def cpu_us_per_item(before: dict[str, float | None], after: dict[str, float | No
 # -- (a) rollq -----------------------------------------------------------------------------------------------------
 
 
-async def bench_rollq(url: str, procs: Procs, jobs: int, concurrency: int, timeout_s: float) -> dict[str, Any]:
+async def bench_rollq(url: str, procs: Processes, jobs: int, concurrency: int, timeout_s: float) -> dict[str, Any]:
     run = f"bench-{uuid.uuid4().hex[:10]}"
     keys = RunKeys(run)
     redis = redis_client(url)
@@ -114,8 +115,7 @@ async def bench_rollq(url: str, procs: Procs, jobs: int, concurrency: int, timeo
                 left = run_deadline - time.monotonic()
                 if left <= 0:
                     raise BenchError(f"rollq: only {len(seen)} of {jobs} trajectories arrived in {timeout_s:g} s")
-                if worker.poll() is not None:
-                    raise BenchError(f"rollq worker died ({worker.returncode}):\n{procs.log_tail(worker)}")
+                procs.check(worker)
                 batch = await consumer.read(count=512, block_ms=max(1, min(1000, int(left * 1000))))
                 for d in batch:
                     t = d.trajectory
@@ -194,7 +194,7 @@ async def bench_rollq(url: str, procs: Procs, jobs: int, concurrency: int, timeo
 # -- (b) arq -------------------------------------------------------------------------------------------------------
 
 
-async def bench_arq(url: str, procs: Procs, jobs: int, timeout_s: float, *, stock: bool) -> dict[str, Any]:
+async def bench_arq(url: str, procs: Processes, jobs: int, timeout_s: float, *, stock: bool) -> dict[str, Any]:
     from arq.connections import RedisSettings, create_pool
     from arq.jobs import deserialize_result
 
@@ -216,13 +216,8 @@ async def bench_arq(url: str, procs: Procs, jobs: int, timeout_s: float, *, stoc
     worker = procs.start("arq-worker", argv, env=env)
     arq_jobs: list[Any] = []
     try:
-        deadline = time.monotonic() + 30  # wait until the worker polls (it writes its health-check key)
-        while not await pool.exists(f"{queue}:health-check"):
-            if worker.poll() is not None:
-                raise BenchError(f"arq worker exited with {worker.returncode}:\n{procs.log_tail(worker)}")
-            if time.monotonic() > deadline:
-                raise BenchError(f"arq worker did not start in 30 s:\n{procs.log_tail(worker)}")
-            await asyncio.sleep(0.05)
+        # until the worker polls (it writes its health-check key)
+        await procs.wait_until(lambda: pool.exists(f"{queue}:health-check"), 30, "the arq worker", watch=worker)
 
         run_deadline = time.monotonic() + timeout_s
         t0 = time.perf_counter()
@@ -245,8 +240,7 @@ async def bench_arq(url: str, procs: Procs, jobs: int, timeout_s: float, *, stoc
         while pending:
             if time.monotonic() > run_deadline:
                 raise BenchError(f"arq: {len(pending)} of {jobs} results missing after {timeout_s:g} s")
-            if worker.poll() is not None:
-                raise BenchError(f"arq worker died ({worker.returncode}):\n{procs.log_tail(worker)}")
+            procs.check(worker)
             ids = list(pending)
             got = 0
             for start in range(0, len(ids), 1024):
@@ -508,7 +502,7 @@ async def check_redis(url: str, timeout_s: float = 10.0) -> None:
         await client.aclose()
 
 
-async def amain(args: argparse.Namespace, url: str, procs: Procs) -> dict[str, Any]:
+async def amain(args: argparse.Namespace, url: str, procs: Processes) -> dict[str, Any]:
     await check_redis(url)
     encodings = bench_encodings(
         (TOKENS, 4 * TOKENS), min_time_s=0.02 if args.quick else 0.1, repeats=3 if args.quick else 5
@@ -562,7 +556,7 @@ async def amain(args: argparse.Namespace, url: str, procs: Procs) -> dict[str, A
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench.queue", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.queue_throughput", description=__doc__.split("\n\n")[0])
     p.add_argument("--redis", metavar="URL", help="use this Redis instead of starting a redis-server")
     p.add_argument("--jobs", type=int, default=20_000, help="trajectories for rollq and asyncio.Queue (default 20000)")
     p.add_argument("--arq-jobs", type=int, default=2_000, help="trajectories for arq (default 2000; 0 skips arq)")
@@ -578,6 +572,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--timeout", type=float, default=0.0, help="seconds per measurement before giving up (default: by N)"
     )
     p.add_argument("--quick", action="store_true", help="smoke run: 1000 jobs, 200 arq jobs, short encoding timings")
+    add_results_arg(p)
     args = p.parse_args(argv)
     if args.quick:
         args.jobs = min(args.jobs, 1000)
@@ -590,8 +585,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
 
-    async def run(procs: Procs, tmp: Path) -> None:
-        await amain(args, args.redis or start_redis(procs, tmp), procs)
+    async def run(procs: Processes, tmp: Path) -> None:
+        summary = await amain(args, args.redis or start_redis(procs, tmp), procs)
+        write_results("queue_throughput", summary, args.results, argv)
 
     return run_bench(run, "rollq-bench-")
 

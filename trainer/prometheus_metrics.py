@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from rollq.engine.metrics import MetricsServer, PoolCollector, process_registry
+from rollq.engine.metrics import PoolCollector
 from rollq.engine.pool import EnginePool
+from rollq.metrics_server import MetricsServer, process_registry
 from rollq.producer.metrics import RunCollector
 from rollq.trainer.config import TrainConfig
 from rollq.trainer.metrics import MetricsLog, StepRecord

@@ -1,0 +1,308 @@
+"""`rollq up` (and plain `rollq`): the whole system on one machine — a redis-server (started when none answers),
+reference engines, rollout workers and the trainer — training the built-in toy task with the tiny offline model.
+
+It starts every service, so it sits beside the CLI rather than in any of them; the processes themselves (ports,
+children, logs, bounded waits, the private redis-server) are rollq.local's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import secrets
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import msgspec
+
+from rollq.config import DEFAULT_REDIS_URL, Settings, setting
+from rollq.local import LocalError, Processes, RedisServer, free_port
+from rollq.redis_client import TRANSIENT_ERRORS, redis_client, safe_url
+from rollq.trainer.config import TrainConfig
+
+if TYPE_CHECKING:
+    from rollq.trainer.metrics import StepRecord
+
+log = logging.getLogger("rollq.up")
+
+QUIET_CHILD_ENV = {
+    "TRANSFORMERS_VERBOSITY": "error",
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+class UpConfig(Settings, kw_only=True):
+    """`rollq up`: the whole stack on this machine (the trainer's settings are the `trainer` section's)."""
+
+    redis_url: Annotated[
+        str | None,
+        setting(
+            "Redis URL; none given: the default one if it answers, else a private redis-server",
+            flag="--redis",
+            metavar="URL",
+            shared=True,
+        ),
+    ] = None
+    engines: Annotated[int, setting("reference engines to start", metavar="N", ge=1)] = 1
+    workers: Annotated[int, setting("rollout worker processes to start", metavar="N", ge=1)] = 1
+    concurrency: Annotated[int, setting("jobs each worker runs at once", metavar="N", ge=1)] = 64
+    allow: Annotated[
+        list[str],
+        setting(
+            "import paths the workers may import besides rollq's built-ins and the trainer's workflow (repeatable)",
+            metavar="PATTERN",
+        ),
+    ] = []
+
+
+class EngineKeys(msgspec.Struct, frozen=True):
+    """The keys of one `rollq up` run's engines: the trainer's own when it has them, else fresh random ones, so the
+    engines' control routes are never open (they listen on loopback, but so does everything a local user runs)."""
+
+    api_key: str
+    admin_api_key: str
+
+    @classmethod
+    def for_run(cls, cfg: TrainConfig) -> EngineKeys:
+        return cls(
+            api_key=cfg.engine_api_key or secrets.token_urlsafe(32),
+            admin_api_key=cfg.engine_admin_api_key or secrets.token_urlsafe(32),
+        )
+
+    def engine_env(self, weights_root: str) -> dict[str, str]:
+        """What a spawned `rollq engine` gets: its keys and where it may load weights from. In the environment, not
+        on the command line, which every local user can read (ps)."""
+        return {
+            "ROLLQ_ENGINE_API_KEY": self.api_key,
+            "ROLLQ_ENGINE_ADMIN_API_KEY": self.admin_api_key,
+            "ROLLQ_ENGINE_WEIGHTS_ROOT": weights_root,
+        }
+
+    def worker_env(self) -> dict[str, str]:
+        """What a spawned `rollq worker` gets: both keys (workers abort requests, a control route)."""
+        return {"ROLLQ_WORKER_ENGINE_API_KEY": self.api_key, "ROLLQ_WORKER_ENGINE_ADMIN_API_KEY": self.admin_api_key}
+
+
+class StackError(LocalError):
+    """A part of the local stack could not start or died; the message says which, with its log's tail."""
+
+
+async def redis_answers(url: str) -> bool:
+    client = redis_client(url, retries=0)
+    try:
+        await client.ping()
+        return True
+    except TRANSIENT_ERRORS:
+        return False
+    finally:
+        await client.aclose()
+
+
+async def engine_healthy(url: str, timeout_s: float = 2.0) -> bool:
+    """Whether the engine at `url` answers /health. Polled every 100 ms while engines start (and by the tests): aiohttp,
+    whose session costs ~0.1 ms of CPU, where an httpx client loads the CA bundle each time (~85 ms)."""
+    import aiohttp
+
+    try:
+        async with (
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session,
+            session.get(url + "/health") as response,
+        ):
+            return response.status == 200
+    except (aiohttp.ClientError, TimeoutError):
+        return False
+
+
+async def start_redis(procs: Processes, url: str | None, directory: Path) -> str:
+    """`url` if given (it must answer); else the default Redis if one answers; else a private redis-server on a
+    free port in `directory` (temporary, no persistence), a child of `procs`."""
+    if url is not None:
+        if not await redis_answers(url):
+            raise StackError(f"no Redis answers at {url} (leave --redis/ROLLQ_REDIS_URL unset to start one)")
+        return url
+    if await redis_answers(DEFAULT_REDIS_URL):
+        return DEFAULT_REDIS_URL
+    server = RedisServer(directory=directory, processes=procs)
+    await asyncio.to_thread(server.start, 30)
+    return server.url
+
+
+def worker_allowlist(cfg: TrainConfig, stack: UpConfig) -> list[str]:
+    """What the stack's workers may import: the operator's patterns and the trainer's own workflow (both named by
+    whoever runs `rollq up`); rollq's built-ins are allowed anyway."""
+    allow = list(stack.allow)
+    if ":" in cfg.workflow or "." in cfg.workflow:  # an import path, not a built-in loop's short name
+        allow.append(cfg.workflow)
+    return allow
+
+
+def engine_argv(cfg: TrainConfig, port: int) -> list[str]:
+    """`rollq engine` as `rollq up` runs it (keys and weights root come through EngineKeys.engine_env)."""
+    return [
+        sys.executable,
+        "-m",
+        "rollq",
+        "engine",
+        "--backend",
+        "reference",
+        "--model",
+        cfg.model,
+        "--port",
+        str(port),
+        "--weight-version",
+        "0",
+        "--device",
+        cfg.device,
+        "--dtype",
+        cfg.compute_dtype,  # engines serve in the dtype the trainer computes in
+    ]
+
+
+def worker_argv(cfg: TrainConfig, stack_cfg: UpConfig, redis_url: str, engines: list[str]) -> list[str]:
+    """`rollq worker` as `rollq up` runs it (the engines' keys come through EngineKeys.worker_env)."""
+    allow = [a for p in worker_allowlist(cfg, stack_cfg) for a in ("--allow", p)]
+    return [
+        *[sys.executable, "-m", "rollq", "worker", "--redis", redis_url, "--run", cfg.run],
+        *["--concurrency", str(stack_cfg.concurrency), "--wait-redis", "30"],
+        *["--tokenizer", cfg.model],  # the agents' proxy renders and tokenizes as the served model does
+        *allow,
+        *[a for u in engines for a in ("--engine", u)],
+    ]
+
+
+async def run_stack(cfg: TrainConfig, stack_cfg: UpConfig) -> list[StepRecord]:
+    """Start the stack, train `cfg`, stop everything. Returns the metrics records."""
+    # SIGTERM (docker stop, kill) ends the run like Ctrl-C: cancelled, so every child is stopped below.
+    this_task = asyncio.current_task()
+    assert this_task is not None  # a coroutine run by the event loop always runs in a task
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, this_task.cancel)
+    run_dir = Path(cfg.directory)
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    procs = Processes(run_dir / "logs", env=QUIET_CHILD_ENV, die_with_parent=True)
+    try:
+        with tempfile.TemporaryDirectory(prefix="rollq-up-redis-") as redis_dir:
+            return await _run(cfg, stack_cfg, procs, Path(redis_dir))
+    finally:
+        procs.stop_all()  # (the private Redis's directory goes after it stopped)
+
+
+async def _run(cfg: TrainConfig, stack_cfg: UpConfig, procs: Processes, redis_dir: Path) -> list[StepRecord]:
+    from rollq.trainer.engines import engine_pool
+    from rollq.trainer.loop import Trainer
+
+    if cfg.model == "smollm2":  # convert the GGUF once here, not in every engine and the trainer at once
+        from rollq.engine.tiny_model import model_dir
+
+        try:
+            await asyncio.to_thread(model_dir, cfg.model)
+        except ImportError as exc:  # the message names the install command
+            raise StackError(str(exc)) from None
+    url = await start_redis(procs, stack_cfg.redis_url, redis_dir)
+    log.info("redis at %s, run %r; child logs in %s", safe_url(url), cfg.run, procs.log_dir)
+    keys = EngineKeys.for_run(cfg)
+    # The trainer writes each version under its weights directory; the engines load from there and nowhere else.
+    weights_root = Path(cfg.weights_root).resolve()
+    weights_root.mkdir(parents=True, exist_ok=True)
+    urls = []
+    for i in range(stack_cfg.engines):
+        port = free_port()
+        urls.append(f"http://127.0.0.1:{port}")
+        procs.start(f"engine-{i}", engine_argv(cfg, port), env=keys.engine_env(str(weights_root)))
+    for i in range(stack_cfg.workers):
+        procs.start(f"worker-{i}", worker_argv(cfg, stack_cfg, url, urls), env=keys.worker_env())
+    for u in urls:
+        await procs.wait_until(functools.partial(engine_healthy, u), 300, f"engine {u}", interval_s=0.1)
+    cfg = msgspec.structs.replace(
+        cfg,
+        redis_url=url,
+        engine=urls,
+        weights_dir=str(weights_root),
+        engine_api_key=keys.api_key,
+        engine_admin_api_key=keys.admin_api_key,
+    )
+    redis = redis_client(url)
+    pool = engine_pool(cfg)
+    try:
+        training = asyncio.create_task(Trainer(cfg, redis, pool).run(), name="trainer")
+        watch = asyncio.create_task(_watch(procs), name="watch")
+        try:
+            await asyncio.wait([training, watch], return_when=asyncio.FIRST_COMPLETED)
+            if not training.done():
+                watch.result()  # a child died: raise with its log
+            return training.result()
+        finally:
+            for task in (training, watch):
+                task.cancel()
+            await asyncio.gather(training, watch, return_exceptions=True)
+    finally:
+        await pool.close()
+        await redis.aclose()
+
+
+async def _watch(procs: Processes) -> None:
+    """A child that dies ends the run with its log, rather than a silent stall."""
+    while True:
+        await asyncio.sleep(0.5)
+        procs.check()
+
+
+def up(stack: UpConfig, cfg: TrainConfig) -> int:
+    """`rollq up` (and plain `rollq`): the whole stack on this machine, training `cfg`."""
+    import uvloop
+
+    from rollq.trainer.commands import quiet_libraries, run_summary
+
+    if cfg.run == "default":  # a fresh run: repeated `up`s never share keys
+        cfg = msgspec.structs.replace(cfg, run=f"up-{time.strftime('%Y%m%d-%H%M%S')}")
+    print(
+        f"rollq up: training {cfg.dataset} with the {cfg.model} model for {cfg.steps} steps "
+        f"({cfg.groups_per_step} groups x {cfg.group_size} samples, max staleness {cfg.max_staleness}); "
+        f"run directory {cfg.directory}",
+        file=sys.stderr,
+    )
+    started = time.monotonic()
+    quiet_libraries()
+    try:
+        records = uvloop.run(run_stack(cfg, stack))
+    except (RuntimeError, ValueError) as exc:  # a part died or did not start (LocalError), nothing trains, ...
+        print(f"rollq up: {exc}", file=sys.stderr)
+        return 2
+    except (KeyboardInterrupt, asyncio.CancelledError):  # Ctrl-C / SIGTERM: the stack was stopped on the way out
+        print("rollq up: stopped; the run directory keeps what was done", file=sys.stderr)
+        return 130
+    summary = run_summary(cfg, records)
+    summary["seconds"] = round(time.monotonic() - started, 1)
+    summary["run_dir"] = cfg.directory
+    goal = ("; goal " + ("met" if summary["goal_met"] else "NOT met")) if "goal_met" in summary else ""
+    held_out = ""
+    if summary.get("eval_before") is not None:
+        held_out = f"; held-out {summary['eval_before']:.3f} -> {summary['eval_after']:.3f}"
+    print(
+        f"rollq up: mean reward {summary['reward_first10']:.3f} (first 10 steps) -> {summary['reward_last10']:.3f} "
+        f"(last 10) in {summary['seconds']:.0f} s{goal}{held_out}. Wrote {cfg.directory}/metrics.jsonl and "
+        f"{cfg.directory}/plot.png",
+        file=sys.stderr,
+    )
+    print(msgspec.json.encode(summary).decode())
+    return 0
+
+
+__all__ = [
+    "EngineKeys",
+    "StackError",
+    "UpConfig",
+    "engine_argv",
+    "engine_healthy",
+    "run_stack",
+    "start_redis",
+    "up",
+    "worker_allowlist",
+    "worker_argv",
+]

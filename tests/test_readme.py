@@ -1,0 +1,41 @@
+"""The README is the front page: at most 12 KB, opening with the two commands CI runs (set-up, then the tests),
+its links pointing at files that exist, and the benchmark headline block bench/report.py fills."""
+
+import re
+
+from tests.helpers import REPO_ROOT
+
+README = REPO_ROOT / "README.md"
+CI_RUN = REPO_ROOT / ".ci" / "run"
+
+
+def fenced_blocks(text: str) -> list[str]:
+    return [block.strip() for block in re.findall(r"^```[a-z]*\n(.*?)^```", text, flags=re.S | re.M)]
+
+
+def test_the_readme_is_a_front_page_of_at_most_12_kb():
+    assert len(README.read_bytes()) <= 12 * 1024
+
+
+def test_the_readme_opens_with_the_two_commands_ci_runs():
+    ci = CI_RUN.read_text().splitlines()
+    setup = ci[ci.index("# 1. set-up") + 1]
+    first, second = fenced_blocks(README.read_text())[:2]
+    assert first == setup
+    assert second == ".venv/bin/python -m pytest"
+    assert any(line.startswith(f"tests=0 && {second} ") for line in ci)
+
+
+def test_the_readme_links_point_at_files_that_exist():
+    text = README.read_text()
+    targets = re.findall(r"\]\(([^)\s]+)\)", text)
+    local = {t.split("#")[0] for t in targets if not re.match(r"[a-z]+://", t) and not t.startswith("#")}
+    assert local, "the README links to the docs"
+    assert sorted(t for t in local if not (REPO_ROOT / t).exists()) == []
+
+
+def test_the_benchmark_headline_block_is_there_once():
+    text = README.read_text()
+    start, end = "<!-- bench:headline:start -->", "<!-- bench:headline:end -->"
+    assert text.count(start) == 1 and text.count(end) == 1
+    assert text.index(start) < text.index(end)
