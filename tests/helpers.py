@@ -5,13 +5,12 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-from rollq.local import wait_until
+from rollq.local import Processes, wait_until
 from rollq.workers.config import WorkerConfig
 from rollq.workers.worker import Worker
 
@@ -46,46 +45,27 @@ async def running_worker(redis_url: str, run: str, engine=None, **config) -> Asy
 
 
 class WorkerProcess:
-    """`rollq worker` as a real subprocess (for SIGKILL/SIGTERM tests)."""
+    """`rollq worker` as a real subprocess (for SIGKILL/SIGTERM tests), started by rollq.local.Processes: its output
+    in `log`."""
 
     def __init__(self, redis_url: str, run: str, *args: str, name: str, env: dict | None = None, log: Path) -> None:
         self.name = name
         self.log = log
-        cmd = [
-            sys.executable,
-            "-m",
-            "rollq",
-            "worker",
-            "--redis",
-            redis_url,
-            "--run",
-            run,
-            "--name",
-            name,
-            "--allow",
-            "tests",
-            *args,
-        ]
-        self._log_file = open(log, "w")
-        self.proc = subprocess.Popen(
-            cmd, cwd=REPO_ROOT, env={**os.environ, **(env or {})}, stdout=self._log_file, stderr=subprocess.STDOUT
-        )
+        cmd = [sys.executable, "-m", "rollq", "worker", "--redis", redis_url, "--run", run, "--name", name]
+        self._procs = Processes(log.parent, cwd=REPO_ROOT)
+        self.proc = self._procs.start(log.stem, [*cmd, "--allow", "tests", *args], env=env)
 
     def kill(self) -> None:
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(10)
+        self._procs.kill(self.proc)
 
     def terminate(self) -> None:
         self.proc.send_signal(signal.SIGTERM)
 
     def close(self) -> None:
         if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
-        self._log_file.close()
+            self._procs.kill(self.proc)
 
     def output(self) -> str:
-        self._log_file.flush()
         return self.log.read_text()
 
 
