@@ -189,8 +189,8 @@ class CommandAgent:
     async def _run(self, payload: bytes, env: dict[str, str]) -> Any:
         loop = asyncio.get_running_loop()
         out = _Output(self.name)
-        try:
-            transport, _ = await loop.subprocess_exec(
+        spawn = asyncio.ensure_future(
+            loop.subprocess_exec(
                 lambda: out,
                 self.executable or self.argv[0],
                 *self.argv[1:],
@@ -200,8 +200,16 @@ class CommandAgent:
                 env=env,
                 start_new_session=True,  # its own process group, killed as a whole
             )
+        )
+        try:
+            transport, _ = await asyncio.shield(spawn)
         except OSError as exc:
             raise CommandError(f"{self.name}: cannot start {self.argv[0]!r}: {exc}") from None
+        except asyncio.CancelledError:
+            # Cancelled while the program was starting: it may run already (and have started others). The loop
+            # kills only the leader of a spawn it abandons, so finish the spawn and kill the whole group.
+            await _kill_started(spawn)
+            raise
         pid = transport.get_pid()
         try:
             _write_stdin(transport, payload)
@@ -264,6 +272,16 @@ def _write_stdin(transport: asyncio.SubprocessTransport, payload: bytes) -> None
 
 def _remove_tree(path: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
+
+
+async def _kill_started(spawn: asyncio.Future[Any]) -> None:
+    """Kill the process group of a spawn whose caller was cancelled, once the spawn is done (bounded)."""
+    try:
+        transport, _ = await asyncio.wait_for(spawn, PIPE_DRAIN_S)
+    except Exception:  # it failed to start, or never finished starting: nothing of ours to kill
+        return
+    _kill_group(transport.get_pid())
+    transport.close()
 
 
 def _kill_group(pid: int) -> None:

@@ -128,6 +128,41 @@ def all_gone(pids: list[int], born: dict[int, str | None]) -> bool:
     return all(gone(p, born.get(p)) for p in pids)
 
 
+def children_running(needle: str) -> bool:
+    """Whether a child of this process runs a command line containing `needle`."""
+    me = str(os.getpid())
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if stat.read_text().rsplit(")", 1)[1].split()[1] == me and needle in (stat.parent / "cmdline").read_text():
+                return True
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            continue
+    return False
+
+
+def described(pids: list[int], born: dict[int, str | None]) -> str:
+    """What each pid is now (for a failed wait): state, parent, group, start time against ours, command line."""
+    out = []
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            out.append(
+                f"{pid}: state {fields[0]} ppid {fields[1]} pgid {fields[2]} start {fields[19]} "
+                f"ours {born.get(pid)} {cmd!r}"
+            )
+        except FileNotFoundError:
+            out.append(f"{pid}: gone")
+    return "; ".join(out)
+
+
+async def wait_gone(pids: list[int], born: dict[int, str | None], timeout_s: float = 10) -> None:
+    try:
+        await wait_until(lambda: all_gone(pids, born), timeout_s, what=f"pids {pids} gone")
+    except TimeoutError:
+        raise AssertionError(f"pids not gone after {timeout_s}s: {described(pids, born)}") from None
+
+
 # Backgrounds a child that holds stdout open, records both pids (atomically), then waits for the child.
 SLEEPER = 'sleep 300 &\necho "$$ $!" > "$1.tmp" && mv "$1.tmp" "$1"\nwait\n'
 
@@ -222,7 +257,29 @@ async def test_timeout_kills_the_process_group(redis, redis_url, run_name, stack
     pids = pids_from(pidfile)
     assert pids and len(pids) == 2  # the shell and the child it started
     born = {p: started(p) for p in pids}
-    await wait_until(lambda: all_gone(pids, born), 10, what=f"pids {pids} gone")
+    await wait_gone(pids, born)
+
+
+async def test_cancelling_an_episode_while_its_program_starts_kills_the_group(tmp_path):
+    """A cancel that lands while the loop is still connecting the program's pipes (it runs already: here it has
+    written its pid file) kills its whole group, not only the leader the loop abandons."""
+    import time
+
+    sleeper, pidfile = script(tmp_path, "sleeper.sh", SLEEPER), tmp_path / "pids"
+    task = asyncio.create_task(CommandAgent([str(sleeper), str(pidfile)]).run({}, "http://h/v1", "k", "http://h"))
+    deadline = time.monotonic() + 10
+    while not children_running(str(sleeper)):  # one loop turn at a time: the spawn starts it, then its pipes
+        assert time.monotonic() < deadline, "the program did not start in 10 s"
+        await asyncio.sleep(0)
+    while pids_from(pidfile) is None:  # blocking on purpose: the task stays inside its spawn meanwhile
+        assert time.monotonic() < deadline, "the program wrote no pid file in 10 s"
+        time.sleep(0.01)
+    pids = pids_from(pidfile) or []
+    born = {p: started(p) for p in pids}
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(task, 10)
+    await wait_gone(pids, born)
 
 
 async def test_cancelling_an_episode_kills_the_process_group(tmp_path):
@@ -235,7 +292,7 @@ async def test_cancelling_an_episode_kills_the_process_group(tmp_path):
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await asyncio.wait_for(task, 10)
-    await wait_until(lambda: all_gone(pids, born), 10, what=f"pids {pids} gone")
+    await wait_gone(pids, born)
 
 
 async def test_leftover_children_die_when_the_program_exits(tmp_path):
@@ -249,7 +306,7 @@ async def test_leftover_children_die_when_the_program_exits(tmp_path):
     pids = pids_from(pidfile)
     assert pids is not None
     born = {p: started(p) for p in pids}
-    await wait_until(lambda: all_gone(pids, born), 10, what=f"pids {pids} gone")
+    await wait_gone(pids, born)
 
 
 def test_on_uvloop_the_workers_loop(tmp_path):
@@ -271,7 +328,7 @@ def test_on_uvloop_the_workers_loop(tmp_path):
         with pytest.raises(asyncio.CancelledError):
             await asyncio.wait_for(task, 10)
         pids += left
-        await wait_until(lambda: all_gone(pids, born), 10, what=f"pids {pids} gone")
+        await wait_gone(pids, born)
         with pytest.raises(CommandError, match="exited with code 4"):
             await asyncio.wait_for(CommandAgent(["sh", "-c", "exit 4"]).run({}, "http://h/v1", "k", "h"), 10)
 
