@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import sys
@@ -62,8 +63,11 @@ class WorkerProcess:
         self.proc.send_signal(signal.SIGTERM)
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self._procs.kill(self.proc)
+        """Kill the worker and what it forked: it leads its own process group, and a pool it forked (AReaL's
+        AsyncRewardWrapper: children with the worker's command line) would outlive a kill of the worker alone."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self._procs.kill(self.proc)
 
     def output(self) -> str:
         return self.log.read_text()
