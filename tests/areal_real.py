@@ -112,46 +112,6 @@ async def run_converted(
             return await submit_and_wait(redis, run_name, workflow, n, **job)
 
 
-async def run_unchanged(
-    redis: Any,
-    redis_url: str,
-    run_name: str,
-    spawn_worker: Any,
-    site: Path,
-    replies: list[str],
-    workflow: str,
-    n: int = 1,
-    *,
-    extra_path: tuple[Path, ...] = (),
-    **job: Any,
-) -> list[Any]:
-    """Mode (a): `rollq worker` as a subprocess with the real `areal` importable (its cached site first on the
-    path), running AReaL's file as the wheel ships it, against a scripted engine served from this process."""
-    import os
-
-    from tests.scripted import scripted_engine
-
-    path = os.pathsep.join(str(p) for p in (site, *extra_path))
-    async with scripted_engine(replies) as engine:
-        worker = spawn_worker(
-            redis_url,
-            run_name,
-            "--engine",
-            engine.url,
-            "--allow",
-            "areal",
-            "--tokenizer",
-            "tiny",
-            "--max-attempts",
-            "1",
-            env={"PYTHONPATH": path},
-        )
-        try:
-            return await submit_and_wait(redis, run_name, workflow, n, **job)
-        except TimeoutError:
-            raise AssertionError(f"no result from the worker; its log:\n{worker.output()[-4000:]}") from None
-
-
 # --- mode (a): the real package's own environment, and one worker subprocess for a module's tests ---
 
 # What areal 1.0.4's import chain needs that the project's environment lacks (`import areal.workflow.rlvr`,

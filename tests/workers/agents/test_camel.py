@@ -12,8 +12,9 @@ from typing import Any
 
 import pytest
 
-from rollq.producer.producer import JobRequest, Producer
-from rollq.protocol.messages import Sequence, Trajectory
+from rollq.producer.producer import JobRequest
+from rollq.protocol.messages import Sequence
+from tests.areal_real import submit_all
 from tests.helpers import REPO_ROOT
 from tests.scripted import scripted_engine, tiny_tokenizer
 from tests.third_party import site
@@ -57,17 +58,11 @@ async def run_camel(redis: Any, redis_url: str, run_name: str, spawn_worker: Any
             "1",
             env={"PYTHONPATH": path},
         )
-        producer = Producer(redis, run_name)
-        consumer = producer.consumer()
-        await consumer.setup()
-        await producer.submit_many(jobs)
-        got: dict[str, Trajectory] = {}
         try:
-            async for t in producer.wait_for({j.job_id or "": j.n for j in jobs}, timeout_s=90, consumer=consumer):
-                got[t.job_id] = t
+            got = await submit_all(redis, run_name, jobs, timeout_s=90)
         except TimeoutError:
             raise AssertionError(f"no result from the worker; its log:\n{worker.output()[-4000:]}") from None
-        return got
+        return {job_id: trajs[0] for job_id, trajs in got.items()}
 
 
 @pytest.mark.slow  # a worker subprocess that imports CAMEL (~2 s), and the site built once (pip, cached)
