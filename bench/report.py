@@ -294,6 +294,70 @@ def _prefix_line(d: Any) -> str:
     )
 
 
+def _trainer_tables(gpu: bool) -> tuple[Table, ...]:
+    """bench.trainer's tables: memory per rank at the end of each phase, then rank 0's times and the losses."""
+    phases = joined(num(), " / ")
+    memory: tuple[Col, ...] = (
+        Col("threads", "threads", num()),
+        Col("parameters + gradients + AdamW state", "bytes_mib", joined(num(1), " / ")),
+        Col("vs 1 rank, after the steps (target <= 0.55x)", "vs_1_rank", times(3)),
+        Col("RSS", "rss_mib", phases),
+        Col("peak RSS during the phase", "peak_rss_mib", phases),
+    )
+    if gpu:
+        memory += (
+            Col("CUDA allocated", "cuda_mib", phases),
+            Col("CUDA peak during the phase", "cuda_peak_mib", phases),
+        )
+    return (
+        Table("Memory per rank, MiB, where each phase ends: load / steps / publish / checkpoint", "memory", memory),
+        Table(
+            "Times, s (rank 0's wall clock), and the loss of each step on the fixed batch",
+            "timing",
+            (
+                Col("load", "load_s", num(2)),
+                Col("step, median", "step_s_median", num(2)),
+                Col("publish (save_weights)", "publish_s", num(2)),
+                Col("published MiB", "publish_mib", num()),
+                Col("checkpoint save", "checkpoint_save_s", num(2)),
+                Col("checkpoint load", "checkpoint_load_s", num(2)),
+                Col("checkpoint MiB", "checkpoint_mib", num()),
+                Col("loss per step", "losses", joined(num(5)), left=True),
+                Col("decreasing", "loss_decreases", yesno),
+            ),
+            label="ranks",
+        ),
+    )
+
+
+def _trainer_line(s: Any) -> str:
+    batch = get(s, "batch") or {}
+    tied = {True: "yes", False: "no"}.get(get(s, "tied_embeddings"))
+    out = (
+        f"`{get(s, 'model')}`, {num()(get(s, 'params'))} parameters (tied embeddings: {text(tied)}), "
+        f"{get(s, 'device')} {get(s, 'compute_dtype')}; {get(s, 'steps')} AdamW steps (lr {get(s, 'lr')}) on one "
+        f"global batch of {batch.get('sequences')} sequences, {num()(batch.get('tokens'))} tokens "
+        f"({num()(batch.get('trained_tokens'))} trained); publish buckets of {num()(get(s, 'publish_bucket_mb'))} MiB; "
+        + (
+            f"glibc's mmap threshold fixed at {num()(get(s, 'malloc_mmap_threshold'))} bytes."
+            if get(s, "malloc_mmap_threshold") is not None
+            else "glibc's own (dynamic) mmap threshold."
+        )
+    )
+    if get(s, "bytes_ratio") is not None:
+        out += (
+            f" Parameters + gradients + AdamW state per rank, 2 ranks / 1: **{times(3)(get(s, 'bytes_ratio'))}** "
+            f"(target <= 0.55x); peak RSS during the steps, 2 ranks / 1: {times(2)(get(s, 'peak_rss_ratio_steps'))}; "
+            f"the losses at 2 ranks differ from 1 rank's by at most {_sci(get(s, 'loss_max_rel_diff_2_vs_1'))} "
+            "(relative)."
+        )
+    return out
+
+
+def _sci(v: Any) -> str:
+    return DASH if v is None else f"{v:.1e}"
+
+
 AGENT_VARIANTS = {
     "direct": "SGLangClient -> engine /generate",
     "pool": "EnginePool.agenerate -> engine",
@@ -704,6 +768,22 @@ BENCHES: dict[str, Bench] = {
             (Line(lambda s: f"WAITs that came back short: {num()(get(s, 'short'))} of {num()(get(s, 'waited'))}."),),
         ),
         Bench(
+            "trainer",
+            "Trainer at 1 and 2 ranks (FSDP2)",
+            "The trainer's `Policy` under `torchrun` at 1 rank (one plain process) and at 2 ranks (the model sharded "
+            "with FSDP2 over gloo, rank 0 driving, rank 1 following, as `rollq train` runs them), each the same fixed "
+            "global batch: load, a few optimizer steps, `save_weights` (the safetensors the engines read, gathered to "
+            "rank 0 bucket by bucket) and a distributed checkpoint saved and loaded. Memory per rank where each phase "
+            "ends: the bytes of parameters, gradients and AdamW state in the rank's own shards, the resident memory "
+            "(VmRSS) and its peak during the phase (VmHWM, reset as each phase starts). The shards halve; resident "
+            "memory need not: every rank holds torch and transformers whole, at 1 rank the loaded weights stay file "
+            "pages until the first step touches them, and glibc keeps freed buffers resident unless its mmap "
+            "threshold is fixed (`--mmap-threshold`). The ranks share the machine's cores (one thread each at 2 "
+            "ranks). `bench/trainer.py` describes the phases and each figure.",
+            _trainer_tables(gpu=False),
+            (Line(_trainer_line),),
+        ),
+        Bench(
             "gpu_check",
             "GPU readiness",
             "The trainer's policy (bfloat16 autocast, fused AdamW on CUDA) and the reference engine on one torch "
@@ -746,6 +826,16 @@ BENCHES: dict[str, Bench] = {
             missing="not run here: it needs a CUDA GPU (`python -m bench.gpu_check --device cpu` runs the same path on "
             "CPU, without a results file worth tabling)",
         ),
+        Bench(
+            "trainer_gpu",
+            "Trainer on a GPU",
+            "`bench.trainer --gpu`: the same phases on a CUDA device, `compute_dtype` bfloat16 (float32 master "
+            "weights and AdamW state), one rank unless told more (N > 1 ranks take N GPUs and NCCL); beside the "
+            "resident memory, the memory torch allocated on the device and its peak during each phase.",
+            _trainer_tables(gpu=True),
+            (Line(_trainer_line),),
+            missing="not run here: it needs a CUDA GPU (`python -m bench.trainer --gpu`)",
+        ),
     ]
 }
 
@@ -785,6 +875,12 @@ HEADLINE: tuple[Headline, ...] = (
         "HTTP ingress, jobs accepted",
         lambda s: f"{num()(get(s, 'accept/jobs_per_s'))}/s",
         ">= 5,000/s",
+    ),
+    Headline(
+        "trainer",
+        "trainer memory per rank (parameters, gradients, AdamW state), 2 FSDP ranks / 1",
+        lambda s: f"{times(3)(get(s, 'bytes_ratio'))} ({get(s, 'model')})",
+        "<= 0.55x",
     ),
 )
 

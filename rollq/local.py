@@ -196,6 +196,14 @@ class Processes:
         except WaitTimeout:
             raise _timed_out(what, timeout_s, f"logs in {self.log_dir}") from None
 
+    def reap(self, proc: subprocess.Popen[bytes]) -> int | None:
+        """`proc`'s exit code once it has exited, None while it runs; an exited child no longer fails check() (its
+        supervisor decides what its exit means)."""
+        code = proc.poll()
+        if code is not None:
+            self._stopped.add(proc.pid)
+        return code
+
     def kill(self, proc: subprocess.Popen[bytes]) -> None:
         """SIGKILL (no shutdown: what a crash looks like) and reap."""
         self._stopped.add(proc.pid)

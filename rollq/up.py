@@ -227,6 +227,8 @@ async def _run(cfg: TrainConfig, stack_cfg: UpConfig, procs: Processes, redis_di
         engine_api_key=keys.api_key,
         engine_admin_api_key=keys.admin_api_key,
     )
+    if cfg.nproc > 1:
+        return await supervise_ranks(cfg, procs)
     redis = redis_client(url)
     pool = engine_pool(cfg)
     try:
@@ -244,6 +246,49 @@ async def _run(cfg: TrainConfig, stack_cfg: UpConfig, procs: Processes, redis_di
     finally:
         await pool.close()
         await redis.aclose()
+
+
+async def supervise_ranks(cfg: TrainConfig, procs: Processes) -> list[StepRecord]:
+    """A trainer of `nproc` ranks as a child: torchrun (with no restarts of its own) of `rollq train`, started again
+    whenever it dies, up to `max_restarts` times (each life resumes from the last checkpoint), its step lines
+    echoed here. Any other child that dies ends the run, as with the embedded trainer."""
+    from rollq.trainer.launch import CONFIG_FILE, torchrun_argv, write_config
+    from rollq.trainer.metrics import MetricsLog, progress_line
+
+    ranks_cfg = msgspec.structs.replace(cfg, max_restarts=0)
+    config = write_config(ranks_cfg, Path(cfg.directory) / CONFIG_FILE)
+    metrics = MetricsLog(Path(cfg.directory))
+    shown = len(metrics.read())
+    code: int | None = None
+    for life in range(cfg.max_restarts + 1):
+        trainer = procs.start("trainer", torchrun_argv(msgspec.structs.replace(ranks_cfg, nproc=cfg.nproc), config))
+        code = None
+        while code is None:
+            await asyncio.sleep(0.5)
+            code = procs.reap(trainer)  # first: the trainer's exit is this loop's to judge, not check()'s
+            procs.check()  # an engine or a worker that died
+            try:
+                records = metrics.read()
+            except msgspec.DecodeError:  # a line being written: read it next time
+                continue
+            for record in records[shown:]:
+                print(progress_line(record, cfg.steps), file=sys.stderr)
+            shown = max(shown, len(records))
+        if code == 0:
+            return metrics.read()
+        if life < cfg.max_restarts:
+            log.warning(
+                "the trainer (%d ranks) exited with code %d; starting it again (restart %d of %d): it resumes from "
+                "its last checkpoint",
+                cfg.nproc,
+                code,
+                life + 1,
+                cfg.max_restarts,
+            )
+    raise StackError(
+        f"the trainer ({cfg.nproc} ranks) exited with code {code} {cfg.max_restarts + 1} times; the end of its "
+        f"log:\n{procs.tail(trainer, 2000)}"
+    )
 
 
 async def _watch(procs: Processes) -> None:

@@ -13,6 +13,7 @@ from rollq.local import Processes, RedisServer, free_port
 from rollq.redis_client import redis_client
 from rollq.trainer.config import TrainConfig
 from tests.helpers import REPO_ROOT, WorkerProcess, engine_healthy
+from tests.trainer.helpers import ENGINE_ARGS, Auditor
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -131,3 +132,33 @@ async def engine_process(tmp_path, tiny_dir):  # tiny_dir: built once, before en
 
     yield spawn
     procs.stop_all(grace_s=0)
+
+
+@pytest.fixture
+async def stack(engine_process, spawn_worker, redis_url):
+    """`await stack(run, engines=2, workers=3)` -> engine URLs (synthetic engines, subprocesses), with `rollq worker`
+    subprocesses serving `run`."""
+
+    async def start(run: str, *, engines: int = 2, workers: int = 3, concurrency: int = 4) -> list[str]:
+        urls = [(await engine_process(*ENGINE_ARGS))[1] for _ in range(engines)]
+        for _ in range(workers):
+            spawn_worker(redis_url, run, "--concurrency", str(concurrency), *[a for u in urls for a in ("--engine", u)])
+        return urls
+
+    return start
+
+
+@pytest.fixture
+async def auditor(redis):
+    """`await auditor(run)`: reads every trajectory of the run through a consumer group of its own, independently
+    of the trainer (tests/trainer/helpers.py)."""
+    auditors: list[Auditor] = []
+
+    async def start(run: str) -> Auditor:
+        a = await Auditor(redis, run).start()
+        auditors.append(a)
+        return a
+
+    yield start
+    for a in auditors:
+        await a.stop()

@@ -66,6 +66,18 @@ class Group(msgspec.Struct, kw_only=True):
     def model_tokens(self) -> int:
         return sum(map(model_tokens, self.samples))
 
+    @property
+    def rewards(self) -> list[float]:
+        """What the advantages are normalised over: the earlier parts' rewards, then each sequence's."""
+        return [*self.context_rewards, *(s.reward for t in self.samples for s in t.sequences)]
+
+    @property
+    def uniform(self) -> bool:
+        """All of at least two rewards equal: every advantage is zero, so training the group changes nothing (what
+        DAPO's dynamic sampling filters out). A lone reward is not `uniform`: it would be filtered every time."""
+        rewards = self.rewards
+        return len(rewards) >= 2 and min(rewards) == max(rewards)
+
 
 class Batch(msgspec.Struct, kw_only=True):
     input_ids: torch.Tensor  # [N, T]
@@ -76,6 +88,7 @@ class Batch(msgspec.Struct, kw_only=True):
     advantages: torch.Tensor  # [N]
     rewards: torch.Tensor  # [N]
     masked_tokens: int = 0  # generated tokens left out of the loss as older than `min_version`
+    group_ids: list[str] = []  # [N] the group (prompt) of each row (rollq.trainer.seam hands them out)
 
     @property
     def tokens(self) -> int:
@@ -112,12 +125,14 @@ def build_batch(groups: list[Group], pad_id: int = 0, min_version: int | None = 
     trained earlier). With `min_version`, generated tokens of an older policy version are left out of the loss
     (counted in `masked_tokens`)."""
     seqs: list[Sequence] = []
+    group_ids: list[str] = []
     advantages: list[torch.Tensor] = []
     for group in groups:
         members = [s for t in group.samples for s in t.sequences]
         rewards = torch.tensor([*group.context_rewards, *(s.reward for s in members)], dtype=torch.float32)
         advantages.append(grpo_advantages(rewards)[len(group.context_rewards) :])
         seqs += members
+        group_ids += [group.job_id] * len(members)
     if not seqs:
         raise ValueError("build_batch needs at least one sequence")
     width = max(len(s.input_ids) for s in seqs)
@@ -149,6 +164,7 @@ def build_batch(groups: list[Group], pad_id: int = 0, min_version: int | None = 
         advantages=torch.cat(advantages),
         rewards=torch.tensor([s.reward for s in seqs], dtype=torch.float32),
         masked_tokens=masked,
+        group_ids=group_ids,
     )
 
 

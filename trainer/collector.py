@@ -8,6 +8,15 @@ dropped too, so every trained token's version names weights the trainer still ha
 With split_groups, a group whose finished samples would pass the bound while its stragglers decode trains in parts:
 the finished samples at this step (advantages over them), the rest when the group completes (advantages over the
 whole group). The parts trained are kept with the checkpoint (`TrainedPart`), so each sample still trains once.
+
+With filter_groups (DAPO's dynamic sampling), a complete group whose rewards are all equal (`Group.uniform`: every
+advantage zero) is dropped as `filtered` like any drop: acked, settled and given back at once, so the feeder admits
+another in its place and the step waits for groups that teach something. At most filter_groups per step (per
+collect()): past that the rest train (zero advantage) after those with a signal, so a policy that solved the task
+(every group all 1.0) still steps, and every step still trains B samples. Their rewards are handed out with the step
+(`filtered_rewards`) so its reward metrics describe the policy, not only the groups with a signal. Filtering is a
+drop, not a deferred ack: a filtered group is never read again after a restart, and the auditor counts it with the
+ledger's give-backs (`released:filtered`).
 """
 
 from __future__ import annotations
@@ -30,7 +39,7 @@ from rollq.trainer.settled import SettledGroups, TrainedPart
 log = logging.getLogger("rollq.trainer")
 
 REPORT_EVERY_S = 30.0  # a step waiting longer than this says what it waits for
-DROP_REASONS = ("stale", "failed", "invalid", "future", "foreign")
+DROP_REASONS = ("stale", "failed", "invalid", "future", "foreign", "filtered")
 ONE = Fraction(1)
 
 
@@ -42,6 +51,8 @@ class Collected(msgspec.Struct, kw_only=True):
     partial_groups: int = 0  # groups handed out that train on their survivors only
     split_parts: int = 0  # parts of groups handed out ahead of their stragglers (split_groups)
     part_samples: list[tuple[str, int]] = []  # their samples: (group id, sample index)
+    filtered_groups: int = 0  # groups dropped as `filtered` (all rewards equal; their samples in dropped too)
+    filtered_rewards: list[float] = []  # their sequences' rewards: the step's reward metrics count them
 
     def merged(self, other: Collected) -> Collected:
         """Both hand-outs as one (a step's groups and those that joined it late)."""
@@ -53,6 +64,8 @@ class Collected(msgspec.Struct, kw_only=True):
             partial_groups=self.partial_groups + other.partial_groups,
             split_parts=self.split_parts + other.split_parts,
             part_samples=self.part_samples + other.part_samples,
+            filtered_groups=self.filtered_groups + other.filtered_groups,
+            filtered_rewards=self.filtered_rewards + other.filtered_rewards,
         )
 
 
@@ -85,6 +98,7 @@ class GroupCollector:
         on_release: Callable[[], None] = lambda: None,
         on_settled: Callable[[str], None] = lambda job_id: None,
         give_up_after_failed: int = 0,
+        filter_groups: float = 0,
         ride: Ride | None = None,
     ) -> None:
         self.ride: Ride = ride or direct  # every Redis call: the trainer's rides out an outage
@@ -103,6 +117,12 @@ class GroupCollector:
         self.parts: dict[str, TrainedPart] = {}
         self._taken_samples: set[tuple[str, int]] = set()  # samples of parts handed out, not committed yet
         self.vocab_size = vocab_size
+        # > 0: dynamic sampling, at most this many groups without a signal (rounded up) dropped as `filtered` per
+        # collect()
+        self.filter_groups = filter_groups
+        self._filtered = 0  # groups filtered since the current step's collect() began (its budget)
+        self._filtered_out: list[list[float]] = []  # rewards of each group filtered, not handed out yet
+        self.filtered_groups = 0  # groups filtered so far (whole life)
         self.on_release = on_release
         self.on_settled = on_settled  # a group was handed out to train or dropped: nothing more is expected of it
         # Groups trained or dropped (the checkpoint keeps it): a copy of one of their samples read later is acked,
@@ -232,7 +252,9 @@ class GroupCollector:
             detail = f" ({errors[0]})" if errors else ""
             self.failed_samples += len(items)
             self.first_error = self.first_error or detail.strip(" ()")
-        log.info("dropped group %s (%d samples): %s%s", job_id, len(items), reason, detail)
+        # filtered groups are routine (a batch's worth each step once the task is learnt): not a line each
+        level = logging.DEBUG if reason == "filtered" else logging.INFO
+        log.log(level, "dropped group %s (%d samples): %s%s", job_id, len(items), reason, detail)
         if self.give_up_after_failed and not self.good_groups and self.failed_samples >= self.give_up_after_failed:
             raise NothingTrains(f"the first {self.failed_samples} samples all failed, e.g. {self.first_error}")
 
@@ -288,8 +310,13 @@ class GroupCollector:
 
     async def collect(self, groups_needed: int, version: int, *, block_ms: int = 500) -> Collected:
         """Read until `groups_needed` complete groups may train at `version`. Stalest first, so the groups closest
-        to the bound are the ones used. With split_groups, parts of groups count their share of a group."""
+        to the bound are the ones used. With split_groups, parts of groups count their share of a group.
+
+        With filter_groups, groups without a signal are dropped (`filtered`) until this step has filtered that many;
+        then they count like any, after those with a signal (zero advantage: a policy that solved the task must not
+        stall the run). A step still trains `groups_needed` groups: B samples, as the ledger's bound counts them."""
         dropped: Counter = Counter()
+        self._filtered = 0
         while True:
             fit, parts = await self._fit(version, dropped)
             if sum(f[2] for f in fit) >= groups_needed:
@@ -303,7 +330,8 @@ class GroupCollector:
                     sum(map(len, self._partial.values())),
                 )
             await self._read(dropped, block_ms)
-        fit.sort(key=lambda f: f[0])  # stable: among equals, the first completed
+        # stable: among equals, the first completed. Past the filter's budget, groups with a signal go first
+        fit.sort(key=lambda f: (self._budget_spent and self._fit_group(f[1], parts).uniform, f[0]))
         chosen: list[tuple[int, str, Fraction]] = []
         taken = Fraction(0)
         for f in fit:
@@ -328,7 +356,7 @@ class GroupCollector:
         (split_groups). Complete groups past the bound are dropped here."""
         fit: list[tuple[int, str, Fraction]] = []
         for job_id, ready in list(self._complete.items()):
-            reason = self._out_of_bound(ready.span, version)
+            reason = self._out_of_bound(ready.span, version) or self._filter(ready.group)
             if reason is not None:
                 del self._complete[job_id]
                 self._partial_ids.discard(job_id)
@@ -343,6 +371,23 @@ class GroupCollector:
                 fit.append((oldest, job_id, Fraction(len(group.samples), group.samples[0].n)))
                 parts[job_id] = group
         return fit, parts
+
+    @property
+    def _budget_spent(self) -> bool:
+        return self.filter_groups > 0 and self._filtered >= self.filter_groups
+
+    def _fit_group(self, job_id: str, parts: dict[str, Group]) -> Group:
+        return parts[job_id] if job_id in parts else self._complete[job_id].group
+
+    def _filter(self, group: Group) -> str | None:
+        """`filtered` for a group without a signal while this step's budget lasts (checked on every collect, so a
+        group left to train past one step's budget is filtered at the next while it waits)."""
+        if not self.filter_groups or self._budget_spent or not group.uniform:
+            return None
+        self._filtered += 1
+        self.filtered_groups += 1
+        self._filtered_out.append(group.rewards[len(group.context_rewards) :])  # earlier parts: counted when trained
+        return "filtered"
 
     async def _read(self, dropped: Counter, block_ms: int) -> None:
         """One read of the results stream, each trajectory filed (or acked when it is not to be trained)."""
@@ -382,6 +427,7 @@ class GroupCollector:
         staleness: Counter = Counter()
         partials = 0
         part_samples: list[tuple[str, int]] = []
+        filtered, self._filtered_out = self._filtered_out, []
         for oldest, job_id, _ in chosen:
             if job_id in parts:  # a part ahead of its stragglers
                 group = parts[job_id]
@@ -407,6 +453,8 @@ class GroupCollector:
             partial_groups=partials,
             split_parts=len({j for j, _ in part_samples}),
             part_samples=part_samples,
+            filtered_groups=len(filtered),
+            filtered_rewards=[r for rewards in filtered for r in rewards],
         )
 
 

@@ -6,15 +6,18 @@ import logging
 import statistics
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from rollq.trainer.config import TrainConfig
 from rollq.trainer.metrics import EvalRecord, MetricsLog, StepRecord
 
+if TYPE_CHECKING:
+    from rollq.trainer.policy import Policy
+
 # A built-in task's goal: (mean reward of the last 10 steps at least, and that many times the first 10's).
-GOALS = {"toy:digits": (0.8, 3.0), "toy:add": (0.5, 3.0)}
+GOALS = {"toy:digits": (0.95, 3.0), "toy:add": (0.5, 3.0)}
 
 
 def summarize(records: list[StepRecord], evals: list[EvalRecord] | None = None, dataset: str = "") -> dict[str, Any]:
@@ -61,21 +64,40 @@ def _fail(command: str, message: str) -> int:
 
 
 def train(cfg: TrainConfig) -> int:
-    """`rollq train`: the trainer against a running stack; prints a JSON summary line."""
+    """`rollq train`: the trainer against a running stack; prints a JSON summary line. With `nproc` above 1 it
+    starts itself under torchrun (trainer/launch.py); under torchrun each process is one rank (trainer/ranks.py):
+    rank 0 runs the loop below, the others follow it (trainer/follower.py)."""
     import uvloop
 
+    from rollq.trainer.follower import follow
+    from rollq.trainer.launch import launch
+    from rollq.trainer.policy import Policy
+    from rollq.trainer.ranks import join_ranks, torchrun_env
+
+    if cfg.nproc > 1 and torchrun_env() is None:
+        return launch(cfg)
     quiet_libraries()
+    ranks = join_ranks(cfg.device, cfg.dist_timeout_s)
     try:
-        records = uvloop.run(run_trainer(cfg))
-    except (ValueError, RuntimeError) as exc:  # a dataset that can't be read, no engine to update, ...
-        return _fail("train", str(exc))
-    summary = run_summary(cfg, records)
-    print(msgspec.json.encode(summary).decode())
-    return 0
+        policy = Policy(cfg, ranks)
+        if not ranks.leader:
+            follow(policy)
+            return 0
+        try:
+            records = uvloop.run(run_trainer(cfg, policy))
+        except (ValueError, RuntimeError) as exc:  # a dataset that can't be read, no engine to update, ...
+            return _fail("train", str(exc))
+        summary = run_summary(cfg, records)
+        print(msgspec.json.encode(summary).decode())
+        return 0
+    finally:
+        ranks.close()
 
 
-async def run_trainer(cfg: TrainConfig) -> list[StepRecord]:
-    """The trainer against an existing stack: engines from the config and the run's registry."""
+async def run_trainer(cfg: TrainConfig, policy: Policy | None = None) -> list[StepRecord]:
+    """The trainer against an existing stack: engines from the config and the run's registry. On N ranks, rank 0
+    runs it with its `policy` and stops the other ranks when the run ends (when it fails they stop with it: their
+    process group closes)."""
     from rollq.engine.registry import EngineRegistry
     from rollq.redis_client import redis_client
     from rollq.trainer.engines import engine_pool
@@ -87,7 +109,10 @@ async def run_trainer(cfg: TrainConfig) -> list[StepRecord]:
     pool = engine_pool(cfg)
     pool.follow(EngineRegistry(registry_client, cfg.run))
     try:
-        return await Trainer(cfg, redis, pool).run()
+        records = await Trainer(cfg, redis, pool, policy=policy).run()
+        if policy is not None:
+            policy.stop_followers()
+        return records
     finally:
         await pool.close()
         await redis.aclose()

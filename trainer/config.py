@@ -12,6 +12,7 @@ import msgspec
 from rollq.config import RunSettings, setting
 
 WHERE, WHAT, HOW_MUCH, OPTIM, UPDATES = "where", "what", "how much", "optimisation", "weight updates"
+RANKS = "ranks"
 
 
 def _toy_workflow_kwargs() -> dict[str, Any]:
@@ -37,7 +38,7 @@ class TrainConfig(RunSettings, kw_only=True):
     """The trainer: feeds prompts through the staleness ledger, trains on fresh groups, updates every engine."""
 
     run_dir: Annotated[
-        str, setting("metrics.jsonl, plot.png, checkpoint.pt go here ('' = runs/RUN)", metavar="DIR", group=WHERE)
+        str, setting("metrics.jsonl, plot.png, checkpoints/ go here ('' = runs/RUN)", metavar="DIR", group=WHERE)
     ] = ""
     weights_dir: Annotated[
         str,
@@ -147,6 +148,27 @@ class TrainConfig(RunSettings, kw_only=True):
             group=HOW_MUCH,
         ),
     ] = 0
+    dynamic_sampling: Annotated[
+        bool,
+        setting(
+            "DAPO's dynamic sampling: a complete group whose rewards are all equal (every advantage zero: it "
+            "teaches nothing) is not trained but dropped as `filtered` (acked, its samples given back to the ledger, "
+            "so another group is admitted in its place) and the step waits for groups with a signal, up to "
+            "dynamic_sampling_budget; its rewards still count in the step's reward metrics",
+            group=HOW_MUCH,
+        ),
+    ] = True
+    dynamic_sampling_budget: Annotated[
+        float,
+        setting(
+            "dynamic_sampling filters at most K x groups_per_step groups per step (rounded up); past that, groups "
+            "without a signal train (zero advantage) after those with one, so a policy that solved the task still "
+            "steps. Each filtered group costs its generation, so a step generates at most 1 + K batches",
+            metavar="K",
+            gt=0,
+            group=HOW_MUCH,
+        ),
+    ] = 0.5
     join_late: Annotated[
         bool,
         setting(
@@ -321,6 +343,42 @@ class TrainConfig(RunSettings, kw_only=True):
             group=UPDATES,
         ),
     ] = False
+    nproc: Annotated[
+        int,
+        setting(
+            "training processes (ranks) on this machine: above 1, `rollq train` starts itself under torchrun with "
+            "that many, the model sharded over them (FSDP2); a multi-node trainer runs torchrun itself",
+            metavar="N",
+            ge=1,
+            group=RANKS,
+        ),
+    ] = 1
+    max_restarts: Annotated[
+        int,
+        setting(
+            "with nproc above 1: times torchrun restarts the whole group after a rank dies (it resumes from the "
+            "last checkpoint)",
+            metavar="N",
+            ge=0,
+            group=RANKS,
+        ),
+    ] = 3
+    dist_timeout_s: Annotated[
+        float,
+        setting(
+            "a collective of the trainer's ranks that takes longer than this fails", metavar="S", gt=0, group=RANKS
+        ),
+    ] = 600.0
+    publish_bucket_mb: Annotated[
+        float,
+        setting(
+            "weights go to the engines in buckets of about this many MiB (one safetensors file each, or one "
+            "broadcast): the most of the full weights any process holds at once while publishing",
+            metavar="MIB",
+            gt=0,
+            group=RANKS,
+        ),
+    ] = 512.0
 
     @classmethod
     def implied(cls, given: Mapping[str, Any]) -> dict[str, Any]:

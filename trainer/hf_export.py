@@ -1,8 +1,10 @@
 """`rollq export`: a trained run's model as a Hugging Face model directory, for serving (transformers, SGLang,
 `rollq engine --model DIR`).
 
-The run's checkpoint (RUN_DIR/checkpoint.pt) holds the trained weights but not the model's config or tokenizer:
-those come from the base model the run trained (`tiny`, `smollm2` or an HF directory; recorded in the checkpoint).
+The run's latest checkpoint (RUN_DIR/checkpoints/, trainer/checkpoint.py: a distributed checkpoint, written by any
+number of ranks) holds the trained weights but not the model's config or tokenizer: those come from the base model
+the run trained (`tiny`, `smollm2` or an HF directory; recorded in the checkpoint). This process reads every shard
+into the one model.
 The export is the base model with the trained weights loaded (strictly), saved as safetensors with the base's
 tokenizer (chat template included) and generation config, plus `rollq_export.json` (where it came from). It is
 written beside `out` and renamed into place, so a reader never sees half of one.
@@ -22,14 +24,13 @@ from typing import Annotated, Any, Literal
 
 from rollq.config import Settings, setting
 
-CHECKPOINT = "checkpoint.pt"
 MARKER = "rollq_export.json"  # written into every export: an `out` holding one may be replaced
 
 
 class ExportConfig(Settings, kw_only=True):
     """Write a trained run's model as a Hugging Face model directory."""
 
-    run_dir: Annotated[str, setting("the run directory holding checkpoint.pt (the trainer's run_dir)", positional=True)]
+    run_dir: Annotated[str, setting("the run directory holding checkpoints/ (the trainer's run_dir)", positional=True)]
     out: Annotated[
         str,
         setting(
@@ -80,39 +81,42 @@ def _mismatch(exc: Exception, model: str) -> ExportError:
 def export_run(
     run_dir: str | os.PathLike[str], out: str | os.PathLike[str], model: str = "", dtype: str = "float32"
 ) -> Path:
-    """Write the model of the run in `run_dir` (its checkpoint.pt) as an HF model directory at `out`; returns `out`.
+    """Write the model of the run in `run_dir` (its latest checkpoint) as an HF model directory at `out`; returns `out`.
     `model`: the base model ('' = the one the checkpoint records). Raises ExportError with a one-line message."""
     run_dir, out = Path(run_dir).expanduser(), Path(out).expanduser()
     if dtype not in ("float32", "bfloat16"):
         raise ExportError(f"--dtype must be float32 or bfloat16, not {dtype!r}")
-    path = run_dir / CHECKPOINT
-    if not path.is_file():
-        raise ExportError(f"no {CHECKPOINT} in {run_dir} (the trainer writes it every checkpoint_every steps)")
+    from rollq.trainer import checkpoint
+
+    path = checkpoint.latest(run_dir)
+    if path is None:
+        raise ExportError(
+            f"no checkpoint in {run_dir} ({checkpoint.CHECKPOINTS}/; the trainer writes one every checkpoint_every "
+            "steps)"
+        )
     _check_out(out)  # both before torch is imported: a mistyped path fails at once
+    try:
+        state = checkpoint.read_state(path)
+    except Exception as exc:  # a foreign or damaged file
+        raise ExportError(f"cannot read {path}: {_one_line(str(exc) or type(exc).__name__, 200)}") from None
 
     import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     from rollq.engine.tiny_model import model_dir
-    from rollq.trainer import checkpoint
+    from rollq.trainer.policy import quiet_single_process
 
     hf_logging.disable_progress_bar()
-    try:
-        loaded = checkpoint.load(path)
-    except Exception as exc:  # a truncated or foreign file: torch raises many kinds
-        raise ExportError(f"cannot read {path}: {_one_line(str(exc) or type(exc).__name__, 200)}") from None
-    assert loaded is not None  # checked above
-    policy, state = loaded
     base = model or state.model
     if not base:
         raise ExportError(
             f"{path} does not record its base model (an older checkpoint): give --model (tiny, smollm2 or the HF "
             "model directory the run trained)"
         )
-    weights = policy.get("model") if isinstance(policy, dict) else None
-    if not isinstance(weights, dict):
-        raise ExportError(f"{path} holds no model weights (policy.model)")
     try:
         base_dir = model_dir(base)
         net = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
@@ -120,9 +124,14 @@ def export_run(
     except (OSError, ValueError, ImportError) as exc:
         raise ExportError(f"cannot load base model {base!r}: {_one_line(str(exc), 200)}") from None
     try:
-        net.load_state_dict(weights, strict=True)
-    except RuntimeError as exc:
-        raise _mismatch(exc, base) from None
+        weights = get_model_state_dict(net)
+        with quiet_single_process():  # every weight of the base model, or an error
+            dcp.load({"model": weights}, checkpoint_id=str(path), no_dist=True)
+        set_model_state_dict(net, weights)
+    except (Exception, CheckpointException) as exc:  # a missing key, another model's shape, a damaged shard
+        # DCP's message carries each rank's traceback: its last line is the reason
+        reason = [line for line in str(exc).splitlines() if line.strip()][-1:] or [type(exc).__name__]
+        raise _mismatch(Exception(reason[0]), base) from None
     if dtype != "float32":
         net = net.to(getattr(torch, dtype))
 

@@ -48,6 +48,7 @@ from rollq.trainer.feeder import GroupFeeder
 from rollq.trainer.ledger import StalenessLedger
 from rollq.trainer.metrics import MetricsLog, RateWindow, StepRecord, plot
 from rollq.trainer.policy import Policy
+from rollq.trainer.policy_protocol import TrainerPolicy
 from rollq.trainer.publish import UpdateRequirement, publish
 from rollq.trainer.recovery import recover, repair_ledger
 
@@ -80,7 +81,7 @@ class Trainer:
         pool: EnginePool,
         *,
         progress: TextIO | None = None,
-        policy: Policy | None = None,
+        policy: TrainerPolicy | None = None,
     ) -> None:
         self.cfg = config
         self.redis = redis
@@ -129,7 +130,7 @@ class Trainer:
                 workflow_kwargs={**builtin_kwargs(config), **config.eval_workflow_kwargs},
                 partitions=config.partitions,
             )
-        self.policy = policy or Policy(config)
+        self.policy: TrainerPolicy = policy or Policy(config)
         self.state = TrainerState(run_id=uuid.uuid4().hex[:8], model=config.model)
         self._unacked: list[Delivered] = []
         self._unacked_parts: list[tuple[str, int]] = []  # samples of parts of groups (split_groups) among them
@@ -138,6 +139,9 @@ class Trainer:
         self.collector: GroupCollector | None = None
         self._train_estimate_s = 0.0  # min_step_s: the last step's train time (pacing waits the rest up front)
         self._resumed = False  # from here on, a Redis that lost the ledger gets it back from self.state
+        # Called once each step is done (checkpointed, acked, its version in the ledger): the seam's publish()
+        # returns there (trainer/seam.py).
+        self.step_done: list[Callable[[], None]] = []
 
     async def ride(self, op: Callable[[], Awaitable[T]], what: str) -> T:
         """A Redis call that rides out an outage of up to `redis_outage_s` (then RedisUnavailable ends the run)."""
@@ -159,21 +163,25 @@ class Trainer:
             self.consumer, self.producer, self.ledger, state=state, feeder=self.feeder, collector=self.collector
         )
 
-    @property
-    def checkpoint_path(self) -> Path:
-        return self.run_dir / "checkpoint.pt"
-
     # -- start ---------------------------------------------------------------------------------------------------------
 
     async def _resume(self) -> bool:
-        saved = await asyncio.to_thread(checkpoint.load, self.checkpoint_path, self.cfg.device)
+        """The latest checkpoint (written by any number of ranks) into the policy (on however many it runs now)."""
+        saved = await asyncio.to_thread(checkpoint.load, self.run_dir, self.policy)
+        if saved is None and (self.run_dir / checkpoint.LEGACY_FILE).exists():
+            # Starting over here would reset the run's ledger and train its groups again
+            raise ValueError(
+                f"{self.run_dir} holds a {checkpoint.LEGACY_FILE} of an older rollq (one file; checkpoints are now "
+                f"sharded in {checkpoint.CHECKPOINTS}/): finish that run with the rollq that wrote it, or start "
+                "this one in another run_dir"
+            )
         if saved is None:
             await self.ride(self.ledger.reset, "resetting the ledger")
             self.metrics.truncate(0)
             return False
-        policy_state, self.state = saved
-        self.policy.load_state(policy_state)
-        state = self.state
+        if saved.ranks != self.policy.ranks.world_size:
+            log.info("checkpoint of %d ranks resumed on %d", saved.ranks, self.policy.ranks.world_size)
+        self.state = state = saved
         if await self.ride(lambda: self.ledger.restore(state.version, state.trained_samples), "restoring the ledger"):
             log.warning("the staleness ledger was gone from Redis; rebuilt from the checkpoint")
         self.metrics.truncate(self.state.step)
@@ -232,12 +240,36 @@ class Trainer:
 
     def _broadcast(self, sync: DistributedWeightSync, version: int) -> Callable[[], Awaitable[FleetResult]]:
         """The update step of a cycle without a shared disk: broadcast to every engine (stale and newly joined ones
-        included: each update covers the whole pool, over a group rebuilt when membership changed). An in_place pause
-        keeps KV in the running batch, so the engines must not be asked to flush their cache (SGLang would load the
-        weights and still fail the call)."""
+        included: each update covers the whole pool, over a group rebuilt when membership changed), bucket by bucket
+        (`publish_bucket_mb`: the full weights are never whole in one process; on N ranks each bucket is gathered
+        from the shards), the engines that took every bucket so far receiving the next. An in_place pause keeps KV
+        in the running batch, so the engines must not be asked to flush their cache (SGLang would load the weights
+        and still fail the call); otherwise the last bucket flushes it."""
         flush = self.cfg.pause_mode != "in_place"
-        named = [(name, p.detach()) for name, p in self.policy.model.named_parameters()]
-        return lambda: sync.update(named, version, flush_cache=flush)
+        policy, pool, bucket_bytes = self.policy, self.pool, int(self.cfg.publish_bucket_mb * (1 << 20))
+
+        async def update() -> FleetResult:
+            buckets = policy.gather_weights(bucket_bytes)
+            results: list[FleetResult] = []
+            members = None
+            try:
+                bucket = await asyncio.to_thread(next, buckets, None)
+                while bucket is not None:
+                    following = await asyncio.to_thread(next, buckets, None)
+                    last = following is None
+                    result = await sync.update(bucket, version, flush_cache=flush and last, members=members)
+                    results.append(result)
+                    members = [m for m in pool.engines() if m.url in result.ok]
+                    if not members:
+                        break
+                    bucket = following
+            finally:
+                close = getattr(buckets, "close", None)  # a generator's: the rest of the gathers, which the other
+                if close is not None:  # ranks take part in, run to the end
+                    await asyncio.to_thread(close)
+            return merged_results(results)
+
+        return update
 
     # -- the loop ------------------------------------------------------------------------------------------------------
 
@@ -268,6 +300,8 @@ class Trainer:
             raise ValueError(
                 "join_late needs one optimizer step per batch (ppo_minibatches 1) and a model without dropout"
             )
+        if cfg.join_late and self.policy.ranks.distributed:
+            raise ValueError("join_late runs on one trainer rank (nproc 1)")
         if cfg.pause_mode == "in_place":
             log.warning(
                 "pause_mode in_place: an engine's prefix cache cannot be flushed while requests sit in its running "
@@ -312,6 +346,7 @@ class Trainer:
             on_release=self.feeder.notify,
             on_settled=self.feeder.settled,
             give_up_after_failed=0 if resumed else 2 * cfg.batch_samples,
+            filter_groups=cfg.dynamic_sampling_budget * cfg.groups_per_step if cfg.dynamic_sampling else 0,
             ride=self.ride,
         )
         self.collector.skip = set(self.state.unacked_groups)
@@ -339,12 +374,19 @@ class Trainer:
                 await self._evaluate()  # the model before training
             while self.state.step < cfg.steps:
                 step = asyncio.create_task(self._step())
-                await asyncio.wait([step, feeding], return_when=asyncio.FIRST_COMPLETED)
+                try:
+                    await asyncio.wait([step, feeding], return_when=asyncio.FIRST_COMPLETED)
+                except asyncio.CancelledError:  # the run is cancelled (a seam session closed early): its step too
+                    step.cancel()
+                    await asyncio.wait([step], timeout=10)
+                    raise
                 if feeding.done():  # the feeder only ends by failing: surface it
                     step.cancel()
                     await asyncio.gather(step, return_exceptions=True)
                     feeding.result()
                 step.result()
+                for done in self.step_done:
+                    done()
         finally:
             self.feeder.stop()
             feeding.cancel()
@@ -408,7 +450,8 @@ class Trainer:
             got = got.merged(extra)
             late_samples += sum(len(g.samples) for g in extra.groups)
             batches += [extra_batch] if extra_batch is not None else []
-        rewards = torch.cat([b.rewards for b in batches])
+        # the groups filtered out (dynamic_sampling) count too: the reward is the policy's, not only what trained
+        rewards = torch.cat([b.rewards for b in batches] + [torch.tensor(got.filtered_rewards, dtype=torch.float32)])
         t2 = time.monotonic()
         self._train_estimate_s = t2 - t1
         late = max(0.0, cfg.min_step_s - (t2 - t0))
@@ -465,6 +508,8 @@ class Trainer:
                 partial_groups=got.partial_groups,
                 split_parts=got.split_parts,
                 late_samples=late_samples,
+                filtered_groups=got.filtered_groups,
+                filtered_samples=got.dropped.get("filtered", 0),
                 paced_s=paced,
                 admission_lag_mean=sum(lags) / len(lags) if lags else 0.0,
                 queue_s_mean=sum(waits) / len(waits) if waits else 0.0,
@@ -487,7 +532,7 @@ class Trainer:
         if cfg.trained_log:  # the policy version trained is the one before this step's update
             self._log_trained(state.step, state.version - 1, got.groups, min_version)
         if state.step % cfg.checkpoint_every == 0 or state.step == cfg.steps:
-            await asyncio.to_thread(checkpoint.save, self.checkpoint_path, self.policy.state(), state)
+            await asyncio.to_thread(checkpoint.save, self.run_dir, self.policy, state)
             unacked = self._unacked
             await self.ride(lambda: self.consumer.commit(unacked), "acking trained samples")  # the checkpoint has them
             self.collector.committed(state.unacked_groups, self._unacked_parts)
@@ -503,4 +548,20 @@ class Trainer:
             await self._plot(self.metrics.read())
 
 
-__all__ = ["Trainer"]
+def merged_results(results: list[FleetResult]) -> FleetResult:
+    """One update in buckets as one result: the engines that took the last bucket sent (each took every one before
+    it), every failure, the time of all of them."""
+    if not results:
+        return FleetResult(ok=[], failed={}, seconds=0.0)
+    failed: dict[str, str] = {}
+    for r in results:
+        failed.update(r.failed)
+    return FleetResult(
+        ok=[u for u in results[-1].ok if u not in failed],
+        failed=failed,
+        seconds=sum(r.seconds for r in results),
+        load_seconds=sum(r.load_seconds for r in results),
+    )
+
+
+__all__ = ["Trainer", "merged_results"]

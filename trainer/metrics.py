@@ -68,6 +68,10 @@ class StepRecord(msgspec.Struct, kw_only=True):
     elapsed_s: float
     time: float
     train: TrainStats
+    # dynamic_sampling: groups (and their samples) dropped this step as `filtered`, their rewards all equal (in
+    # dropped_this_step too); their rewards count in reward_mean/max/min, which describe the policy's samples
+    filtered_groups: int = 0
+    filtered_samples: int = 0
 
 
 class EvalRecord(msgspec.Struct, kw_only=True):

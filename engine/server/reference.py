@@ -202,8 +202,11 @@ class ReferenceBackend(Backend):
             await asyncio.to_thread(load_into, self.model, path)
 
     async def load_tensors(self, named: list[tuple[str, Any]]) -> None:
+        # Any subset of the parameters, as SGLang's update_weights_from_distributed loads whatever names a call
+        # carries (model_runner.py:1082-1118 in 0.5.5: receive each, then model.load_weights): trainers send large
+        # models in buckets, one call each, while the engine stays paused.
         async with self._lock:
-            await asyncio.to_thread(copy_into, self.model, dict(named))
+            await asyncio.to_thread(copy_into, self.model, dict(named), partial=True)
 
     def flush_cache(self) -> None:
         # Rows still in the batch (finished ones are retired at the next iteration) hold KV of the old weights.

@@ -44,14 +44,18 @@ def safetensors_files(path: str | Path) -> list[Path]:
 
 
 @torch.no_grad()
-def copy_into(model: torch.nn.Module, tensors: dict[str, torch.Tensor], source: str = "received weights") -> int:
+def copy_into(
+    model: torch.nn.Module, tensors: dict[str, torch.Tensor], source: str = "received weights", *, partial: bool = False
+) -> int:
     """Copy `tensors` into `model`'s parameters (cast to each parameter's dtype and device). Strict: every parameter
     must be present with its shape, and no unknown name is allowed (tied aliases such as lm_head.weight are accepted).
     Everything is checked before the first copy, so nothing is changed when the check fails: an engine keeps serving
-    whole old weights rather than a mix. Returns the number of parameters written."""
+    whole old weights rather than a mix. `partial`: a subset of the parameters is fine (a bucket of a weight update
+    sent in several calls); unknown names and wrong shapes are still refused. Returns the number of parameters
+    written."""
     params = dict(model.named_parameters())  # tied parameters appear once
     aliases = {name for name in model.state_dict() if name not in params}
-    missing = sorted(set(params) - set(tensors))
+    missing = [] if partial else sorted(set(params) - set(tensors))
     unknown = sorted(set(tensors) - set(params) - aliases)
     bad_shape = sorted(
         f"{n}: {tuple(tensors[n].shape)} != {tuple(p.shape)}"
@@ -63,9 +67,12 @@ def copy_into(model: torch.nn.Module, tensors: dict[str, torch.Tensor], source: 
             f"{source} do not fit the model: missing {missing[:8]}, unknown {unknown[:8]}, "
             f"shape mismatch {bad_shape[:8]}"
         )
+    written = 0
     for name, p in params.items():
-        p.copy_(tensors[name].to(dtype=p.dtype, device=p.device))
-    return len(params)
+        if name in tensors:
+            p.copy_(tensors[name].to(dtype=p.dtype, device=p.device))
+            written += 1
+    return written
 
 
 def load_into(model: torch.nn.Module, path: str | Path) -> int:

@@ -26,6 +26,7 @@ BENCHMARKS = [
     "redis_wait",
     "gpu_check",
     "staleness_model",
+    "trainer",
     "report",
 ]
 

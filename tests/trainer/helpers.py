@@ -4,12 +4,15 @@ trajectory of a run through its own consumer group (the fixtures that start them
 from __future__ import annotations
 
 import asyncio
+import json
 from collections import defaultdict
+from pathlib import Path
 
 from rollq.producer.results import ResultConsumer
 from rollq.protocol.keys import RunKeys
 from rollq.protocol.messages import Trajectory
 from rollq.trainer.batch import trained_versions
+from tests.helpers import wait_until
 
 # Heavy-ish tails and real queueing: lognormal lengths, a decode step every 2 ms, 8 slots per engine.
 ENGINE_ARGS = (
@@ -65,3 +68,17 @@ class Auditor:
 
     def has(self, groups: list[str], group_size: int) -> bool:
         return all(len(self.seen[g]) >= group_size for g in groups)
+
+    async def check_run(self, metrics: Path, *, steps: int, group_size: int, groups_per_step: int, eta: int) -> list:
+        """A run's metrics.jsonl after restarts: each step once, versions 1..steps, every sample trained, the bound
+        held at each step, and `check_trained` once the auditor has read every trained group. Returns the records."""
+        records = [json.loads(line) for line in metrics.read_text().splitlines()]
+        assert [r["step"] for r in records] == list(range(1, steps + 1))  # each step once: redone steps replaced
+        assert [r["version"] for r in records] == list(range(1, steps + 1))
+        assert records[-1]["trained_samples"] == steps * group_size * groups_per_step
+        for r in records:
+            assert r["staleness_max"] <= eta and r["ledger_admitted"] <= r["ledger_limit"]
+        trained = [g for r in records for g in r["groups"]]
+        await wait_until(lambda: self.has(trained, group_size), 20, what="the auditor to read every trained group")
+        self.check_trained(records, group_size=group_size, eta=eta)
+        return records

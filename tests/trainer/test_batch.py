@@ -91,3 +91,17 @@ def test_a_min_version_masks_only_the_older_generated_tokens():
     assert masked.tokens == 3 and masked.masked_tokens == 1  # the token of version 1 leaves the loss
     assert masked.versions[masked.loss_mask > 0].min().item() == 2
     assert torch.equal(masked.advantages, whole.advantages)  # the group's rewards still decide its advantages
+
+
+def test_a_group_is_uniform_when_every_reward_it_is_normalised_over_is_equal():
+    def group(*rewards: float, context: tuple[float, ...] = ()) -> Group:
+        samples = [traj("g", i, [5, 6], [0, 1], [-1, 0], r) for i, r in enumerate(rewards)]
+        return Group(job_id="g", samples=samples, context_rewards=list(context))
+
+    assert group(1.0, 1.0, 1.0).uniform and group(0.0, 0.0).uniform
+    assert build_batch([group(1.0, 1.0, 1.0)]).advantages.abs().sum() == 0  # what uniform stands for
+    assert not group(1.0, 1.0, 0.5).uniform
+    assert not group(0.5).uniform  # a lone reward: filtering it would filter every group of a group_size 1 run
+    # a split group's last part: its parts trained earlier join the normalisation, so they decide too
+    assert group(1.0, context=(1.0, 1.0)).uniform and not group(1.0, 1.0, context=(0.0,)).uniform
+    assert group(1.0, 1.0, context=(0.0,)).rewards == [0.0, 1.0, 1.0]

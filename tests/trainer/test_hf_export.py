@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 from rollq.engine.tiny_model import model_dir
 from rollq.trainer import checkpoint
@@ -41,9 +42,7 @@ def trained(tmp_path_factory) -> tuple[Path, Policy]:
         torch.manual_seed(7)
         for p in policy.model.parameters():
             p.add_(0.05 * torch.randn_like(p))
-    checkpoint.save(
-        run_dir / "checkpoint.pt", policy.state(), TrainerState(run_id="x", model="tiny", step=3, version=3)
-    )
+    checkpoint.save(run_dir, policy, TrainerState(run_id="x", model="tiny", step=3, version=3))
     return run_dir, policy
 
 
@@ -89,7 +88,7 @@ def test_the_export_is_the_trained_model_with_the_base_tokenizer(trained, export
 def test_a_missing_checkpoint_exits_2_naming_it(tmp_path):
     res = rollq("export", str(tmp_path / "no-such-run"), "--out", str(tmp_path / "out"))
     assert res.returncode == 2
-    assert res.stderr.strip().startswith("rollq export:") and "checkpoint.pt" in res.stderr
+    assert res.stderr.strip().startswith("rollq export:") and "no checkpoint" in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "out").exists()
 
@@ -124,7 +123,7 @@ def test_an_unknown_or_wrong_base_model_is_a_clear_error(trained, tmp_path, caps
     run_dir, policy = trained
     old = tmp_path / "old-run"
     old.mkdir()
-    checkpoint.save(old / "checkpoint.pt", policy.state(), TrainerState(run_id="x", step=1, version=1))  # no model
+    checkpoint.save(old, policy, TrainerState(run_id="x", step=1, version=1))  # no model
     assert export(ExportConfig(run_dir=str(old), out=str(tmp_path / "a"))) == 2
     err = capsys.readouterr().err
     assert "--model" in err and len(err.strip().splitlines()) == 1
@@ -132,12 +131,14 @@ def test_an_unknown_or_wrong_base_model_is_a_clear_error(trained, tmp_path, caps
     assert export(ExportConfig(run_dir=str(old), out=str(tmp_path / "b"), model=str(tmp_path / "nowhere"))) == 2
     assert "cannot load base model" in capsys.readouterr().err
 
-    state = policy.state()
-    weights = dict(state["model"])
+    weights = dict(policy.model.state_dict())
     weights.pop(next(iter(weights)))
     bad = tmp_path / "bad-run"
-    bad.mkdir()
-    checkpoint.save(bad / "checkpoint.pt", {"model": weights}, TrainerState(run_id="x", model="tiny"))
+    written = checkpoint.save(bad, policy, TrainerState(run_id="x", model="tiny"))
+    for part in written.glob("*.distcp"):  # the same checkpoint with a weight missing: written again without it
+        part.unlink()
+    (written / ".metadata").unlink()
+    dcp.save({"model": weights}, checkpoint_id=str(written))
     assert export(ExportConfig(run_dir=str(bad), out=str(tmp_path / "c"))) == 2
     err = capsys.readouterr().err
     assert "do not match base model 'tiny'" in err and len(err.strip().splitlines()) == 1

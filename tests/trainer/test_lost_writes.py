@@ -41,9 +41,8 @@ def test_settled_groups_keep_a_low_water_mark_and_the_stragglers():
 
 def test_the_checkpoint_keeps_the_settled_groups(tmp_path):
     state = TrainerState(run_id="r", settled=SettledGroups(below=4, above={6, 9}))
-    checkpoint.save(tmp_path / "c.pt", {}, state)
-    loaded = checkpoint.load(tmp_path / "c.pt")
-    assert loaded is not None and loaded[1].settled == SettledGroups(below=4, above={6, 9})
+    checkpoint.write_state(tmp_path, state)
+    assert checkpoint.read_state(tmp_path).settled == SettledGroups(below=4, above={6, 9})
 
 
 async def test_a_trained_groups_samples_read_again_are_acked_not_trained(redis, run_name):

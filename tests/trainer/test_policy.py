@@ -4,10 +4,12 @@ import msgspec
 import pytest
 import torch
 
+from rollq.trainer import checkpoint
 from rollq.trainer.batch import Group, build_batch
+from rollq.trainer.checkpoint import TrainerState
 from rollq.trainer.config import TrainConfig
 from rollq.trainer.loss import decoupled_ppo_loss
-from rollq.trainer.policy import Policy, has_dropout
+from rollq.trainer.policy import WEIGHTS_FILE, WEIGHTS_INDEX, Policy, has_dropout
 from tests.trainer.test_batch import traj
 
 
@@ -64,10 +66,56 @@ def test_weights_are_written_for_the_engines_and_load_back(tmp_path):
     loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     for (name, a), (_, b) in zip(policy.model.named_parameters(), loaded.named_parameters(), strict=True):
         assert torch.equal(a, b), name
-    state = policy.state()
-    other = Policy(msgspec.structs.replace(TrainConfig(), seed=1))
-    other.load_state(state)
-    assert torch.equal(next(other.model.parameters()), next(policy.model.parameters()))
+
+
+def test_weights_in_buckets_are_shards_with_an_index_that_transformers_and_the_engine_read(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from rollq.engine.server.weights import load_into
+
+    policy = Policy(TrainConfig(publish_bucket_mb=0.25))  # the tiny model is about 1.5 MiB: several buckets
+    with torch.no_grad():
+        next(policy.model.parameters()).add_(0.5)
+    out = policy.save_weights(tmp_path / "v1")
+    shards = sorted(p.name for p in out.glob("*.safetensors"))
+    assert len(shards) > 1 and (out / WEIGHTS_INDEX).exists() and not (out / WEIGHTS_FILE).exists()
+    assert shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    served = Policy(msgspec.structs.replace(TrainConfig(), seed=1)).model
+    assert load_into(served, out) == len(list(served.parameters()))
+    for (name, a), (_, b), (_, c) in zip(
+        policy.model.named_parameters(), loaded.named_parameters(), served.named_parameters(), strict=True
+    ):
+        assert torch.equal(a, b) and torch.equal(a, c), name
+
+
+def test_a_checkpoint_resumes_the_same_training(tmp_path):
+    """Model and AdamW's moments come back: the next step of the resumed policy is the original's, bit for bit."""
+    policy = Policy(TrainConfig(lr=1e-2))
+    batch = batch_of_two(policy)
+    policy.train_step(batch)
+    written = checkpoint.save(tmp_path, policy, TrainerState(run_id="x", step=1, version=1))
+    assert checkpoint.latest(tmp_path) == written and written.name == "step-00000001"
+    other = Policy(msgspec.structs.replace(TrainConfig(lr=1e-2), seed=1))
+    state = checkpoint.load(tmp_path, other)
+    assert state is not None and state.step == 1 and state.ranks == 1
+    policy.train_step(batch)
+    other.train_step(batch)
+    for (name, a), (_, b) in zip(policy.model.named_parameters(), other.model.named_parameters(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_a_save_cut_short_leaves_the_previous_checkpoint_in_force(tmp_path):
+    policy = Policy(TrainConfig())
+    first = checkpoint.save(tmp_path, policy, TrainerState(run_id="x", step=1, version=1))
+    second = checkpoint.save(tmp_path, policy, TrainerState(run_id="x", step=2, version=2))
+    third = checkpoint.save(tmp_path, policy, TrainerState(run_id="x", step=3, version=3))
+    assert not first.exists() and second.exists()  # the latest and the one before it are kept
+    torn = tmp_path / checkpoint.CHECKPOINTS / "step-00000004"  # a crash between the shards and the pointer
+    torn.mkdir()
+    (torn / ".metadata").write_bytes(b"half")
+    assert checkpoint.latest(tmp_path) == third
+    assert checkpoint.load(tmp_path, Policy(TrainConfig())).step == 3
 
 
 def test_a_bfloat16_compute_step_learns_the_same_direction_with_float32_weights():

@@ -41,7 +41,7 @@ def test_plain_rollq_trains_the_toy_task_and_cleans_up(tmp_path):
     assert last >= 0.1 and last >= 3 * first, rewards
     assert all(r["staleness_max"] <= 2 for r in records)
     assert (run_dir / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert (run_dir / "checkpoint.pt").exists()
+    assert (run_dir / "checkpoints" / "latest").exists()
 
     # Everything it started is gone: its private Redis no longer answers.
     url = re.search(r"redis at redis://([^:]+):(\d+)/0", proc.stderr)

@@ -19,8 +19,9 @@ pytestmark = pytest.mark.slow
 STEPS = 2
 
 
+@pytest.mark.parametrize("bucket_mb", [512.0, 0.25], ids=["one-bucket", "buckets"])  # the tiny model: ~1.5 MiB
 async def test_a_run_with_distributed_weight_sync_needs_no_shared_directory(
-    redis, redis_url, run_name, tmp_path, make_train_config, spawn_worker
+    redis, redis_url, run_name, tmp_path, make_train_config, spawn_worker, bucket_mb
 ):
     engine = await serve(ReferenceBackend(ReferenceConfig(model="tiny", max_running=8)), EngineServerConfig(port=0))
     spawn_worker(redis_url, run_name, "--concurrency", "4", "--engine", engine.url)
@@ -34,6 +35,7 @@ async def test_a_run_with_distributed_weight_sync_needs_no_shared_directory(
         max_staleness=1,
         weight_sync="distributed",
         weight_sync_timeout_s=20.0,
+        publish_bucket_mb=bucket_mb,
     )
     policy = Policy(cfg)
     pool = EnginePool(PoolConfig(urls=[engine.url]))

@@ -152,7 +152,7 @@ async def test_rollq_train_exits_naming_the_engine_route_and_status_when_its_eng
     assert all(line in err for line in refusals_of(gateway)), err
     assert gateway.refused["/update_weights_from_disk"] == 2  # the first attempt and one retry
     assert not (tmp_path / "run" / "metrics.jsonl").exists() or not (tmp_path / "run" / "metrics.jsonl").read_text()
-    assert not (tmp_path / "run" / "checkpoint.pt").exists()  # nothing trained
+    assert not (tmp_path / "run" / "checkpoints").exists()  # nothing trained
 
 
 @pytest.mark.slow
@@ -180,3 +180,17 @@ async def test_a_weight_update_refused_for_a_while_is_retried_and_the_step_goes_
     retried = [r.getMessage() for r in caplog.records if "trying again" in r.getMessage()]
     assert len(retried) == 1 and "weight update to version 1 reached 0 of the 1 engines" in retried[0]
     assert all(line in retried[0] for line in refusals_of(gateway))
+
+
+async def test_a_run_dir_with_a_single_file_checkpoint_of_an_older_rollq_is_refused(redis, make_train_config, tmp_path):
+    """Starting over would reset the run's ledger and train its groups again: the trainer stops, naming the file."""
+    cfg = make_train_config(engine=["http://127.0.0.1:9"], steps=1)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "checkpoint.pt").write_bytes(b"from an older rollq")
+    pool = EnginePool(PoolConfig(urls=cfg.engine))
+    try:
+        with pytest.raises(ValueError, match="checkpoint.pt of an older rollq"):
+            await asyncio.wait_for(Trainer(cfg, redis, pool, progress=io.StringIO()).run(), 60)
+    finally:
+        await pool.close()
+    assert not (tmp_path / "run" / "checkpoints").exists()

@@ -1,0 +1,115 @@
+"""The trainer on N ranks (torchrun, FSDP2 over gloo): the update one process takes, tied weights kept tied, half
+the memory per rank at 2, and sharded checkpoints that resume on another number of ranks (2 -> 1 and 1 -> 2).
+
+Each 2-rank run is a real `torch.distributed.run` of tests/trainer/rank_script.py; the 1-rank runs are the same
+script in this process (no process group, as `rollq train` without torchrun)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from rollq.engine.tiny_model import model_dir
+from tests.helpers import REPO_ROOT
+from tests.trainer import rank_script
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = Path(rank_script.__file__)
+TOLERANCE = 1e-5  # of the largest parameter's magnitude (float32)
+
+
+def tied_tiny(directory: Path) -> Path:
+    """The tiny model with its lm_head tied to the embedding (as SmolLM2's and Qwen2-0.5B's are): the config says
+    so and the weights hold the embedding once."""
+    shutil.copytree(model_dir("tiny"), directory)
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    weights = load_file(directory / "model.safetensors")
+    del weights["lm_head.weight"]
+    save_file(weights, directory / "model.safetensors")
+    return directory
+
+
+def two_ranks(*args: str) -> None:
+    res = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(SCRIPT), *args],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
+
+
+def one_rank(*args: str) -> None:
+    rank_script.main(list(args))
+
+
+def weights(directory: Path) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(directory.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """The largest parameter difference over the largest parameter magnitude. Per element it means little: where a
+    gradient is rounding noise (a key bias, whose gradient softmax all but cancels) AdamW's first step turns noise
+    of either sign into +-lr, in one process as on two."""
+    assert a.keys() == b.keys()
+    scale = max(float(t.abs().max()) for t in a.values())
+    return max(float((a[k] - b[k]).abs().max()) for k in a) / scale
+
+
+def facts(out: Path, rank: int = 0) -> dict:
+    return json.loads((out / f"rank-{rank}.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    """Two steps on one rank and on two, each checkpointed after its first step."""
+    root = tmp_path_factory.mktemp("ranks")
+    model = str(tied_tiny(root / "model"))
+    paths = {"model": Path(model), "root": root}
+    for name, run in (("one", one_rank), ("two", two_ranks)):
+        paths[name] = root / name
+        run("--model", model, "--out", str(root / name), "--steps", "2", "--save", str(root / f"{name}-ckpt"))
+    return paths
+
+
+def test_two_ranks_take_the_update_one_process_takes(runs):
+    one, two = runs["one"], runs["two"]
+    assert facts(one)["world"] == 1 and facts(two)["world"] == 2
+    for step in ("step-1", "step-2"):
+        assert max_difference(weights(one / step), weights(two / step)) <= TOLERANCE, step
+    assert weights(one / "step-1").keys() == weights(runs["model"]).keys()  # the tied lm_head is not written twice
+    before = weights(runs["model"])
+    assert max_difference(before, weights(two / "step-1")) > 100 * TOLERANCE  # the step moved: the check can fail
+    losses_one, losses_two = facts(one)["losses"], facts(two)["losses"]
+    assert losses_one == pytest.approx(losses_two, rel=1e-4, abs=1e-7)
+
+
+def test_tied_weights_stay_tied_and_each_of_two_ranks_holds_about_half(runs):
+    one, two = runs["one"], runs["two"]
+    assert facts(one)["tied"] and facts(two)["tied"]
+    whole = facts(one)["local_bytes"]
+    for rank in (0, 1):
+        assert facts(two, rank)["local_bytes"] <= 0.55 * whole, rank
+
+
+def test_a_checkpoint_of_two_ranks_resumes_on_one_and_one_of_one_on_two(runs):
+    root, model = runs["root"], str(runs["model"])
+    one_rank("--model", model, "--out", str(root / "two-to-one"), "--load", str(root / "two-ckpt"))
+    two_ranks("--model", model, "--out", str(root / "one-to-two"), "--load", str(root / "one-ckpt"))
+    for resumed, original in (("two-to-one", "two"), ("one-to-two", "one")):
+        # the weights come back exactly; the next step (AdamW's moments came back too) is the one the original took
+        assert max_difference(weights(root / resumed / "loaded"), weights(root / original / "step-1")) == 0.0
+        assert max_difference(weights(root / resumed / "step-1"), weights(root / original / "step-2")) <= TOLERANCE
