@@ -90,7 +90,6 @@ async def test_a_two_rank_trainer_resumes_on_one_rank_and_back_on_two(redis_url,
     assert records[-1]["trained_samples"] == 6 * GROUP * GROUPS
     for r in records:
         assert r["staleness_max"] <= ETA and r["ledger_admitted"] <= r["ledger_limit"]
-        assert r["train"]["grad_norm"] > 0
     trained = [g for r in records for g in r["groups"]]
     assert len(trained) == len(set(trained))
     await wait_until(lambda: audit.has(trained, GROUP), 20, what="the auditor to read every trained group")
