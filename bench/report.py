@@ -784,6 +784,79 @@ BENCHES: dict[str, Bench] = {
             (Line(_trainer_line),),
         ),
         Bench(
+            "lora",
+            "LoRA: adapter updates and two runs on one engine",
+            "One in-process reference engine (float32, CPU) per model. Publish: a full-weight update as the trainer "
+            "sends one (safetensors written, pause -> /update_weights_from_disk -> resume) against an adapter of rank "
+            "8 on every linear layer (PEFT files written as `Policy.save_adapter` writes them, /load_lora_adapter "
+            "beside the previous version, which is then unloaded; no pause), seconds from the write to the engine "
+            "serving it (median) and bytes written per update. Sharing: the tiny model's engine with two adapters "
+            "loaded, concurrent generation loops on adapter A only, B only, then half on each: the tokens per second "
+            "each run gets and the engine's total. `bench/lora.py` describes each figure.",
+            (
+                Table(
+                    "Publish: full weights vs an adapter",
+                    "publish",
+                    (
+                        Col("model", "model"),
+                        Col("parameters", "params", num()),
+                        Col("full update s", "full_s", num(3)),
+                        Col("full MB", "full_bytes", lambda v: num(2)(v / 1e6) if v is not None else "-"),
+                        Col("adapter s", "adapter_s", num(3)),
+                        Col("adapter MB", "adapter_bytes", lambda v: num(3)(v / 1e6) if v is not None else "-"),
+                        Col("adapter faster", "speedup", times(1)),
+                        Col("fewer bytes", "bytes_ratio", times(1)),
+                        Col("pauses per adapter update", "pauses_adapter", num()),
+                    ),
+                ),
+                Table(
+                    "Two runs on one engine, generated tokens/s",
+                    (("", "sharing"),),
+                    (
+                        Col("A alone", "alone_a_tok_s", num()),
+                        Col("B alone", "alone_b_tok_s", num()),
+                        Col("shared: A", "shared_a_tok_s", num()),
+                        Col("shared: B", "shared_b_tok_s", num()),
+                        Col("shared: total", "shared_total_tok_s", num()),
+                        Col("total vs one run alone", "shared_vs_alone", times()),
+                        Col("each run keeps", "each_keeps", times()),
+                    ),
+                    label="clients",
+                ),
+            ),
+            targets="",
+        ),
+        Bench(
+            "lora_learn",
+            "Two LoRA runs learning on one engine",
+            "`python -m bench.lora --learn`: two `rollq train` runs of the toy task (LoRA rank 8, adapters published "
+            "by version) at once on one reference engine registered in a fleet and one `rollq worker` serving both "
+            "runs. Each run's last-10-step reward and the engine's count of control calls: adapter loads and "
+            "unloads only, no pause and no full-weight update.",
+            (
+                Table(
+                    "Runs",
+                    "learn.runs",
+                    (
+                        Col("last-10 reward (target >= 0.95)", "reward_last10", num(4)),
+                        Col("first-10 reward", "reward_first10", num(4)),
+                        Col("steps", "steps", num()),
+                    ),
+                    label="run",
+                ),
+            ),
+            (
+                Line(
+                    lambda s: (
+                        f"Both runs together: {num()(get(s, 'learn.seconds'))} s. Engine control calls: "
+                        f"{get(s, 'learn.control_calls')}."
+                    )
+                ),
+            ),
+            targets="",
+            optional=True,
+        ),
+        Bench(
             "gpu_check",
             "GPU readiness",
             "The trainer's policy (bfloat16 autocast, fused AdamW on CUDA) and the reference engine on one torch "

@@ -103,6 +103,8 @@ def error_message(body: Any) -> str:
             return err
         if "message" in body:
             return str(body["message"])
+        if body.get("error_message"):  # the LoRA routes' LoRAUpdateOutput (io_struct.py:1497-1504)
+            return str(body["error_message"])
     return str(body).strip()[:SNIPPET_CHARS] if body else ""
 
 
@@ -248,6 +250,7 @@ class SGLangClient:
         timeout: float | None = None,  # None: a paused engine keeps the call open until it resumes
         on_progress: ProgressCallback | None = None,  # streams the request and reports tokens as they come
         priority: int | None = None,
+        lora_path: str | None = None,  # a LoRA adapter's name (SGLang's field name); None: the base model
     ) -> GenerateResult:
         payload: dict[str, Any] = {
             "input_ids": input_ids,
@@ -256,6 +259,8 @@ class SGLangClient:
         }
         if rid:
             payload["rid"] = rid
+        if lora_path:
+            payload["lora_path"] = lora_path
         if priority is not None:
             payload["priority"] = priority
         if on_progress is not None:
@@ -391,6 +396,37 @@ class SGLangClient:
             got = str(reply)[:SNIPPET_CHARS]
             raise EngineError(self.url, 200, f"expected a weight_version, got: {got}", "/get_weight_version")
         return str(reply["weight_version"])
+
+    # --- LoRA adapters (SGLang 0.5.5: http_server.py:949-980; names listed by /v1/models) ---
+
+    async def _adapter_call(self, path: str, payload: dict[str, Any], timeout: float | None) -> dict[str, str]:
+        """`{success, error_message, loaded_adapters}` routes: the adapters loaded after the call (name -> path)."""
+        resp = await self._request("POST", path, json=payload, timeout=timeout)
+        try:
+            body = resp.json() if resp.content else {}
+        except ValueError:
+            body = {"message": resp.text.strip()[:SNIPPET_CHARS]}
+        if resp.status < 400 and not (isinstance(body, dict) and "success" in body):
+            raise _not_json(self.url, resp, path, 'a JSON {"success": ...} answer')
+        if resp.status >= 400 or not body.get("success"):
+            raise _refusal(self.url, resp, path, body)
+        loaded = body.get("loaded_adapters") or {}
+        return {str(k): str(v) for k, v in loaded.items()} if isinstance(loaded, dict) else {}
+
+    async def load_lora_adapter(self, name: str, path: str, *, timeout: float | None = 120.0) -> dict[str, str]:
+        return await self._adapter_call("/load_lora_adapter", {"lora_name": name, "lora_path": path}, timeout)
+
+    async def unload_lora_adapter(self, name: str, *, timeout: float | None = None) -> dict[str, str]:
+        """Returns once the requests in flight on it finished (None: however long they take)."""
+        return await self._adapter_call("/unload_lora_adapter", {"lora_name": name}, timeout)
+
+    async def adapters(self) -> list[str]:
+        """The names of the adapters the engine serves (/v1/models' cards with a `parent`)."""
+        body = await self._json_object("GET", "/v1/models")
+        cards = body.get("data")
+        if not isinstance(cards, list):
+            return []
+        return [str(c["id"]) for c in cards if isinstance(c, dict) and c.get("parent") and "id" in c]
 
     # --- the distributed weight update path (SGLang 0.5.23; see rollq.engine.weight_group) ---
 

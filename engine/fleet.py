@@ -181,3 +181,37 @@ class FleetController:
             "control_s": t3 - t0 - update.load_seconds,
         }
         return CycleReport(pause=paused, update=update, resume=resumed, phases=phases)
+
+    # -- LoRA adapters: loaded beside the others, never a pause --------------------------------------------------------
+
+    async def load_adapter(self, name: str, path: str) -> CycleReport:
+        """Load adapter `name` on every engine, generation going on (SGLang loads adapters without pausing). An
+        engine that has it already counts as updated (a retried cycle, a resumed trainer). Reported as a cycle with
+        no pause and no resume, so the trainer's update requirement (trainer/publish.py) applies as to a full one."""
+        t0 = time.monotonic()
+
+        async def load(client: SGLangClient) -> None:
+            try:
+                await client.load_lora_adapter(name, path)
+            except EngineError as exc:
+                if "already loaded" not in str(exc):
+                    raise
+
+        update = await self._on_all(f"load_lora_adapter({name})", load)
+        seconds = time.monotonic() - t0
+        none = FleetResult([], {}, 0.0)
+        phases = {"pause_s": 0.0, "update_s": seconds, "resume_s": 0.0, "total_s": seconds, "load_s": seconds}
+        return CycleReport(pause=none, update=update, resume=none, phases={**phases, "control_s": 0.0})
+
+    async def unload_adapter(self, name: str) -> FleetResult:
+        """Unload `name` wherever it is loaded; each engine answers once its requests on it finished (SGLang waits,
+        never aborts), so this takes as long as the longest of them."""
+
+        async def unload(client: SGLangClient) -> None:
+            try:
+                await client.unload_lora_adapter(name)
+            except EngineError as exc:
+                if "does not exist" not in str(exc):
+                    raise
+
+        return await self._on_all(f"unload_lora_adapter({name})", unload)

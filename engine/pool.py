@@ -62,6 +62,13 @@ def token_versions(result: GenerateResult) -> list[int]:
     return out
 
 
+ADAPTER_NOT_LOADED = "LoRA adapters are not loaded"  # SGLang's words for an unknown lora_path (lora_registry.py:124)
+
+
+def _version_of(adapter: str | None, weight_version: str) -> int:
+    return version_number(adapter) if adapter else version_number(weight_version)
+
+
 def release(version: str) -> tuple[int, int, int] | None:
     """SGLang's `version` ("0.5.23", "0.5.5.post3", "0.5.24rc0") as (0, 5, 23); None when unknown."""
     m = _RELEASE.match(version or "")
@@ -508,6 +515,7 @@ class EnginePool:
         deadline = time.monotonic() + self.config.no_engine_timeout_s
         needs_facts = on_tokens is not None or bool(req.sampling.stop) or req.sampling.min_new_tokens > 0
         member: EngineMember | None = None
+        adapters: dict[str, str] = {}  # engine -> the adapter it serves this request with, when not req.lora_path
         while True:
             exclude = frozenset(failed) if failed else _NONE
             member = self.route(affinity, exclude, member) or await self._wait_for_engine(
@@ -515,6 +523,7 @@ class EnginePool:
             )
             member.outstanding += 1
             streamed: tuple[list[int], list[float]] = ([], [])
+            adapter = adapters.get(member.url, req.lora_path)
             try:
                 facts = await self.facts(member) if needs_facts else None
                 sampling, local_stop = self._segment_sampling(req.sampling, len(tokens), member.url, facts)
@@ -538,6 +547,7 @@ class EnginePool:
                     return_logprob=True,
                     on_progress=progress,
                     priority=req.priority,
+                    lora_path=adapter,
                 )
             except asyncio.CancelledError:
                 # The caller gave up: free the engine's slot too (a closed connection alone may not abort it).
@@ -545,11 +555,24 @@ class EnginePool:
                 self._background.add(task)
                 task.add_done_callback(self._background.discard)
                 raise
+            except EngineError as exc:
+                if not (adapter and ADAPTER_NOT_LOADED in str(exc)) or failovers >= self.config.max_failovers:
+                    raise
+                # The adapter the job was admitted under is gone from this engine (restarted, or it missed the
+                # load): its newest adapter of the same run serves the rest, each token keeping that version.
+                failovers += 1
+                newest = await self._newest_adapter(member, adapter)
+                if newest is None:
+                    failed.add(member.url)
+                else:
+                    adapters[member.url] = newest
+                log.warning("request %s: adapter %s not on %s; using %s", rid, adapter, member.url, newest or "another")
+                continue
             except EngineUnavailable as exc:
                 if streamed[0]:  # already shown to the caller: keep them and resubmit only the rest
                     tokens += streamed[0]
                     logprobs += streamed[1]
-                    versions += [version_number(member.weight_version)] * len(streamed[0])
+                    versions += [_version_of(adapter, member.weight_version)] * len(streamed[0])
                     if len(tokens) >= budget:
                         return self._response(req, rid, tokens, logprobs, versions, "length", member, segments, started)
                 failed.add(member.url)
@@ -567,7 +590,8 @@ class EnginePool:
             checked = len(tokens)
             tokens += result.output_ids
             logprobs += result.output_logprobs or [0.0] * len(result.output_ids)
-            versions += token_versions(result)
+            # A LoRA adapter is never changed in place: every token of the segment is its version
+            versions += [version_number(adapter)] * len(result.output_ids) if adapter else token_versions(result)
             member.weight_version = result.weight_version
             stopped: str | None = None
             if local_stop is not None and self.decode is not None:
@@ -596,6 +620,16 @@ class EnginePool:
             else:
                 reason = "length" if len(tokens) >= budget else "stop"
             return self._response(req, rid, tokens, logprobs, versions, reason, member, segments, started)
+
+    async def _newest_adapter(self, member: EngineMember, wanted: str) -> str | None:
+        """The newest adapter `member` serves of `wanted`'s family (`<family>-v<N>`), or None."""
+        family = wanted.rsplit("-v", 1)[0] + "-v"
+        try:
+            names = await member.client.adapters()
+        except (EngineError, EngineUnavailable):
+            return None
+        ours = [n for n in names if n.startswith(family) and n[len(family) :].isdigit()]
+        return max(ours, key=version_number, default=None)
 
     def _segment_sampling(
         self, sampling: SamplingParams, done: int, url: str, facts: EngineFacts | None

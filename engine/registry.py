@@ -8,16 +8,17 @@ import time
 
 import redis.asyncio as aioredis
 
-from rollq.protocol.keys import RunKeys
+from rollq.protocol.keys import RunKeys, fleet_engines_key
 from rollq.redis_client import TRANSIENT_ERRORS
 
 log = logging.getLogger("rollq.engine")
 
 
 class EngineRegistry:
-    def __init__(self, redis: aioredis.Redis, run: str, *, ttl_s: float = 10.0) -> None:
+    def __init__(self, redis: aioredis.Redis, run: str, *, ttl_s: float = 10.0, fleet: str = "") -> None:
+        """The engines of `run`, or with `fleet` those of the fleet several runs share (protocol.keys)."""
         self.redis = redis
-        self.key = RunKeys(run).engines
+        self.key = fleet_engines_key(fleet) if fleet else RunKeys(run).engines
         self.ttl_s = ttl_s
 
     async def register(self, url: str) -> None:

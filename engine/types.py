@@ -34,6 +34,8 @@ ADMIN_ROUTES = frozenset(
         "/flush_cache",
         "/update_weights_from_disk",
         "/update_weight_version",
+        "/load_lora_adapter",
+        "/unload_lora_adapter",
         "/init_weights_update_group",
         "/destroy_weights_update_group",
         "/begin_weight_update",
@@ -234,6 +236,7 @@ class ModelRequest(msgspec.Struct, kw_only=True):
     rid: str = ""
     affinity: str = ""
     priority: int | None = None  # SGLang's top-level `priority` (with --enable-priority-scheduling); None: omitted
+    lora_path: str | None = None  # the LoRA adapter's name (SGLang's `lora_path`); None: the engine's own weights
     metadata: dict[str, Any] = {}
     gconfig: GenerationHyperparameters | None = None
     tokenizer: Any = None

@@ -43,6 +43,7 @@ class JobRequest(msgspec.Struct, kw_only=True):
     is_eval: bool = False  # an evaluation sample (the workflow reads it as workflow_context.get().is_eval)
     job_class: str = DEFAULT_CLASS  # its job class (`rollq classes set`): stream, priority, share, admission budget
     priority: int | None = None  # its engine requests' priority (larger first); None: its class's
+    lora: str = ""  # the LoRA adapter its generation names (the trainer's versioned adapter); "" = none
 
 
 class SubmitResult(msgspec.Struct, frozen=True):
@@ -293,6 +294,7 @@ class Producer:
             submitted_at=now,
             job_class=req.job_class,
             priority=req.priority,
+            lora=req.lora,
         )
 
     def _fits(self, req: JobRequest, classes: dict[str, JobClass], count: int) -> None:

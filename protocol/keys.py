@@ -201,6 +201,13 @@ class RunKeys(msgspec.Struct, frozen=True):
         return f"{self.prefix}:jobres:{job_id}"
 
 
+def fleet_engines_key(fleet: str) -> str:
+    """Sorted set of a fleet's engines (as RunKeys.engines): the engines several runs share (their LoRA adapters
+    side by side), registered with `rollq engine --fleet NAME --register`."""
+    validate_run_name(fleet)
+    return f"rollq:fleet:{{{fleet}}}:engines"
+
+
 def inflight_key(reply_stream: str) -> str:
     """Counter of samples submitted for this reply stream and not yet consumed (backpressure)."""
     return f"{reply_stream}:inflight"

@@ -11,10 +11,11 @@ import msgspec
 from rollq.protocol.arrays import Float32Array, Int32Array, UInt8Array
 from rollq.protocol.keys import DEFAULT_CLASS, partition_share, validate_class_name
 
-SCHEMA_VERSION = 2  # the newest message schema this code reads
+SCHEMA_VERSION = 3  # the newest message schema this code reads
 # A message's `schema` absent on the wire (omit_defaults) means 1, so an older reader's default and ours agree. A job
 # that uses a field an older worker would ignore to the job's harm (JOB_SCHEMA_2_FIELDS: it would run without its
-# data, or with a wider allowlist) says schema 2, and such a worker refuses it (SchemaTooNew) instead.
+# data, or with a wider allowlist) says schema 2, and such a worker refuses it (SchemaTooNew) instead; a job naming a
+# LoRA adapter (`lora`) says 3: a worker before it would generate with the base weights.
 BASE_SCHEMA = 1
 
 # "cancelled": the sample was cancelled before it started (`Job.cancellable` jobs; it never ran). Consumers that
@@ -83,11 +84,16 @@ class Job(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     # own allowlist AND these allow, for everything the episode resolves (workflow, kwargs' reward_fn and tools,
     # agent_name). None: the worker's allowlist alone.
     allow: list[str] | None = None
+    # The LoRA adapter its generation names: the trainer's adapter of the policy version the group was admitted
+    # under (`<run>-v<N>`, loaded on the engines before that admission); "" = the engines' own weights.
+    lora: str = ""
     schema: int = BASE_SCHEMA
 
     def __post_init__(self) -> None:
         if self.schema < 2 and (self.data_ref or self.tenant or self.allow is not None):
             self.schema = 2
+        if self.schema < 3 and self.lora:
+            self.schema = 3
 
 
 class JobClass(msgspec.Struct, kw_only=True, frozen=True):

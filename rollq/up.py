@@ -162,6 +162,7 @@ def engine_argv(cfg: TrainConfig, port: int) -> list[str]:
         cfg.device,
         "--dtype",
         cfg.compute_dtype,  # engines serve in the dtype the trainer computes in
+        *(["--enable-lora"] if cfg.lora and cfg.lora_publish == "adapter" else []),  # each version an adapter
     ]
 
 

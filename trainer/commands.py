@@ -107,7 +107,7 @@ async def run_trainer(cfg: TrainConfig, policy: Policy | None = None) -> list[St
     await redis.ping()  # fail now, in one line, when Redis is unreachable
     registry_client = redis_client(cfg.redis_url)
     pool = engine_pool(cfg)
-    pool.follow(EngineRegistry(registry_client, cfg.run))
+    pool.follow(EngineRegistry(registry_client, cfg.run, fleet=cfg.fleet))
     try:
         records = await Trainer(cfg, redis, pool, policy=policy).run()
         if policy is not None:

@@ -38,6 +38,7 @@ class GroupFeeder:
         recheck_s: float = 1.0,
         reoffer_after_s: float = 0.0,
         priority_by_age: bool = False,
+        adapter_family: str = "",
         ride: Ride | None = None,
     ) -> None:
         self.ride: Ride = ride or direct
@@ -52,6 +53,9 @@ class GroupFeeder:
         self.recheck_s = recheck_s  # the ledger may also change elsewhere (another trainer life): look again
         self.reoffer_after_s = reoffer_after_s  # 0: never look for vanished submissions
         self.priority_by_age = priority_by_age  # group i's engine requests get priority -i: older groups first
+        # A LoRA run serving versioned adapters: a group admitted at version v names adapter `<family>-v<v>` (the
+        # base model at 0), which the trainer loaded on the engines before the ledger moved to v.
+        self.adapter_family = adapter_family
         self.reoffered = 0  # groups queued again because Redis lost their submission
         self._outstanding: dict[str, float] = {}  # admitted, not settled: job id -> when it was (last) queued
         self._admitted_version: dict[str, int] = {}  # admitted by this feeder, not settled: job id -> ledger version
@@ -92,9 +96,10 @@ class GroupFeeder:
     def job_id(self, index: int) -> str:
         return f"{self.prefix}{index}"
 
-    def request(self, index: int) -> JobRequest:
+    def request(self, index: int, version: int = 0) -> JobRequest:
         job_id = self.job_id(index)
         return JobRequest(
+            lora=adapter_name(self.adapter_family, version) if self.adapter_family and version > 0 else "",
             workflow=self.workflow,
             data={**self.prompts[index], "group_id": job_id},
             n=self.group_size,
@@ -115,7 +120,10 @@ class GroupFeeder:
         gone = await self.ride(partial(self.producer.vanished, due), "looking for vanished groups")
         for job_id in gone:
             index = int(job_id[len(self.prefix) :])
-            await self.ride(partial(self.producer.submit_many, [self.request(index)]), "queueing a group again")
+            version = self._admitted_version.get(job_id, 0)
+            await self.ride(
+                partial(self.producer.submit_many, [self.request(index, version)]), "queueing a group again"
+            )
             self._outstanding[job_id] = time.monotonic()
             self.reoffered += 1
             log.warning("group %s vanished from Redis (its submission was lost); queued it again", job_id)
@@ -139,10 +147,18 @@ class GroupFeeder:
             self._outstanding.setdefault(job_id, time.monotonic())
             self._admitted_version.setdefault(job_id, admission.version)
             # Safe to repeat: SUBMIT's idempotency marker queues a job id once.
-            await self.ride(partial(self.producer.submit_many, [self.request(self.next_index)]), "queueing a group")
+            version = self._admitted_version[job_id]
+            request = self.request(self.next_index, version)
+            await self.ride(partial(self.producer.submit_many, [request]), "queueing a group")
             if job_id in self._outstanding:  # (not settled meanwhile: results of an earlier life's submission)
                 self._outstanding[job_id] = time.monotonic()  # queued now: reoffer_after_s counts from here
             self.next_index += 1
 
 
-__all__ = ["GroupFeeder"]
+def adapter_name(family: str, version: int) -> str:
+    """The engines' name of a LoRA run's adapter of `version` (no ':' in it: SGLang's OpenAI routes split
+    `model` there; the pool reads the version back from its trailing number)."""
+    return f"{family}-v{version}"
+
+
+__all__ = ["GroupFeeder", "adapter_name"]

@@ -49,6 +49,13 @@ class ExportConfig(Settings, kw_only=True):
     dtype: Annotated[
         Literal["float32", "bfloat16"], setting("dtype of the exported weights (training keeps float32)")
     ] = "float32"
+    merged: Annotated[
+        bool,
+        setting(
+            "a LoRA run: write the base model with the adapter merged in (a full model directory) instead of the "
+            "adapter in PEFT's format"
+        ),
+    ] = False
 
 
 class ExportError(ValueError):
@@ -79,10 +86,16 @@ def _mismatch(exc: Exception, model: str) -> ExportError:
 
 
 def export_run(
-    run_dir: str | os.PathLike[str], out: str | os.PathLike[str], model: str = "", dtype: str = "float32"
+    run_dir: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    model: str = "",
+    dtype: str = "float32",
+    merged: bool = False,
 ) -> Path:
     """Write the model of the run in `run_dir` (its latest checkpoint) as an HF model directory at `out`; returns `out`.
-    `model`: the base model ('' = the one the checkpoint records). Raises ExportError with a one-line message."""
+    `model`: the base model ('' = the one the checkpoint records). A LoRA run's checkpoint is written as its adapter
+    in PEFT's format, or with `merged` as the base model with the adapter merged in. Raises ExportError with a
+    one-line message."""
     run_dir, out = Path(run_dir).expanduser(), Path(out).expanduser()
     if dtype not in ("float32", "bfloat16"):
         raise ExportError(f"--dtype must be float32 or bfloat16, not {dtype!r}")
@@ -103,7 +116,7 @@ def export_run(
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -123,15 +136,27 @@ def export_run(
         tokenizer = AutoTokenizer.from_pretrained(base_dir)
     except (OSError, ValueError, ImportError) as exc:
         raise ExportError(f"cannot load base model {base!r}: {_one_line(str(exc), 200)}") from None
+    from rollq.trainer import lora
+
+    adapter = (path / lora.ADAPTER_CONFIG).is_file()
+    if merged and not adapter:
+        raise ExportError(f"--merged is for a LoRA run, and {path} holds full weights (export it without --merged)")
     try:
-        weights = get_model_state_dict(net)
-        with quiet_single_process():  # every weight of the base model, or an error
+        options = StateDictOptions(ignore_frozen_params=adapter, strict=not adapter)
+        if adapter:  # the checkpoint holds the adapter alone: it goes onto the base model as it was trained
+            from peft import LoraConfig, get_peft_model
+
+            net = get_peft_model(net, LoraConfig.from_pretrained(str(path)))
+        weights = get_model_state_dict(net, options=options)
+        with quiet_single_process():  # every weight of the model (or of the adapter), or an error
             dcp.load({"model": weights}, checkpoint_id=str(path), no_dist=True)
-        set_model_state_dict(net, weights)
+        set_model_state_dict(net, weights, options=options)
     except (Exception, CheckpointException) as exc:  # a missing key, another model's shape, a damaged shard
         # DCP's message carries each rank's traceback: its last line is the reason
         reason = [line for line in str(exc).splitlines() if line.strip()][-1:] or [type(exc).__name__]
         raise _mismatch(Exception(reason[0]), base) from None
+    if adapter and merged:
+        net = net.merge_and_unload()
     if dtype != "float32":
         net = net.to(getattr(torch, dtype))
 
@@ -149,6 +174,7 @@ def export_run(
             "model": base,
             "base_dir": str(Path(base_dir).resolve()),
             "dtype": dtype,
+            "lora": "merged" if adapter and merged else "adapter" if adapter else "none",
         }
         (tmp / MARKER).write_text(json.dumps(record, indent=1) + "\n")
         _check_out(out)  # again: another writer may have filled it meanwhile
@@ -176,7 +202,7 @@ def _replace(tmp: Path, out: Path) -> None:
 def export(cfg: ExportConfig) -> int:
     """The `rollq export` entry: one JSON line on success, one `rollq export: ...` line and exit 2 otherwise."""
     try:
-        out = export_run(cfg.run_dir, cfg.out, cfg.model, cfg.dtype)
+        out = export_run(cfg.run_dir, cfg.out, cfg.model, cfg.dtype, cfg.merged)
     except ExportError as exc:
         print(f"rollq export: {exc}", file=sys.stderr)
         return 2

@@ -33,6 +33,7 @@ import torch
 
 from rollq.engine.fleet import FleetController, FleetResult
 from rollq.engine.pool import EnginePool
+from rollq.engine.tiny_model import model_dir
 from rollq.engine.weight_group import DistributedSyncConfig, DistributedWeightSync
 from rollq.producer.producer import Producer
 from rollq.producer.results import Delivered, PartitionedConsumer, ResultConsumer
@@ -44,7 +45,7 @@ from rollq.trainer.collector import Collected, GroupCollector
 from rollq.trainer.config import TrainConfig
 from rollq.trainer.data import PromptOrder, load_prompts
 from rollq.trainer.evaluate import Evaluator
-from rollq.trainer.feeder import GroupFeeder
+from rollq.trainer.feeder import GroupFeeder, adapter_name
 from rollq.trainer.ledger import StalenessLedger
 from rollq.trainer.metrics import MetricsLog, RateWindow, StepRecord, plot
 from rollq.trainer.policy import Policy
@@ -57,6 +58,7 @@ T = TypeVar("T")
 
 CONSUMER_GROUP = "trainer"
 CONSUMER_NAME = "trainer"  # fixed: a restarted trainer first re-reads what its previous life left pending
+UNLOAD_WAIT_S = 10.0  # at the end of a LoRA run, how long old adapters' unloads may take to finish
 KEEP_WEIGHT_VERSIONS = 2  # an engine being reconciled may still read the previous version
 PLOT_EVERY_STEPS = 20  # plot.png follows a long run
 RATE_WINDOW_S = 10.0  # throughput figures average over at least this long (reads come in bursts)
@@ -138,6 +140,11 @@ class Trainer:
         self.feeder: GroupFeeder | None = None
         self.collector: GroupCollector | None = None
         self._train_estimate_s = 0.0  # min_step_s: the last step's train time (pacing waits the rest up front)
+        # A LoRA run serving versioned adapters (lora_publish adapter): the versions the engines hold, and the
+        # unloads of older ones under way (each returns once that version's requests in flight have finished).
+        self.adapter_family = config.run if config.lora and config.lora_publish == "adapter" else ""
+        self._adapters_loaded: list[int] = []
+        self._unloads: set[asyncio.Task[None]] = set()
         self._resumed = False  # from here on, a Redis that lost the ledger gets it back from self.state
         # Called once each step is done (checkpointed, acked, its version in the ledger): the seam's publish()
         # returns there (trainer/seam.py).
@@ -224,6 +231,8 @@ class Trainer:
         """Weights of `version` onto the engines: pause, load, resume (generation resumes right after the load), on at
         least `min_engines_updated` of them (default: every healthy one), the cycle retried with backoff until it is;
         else WeightUpdateFailed ends the run (trainer/publish.py). Returns the phases of the cycle that made it."""
+        if self.adapter_family:
+            return await self._publish_adapter(version)
         if self.weight_sync is not None:
             update = self._broadcast(self.weight_sync, version)
         else:
@@ -237,6 +246,35 @@ class Trainer:
                 if old.name[1:].isdigit() and int(old.name[1:]) <= version - KEEP_WEIGHT_VERSIONS:
                     await asyncio.to_thread(shutil.rmtree, old, True)
         return report.phases
+
+    async def _publish_adapter(self, version: int) -> dict[str, float]:
+        """A LoRA run's adapter of `version` onto the engines beside the versions before it: no pause, no flush, no
+        full weights. Groups admitted at `version` name it (trainer/feeder.py); requests in flight keep theirs.
+        Versions no group can be trained from any more (older than version - max_staleness - 1) are unloaded in the
+        background. Version 0 is the base model: nothing to load."""
+        if version == 0:
+            return {"pause_s": 0.0, "update_s": 0.0, "resume_s": 0.0, "total_s": 0.0, "load_s": 0.0, "control_s": 0.0}
+        save_adapter = getattr(self.policy, "save_adapter", None)
+        if save_adapter is None:
+            raise TypeError("lora_publish adapter needs a policy with save_adapter (rollq's own Policy)")
+        path = await asyncio.to_thread(save_adapter, self.weights_root / f"adapter-v{version}")
+        name = adapter_name(self.adapter_family, version)
+        report = await publish(
+            lambda: self.fleet.load_adapter(name, str(path)), self.pool, self.update_requirement, version
+        )
+        self._adapters_loaded.append(version)
+        keep_from = version - self.cfg.max_staleness - 1
+        for old in [v for v in self._adapters_loaded if v < keep_from]:
+            self._adapters_loaded.remove(old)
+            task = asyncio.create_task(self._unload_adapter(old), name=f"unload-adapter-v{old}")
+            self._unloads.add(task)
+            task.add_done_callback(self._unloads.discard)
+        return report.phases
+
+    async def _unload_adapter(self, version: int) -> None:
+        result = await self.fleet.unload_adapter(adapter_name(self.adapter_family, version))
+        if not result.failed:
+            await asyncio.to_thread(shutil.rmtree, self.weights_root / f"adapter-v{version}", True)
 
     def _broadcast(self, sync: DistributedWeightSync, version: int) -> Callable[[], Awaitable[FleetResult]]:
         """The update step of a cycle without a shared disk: broadcast to every engine (stale and newly joined ones
@@ -282,6 +320,18 @@ class Trainer:
             await asyncio.sleep(0.5)
             waited += 0.5
 
+    async def _check_fleet_model(self) -> None:
+        """A shared fleet serves one base model; an adapter of another model's shapes would not load, and one of the
+        same shapes would be served on the wrong weights: refuse to start unless every engine serves this run's."""
+        want = Path(model_dir(self.cfg.model)).resolve()
+        for member in self.pool.engines():
+            served = str((await member.client.model_info()).get("model_path", ""))
+            if not served or Path(served).resolve() != want:
+                raise ValueError(
+                    f"fleet {self.cfg.fleet!r}: engine {member.url} serves {served or 'an unknown model'}, and this "
+                    f"run trains {self.cfg.model} ({want}): only LoRA runs on the fleet's base model share it"
+                )
+
     async def run(self) -> list[StepRecord]:
         """Train `steps` steps; with `metrics_port` set, /metrics is served meanwhile (trainer/prometheus_metrics)."""
         if not self.cfg.metrics_port:
@@ -310,6 +360,8 @@ class Trainer:
             )
         await self.pool.start()
         await self._wait_for_engines()
+        if cfg.fleet:
+            await self._check_fleet_model()
         resumed = await self._resume()
         if cfg.trained_log:
             self._cut_trained_log(self.state.step)
@@ -332,6 +384,7 @@ class Trainer:
             next_index=self.state.next_group,
             reoffer_after_s=cfg.reoffer_after_s,
             priority_by_age=cfg.priority_by_age,
+            adapter_family=self.adapter_family,
             ride=self.ride,
         )
         self.collector = GroupCollector(
@@ -393,6 +446,10 @@ class Trainer:
             await asyncio.wait([feeding], timeout=10)
             if self.weight_sync is not None:  # the engines drop the group (its sockets) now, not at their next join
                 await self.weight_sync.close()
+            if self._unloads:  # each ends once that version's requests in flight have (bounded: it keeps it then)
+                _, late = await asyncio.wait(list(self._unloads), timeout=UNLOAD_WAIT_S)
+                for unload in late:
+                    unload.cancel()
         records = self.metrics.read()
         await self._plot(records)
         return records

@@ -24,6 +24,7 @@ import msgspec
 import torch
 
 from rollq.engine.tiny_model import model_dir
+from rollq.trainer import lora
 from rollq.trainer import rank_commands as rc
 from rollq.trainer.batch import Batch, micro_batches
 from rollq.trainer.config import TrainConfig
@@ -71,10 +72,13 @@ class Policy:
         else:
             model = AutoModelForCausalLM.from_pretrained(self.path, dtype=torch.float32)
             self.model = model.to(self.device)
+        if config.lora:  # a frozen base and an adapter, replicated on every rank (trainer/lora.py)
+            self.model = lora.apply_lora(self.model, config, self.path)
+            if self.ranks.distributed:
+                lora.broadcast_adapter(lora.trainable(self.model))
+        self.params = lora.trainable(self.model)  # what the optimizer moves: the adapter alone in a LoRA run
         # fused: one kernel for the whole update on CUDA (not available on CPU)
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay, fused=on_gpu
-        )
+        self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, weight_decay=config.weight_decay, fused=on_gpu)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         # One optimizer step per batch and no dropout: the proximal policy is the training pass's own weights, so
         # its logprobs are that pass's, detached (one forward pass fewer, the same update)
@@ -239,7 +243,7 @@ class Policy:
             mbs, passes = self._micro(r, [i for i in part if i in r.learning])
             self.optimizer.zero_grad(set_to_none=passes > 0)
             if not passes:  # a zero gradient, as the passes would give: AdamW still moves on its moments
-                for p in self.model.parameters():
+                for p in self.params:
                     if p.grad is None:
                         p.grad = torch.zeros_like(p)
             total = self._accumulate(r, mbs, passes, denominator, sums)
@@ -247,13 +251,15 @@ class Policy:
             if joined is not None:
                 j = self._rows(joined)
                 both = float((r.mask[part].sum() + j.mask.sum()).clamp(min=1.0))
-                for p in self.model.parameters():
+                for p in self.params:
                     if p.grad is not None:
                         p.grad.mul_(denominator / both)
                 late_mbs, late_passes = self._micro(j, sorted(j.learning))
                 total = total * denominator / both + self._accumulate(j, late_mbs, late_passes, both, sums)
                 gap += float(((j.prox - j.behav).abs() * j.mask).sum())
-            norms.append(_full(torch.nn.utils.clip_grad_norm_(self.model.parameters(), c.grad_clip)))
+            if self.config.lora and self.ranks.distributed:  # FSDP reduces only what it shards: not the adapter
+                lora.all_reduce_grads(self.params)
+            norms.append(_full(torch.nn.utils.clip_grad_norm_(self.params, c.grad_clip)))
             self.optimizer.step()
             losses.append(total)
         gap += float(((r.prox - r.behav).abs() * r.mask).sum())
@@ -276,6 +282,9 @@ class Policy:
     def full_parameters(self) -> Iterator[tuple[str, torch.Tensor | None]]:
         """Every parameter whole, one at a time, on the CPU on rank 0 (None on the other ranks, which take part in
         the gathers): a collective every rank runs to the end, in the same order."""
+        if self.config.lora:  # the engines take full weights: the adapter merged into them
+            yield from lora.merged_parameters(self.model, self.ranks.leader)
+            return
         for name, p in self.model.named_parameters():
             full = p.full_tensor() if hasattr(p, "full_tensor") else p
             yield name, (full.detach().to("cpu").contiguous() if self.ranks.leader else None)
@@ -315,6 +324,12 @@ class Policy:
             directory, self.parameter_buckets(bucket_bytes), lambda tmp: config.to_json_file(str(tmp / "config.json"))
         )
 
+    def save_adapter(self, directory: Path) -> Path:
+        """A LoRA run's adapter in PEFT's format (rank 0 alone: every rank holds the whole adapter, no collective)."""
+        if not self.config.lora:
+            raise ValueError("save_adapter is for a LoRA run (lora_rank above 0)")
+        return lora.write_adapter(Path(directory), self.model)
+
     # -- checkpoints (trainer/checkpoint.py keeps the trainer's state beside them) ---------------------------------
 
     def save_checkpoint(self, directory: Path) -> None:
@@ -324,20 +339,38 @@ class Policy:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         self._announce(rc.SaveCheckpoint(directory=str(directory)))
-        model, optimizer = get_state_dict(self.model, self.optimizer)
+        model, optimizer = get_state_dict(self.model, self.optimizer, options=self._state_options())
         dcp.save(
             {"model": model, "optimizer": optimizer}, checkpoint_id=str(directory), no_dist=not self.ranks.distributed
         )
+        if self.config.lora and self.ranks.leader:  # what the adapter is: `rollq export` rebuilds it from this
+            self.model.peft_config[lora.ADAPTER_NAME].save_pretrained(str(directory))
 
     def load_checkpoint(self, directory: Path) -> None:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+        holds_adapter = (Path(directory) / lora.ADAPTER_CONFIG).is_file()
+        if holds_adapter != self.config.lora:  # before announcing: every rank raises the same, none is left waiting
+            kind = "a LoRA adapter" if holds_adapter else "full weights"
+            raise ValueError(
+                f"checkpoint {directory} holds {kind}, and this run has lora_rank {self.config.lora_rank}: resume "
+                f"with the lora settings it was trained with"
+            )
         self._announce(rc.LoadCheckpoint(directory=str(directory)))
-        model, optimizer = get_state_dict(self.model, self.optimizer)
+        options = self._state_options()
+        model, optimizer = get_state_dict(self.model, self.optimizer, options=options)
         with quiet_single_process():  # in place: DCP fills the tensors of both state dicts
             dcp.load({"model": model, "optimizer": optimizer}, checkpoint_id=str(directory), no_dist=self._no_dist)
-        set_state_dict(self.model, self.optimizer, model_state_dict=model, optim_state_dict=optimizer)
+        set_state_dict(self.model, self.optimizer, model_state_dict=model, optim_state_dict=optimizer, options=options)
+
+    def _state_options(self) -> Any:
+        """A LoRA run's checkpoint holds the adapter and its optimizer state only: the base is the model's own
+        files, unchanged (strict=False: setting it back leaves the base alone; DCP's load has already failed on any
+        adapter key the checkpoint lacks)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        return StateDictOptions(ignore_frozen_params=self.config.lora, strict=not self.config.lora)
 
     @property
     def _no_dist(self) -> bool:

@@ -7,6 +7,7 @@ import os
 import signal
 import sys
 
+import msgspec
 import uvloop
 
 from rollq.engine.pool import EnginePool, PoolConfig
@@ -16,6 +17,7 @@ from rollq.workers.agents.environment import drop_worker_secrets
 from rollq.workers.chat_template import StopTextDecoder
 from rollq.workers.config import WorkerConfig
 from rollq.workers.metrics import WorkerMetrics
+from rollq.workers.run_share import RunShare
 from rollq.workers.worker import Worker
 
 
@@ -31,18 +33,28 @@ async def serve(cfg: WorkerConfig) -> int:
     pool = engine_pool(cfg)
     await pool.start()
     registry_client = redis_client(cfg.redis_url)
-    pool.follow(EngineRegistry(registry_client, cfg.run))
-    worker = Worker(cfg, engine=pool)
+    pool.follow(EngineRegistry(registry_client, cfg.run, fleet=cfg.fleet))
+    # One Worker per served run over the one pool; several share the concurrency (workers/run_share.py).
+    share = RunShare(cfg.concurrency, cfg.weights()) if len(cfg.runs) > 1 else None
+    per_run = [msgspec.structs.replace(cfg, run=run, also_serve=[], run_weight=[]) for run in cfg.runs]
+    workers = [Worker(run_cfg, engine=pool, share=share) for run_cfg in per_run]
+    worker = workers[0]
     metrics = WorkerMetrics(worker, pool).serve(cfg.metrics_port, cfg.metrics_host) if cfg.metrics_port else None
     loop = asyncio.get_running_loop()
+
+    def stop_all() -> None:
+        for w in workers:
+            w.request_stop()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, worker.request_stop)
+        loop.add_signal_handler(sig, stop_all)
     try:
-        await worker.run()
+        await asyncio.gather(*(w.run() for w in workers))
     finally:
         if metrics is not None:
             metrics.close()
-        await worker.redis.aclose()
+        for w in workers:
+            await w.redis.aclose()
         await pool.close()
         await registry_client.aclose()
     return 0

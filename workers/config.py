@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 from rollq.config import RunSettings, setting
+from rollq.protocol.keys import validate_run_name
 from rollq.protocol.limits import MAX_JOB_BYTES, MAX_TRAJECTORY_BYTES
 
 AGENTS = "agent workflows"
@@ -14,6 +15,25 @@ class WorkerConfig(RunSettings, kw_only=True):
     """A rollout worker: pulls jobs, runs their workflows against the engines, publishes trajectories."""
 
     concurrency: Annotated[int, setting("jobs run at once", metavar="N", ge=1)] = 64
+    also_serve: Annotated[
+        list[str],
+        setting(
+            "more runs this worker serves besides `run` (repeatable): the concurrency shared between them by "
+            "run_weight, each run's jobs, results and leases its own, one engine pool (a fleet's) for all",
+            metavar="RUN",
+        ),
+    ] = []
+    run_weight: Annotated[
+        list[str],
+        setting("a served run's share weight, RUN=W (repeatable; default 1 each)", metavar="RUN=W"),
+    ] = []
+    fleet: Annotated[
+        str,
+        setting(
+            "use the engines registered in fleet NAME (shared by several runs) instead of the run's own registry",
+            metavar="NAME",
+        ),
+    ] = ""
     name: Annotated[str, setting("consumer name (default host-pid-random); reuse it to resume its pending jobs")] = ""
     engine: Annotated[
         list[str],
@@ -153,6 +173,28 @@ class WorkerConfig(RunSettings, kw_only=True):
             self.reclaim_interval_ms = max(50, self.lease_ms // 4)
         if self.lease_refresh_ms * 2 > self.lease_ms:
             raise ValueError("lease_refresh_ms must be well below lease_ms (at most half)")
+        for run in self.also_serve:
+            validate_run_name(run)
+        self.weights()  # a malformed run_weight is an error now
+
+    @property
+    def runs(self) -> list[str]:
+        """Every run this worker serves: `run`, then also_serve (each once)."""
+        return list(dict.fromkeys([self.run, *self.also_serve]))
+
+    def weights(self) -> dict[str, float]:
+        """run_weight as run -> weight."""
+        out: dict[str, float] = {}
+        for item in self.run_weight:
+            run, sep, raw = item.partition("=")
+            try:
+                weight = float(raw)
+            except ValueError:
+                weight = -1.0
+            if not sep or run not in self.runs or not weight > 0:
+                raise ValueError(f"run_weight {item!r} must be RUN=W with RUN a served run ({self.runs}) and W > 0")
+            out[run] = weight
+        return out
 
 
 __all__ = ["WorkerConfig"]

@@ -63,6 +63,7 @@ class EpisodeContext(msgspec.Struct, kw_only=True, frozen=True):
     # The class's priority, carried by the episode's engine requests that set none (RecordingEngine). None for
     # priority 0, SGLang's default: only a run that uses priorities needs --enable-priority-scheduling.
     priority: int | None = None
+    lora: str = ""  # the job's LoRA adapter: carried by the episode's engine requests that name none
 
     def __post_init__(self) -> None:
         if self.priority == 0:
@@ -130,6 +131,9 @@ class RecordingEngine:
         if episode is not None and episode.priority is not None and req.priority is None:
             req = copy.copy(req)  # the caller's request stays as it was
             req.priority = episode.priority
+        if episode is not None and episode.lora and not req.lora_path:
+            req = copy.copy(req)
+            req.lora_path = episode.lora
         if on_tokens is None:
             resp = await self.inner.agenerate(req)
         else:

@@ -59,6 +59,7 @@ from rollq.workers.loader import WorkflowCache, workflow_path
 from rollq.workers.outputs import to_sequences
 from rollq.workers.proxy.server import ProxyConfig
 from rollq.workers.resolver import Allowlist, WorkflowLoadError, enforcing
+from rollq.workers.run_share import RunShare
 
 log = logging.getLogger("rollq.worker")
 
@@ -139,7 +140,12 @@ def default_worker_name() -> str:
 
 class Worker:
     def __init__(
-        self, config: WorkerConfig, *, engine: InferenceEngine | None = None, redis: aioredis.Redis | None = None
+        self,
+        config: WorkerConfig,
+        *,
+        engine: InferenceEngine | None = None,
+        redis: aioredis.Redis | None = None,
+        share: RunShare | None = None,
     ) -> None:
         self.cfg = config
         self.keys = RunKeys(config.run)
@@ -201,6 +207,10 @@ class Worker:
         self._slot_free = asyncio.Event()
         self._batcher: WriteBatcher | None = None
         self.ready = asyncio.Event()  # set once the consumer group exists and reading began
+        # Serving several runs in one process (workers/run_share.py): the slots this run may fill come from there.
+        self.share = share
+        if share is not None:
+            share.join(config.run, lambda: len(self._running), self._slot_free)
 
     @property
     def _writes(self) -> WriteBatcher:
@@ -285,10 +295,10 @@ class Worker:
         delay = 0.05
         outage = OutageClock(self.cfg.redis_url, self.cfg.redis_outage_s, "reading jobs")
         while not self._stop.is_set():
-            free = self.cfg.concurrency - len(self._running)
+            free = self._free()
             if free <= 0:
                 self._slot_free.clear()
-                if self.cfg.concurrency - len(self._running) <= 0 and not self._stop.is_set():
+                if self._free() <= 0 and not self._stop.is_set():
                     await self._slot_free.wait()
                 continue
             try:
@@ -318,6 +328,7 @@ class Worker:
                     claimed = await self._reclaim(free)
                     if claimed:
                         continue
+                before = len(self._running)
                 if len(self._class_of) == 1:  # one class, one partition (the usual case): one blocking read
                     stream = self._streams[DEFAULT_CLASS][0]
                     entries = await self._read(stream, ">", free, block=self.cfg.block_ms)
@@ -325,6 +336,8 @@ class Worker:
                         await self._start(stream, entries, [1] * len(entries))
                 else:
                     await self._read_classes(free)
+                if self.share is not None:  # found work or none: the other runs' shares follow
+                    self.share.wanting(self.cfg.run, len(self._running) > before or bool(self._held))
                 delay = 0.05
                 outage.ok()
                 if self._rewalk:
@@ -495,9 +508,17 @@ class Worker:
             self._running[(stream, eid)] = _Running(task, payload)
             task.add_done_callback(functools.partial(self._job_done, (stream, eid)))
 
+    def _free(self) -> int:
+        """Slots to fill now: the concurrency left, or this run's part of the process's (serving several runs)."""
+        if self.share is None:
+            return self.cfg.concurrency - len(self._running)
+        return self.share.free(self.cfg.run)
+
     def _job_done(self, key: tuple[str, str], task: asyncio.Task) -> None:
         self._running.pop(key, None)
         self._slot_free.set()
+        if self.share is not None:
+            self.share.released()
         if not task.cancelled() and task.exception() is not None:
             # Not the workflow's failure (that is handled in _handle): the job stays pending and is reclaimed.
             log.error("job entry %s of %s could not be finished: %r", key[1], key[0], task.exception())
@@ -621,6 +642,7 @@ class Worker:
                     attempt=runs - 1,
                     job_class=job_class.name,
                     priority=job_class.priority if job.priority is None else job.priority,
+                    lora=job.lora,
                 )
                 with enforcing(allowlist), episode_scope(episode) as responses:  # workflow_context.get() in it
                     output = await workflow.arun_episode(self._episode_engine, data)

@@ -6,6 +6,7 @@ backend only turns GenStates into tokens."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import hmac
 import logging
 import time
@@ -18,6 +19,9 @@ from aiohttp import web
 
 from rollq.engine.server.backend import Backend, GenState
 from rollq.engine.server.distributed_routes import add_distributed_routes
+from rollq.engine.server.lora_registry import NOT_ENABLED, AdapterError, AdapterRegistry
+from rollq.engine.server.lora_routes import ROUTES_KEY as LORA_ROUTES_KEY
+from rollq.engine.server.lora_routes import add_lora_routes
 from rollq.engine.server.validation import BadRequest, EngineValueError, GenerateCall, parse_generate
 from rollq.engine.server.weights_root import WeightsPathRefused, resolve_under
 from rollq.engine.types import ADMIN_ROUTES, FinishReason, PauseMode, SamplingParams
@@ -55,6 +59,11 @@ class EngineServerConfig(msgspec.Struct, kw_only=True):
     # Largest request body on every route (aiohttp's 413 beyond). /generate is the big one: a long prompt's ids are
     # about 8 bytes a token, so 32 MiB holds a batch of 4M tokens; no route takes tensors over HTTP.
     max_body_bytes: int = 32 << 20
+    # LoRA (SGLang's --enable-lora, --max-loras-per-batch, --max-loaded-loras, --lora-paths; engine/server/lora_routes)
+    enable_lora: bool = False
+    max_loras_per_batch: int = 8  # distinct adapters in one running batch, the base model counting as one
+    max_loaded_loras: int | None = None
+    lora_paths: list[str] = []  # adapters loaded at start: NAME=PATH or PATH (then named by its path)
 
 
 class _Req:
@@ -108,6 +117,10 @@ class EngineServer:
             "num_aborted_requests": 0,
             "num_retracted_requests": 0,
         }
+        self.adapters = AdapterRegistry(config.max_loaded_loras)
+        # Calls of each control route (pause, weights, flush, adapters ...), answered or not: rollq's own
+        # `rollq:control_calls_total{route}` on /metrics (a LoRA run checks that no pause or full update came).
+        self.control_calls: collections.Counter[str] = collections.Counter()
         self.cache_flushes = 0  # prefix-cache flushes done (tests read it: rollq's choice of when to flush)
         self.last_load_seconds = 0.0
 
@@ -289,9 +302,15 @@ class EngineServer:
                     if rid in self.states or rid in seen:
                         raise EngineValueError(f"Duplicate request ID detected: {rid}")  # tokenizer_manager.py:3836
                     seen.add(rid)
+            names = [prompt.lora_path for prompt in call.prompts for _ in prompt.rids]
+            if any(names) and not self.config.enable_lora:
+                # SGLang 0.5.5's /generate ignores lora_path then (tokenizer_manager.py:433) and serves the base
+                # model: an adapter silently not applied. rollq refuses, with the words of its OpenAI routes.
+                raise EngineValueError(NOT_ENABLED)
+            adapters = self.adapters.acquire(names)  # AdapterError (unknown name): a ValueError, as in SGLang
         except BadRequest as exc:  # the request's shape: FastAPI / the contract check answer before any stream
             return _bad_request(str(exc))
-        except (EngineValueError, NotImplementedError) as exc:
+        except (EngineValueError, NotImplementedError, AdapterError) as exc:
             if body.get("stream") is True:
                 return await self._stream_error(request, str(exc))
             return _engine_error(str(exc))
@@ -299,7 +318,14 @@ class EngineServer:
         items: list[tuple[_Req, bool]] = []
         for prompt in call.prompts:
             for rid in prompt.rids:
-                state = GenState(rid, list(prompt.input_ids), prompt.params, prompt.return_logprob, prompt.priority)
+                state = GenState(
+                    rid,
+                    list(prompt.input_ids),
+                    prompt.params,
+                    prompt.return_logprob,
+                    prompt.priority,
+                    adapters[len(items)],
+                )
                 items.append((_Req(state, prompt.top_logprobs_num), prompt.return_logprob))
                 self.counters["prompt_tokens"] += len(prompt.input_ids)
         self.counters["num_requests"] += len(items)
@@ -322,6 +348,7 @@ class EngineServer:
         finally:
             for req, _ in items:
                 self.states.pop(req.state.rid, None)
+                self.adapters.release(req.state.adapter)
         return _json(outs if call.batched else outs[0])
 
     async def _stream_error(self, request: web.Request, message: str) -> web.StreamResponse:
@@ -626,22 +653,15 @@ class EngineServer:
         return _json(info)
 
     async def models(self, request: web.Request) -> web.Response:
+        """The served model's card, then one per loaded adapter (http_server.py:1169-1198 in 0.5.5)."""
         name = self.model_name()
-        return _json(
-            {
-                "object": "list",
-                "data": [
-                    {
-                        "id": name,
-                        "object": "model",
-                        "created": int(self.started_at),
-                        "owned_by": "sglang",
-                        "root": name,
-                        "max_model_len": self.backend.context_length,
-                    }
-                ],
-            }
-        )
+        card = {"object": "model", "created": int(self.started_at), "owned_by": "sglang"}
+        cards = [{"id": name, **card, "root": name, "max_model_len": self.backend.context_length}]
+        cards += [
+            {"id": ref.name, **card, "root": ref.path, "parent": name, "max_model_len": None}
+            for ref in self.adapters.refs()
+        ]
+        return _json({"object": "list", "data": cards})
 
     def gauges(self) -> dict[str, float]:
         stats = self.backend.stats()
@@ -673,6 +693,8 @@ class EngineServer:
                 f"# TYPE sglang:{name}_total counter",
                 f"sglang:{name}_total{labels} {float(value)}",
             ]
+        lines += ["# HELP rollq:control_calls_total control route calls.", "# TYPE rollq:control_calls_total counter"]
+        lines += [f'rollq:control_calls_total{{route="{r}"}} {float(n)}' for r, n in sorted(self.control_calls.items())]
         return web.Response(
             text="\n".join(lines) + "\n",
             content_type="text/plain",
@@ -684,6 +706,13 @@ class EngineServer:
 
     async def on_startup(self, app: web.Application) -> None:
         await self.backend.start()
+        if self.config.lora_paths and not self.backend.supports_lora:
+            raise RuntimeError(f"{type(self.backend).__name__} serves no LoRA adapters (lora_paths given)")
+        for item in self.config.lora_paths:  # server_args.py:3804-3813: NAME=PATH, or PATH named by itself
+            name, sep, path = item.partition("=")
+            reply = await app[LORA_ROUTES_KEY].load_adapter(name if sep else item, path if sep else item)
+            if reply.status != 200:
+                raise RuntimeError(f"Failed to load LoRA adapter {item}: {reply.text}")
         self.phase = "ready"
 
     async def on_shutdown(self, app: web.Application) -> None:
@@ -736,14 +765,25 @@ def _auth_middleware(api_key: str | None, admin_api_key: str | None):
     return auth
 
 
+def _control_counter(server: EngineServer):
+    @web.middleware
+    async def count(request: web.Request, handler):
+        if request.path in ADMIN_ROUTES:
+            server.control_calls[request.path] += 1
+        return await handler(request)
+
+    return count
+
+
 SERVER_KEY = web.AppKey("engine_server", EngineServer)
 
 
 def build_app(backend: Backend, config: EngineServerConfig) -> web.Application:
     server = EngineServer(backend, config)
     keyed = config.api_key or config.admin_api_key
+    counting = [_control_counter(server)]
     app = web.Application(
-        middlewares=[_auth_middleware(config.api_key, config.admin_api_key)] if keyed else [],
+        middlewares=[*counting, _auth_middleware(config.api_key, config.admin_api_key)] if keyed else counting,
         client_max_size=config.max_body_bytes,
     )
     app[SERVER_KEY] = server
@@ -773,6 +813,7 @@ def build_app(backend: Backend, config: EngineServerConfig) -> web.Application:
     r.add_get("/v1/models", s.models)
     r.add_get("/metrics", s.metrics)
     add_distributed_routes(app, server)
+    add_lora_routes(app, server)
     app.on_startup.append(s.on_startup)
     app.on_shutdown.append(s.on_shutdown)
     app.on_cleanup.append(s.on_cleanup)

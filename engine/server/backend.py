@@ -15,6 +15,9 @@ Contract:
 - `flush_cache()` drops every cached prefix; the server calls it only when no state holds KV in the running batch.
 - `state.priority` (SGLang's request priority, larger first) orders the waiting queue of a backend that has one;
   `state.cached_tokens` is set by a backend with a prefix cache: prompt tokens whose KV was reused.
+- `load_adapter(ref, path)` / `unload_adapter(ref)` (backends with `supports_lora`): a LoRA adapter in PEFT's format
+  joins or leaves the model; `state.adapter` names the one a state generates with (None: the base model), and a
+  batch may mix them. The server unloads an adapter only once no state uses it (engine/server/lora_registry.py).
 - `stop_check(state, token_id)` below decides stop/length finishes the same way for every backend.
 """
 
@@ -24,6 +27,7 @@ import abc
 import time
 from typing import Any
 
+from rollq.engine.server.lora_registry import AdapterRef
 from rollq.engine.types import FinishReason, PauseMode, SamplingParams
 
 
@@ -44,6 +48,7 @@ class GenState:
         "weight_version_start",
         "priority",
         "cached_tokens",
+        "adapter",
     )
 
     def __init__(
@@ -53,6 +58,7 @@ class GenState:
         params: SamplingParams,
         return_logprob: bool = False,
         priority: int | None = None,
+        adapter: AdapterRef | None = None,
     ) -> None:
         self.rid = rid
         self.input_ids = input_ids
@@ -67,6 +73,7 @@ class GenState:
         self.weight_version_start: str | None = None
         self.priority = priority
         self.cached_tokens = 0
+        self.adapter = adapter  # the LoRA adapter it generates with (None: the base model)
 
 
 def stop_check(
@@ -127,6 +134,16 @@ class Backend(abc.ABC):
     async def load_tensors(self, named: list[tuple[str, Any]]) -> None:
         """Copy received (name, torch tensor) pairs into the weights (the distributed update path)."""
         raise NotImplementedError(f"{type(self).__name__} cannot load weights from tensors")
+
+    supports_lora = False  # load_adapter / unload_adapter work (a batch may mix adapters and the base model)
+
+    async def load_adapter(self, ref: AdapterRef, path: str) -> None:
+        """Read the PEFT adapter at `path` (already resolved under the weights root) as `ref`."""
+        raise NotImplementedError(f"{type(self).__name__} serves no LoRA adapters")
+
+    async def unload_adapter(self, ref: AdapterRef) -> None:
+        """Drop `ref` (no state uses it any more)."""
+        raise NotImplementedError(f"{type(self).__name__} serves no LoRA adapters")
 
     def flush_cache(self) -> None:  # noqa: B027 - optional hook: a backend without a prefix cache has nothing to drop
         """Drop every cached prefix (KV computed by the weights it was computed with)."""

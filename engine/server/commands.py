@@ -62,13 +62,39 @@ def build_backend(args: EngineConfig) -> Backend:
             raise _usage_exit(f"the reference backend is unavailable: {exc}") from None
         if args.model == "smollm2":
             _smollm2_dir()  # convert the GGUF now (once): a missing package is a usage error, not a failed start
-        fields: dict = {"model": args.model, "device": args.device, "dtype": args.dtype, "seed": args.seed}
+        fields: dict = {
+            "model": args.model,
+            "device": args.device,
+            "dtype": args.dtype,
+            "seed": args.seed,
+            "max_loras_per_batch": args.max_loras_per_batch,
+        }
         if args.max_running:
             fields["max_running"] = args.max_running
         if not args.radix_cache:
             fields["prefix_cache_tokens"] = 0
         return reference.ReferenceBackend(reference.ReferenceConfig(**fields))
     raise _usage_exit(f"unknown backend {args.backend!r}")
+
+
+def lora_flags(args: EngineConfig) -> list[str]:
+    """SGLang's LoRA flags for the settings given (server_args.py:2576-2638 in 0.5.5): --lora-paths implies
+    --enable-lora there; without paths SGLang needs --max-lora-rank and --lora-target-modules."""
+    flags: list[str] = []
+    if args.enable_lora or args.lora_paths:
+        flags.append("--enable-lora")
+        flags += ["--max-loras-per-batch", str(args.max_loras_per_batch)]
+    else:
+        return flags
+    if args.lora_paths:
+        flags += ["--lora-paths", *args.lora_paths]
+    if args.max_loaded_loras:
+        flags += ["--max-loaded-loras", str(args.max_loaded_loras)]
+    if args.max_lora_rank:
+        flags += ["--max-lora-rank", str(args.max_lora_rank)]
+    if args.lora_target_modules:
+        flags += ["--lora-target-modules", *args.lora_target_modules]
+    return flags
 
 
 def _smollm2_dir() -> str:
@@ -97,7 +123,7 @@ async def _register(args: EngineConfig, url: str) -> asyncio.Task | None:
     await redis.ping()  # fail now, in one clear line, if Redis is unreachable
     url = args.advertise_url or url
     log.info("registered as %s in run %r", url, args.run)
-    return asyncio.create_task(EngineRegistry(redis, args.run).keep_registered(url))
+    return asyncio.create_task(EngineRegistry(redis, args.run, fleet=args.fleet).keep_registered(url))
 
 
 async def _unregister(task: asyncio.Task | None) -> None:
@@ -138,6 +164,7 @@ async def _run_sglang(args: EngineConfig, model_path: str) -> int:
         api_key=args.api_key,
         admin_api_key=args.admin_api_key,
         skip_tokenizer_init=args.skip_tokenizer_init,
+        extra_args=lora_flags(args),
     )
     stop = _stop_event()
     keys_dir = Path(tempfile.mkdtemp(prefix="rollq-sglang-"))  # mode 0700
@@ -222,5 +249,9 @@ def engine(args: EngineConfig) -> int:
         body_timeout_s=args.body_timeout,
         max_body_bytes=args.max_body_bytes,
         weights_root=args.weights_root,
+        enable_lora=args.enable_lora or bool(args.lora_paths),  # server_args.py:3788-3797: paths imply it
+        max_loras_per_batch=args.max_loras_per_batch,
+        max_loaded_loras=args.max_loaded_loras or None,
+        lora_paths=list(args.lora_paths),
     )
     return _run(_serve(backend, config, args))

@@ -8,6 +8,7 @@ from typing import Annotated, Literal
 from rollq.config import RunSettings, setting
 
 SYNTHETIC = "synthetic backend"
+LORA = "LoRA"
 
 
 class EngineConfig(RunSettings, kw_only=True):
@@ -101,10 +102,62 @@ class EngineConfig(RunSettings, kw_only=True):
             "register in the run's Redis engine registry (--redis, --run) so workers and the trainer find this engine"
         ),
     ] = False
+    fleet: Annotated[
+        str,
+        setting(
+            "with --register: register in this fleet (engines several LoRA runs share) instead of the run's registry",
+            metavar="NAME",
+        ),
+    ] = ""
     advertise_url: Annotated[
         str | None,
         setting("URL workers should use (default: http://HOST:PORT; set it when binding 0.0.0.0)", metavar="URL"),
     ] = None
+    enable_lora: Annotated[
+        bool,
+        setting(
+            "serve LoRA adapters (PEFT format): /load_lora_adapter, /unload_lora_adapter, `lora_path` on /generate "
+            "(reference and sglang backends; implied by lora_paths)",
+            group=LORA,
+        ),
+    ] = False
+    lora_paths: Annotated[
+        list[str],
+        setting(
+            "adapters loaded at start: NAME=PATH or PATH (named by its path), under weights_root (repeatable)",
+            metavar="NAME=PATH",
+            group=LORA,
+        ),
+    ] = []
+    max_loras_per_batch: Annotated[
+        int,
+        setting("distinct adapters in one running batch, the base model counting as one", ge=1, group=LORA),
+    ] = 8
+    max_loaded_loras: Annotated[
+        int,
+        setting(
+            "most adapters loaded at once, further loads refused until one is unloaded (0 = no limit)",
+            ge=0,
+            group=LORA,
+        ),
+    ] = 0
+    max_lora_rank: Annotated[
+        int,
+        setting(
+            "sglang backend: the largest adapter rank its memory pool holds (needed without lora_paths; 0 = unset)",
+            ge=0,
+            group=LORA,
+        ),
+    ] = 0
+    lora_target_modules: Annotated[
+        list[str],
+        setting(
+            "sglang backend: the modules its memory pool holds adapters for (q_proj ... or `all`; needed without "
+            "lora_paths)",
+            metavar="NAME",
+            group=LORA,
+        ),
+    ] = []
     token_latency: Annotated[float, setting("seconds per decode step", metavar="S", ge=0, group=SYNTHETIC)] = 0.0
     request_latency: Annotated[float, setting("seconds of prefill per request", metavar="S", ge=0, group=SYNTHETIC)] = (
         0.0

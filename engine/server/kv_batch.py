@@ -260,8 +260,26 @@ class Prefilled:
         ]
 
 
+# Sequences' ids here are cache keys: a LoRA adapter's rows carry token + adapter id * ADAPTER_KEY_SPACE
+# (engine/server/reference.py `_keys`), so prefixes of different adapters never match; the model gets the tokens.
+ADAPTER_KEY_SPACE = 1 << 40
+
+
+def _tokens(ids: Sequence[int]) -> list[int]:
+    return [t % ADAPTER_KEY_SPACE for t in ids]
+
+
+def _adapter_kwargs(adapters: Sequence[str] | None) -> dict[str, Any]:
+    """peft's mixed-batch argument (one adapter name per row, "__base__" for the base model), when the model
+    serves adapters (engine/server/reference.py); nothing otherwise."""
+    return {} if adapters is None else {"adapter_names": list(adapters)}
+
+
 def prefill(
-    model: PreTrainedModel, ids: Sequence[Sequence[int]], cached: Sequence[KV | None] | None = None
+    model: PreTrainedModel,
+    ids: Sequence[Sequence[int]],
+    cached: Sequence[KV | None] | None = None,
+    adapters: Sequence[str] | None = None,
 ) -> list[Prefilled]:
     """Prefill a batch of sequences of equal length in one forward pass. With `cached` (per sequence, the KV of a
     prefix of its ids from the prefix cache, all prefixes of one length) only the rest is computed, on top of it;
@@ -291,10 +309,11 @@ def prefill(
         n_layers = model.config.get_text_config().num_hidden_layers
         layers = [_BufferLayer(reserve=length) for _ in range(n_layers)]
     out = model(
-        input_ids=torch.tensor([list(x[start:]) for x in ids], device=model.device),
+        input_ids=torch.tensor([_tokens(x[start:]) for x in ids], device=model.device),
         past_key_values=_BufferCache(layers),
         use_cache=True,
         logits_to_keep=1,
+        **_adapter_kwargs(adapters),
     )
     logits = out.logits[:, -1]
     kvs_out = [lay.kv() for lay in layers]
@@ -302,7 +321,10 @@ def prefill(
 
 
 def prefill_last(
-    model: PreTrainedModel, ids: Sequence[Sequence[int]], shared: Sequence[SharedPrefix]
+    model: PreTrainedModel,
+    ids: Sequence[Sequence[int]],
+    shared: Sequence[SharedPrefix],
+    adapters: Sequence[str] | None = None,
 ) -> list[Prefilled]:
     """Cascade prefill (model loaded with CASCADE) of sequences whose all but last token are their `shared`
     prefix's: one forward pass of the last tokens, attending to the prefixes' single copies (as a decode step of a
@@ -315,13 +337,14 @@ def prefill_last(
     n_layers = model.config.get_text_config().num_hidden_layers
     layers = [_BufferLayer(reserve=1) for _ in range(n_layers)]
     out = model(
-        input_ids=torch.tensor([[x[-1]] for x in ids], device=device),
+        input_ids=torch.tensor([[x[-1] % ADAPTER_KEY_SPACE] for x in ids], device=device),
         attention_mask=_NO_MASKS,
         position_ids=torch.tensor([[p.length] for p in shared], device=device),
         past_key_values=_BufferCache(layers),
         use_cache=True,
         logits_to_keep=1,
         rollq_cascade=plan,
+        **_adapter_kwargs(adapters),
     )
     logits = out.logits[:, -1]
     kvs_out = [lay.kv() for lay in layers]
@@ -473,8 +496,11 @@ class KVBatch:
             for (pk, pv), (k, v) in zip(prefix.layers, own, strict=True)
         ]
 
-    def decode(self, model: torch.nn.Module, tokens: Sequence[int]) -> torch.Tensor:
-        """Feed one token per row; returns next-token logits [B, vocab] and grows every row by one."""
+    def decode(
+        self, model: torch.nn.Module, tokens: Sequence[int], adapters: Sequence[str] | None = None
+    ) -> torch.Tensor:
+        """Feed one token per row (with its row's adapter, when the model serves adapters); returns next-token
+        logits [B, vocab] and grows every row by one."""
         assert self._cache is not None
         w = self._width
         if w + 1 > self._mask_buf.shape[1]:
@@ -502,6 +528,7 @@ class KVBatch:
             use_cache=True,
             logits_to_keep=1,
             **extra,
+            **_adapter_kwargs(adapters),
         )
         self._width = w + 1
         self._lengths = self._lengths + 1

@@ -34,7 +34,17 @@ import torch  # ImportError here tells `rollq engine --backend reference` that t
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from rollq.engine.server.backend import Backend, GenState, stop_check
-from rollq.engine.server.kv_batch import CASCADE, KVBatch, Prefilled, SharedPrefix, prefill, prefill_last
+from rollq.engine.server.kv_batch import (
+    ADAPTER_KEY_SPACE,
+    CASCADE,
+    KVBatch,
+    Prefilled,
+    SharedPrefix,
+    prefill,
+    prefill_last,
+)
+from rollq.engine.server.lora_registry import AdapterRef
+from rollq.engine.server.lora_slots import AdapterSlots
 from rollq.engine.server.prefix_cache import PrefixCache, common_prefix
 from rollq.engine.server.sampler import RowSpec, request_key, sample
 from rollq.engine.server.weights import copy_into, load_into
@@ -62,6 +72,7 @@ class ReferenceConfig(msgspec.Struct, kw_only=True, frozen=True):
     torch_threads: int = 0  # 0: leave one core to the event loop when there are few cores
     attn_implementation: str = "sdpa"
     prefix_cache_tokens: int = 32768  # KV of this many tokens kept for prefix reuse (LRU); 0 disables the cache
+    max_loras_per_batch: int = 8  # distinct LoRA adapters in the running batch, the base model counting as one
 
 
 class _Req:
@@ -91,6 +102,8 @@ class ReferenceBackend(Backend):
         self._cache = PrefixCache(self.config.prefix_cache_tokens)
         self._prefix_window: collections.deque[tuple[float, int, int]] = collections.deque()  # (t, prompt, cached)
         self._totals = {"prompt_tokens": 0, "cached_tokens": 0, "prefill_tokens": 0}
+        self.base: Any = None  # the transformers model; `model` is it, or peft's wrapper once adapters were loaded
+        self._slots: Any = None  # the LoRA adapters (engine/server/lora_slots.py), set up with the model
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
 
@@ -118,6 +131,8 @@ class ReferenceBackend(Backend):
             .eval()
         )
         self.model.requires_grad_(False)
+        self.base = self.model
+        self._slots = AdapterSlots(self.model, cfg.device, getattr(torch, cfg.dtype))
         self.model_path = str(path)
         self.vocab_size = int(self.model.config.get_text_config().vocab_size)
         self.context_length = cfg.context_length or int(self.model.config.get_text_config().max_position_embeddings)
@@ -197,7 +212,8 @@ class ReferenceBackend(Backend):
         self._wake.set()
 
     async def load_weights(self, path: str) -> None:
-        # The prefix cache is kept: the server flushes it when the update asks (SGLang's flush_cache flag).
+        # The prefix cache is kept: the server flushes it when the update asks (SGLang's flush_cache flag). With
+        # adapters loaded the base weights change under them (weights.served_parameters names them).
         async with self._lock:
             await asyncio.to_thread(load_into, self.model, path)
 
@@ -207,6 +223,41 @@ class ReferenceBackend(Backend):
         # models in buckets, one call each, while the engine stays paused.
         async with self._lock:
             await asyncio.to_thread(copy_into, self.model, dict(named), partial=True)
+
+    supports_lora = True
+
+    async def load_adapter(self, ref: AdapterRef, path: str) -> None:
+        """The adapter joins the model between two scheduler iterations (engine/server/lora_slots.py), so no step
+        runs with half of it; requests already running go on as they were."""
+        from peft import LoraConfig
+
+        config = await asyncio.to_thread(LoraConfig.from_pretrained, path)
+        if str(getattr(config.peft_type, "value", config.peft_type)) != "LORA":
+            raise ValueError(f"{path} is not a LoRA adapter (peft_type {config.peft_type})")
+        async with self._lock:
+            await asyncio.to_thread(self._slots.load, ref.id, path, config)
+            self.model = self._slots.model
+
+    async def unload_adapter(self, ref: AdapterRef) -> None:
+        async with self._lock:
+            await asyncio.to_thread(self._slots.unload, ref.id)
+            self.model, self.base = self._slots.model, self._slots.base
+        # Its KV lives on in the prefix cache under its own keys (_keys): never matched again, evicted as LRU.
+
+    def _adapter_names(self, reqs: Iterable[_Req]) -> list[str] | None:
+        """peft's per-row adapter names (None when no adapter was loaded: a plain forward)."""
+        return self._slots.names([r.state.adapter.id if r.state.adapter else None for r in reqs])
+
+    @staticmethod
+    def _keys(req: _Req) -> list[int]:
+        """The ids under which a state's KV is cached and shared: its tokens, moved into a range of their own for
+        each adapter (SGLang adds the lora id to the radix cache's key, schedule_batch.py:501-508), so KV computed
+        with one adapter never serves another or the base model."""
+        ids = [*req.state.input_ids, *req.state.output_ids]
+        if req.state.adapter is None:
+            return ids
+        offset = req.state.adapter.id * ADAPTER_KEY_SPACE
+        return [t + offset for t in ids]
 
     def flush_cache(self) -> None:
         # Rows still in the batch (finished ones are retired at the next iteration) hold KV of the old weights.
@@ -279,18 +330,26 @@ class ReferenceBackend(Backend):
         leaving = self._rows_leaving(i for i, r in enumerate(self._running) if r.state.finish is not None)
         running = [self._running[i] for i in keep]
         admit: list[_Req] = []
+        # SGLang stops admitting once one more adapter would exceed max_loras_per_batch (scheduler.py:1763-1776)
+        in_batch = {r.state.adapter.id if r.state.adapter else 0 for r in running}
         while self._waiting and len(running) + len(admit) < self.config.max_running:
+            adapter = self._waiting[0].state.adapter
+            key = adapter.id if adapter else 0
+            if key not in in_batch and len(in_batch) >= self.config.max_loras_per_batch:
+                break
+            in_batch.add(key)
             admit.append(self._waiting.popleft())
             admit[-1].cacheable = True  # prefilled afresh
         # Snapshot what the thread reads, so the loop may go on mutating states meanwhile.
         decode_tokens = [r.state.output_ids[-1] for r in running]
-        prefill_ids = [[*r.state.input_ids, *r.state.output_ids] for r in admit]
+        prefill_ids = [self._keys(r) for r in admit]  # cache keys; the model gets the tokens (_tokens)
+        adapters = self._adapter_names([*running, *admit])
         rows = [self._row_spec(r) for r in (*running, *admit)]
         self._running = running + admit
         epoch = self._cache.epoch  # a flush while the step runs voids what it would cache
         try:
             tokens, logprobs, reused = await asyncio.to_thread(
-                self._step, epoch, leaving, keep, decode_tokens, prefill_ids, rows
+                self._step, epoch, leaving, keep, decode_tokens, prefill_ids, rows, adapters
             )
         except Exception as e:
             log.exception("reference engine step failed; aborting the running batch")
@@ -312,7 +371,7 @@ class ReferenceBackend(Backend):
         if self.config.prefix_cache_tokens <= 0:
             return []
         reqs = [(i, self._running[i]) for i in rows]
-        return [(i, [*r.state.input_ids, *r.state.output_ids]) for i, r in reqs if r.cacheable]
+        return [(i, self._keys(r)) for i, r in reqs if r.cacheable]
 
     def _retire(self, rows: list[tuple[int, list[int]]], epoch: int) -> None:
         """Cache the KV of rows about to leave the batch (worker thread). A row holds KV for all its tokens but the
@@ -331,12 +390,15 @@ class ReferenceBackend(Backend):
         decode_tokens: list[int],
         prefill_ids: list[list[int]],
         rows: list[Any],
+        adapters: list[str] | None = None,
     ) -> tuple[list[int], list[float], list[int]]:
+        """One iteration's torch work (worker thread); `adapters`: each row's (running, then admitted), or None."""
+        n = len(decode_tokens)
         with torch.inference_mode():
             self._retire(leaving, epoch)
             self._batch.keep(keep)
-            parts = [self._batch.decode(self.model, decode_tokens)] if decode_tokens else []
-            seqs, reused = self._prefill(prefill_ids, epoch)
+            parts = [self._batch.decode(self.model, decode_tokens, adapters and adapters[:n])] if decode_tokens else []
+            seqs, reused = self._prefill(prefill_ids, epoch, adapters[n:] if adapters is not None else None)
             parts += [s.logits[None] for s in seqs]
             self._batch.add(seqs, self._share(prefill_ids, seqs, epoch))
             if not parts:  # nothing runs: rows only left the batch
@@ -344,7 +406,9 @@ class ReferenceBackend(Backend):
             tokens, logprobs = sample(torch.cat(parts), rows)
             return tokens, logprobs, reused
 
-    def _prefill(self, prefill_ids: list[list[int]], epoch: int) -> tuple[list[Prefilled], list[int]]:
+    def _prefill(
+        self, prefill_ids: list[list[int]], epoch: int, adapters: list[str] | None = None
+    ) -> tuple[list[Prefilled], list[int]]:
         """Prefill the admitted sequences (worker thread); returns them in order, and the tokens each reused.
 
         At most len-1 tokens are reused: the last one's logits are needed. Sequences with equal cached and uncached
@@ -373,10 +437,11 @@ class ReferenceBackend(Backend):
                     if shared:
                         ids = [prefill_ids[i] for i in shared]
                         prefixes = self._prefixes(ids, [matches[i] for i in shared], epoch)
-                        done += prefill_last(self.model, ids, prefixes)
+                        done += prefill_last(self.model, ids, prefixes, _of(adapters, shared))
                     if plain:
                         ids = [prefill_ids[i] for i in plain]
-                        done += prefill(self.model, ids, [matches[i][1] for i in plain] if start else None)
+                        cached = [matches[i][1] for i in plain] if start else None
+                        done += prefill(self.model, ids, cached, _of(adapters, plain))
                     chunk = [*shared, *plain]
                     for i, seq in zip(chunk, done, strict=True):
                         start_kv = seq.shared.length if seq.shared is not None else 0
@@ -525,3 +590,8 @@ class ReferenceBackend(Backend):
             req.state.finish = reason
         if not req.done.done():
             req.done.set_result(None)
+
+
+def _of(adapters: list[str] | None, rows: list[int]) -> list[str] | None:
+    """The adapters of `rows` (indices into the admitted sequences), or None (no adapter loaded)."""
+    return None if adapters is None else [adapters[i] for i in rows]

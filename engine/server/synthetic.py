@@ -28,6 +28,7 @@ import msgspec
 
 from rollq.engine.eos import model_eos_ids
 from rollq.engine.server.backend import Backend, GenState, stop_check
+from rollq.engine.server.lora_registry import AdapterRef
 from rollq.engine.types import FinishReason, PauseMode
 
 _MASK = (1 << 64) - 1
@@ -449,6 +450,22 @@ class SyntheticBackend(Backend):
     async def load_tensors(self, named: list[tuple[str, Any]]) -> None:
         if self.config.load_delay_s > 0:  # the tensors themselves are accepted and dropped: there is no model
             await asyncio.sleep(self.config.load_delay_s)
+
+    supports_lora = True  # adapters are read as a LoRA engine would and change nothing: there is no model
+
+    async def load_adapter(self, ref: AdapterRef, path: str) -> None:
+        config = Path(path) / "adapter_config.json"
+        try:
+            peft_type = msgspec.json.decode(config.read_bytes()).get("peft_type")
+        except (OSError, msgspec.DecodeError, AttributeError) as exc:
+            raise ValueError(f"{path} holds no readable adapter_config.json: {exc}") from None
+        if str(peft_type).upper() != "LORA":  # SGLang asserts the same (lora/lora.py:64)
+            raise ValueError(f"{path} is not a LoRA adapter (peft_type {peft_type!r})")
+        if self.config.load_delay_s > 0:
+            await asyncio.sleep(self.config.load_delay_s)
+
+    async def unload_adapter(self, ref: AdapterRef) -> None:
+        return None
 
     async def close(self) -> None:
         if self._stepper is not None:

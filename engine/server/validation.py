@@ -47,6 +47,7 @@ class Prompt(msgspec.Struct, kw_only=True):
     top_logprobs_num: int
     logprob_start_len: int
     priority: int | None = None  # SGLang's request priority (larger first in the reference scheduler)
+    lora_path: str | None = None  # the LoRA adapter's NAME (SGLang's field name), None: the base model
 
 
 class GenerateCall(msgspec.Struct, kw_only=True):
@@ -190,6 +191,7 @@ def parse_generate(body: Any, *, encode, vocab_size: int, context_length: int, t
     return_logprob = _per_prompt(body.get("return_logprob"), count, "return_logprob", False, bool)
     top_logprobs = _per_prompt(body.get("top_logprobs_num"), count, "top_logprobs_num", 0, int)
     start_len = _per_prompt(body.get("logprob_start_len"), count, "logprob_start_len", -1, int)
+    lora_paths = _lora_paths(body.get("lora_path"), count)
     priority = body.get("priority")
     if priority is not None and type(priority) is not int:
         raise BadRequest("priority must be an integer")
@@ -232,6 +234,7 @@ def parse_generate(body: Any, *, encode, vocab_size: int, context_length: int, t
                 top_logprobs_num=top_logprobs[i],
                 logprob_start_len=start_len[i],
                 priority=priority,
+                lora_path=lora_paths[i],
             )
         )
     return GenerateCall(
@@ -240,6 +243,18 @@ def parse_generate(body: Any, *, encode, vocab_size: int, context_length: int, t
         stream=stream,
         return_text_in_logprobs=text_in_logprobs,
     )
+
+
+def _lora_paths(raw: Any, count: int) -> list[str | None]:
+    """`lora_path`: one adapter name for every prompt, or a list with one per prompt (None / "" = the base model);
+    io_struct.py:381-389 in 0.5.5."""
+    if raw is None or isinstance(raw, str):
+        return [raw or None] * count
+    if not isinstance(raw, list):
+        raise EngineValueError("lora_path should be a list or a string.")
+    if len(raw) != count or not all(x is None or isinstance(x, str) for x in raw):
+        raise EngineValueError(f"lora_path has {len(raw)} entries for {count} prompts: one name (or null) each")
+    return [x or None for x in raw]
 
 
 def _refuse_tokenizer_features(p: SamplingParams) -> None:

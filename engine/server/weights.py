@@ -53,8 +53,8 @@ def copy_into(
     whole old weights rather than a mix. `partial`: a subset of the parameters is fine (a bucket of a weight update
     sent in several calls); unknown names and wrong shapes are still refused. Returns the number of parameters
     written."""
-    params = dict(model.named_parameters())  # tied parameters appear once
-    aliases = {name for name in model.state_dict() if name not in params}
+    params = served_parameters(model)  # tied parameters appear once
+    aliases = {n for name in model.state_dict() if (n := _served_name(name)) not in params and ".lora_" not in name}
     missing = [] if partial else sorted(set(params) - set(tensors))
     unknown = sorted(set(tensors) - set(params) - aliases)
     bad_shape = sorted(
@@ -73,6 +73,20 @@ def copy_into(
             p.copy_(tensors[name].to(dtype=p.dtype, device=p.device))
             written += 1
     return written
+
+
+PEFT_PREFIX = "base_model.model."
+
+
+def _served_name(name: str) -> str:
+    """A parameter's name in the model's own files: a model serving LoRA adapters (peft) holds each targeted
+    weight as `<module>.base_layer.weight` under `base_model.model.`."""
+    return name.removeprefix(PEFT_PREFIX).replace(".base_layer.", ".")
+
+
+def served_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """The model's own parameters by the names its checkpoints use (a peft-wrapped model's adapters left out)."""
+    return {_served_name(n): p for n, p in model.named_parameters() if ".lora_" not in n}
 
 
 def load_into(model: torch.nn.Module, path: str | Path) -> int:

@@ -27,6 +27,7 @@ BENCHMARKS = [
     "gpu_check",
     "staleness_model",
     "trainer",
+    "lora",
     "report",
 ]
 

@@ -313,9 +313,9 @@ def _watch_sharing(b: ReferenceBackend) -> list[tuple[int, int]]:
     batch = b._batch
     decode = batch.decode
 
-    def watched(model, tokens):
+    def watched(model, tokens, adapters=None):
         seen.append((batch.size, sum(p is not None for p in batch._shared)))
-        return decode(model, tokens)
+        return decode(model, tokens, adapters)
 
     batch.decode = watched
     return seen

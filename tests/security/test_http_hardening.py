@@ -254,6 +254,8 @@ ENGINE_JSON_ROUTES = [
     ("POST", "/begin_weight_update"),
     ("POST", "/end_weight_update"),
     ("POST", "/update_weights_from_distributed"),
+    ("POST", "/load_lora_adapter"),
+    ("POST", "/unload_lora_adapter"),
 ]
 BODYLESS = {("POST", "/flush_cache")}  # reads no body
 

@@ -241,12 +241,14 @@ def test_jobs_an_older_worker_must_not_run_say_schema_2_on_the_wire():
 
 
 async def test_a_worker_refuses_a_job_of_a_newer_schema(redis_url, run_name, redis):
-    from rollq.protocol.messages import Job
+    from rollq.protocol.messages import SCHEMA_VERSION, Job
 
     keys = RunKeys(run_name)
     producer = Producer(redis, run_name, reply_to=keys.reply_stream("mine"))
     await producer.submit(ECHO, {"reward": 1}, job_id="ok")  # creates the stream, its group and the reply stream
-    job = Job(job_id="new", workflow=ECHO, data={"reward": 1}, reply_to=keys.reply_stream("mine"), schema=3)
+    job = Job(
+        job_id="new", workflow=ECHO, data={"reward": 1}, reply_to=keys.reply_stream("mine"), schema=SCHEMA_VERSION + 1
+    )
     await redis.xadd(keys.jobs, {"d": Codec().encode(job)})
     async with running_worker(redis_url, run_name):
         got = {t.job_id: t async for t in producer.wait_for({"ok": 1, "new": 1}, timeout_s=20)}

@@ -3,7 +3,7 @@ many ranks this process group has, writing the full weights after each step, the
 shards look like. Every rank runs this file; rank 0 drives the policy and the others follow it, as in `rollq train`.
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 tests/trainer/rank_script.py \\
-        --model DIR --out DIR [--steps N] [--save-after K --save CKPT] [--load CKPT]
+        --model DIR --out DIR [--steps N] [--save-after K --save CKPT] [--load CKPT] [--lora-rank R]
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ ANSWERS = [  # (answer token ids, reward): two groups of different lengths, so t
 ]
 
 
-def config(model: str) -> TrainConfig:
-    return TrainConfig(model=model, lr=1e-3, max_tokens_per_microbatch=16)
+def config(model: str, lora_rank: int = 0) -> TrainConfig:
+    return TrainConfig(model=model, lr=1e-3, max_tokens_per_microbatch=16, lora_rank=lora_rank, lora_alpha=16)
 
 
 def fixed_batch(model: str) -> Batch:
@@ -75,9 +75,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--save", type=Path)
     parser.add_argument("--save-after", type=int, default=1)
     parser.add_argument("--load", type=Path)
+    parser.add_argument("--lora-rank", type=int, default=0)
     args = parser.parse_args(argv)
     ranks = join_ranks("cpu", 120)
-    policy = Policy(config(args.model), ranks)
+    policy = Policy(config(args.model, args.lora_rank), ranks)
     if not ranks.leader:
         follow(policy)
         facts = {"rank": ranks.rank, "local_bytes": local_bytes(policy)}

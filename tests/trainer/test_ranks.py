@@ -113,3 +113,18 @@ def test_a_checkpoint_of_two_ranks_resumes_on_one_and_one_of_one_on_two(runs):
         # the weights come back exactly; the next step (AdamW's moments came back too) is the one the original took
         assert max_difference(weights(root / resumed / "loaded"), weights(root / original / "step-1")) == 0.0
         assert max_difference(weights(root / resumed / "step-1"), weights(root / original / "step-2")) <= TOLERANCE
+
+
+def test_a_lora_adapter_on_two_ranks_takes_the_update_of_one_and_its_checkpoint_moves_between_them(runs):
+    """The base sharded and frozen, the adapter replicated with its gradients all-reduced: the merged weights of
+    each step are one process's; the adapter-only checkpoint of two ranks resumes on one."""
+    root, model = runs["root"], str(runs["model"])
+    lora = ("--model", model, "--steps", "2", "--lora-rank", "4")
+    one_rank(*lora, "--out", str(root / "lora-one"))
+    two_ranks(*lora, "--out", str(root / "lora-two"), "--save", str(root / "lora-ckpt"))
+    for step in ("step-1", "step-2"):
+        assert max_difference(weights(root / "lora-one" / step), weights(root / "lora-two" / step)) <= TOLERANCE
+    assert max_difference(weights(runs["model"]), weights(root / "lora-two" / "step-1")) > 100 * TOLERANCE
+    one_rank("--model", model, "--lora-rank", "4", "--out", str(root / "lora-back"), "--load", str(root / "lora-ckpt"))
+    assert max_difference(weights(root / "lora-back" / "loaded"), weights(root / "lora-two" / "step-1")) == 0.0
+    assert max_difference(weights(root / "lora-back" / "step-1"), weights(root / "lora-two" / "step-2")) <= TOLERANCE

@@ -45,7 +45,9 @@ class AgentWorkflow:
         proxy = await ctx.proxy(engine)
         opts = self.options
         session = proxy.sessions.open({"max_tokens": opts.max_tokens} if opts.max_tokens else None)
-        session.priority = workflow_context.get().priority  # the proxy's requests run outside the episode
+        episode = workflow_context.get()  # the proxy's requests run outside the episode: the session carries it
+        session.priority = episode.priority
+        session.lora = episode.lora or None
         urls = {"base_url": proxy.base_url, "anthropic_base_url": proxy.root_url}
         try:
             if opts.mode == "inline":

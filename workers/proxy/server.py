@@ -209,7 +209,11 @@ class RecordingProxy:
             *(
                 engine.agenerate(
                     ModelRequest(
-                        input_ids=prompt.ids, sampling=sampling, affinity=session.key, priority=session.priority
+                        input_ids=prompt.ids,
+                        sampling=sampling,
+                        affinity=session.key,
+                        priority=session.priority,
+                        lora_path=session.lora,
                     ),
                     on_tokens=on_tokens[i] if on_tokens else None,
                 )

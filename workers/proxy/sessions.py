@@ -54,6 +54,7 @@ class Session:
         self.key = key
         self.defaults = defaults or {}  # per-episode request defaults (max_tokens)
         self.priority: int | None = None  # the episode's job class priority, given to its engine requests
+        self.lora: str | None = None  # the episode's LoRA adapter (Job.lora), named by its engine requests
         self.records: dict[str, CompletionRecord] = {}
         # Responses API: each response's conversation without its instructions (for previous_response_id).
         self.response_inputs: dict[str, list[Any]] = {}
