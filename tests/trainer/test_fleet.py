@@ -85,15 +85,11 @@ async def test_two_lora_runs_share_one_engine_and_one_worker_without_pausing_eac
 
 
 async def test_a_trainer_refuses_a_fleet_serving_another_base_model(redis, redis_url, run_name, tmp_path):
-    import shutil
+    from rollq.engine.server.synthetic import SyntheticBackend, SyntheticConfig
 
-    from rollq.engine.tiny_model import model_dir
-
-    other = tmp_path / "other-model"
-    shutil.copytree(model_dir("tiny"), other)
-    engine = await serve(
-        ReferenceBackend(ReferenceConfig(model=str(other))), EngineServerConfig(port=0, enable_lora=True)
-    )
+    other = tmp_path / "other-model"  # what the engine says it serves (/model_info's model_path)
+    other.mkdir()
+    engine = await serve(SyntheticBackend(SyntheticConfig(model_path=str(other))), EngineServerConfig(port=0))
     pool = EnginePool(PoolConfig(urls=[engine.url]))
     try:
         cfg = TrainConfig(redis_url=redis_url, run=run_name, run_dir=str(tmp_path / "run"), fleet="f", lora_rank=4)

@@ -115,6 +115,7 @@ def test_a_checkpoint_of_two_ranks_resumes_on_one_and_one_of_one_on_two(runs):
         assert max_difference(weights(root / resumed / "step-1"), weights(root / original / "step-2")) <= TOLERANCE
 
 
+@pytest.mark.scenario  # a torchrun group more (a minute of CPU): the LoRA loop of CONTRIBUTING.md runs it
 def test_a_lora_adapter_on_two_ranks_takes_the_update_of_one_and_its_checkpoint_moves_between_them(runs):
     """The base sharded and frozen, the adapter replicated with its gradients all-reduced: the merged weights of
     each step are one process's; the adapter-only checkpoint of two ranks resumes on one."""
