@@ -47,7 +47,8 @@ class Evaluator:
         )
         self._consumer: ResultConsumer | PartitionedConsumer | None = None
 
-    async def evaluate(self, step: int, version: int) -> EvalRecord:
+    async def evaluate(self, step: int, version: int, lora: str = "") -> EvalRecord:
+        """Evaluate policy `version` (a LoRA run's: its adapter `lora`, loaded on the engines)."""
         started = time.monotonic()
         if self._consumer is None:
             await self.producer.partitions()
@@ -65,6 +66,7 @@ class Evaluator:
                 workflow_kwargs=self.workflow_kwargs,
                 is_eval=True,
                 priority=EVAL_PRIORITY,
+                lora=lora,
             )
             for i, record in enumerate(self.prompts)
         ]

@@ -31,6 +31,7 @@ import msgspec
 import redis.asyncio as aioredis
 import torch
 
+from rollq.engine.client import EngineError, EngineUnavailable
 from rollq.engine.fleet import FleetController, FleetResult
 from rollq.engine.pool import EnginePool
 from rollq.engine.tiny_model import model_dir
@@ -257,6 +258,8 @@ class Trainer:
         save_adapter = getattr(self.policy, "save_adapter", None)
         if save_adapter is None:
             raise TypeError("lora_publish adapter needs a policy with save_adapter (rollq's own Policy)")
+        if not self._adapters_loaded:  # a resumed run: what an earlier life loaded is unloaded in its turn
+            self._adapters_loaded = sorted(await self._adapter_versions_on_engines() - {version})
         path = await asyncio.to_thread(save_adapter, self.weights_root / f"adapter-v{version}")
         name = adapter_name(self.adapter_family, version)
         report = await publish(
@@ -270,6 +273,18 @@ class Trainer:
             self._unloads.add(task)
             task.add_done_callback(self._unloads.discard)
         return report.phases
+
+    async def _adapter_versions_on_engines(self) -> set[int]:
+        """The versions of this run's adapters the engines hold now (an earlier life of the trainer loaded them)."""
+        prefix = adapter_name(self.adapter_family, 0)[:-1]
+        found: set[int] = set()
+        for member in self.pool.engines():
+            try:
+                names = await member.client.adapters()
+            except (EngineError, EngineUnavailable):
+                continue
+            found.update(int(n[len(prefix) :]) for n in names if n.startswith(prefix) and n[len(prefix) :].isdigit())
+        return found
 
     async def _unload_adapter(self, version: int) -> None:
         result = await self.fleet.unload_adapter(adapter_name(self.adapter_family, version))
@@ -464,7 +479,8 @@ class Trainer:
         if self.evaluator is None:
             return
         evaluator, state = self.evaluator, self.state
-        record = await self.ride(lambda: evaluator.evaluate(state.step, state.version), "evaluating")
+        lora = adapter_name(self.adapter_family, state.version) if self.adapter_family and state.version else ""
+        record = await self.ride(lambda: evaluator.evaluate(state.step, state.version, lora), "evaluating")
         self.metrics.write_eval(record)
 
     def _late_joiner(

@@ -36,6 +36,8 @@ async def test_a_lora_run_loads_versioned_adapters_and_never_pauses_the_engine(
     )
     audit = await auditor(run_name)
     spawn_worker(redis_url, run_name, "--concurrency", "8", "--engine", engine.url)
+    held_out = tmp_path / "held-out.jsonl"
+    held_out.write_text('{"prompt": "Write a number using digits only."}\n' * 2)
     cfg = make_train_config(
         engine=[engine.url],
         steps=STEPS,
@@ -44,6 +46,8 @@ async def test_a_lora_run_loads_versioned_adapters_and_never_pauses_the_engine(
         max_staleness=ETA,
         lora_rank=4,
         lr=5e-2,
+        eval_dataset=str(held_out),
+        eval_every=0,  # before the first step and after the last
         workflow_kwargs={**WORKFLOW_KWARGS, "max_new_tokens": 8},
     )
     policy = Policy(cfg)
@@ -86,6 +90,9 @@ async def test_a_lora_run_loads_versioned_adapters_and_never_pauses_the_engine(
             assert len(versions) == 1, (t.job_id, versions)
             assert group_versions.setdefault(t.job_id, versions) == versions, t.job_id
         assert max(v for vs in group_versions.values() for v in vs) >= 1  # groups generated with adapters
+        evals = [msgspec.json.decode(line) for line in (tmp_path / "run" / "eval.jsonl").read_bytes().splitlines()]
+        # the last evaluation ran on the last version's adapter (the first on the base: this engine's "default")
+        assert [e["step"] for e in evals] == [0, STEPS] and evals[-1]["token_versions"] == [STEPS]
     finally:
         await pool.close()
         await engine.close()
