@@ -955,7 +955,20 @@ HEADLINE: tuple[Headline, ...] = (
         lambda s: f"{times(3)(get(s, 'bytes_ratio'))} ({get(s, 'model')})",
         "<= 0.55x",
     ),
+    Headline(
+        "lora",
+        "a LoRA adapter update vs a full-weight update, publish to serving, 135M model (no pause)",
+        lambda s: (
+            f"{times(1)(_lora_row(s).get('speedup'))} faster, {times(0)(_lora_row(s).get('bytes_ratio'))} fewer bytes"
+        ),
+        "faster, no pause",
+    ),
 )
+
+
+def _lora_row(s: Any) -> dict[str, Any]:
+    rows = [r for r in get(s, "publish") or [] if r.get("model") == "smollm2-135m-shape"]
+    return rows[0] if rows else {}
 
 
 # -- rendering -----------------------------------------------------------------------------------------------------

@@ -67,6 +67,15 @@ def local_bytes(policy: Policy) -> int:
     return total
 
 
+def resume(policy: Policy, batch: Batch, checkpoint: Path, out: Path) -> None:
+    """Load `checkpoint` into `policy` (model and AdamW's moments), write the loaded weights and one step's."""
+    out.mkdir(parents=True, exist_ok=True)
+    policy.load_checkpoint(checkpoint)
+    policy.save_weights(out / "loaded")
+    policy.train_step(batch)
+    policy.save_weights(out / "step-1")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
@@ -76,6 +85,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--save-after", type=int, default=1)
     parser.add_argument("--load", type=Path)
     parser.add_argument("--lora-rank", type=int, default=0)
+    # then, in the same process group: load CKPT, write the loaded weights and one more step's to DIR (a resume on
+    # this many ranks, without starting torchrun again)
+    parser.add_argument("--then-load", type=Path)
+    parser.add_argument("--then-out", type=Path)
     args = parser.parse_args(argv)
     ranks = join_ranks("cpu", 120)
     policy = Policy(config(args.model, args.lora_rank), ranks)
@@ -87,9 +100,11 @@ def main(argv: list[str] | None = None) -> None:
         return
     args.out.mkdir(parents=True, exist_ok=True)
     batch = fixed_batch(args.model)
-    if args.load:
-        policy.load_checkpoint(args.load)
-        policy.save_weights(args.out / "loaded")
+    if args.load:  # a resume in a fresh process group
+        resume(policy, batch, args.load, args.out)
+        policy.stop_followers()
+        ranks.close()
+        return
     model = policy.model
     tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
     losses = []
@@ -98,6 +113,8 @@ def main(argv: list[str] | None = None) -> None:
         policy.save_weights(args.out / f"step-{step}")
         if args.save and step == args.save_after:
             policy.save_checkpoint(args.save)
+    if args.then_load:
+        resume(policy, batch, args.then_load, args.then_out)
     policy.stop_followers()
     facts = {"rank": 0, "world": ranks.world_size, "tied": tied, "losses": losses, "local_bytes": local_bytes(policy)}
     (args.out / "rank-0.json").write_text(json.dumps(facts))
