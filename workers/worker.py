@@ -297,6 +297,8 @@ class Worker:
         while not self._stop.is_set():
             free = self._free()
             if free <= 0:
+                if self.share is not None and not self._held and self.share.under_cap(self.cfg.run):
+                    await self._claim_share()
                 self._slot_free.clear()
                 if self._free() <= 0 and not self._stop.is_set():
                     await self._slot_free.wait()
@@ -507,6 +509,22 @@ class Worker:
             task = asyncio.create_task(self._handle(eid, payload, fields, count, stream), name=f"job-{eid}")
             self._running[(stream, eid)] = _Running(task, payload)
             task.add_done_callback(functools.partial(self._job_done, (stream, eid)))
+
+    async def _claim_share(self) -> None:
+        """Serving several runs, with the process full of the other runs' jobs (lent while this one had nothing)
+        and this run under its part: read a little of what is queued for it, without blocking, and hold it. The
+        share then counts it as wanting: the others start nothing beyond their parts, and as their jobs end the
+        held entries start (at the top of the loop)."""
+        assert self.share is not None
+        streams = list(self._class_of)
+        try:
+            replies = await self._read_new([(stream, 1) for stream in streams])
+        except (*TRANSIENT_ERRORS, ResponseError) as exc:  # the loop's next read reports and recovers
+            log.debug("claiming a share of the slots: %s", exc)
+            return
+        held = [(stream, entry) for stream, entries in zip(streams, replies, strict=True) for entry in entries]
+        self._held.extend(held)
+        self.share.wanting(self.cfg.run, bool(held))
 
     def _free(self) -> int:
         """Slots to fill now: the concurrency left, or this run's part of the process's (serving several runs)."""

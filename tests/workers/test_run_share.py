@@ -34,3 +34,16 @@ def test_an_idle_run_lends_its_part_and_takes_it_back_when_work_comes():
     share.wanting("b", True)
     running["a"] = 6  # two of a's jobs ended
     assert share.free("b") == 2 and share.free("a") == 0  # b's part (4) fills as slots free up; a is over its 4
+
+
+def test_a_run_with_work_again_stops_the_borrower_at_its_part():
+    """b lent its part while idle and a filled the process; b under its part claims (reads and holds) its work:
+    from then on a starts nothing beyond its own part, and the slots its jobs free go to b."""
+    running = {"a": 0, "b": 0}
+    share, _ = share_of(8, {}, running)
+    share.wanting("b", False)
+    running["a"] = 8
+    assert share.under_cap("b") and not share.under_cap("a")
+    share.wanting("b", True)  # Worker._claim_share held b's entries
+    running["a"] = 7  # one of a's jobs ended
+    assert share.free("a") == 0 and share.free("b") == 1
