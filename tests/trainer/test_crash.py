@@ -14,7 +14,7 @@ from tests.trainer.helpers import WORKFLOW_KWARGS
 
 pytestmark = pytest.mark.slow
 
-STEPS, GROUP, GROUPS, ETA = 10, 4, 3, 1
+STEPS, GROUP, GROUPS, ETA = 7, 4, 2, 1
 
 
 def start_trainer(config, log):
@@ -32,7 +32,7 @@ def steps_done(metrics) -> int:
 
 
 async def test_a_trainer_killed_twice_resumes_exactly(redis_url, run_name, tmp_path, stack, auditor):
-    urls = await stack(run_name)
+    urls = await stack(run_name, engines=1, workers=2)
     audit = await auditor(run_name)
     run_dir = tmp_path / "run"
     config = tmp_path / "rollq.yaml"
@@ -55,7 +55,7 @@ async def test_a_trainer_killed_twice_resumes_exactly(redis_url, run_name, tmp_p
     )
     log = tmp_path / "trainer.log"
     metrics = run_dir / "metrics.jsonl"
-    for kill_after in (3, 6):
+    for kill_after in (2, 4):
         trainer = start_trainer(config, log)
         await wait_until(
             lambda t=trainer, k=kill_after: t.poll() is not None or steps_done(metrics) >= k,
@@ -70,7 +70,7 @@ async def test_a_trainer_killed_twice_resumes_exactly(redis_url, run_name, tmp_p
     output = log.read_text()
     assert trainer.returncode == 0, output[-3000:]
     resumed = [int(s) for s in re.findall(r"resumed at step (\d+)", output)]
-    assert len(resumed) == 2 and resumed[0] >= 2 and resumed[1] >= 5, resumed
+    assert len(resumed) == 2 and resumed[0] >= 1 and resumed[1] >= 3, resumed
 
     await audit.check_run(metrics, steps=STEPS, group_size=GROUP, groups_per_step=GROUPS, eta=ETA)
     summary = json.loads(output.strip().splitlines()[-1])

@@ -145,6 +145,7 @@ def test_an_unknown_or_wrong_base_model_is_a_clear_error(trained, tmp_path, caps
     assert not (tmp_path / "c").exists()
 
 
+@pytest.mark.scenario  # an engine process on the export: what any HF directory gets (the chaos loop runs it)
 async def test_the_reference_engine_serves_the_export(exported, engine_process):
     import httpx
     from transformers import AutoTokenizer
