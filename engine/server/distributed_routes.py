@@ -67,7 +67,8 @@ def _reply(success: bool, message: str, **extra: Any) -> web.Response:
     return web.Response(body=body, status=200 if success else 400, content_type="application/json")
 
 
-def _validation_error(message: str) -> web.Response:
+def validation_error(message: str) -> web.Response:
+    """A request-shape error as SGLang's FastAPI answers it (400; the LoRA routes answer the same)."""
     body = {"object": "error", "message": message, "type": "Bad Request", "param": None, "code": 400}
     return web.Response(body=msgspec.json.encode(body), status=400, content_type="application/json")
 
@@ -77,9 +78,9 @@ async def _decode(request: web.Request, kind: type[T]) -> T | web.Response:
     try:
         return msgspec.json.decode(raw or b"{}", type=kind)
     except msgspec.ValidationError as exc:
-        return _validation_error(str(exc))
+        return validation_error(str(exc))
     except BAD_JSON as exc:  # malformed, invalid UTF-8 in a field read, too deep: the client's fault, never a 500
-        return _validation_error(f"Invalid JSON body: {exc}")
+        return validation_error(f"Invalid JSON body: {exc}")
 
 
 class DistributedRoutes:
@@ -128,7 +129,7 @@ class DistributedRoutes:
         if self.sessions and not self.session_open:
             return _reply(False, OUTSIDE_SESSION)
         if not len(req.names) == len(req.dtypes) == len(req.shapes):
-            return _validation_error("names, dtypes and shapes must have the same length")
+            return validation_error("names, dtypes and shapes must have the same length")
         if req.load_format not in (None, "auto"):
             return _reply(False, f"Failed to receive weights: load_format {req.load_format!r} is not supported.")
         from rollq.engine.weight_group import parse_dtype  # imports torch: only when a distributed update comes
@@ -137,9 +138,9 @@ class DistributedRoutes:
             for d in req.dtypes:
                 parse_dtype(d)
         except ValueError as exc:
-            return _validation_error(str(exc))
+            return validation_error(str(exc))
         if any(n < 0 for shape in req.shapes for n in shape):
-            return _validation_error("shapes must not have negative sizes")
+            return validation_error("shapes must not have negative sizes")
         server = self.server
 
         async def load() -> None:
@@ -183,4 +184,4 @@ def add_distributed_routes(app: web.Application, server: EngineServer) -> None:
     app[ROUTES_KEY] = routes  # tests and tools reach the groups and the session through it
 
 
-__all__ = ["ROUTES_KEY", "DistributedRoutes", "add_distributed_routes"]
+__all__ = ["ROUTES_KEY", "DistributedRoutes", "add_distributed_routes", "validation_error"]

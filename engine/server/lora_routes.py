@@ -16,6 +16,7 @@ import msgspec
 from aiohttp import web
 
 from rollq.engine.server.backend import Backend
+from rollq.engine.server.distributed_routes import validation_error
 from rollq.engine.server.lora_registry import NOT_ENABLED, AdapterError, AdapterRegistry
 from rollq.engine.server.weights_root import WeightsPathRefused, resolve_under
 from rollq.http_server import BAD_JSON, read_body
@@ -60,21 +61,16 @@ def _reply(server: EngineServer, error: str | None = None, *, listed: bool = Tru
     )
 
 
-def _validation_error(message: str) -> web.Response:
-    body = {"object": "error", "message": message, "type": "Bad Request", "param": None, "code": 400}
-    return web.Response(body=msgspec.json.encode(body), status=400, content_type="application/json")
-
-
 async def _decode(request: web.Request, kind: type[T]) -> T | web.Response:
     raw = await read_body(request)
     try:
         body = msgspec.json.decode(raw or b"{}")  # every byte read: invalid UTF-8 anywhere is refused as such
     except BAD_JSON as exc:
-        return _validation_error(f"Invalid JSON body: {exc}")
+        return validation_error(f"Invalid JSON body: {exc}")
     try:
         return msgspec.convert(body, kind)
     except msgspec.ValidationError as exc:
-        return _validation_error(str(exc))
+        return validation_error(str(exc))
 
 
 class LoraRoutes:
@@ -98,7 +94,7 @@ class LoraRoutes:
         if not self.enabled:
             return _reply(server, NOT_ENABLED, listed=False)
         if not name:
-            return _validation_error("lora_name must not be empty")
+            return validation_error("lora_name must not be empty")
         async with server.adapters.lock:
             try:
                 server.adapters.check_room(name, path)
