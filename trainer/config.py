@@ -110,7 +110,7 @@ class TrainConfig(RunSettings, kw_only=True):
             group=WHAT,
         ),
     ] = msgspec.field(default_factory=lambda: {"temperature": 0.0})
-    steps: Annotated[int, setting("training steps", ge=1, group=HOW_MUCH)] = 200
+    steps: Annotated[int, setting("training steps", ge=1, group=HOW_MUCH)] = 150
     group_size: Annotated[int, setting("samples per prompt (GRPO group)", ge=1, group=HOW_MUCH)] = 8
     groups_per_step: Annotated[
         int, setting("a step trains on group_size * groups_per_step samples (B)", ge=1, group=HOW_MUCH)
