@@ -7,6 +7,7 @@ from typing import Any, TypeVar
 import msgspec
 
 from rollq.protocol.arrays import ARRAY_BY_EXT_CODE, ARRAY_TYPES
+from rollq.protocol.media import IMAGE_EXT_CODE, ImageFile, is_pil_image, pil_to_image_file
 from rollq.protocol.messages import DeadLetter, Job, Trajectory
 
 T = TypeVar("T")
@@ -19,10 +20,16 @@ class CodecError(ValueError):
 def _msgpack_enc_hook(obj: Any) -> Any:
     if isinstance(obj, ARRAY_TYPES):
         return msgspec.msgpack.Ext(obj.ext_code, obj.to_bytes())
+    if isinstance(obj, ImageFile):
+        return msgspec.msgpack.Ext(IMAGE_EXT_CODE, bytes(obj))
+    if is_pil_image(obj):  # a producer's PIL image: travels as a PNG file
+        return msgspec.msgpack.Ext(IMAGE_EXT_CODE, bytes(pil_to_image_file(obj)))
     raise NotImplementedError(f"cannot encode {type(obj).__name__}")
 
 
 def _ext_hook(code: int, data: memoryview) -> Any:
+    if code == IMAGE_EXT_CODE:
+        return ImageFile(data)  # an ImageError (ValueError) for bytes that are no image: the payload does not decode
     cls = ARRAY_BY_EXT_CODE.get(code)
     if cls is None:
         raise ValueError(f"unknown msgpack extension code {code}")
@@ -32,6 +39,10 @@ def _ext_hook(code: int, data: memoryview) -> Any:
 def _json_enc_hook(obj: Any) -> Any:
     if isinstance(obj, ARRAY_TYPES):
         return obj.tolist()
+    if isinstance(obj, ImageFile):
+        return obj.data_uri()
+    if is_pil_image(obj):
+        return pil_to_image_file(obj).data_uri()
     raise NotImplementedError(f"cannot encode {type(obj).__name__}")
 
 

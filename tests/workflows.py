@@ -36,6 +36,18 @@ class Echo:
         return trajectory(data.get("len", 8), float(data.get("reward", data.get("i", 1))))
 
 
+class SeeImages:
+    """Reports what its data's images arrived as: reward = the red value of the first image's top-left pixel (a PIL
+    image), + 1000 when `data["part"]` arrived as a data URI string."""
+
+    async def arun_episode(self, engine, data):
+        first = data["images"][0]
+        assert type(first).__module__.startswith("PIL."), type(first)
+        red = first.getpixel((0, 0))[0]
+        uri = 1000 if str(data.get("part", "")).startswith("data:image/png;base64,") else 0
+        return trajectory(4, float(red + uri))
+
+
 class Boom:
     async def arun_episode(self, engine, data):
         raise RuntimeError(f"boom on {data.get('i')}")

@@ -7,6 +7,7 @@ from typing import Annotated, Literal
 from rollq.config import RunSettings, setting
 from rollq.protocol.keys import validate_run_name
 from rollq.protocol.limits import MAX_JOB_BYTES, MAX_TRAJECTORY_BYTES
+from rollq.workers.media import DEFAULT_MAX_PIXELS
 
 AGENTS = "agent workflows"
 
@@ -108,6 +109,15 @@ class WorkerConfig(RunSettings, kw_only=True):
             "a job payload larger than this is dead-lettered (JobTooLarge) without decoding its data", metavar="N", ge=1
         ),
     ] = MAX_JOB_BYTES
+    max_image_pixels: Annotated[
+        int,
+        setting(
+            "an image in a job's data with more pixels than this (read from its header, before decoding) "
+            "dead-letters the job (BadImage)",
+            metavar="N",
+            ge=1,
+        ),
+    ] = DEFAULT_MAX_PIXELS
     max_trajectory_bytes: Annotated[
         int,
         setting(

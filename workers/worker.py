@@ -56,6 +56,7 @@ from rollq.workers.construct import KwargConverter, ModelNames
 from rollq.workers.context import ContextConfig, EpisodeContext, RecordingEngine, WorkflowContext, episode_scope
 from rollq.workers.fair_share import FairShare
 from rollq.workers.loader import WorkflowCache, workflow_path
+from rollq.workers.media import MediaError, prepare_images
 from rollq.workers.outputs import to_sequences
 from rollq.workers.proxy.server import ProxyConfig
 from rollq.workers.resolver import Allowlist, WorkflowLoadError, enforcing
@@ -731,15 +732,17 @@ class Worker:
             observe(job.job_class if job else DEFAULT_CLASS, outcome, time.time() - started, sequences)
 
     async def _data(self, job: Job, keys: RunKeys, runs: int) -> object:
-        """The job's data: its own, or what its `data_ref` names in the blob store (a sample's own decoded copy)."""
-        if not job.data_ref:
-            return job.data
+        """The job's data: its own, or what its `data_ref` names in the blob store (a sample's own decoded copy),
+        with its images made ready for the workflow (workers/media.py)."""
         try:
-            return self.codec.decode_data(await self.blobs.get(keys, job.data_ref))
+            data = job.data if not job.data_ref else self.codec.decode_data(await self.blobs.get(keys, job.data_ref))
+            return prepare_images(data, self.cfg.max_image_pixels)
         except BlobError as exc:
             raise _Fatal(self._error(exc.kind, f"job {job.job_id}#{job.sample_index}: {exc}", runs)) from None
         except CodecError as exc:
             raise _Fatal(self._error("MalformedJob", f"job {job.job_id}#{job.sample_index}: {exc}", runs)) from None
+        except MediaError as exc:
+            raise _Fatal(self._error("BadImage", f"job {job.job_id}#{job.sample_index}: {exc}", runs)) from None
 
     def _decode(self, eid: str, payload: bytes | None, fields: dict | None, keys: RunKeys) -> Job:
         if payload is None:
