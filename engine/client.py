@@ -251,6 +251,7 @@ class SGLangClient:
         on_progress: ProgressCallback | None = None,  # streams the request and reports tokens as they come
         priority: int | None = None,
         lora_path: str | None = None,  # a LoRA adapter's name (SGLang's field name); None: the base model
+        image_data: list[str] | None = None,  # SGLang's image_data: one per image placeholder in input_ids
     ) -> GenerateResult:
         payload: dict[str, Any] = {
             "input_ids": input_ids,
@@ -261,6 +262,8 @@ class SGLangClient:
             payload["rid"] = rid
         if lora_path:
             payload["lora_path"] = lora_path
+        if image_data:
+            payload["image_data"] = image_data
         if priority is not None:
             payload["priority"] = priority
         if on_progress is not None:

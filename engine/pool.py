@@ -548,6 +548,7 @@ class EnginePool:
                     on_progress=progress,
                     priority=req.priority,
                     lora_path=adapter,
+                    image_data=req.image_data,  # a resubmitted remainder keeps its images: its ids hold their tokens
                 )
             except asyncio.CancelledError:
                 # The caller gave up: free the engine's slot too (a closed connection alone may not abort it).
@@ -704,6 +705,8 @@ class EnginePool:
             resubmissions=segments - 1,
             latency_s=time.monotonic() - started,
             tokenizer=req.tokenizer,
+            input_images=list(req.image_data or ()),
+            processor=req.processor,
         )
 
 

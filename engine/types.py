@@ -237,7 +237,14 @@ class ModelRequest(msgspec.Struct, kw_only=True):
     affinity: str = ""
     priority: int | None = None  # SGLang's top-level `priority` (with --enable-priority-scheduling); None: omitted
     lora_path: str | None = None  # the LoRA adapter's name (SGLang's `lora_path`); None: the engine's own weights
+    # SGLang's `image_data`, one per image placeholder in input_ids, in order: base64 or a data URI (AReaL's
+    # image2base64 form), or a path / URL where the engine allows them (docs/images.md)
+    image_data: list[str] | None = None
     metadata: dict[str, Any] = {}
+    # AReaL's vision fields, accepted so its files construct requests unchanged: the HF processor (handed back on
+    # the response) and the chat messages AReaL's vLLM client sends instead of ids (SGLang's API needs neither)
+    processor: Any = None
+    vision_msg_vllm: list[Any] | None = None
     gconfig: GenerationHyperparameters | None = None
     tokenizer: Any = None
 
@@ -251,6 +258,7 @@ class ModelRequest(msgspec.Struct, kw_only=True):
         """A copy whose lists and gconfig are the copy's own (AReaL's `ModelRequest.copy`)."""
         dup = copy.copy(self)  # not structs.replace: __post_init__ would see both sampling and gconfig
         dup.input_ids, dup.metadata = list(self.input_ids), dict(self.metadata)
+        dup.image_data = None if self.image_data is None else list(self.image_data)
         dup.gconfig = None if self.gconfig is None else self.gconfig.new()
         return dup
 
@@ -258,16 +266,18 @@ class ModelRequest(msgspec.Struct, kw_only=True):
 def as_model_request(req: Any) -> ModelRequest:
     """rollq's ModelRequest for any request of its shape: AReaL's own `areal.api.ModelRequest` (a dataclass with
     rid, input_ids, gconfig, metadata, tokenizer, image_data...) when a workflow imports AReaL itself. rollq's routing
-    fields (sampling, affinity, priority) are optional on it; images are not carried yet: a request with some is
-    refused by name rather than generated without them."""
+    fields (sampling, affinity, priority) are optional on it. `image_data` goes to the engines as SGLang's field;
+    `vision_msg_vllm` (the chat messages AReaL's vLLM client sends instead) is not needed by SGLang's API."""
     if isinstance(req, ModelRequest):
         return req
     input_ids = getattr(req, "input_ids", None)
     if input_ids is None:
         raise TypeError(f"a model request needs input_ids; got {type(req).__name__}")
-    for field in ("image_data", "vision_msg_vllm"):
-        if getattr(req, field, None):
-            raise ValueError(f"ModelRequest.{field}: images are not supported by rollq's engine pool yet")
+    image_data = getattr(req, "image_data", None)
+    if image_data is not None and not (
+        isinstance(image_data, list | tuple) and all(isinstance(x, str) for x in image_data)
+    ):
+        raise TypeError("ModelRequest.image_data must be a list of strings (base64, a data URI, a path or a URL)")
     gconfig = getattr(req, "gconfig", None)
     if gconfig is not None and not isinstance(gconfig, GenerationHyperparameters):
         ours = {f.name for f in dataclasses.fields(GenerationHyperparameters)}
@@ -282,6 +292,8 @@ def as_model_request(req: Any) -> ModelRequest:
         gconfig=gconfig if sampling is None else None,
         sampling=sampling if sampling is not None else SamplingParams(),
         tokenizer=getattr(req, "tokenizer", None),
+        image_data=list(image_data) if image_data else None,
+        processor=getattr(req, "processor", None),
     )
 
 

@@ -13,7 +13,7 @@ import redis.asyncio as aioredis
 
 from rollq.producer.results import PartitionedConsumer, ResultConsumer
 from rollq.protocol import scripts
-from rollq.protocol.blobs import BLOB_MIN_BYTES, DataBlob, data_blob
+from rollq.protocol.blobs import BLOB_MIN_BYTES, DEFAULT_BLOB_TTL_S, DataBlob, data_blob
 from rollq.protocol.codec import Codec
 from rollq.protocol.keys import (
     DEFAULT_CLASS,
@@ -28,7 +28,7 @@ from rollq.protocol.limits import MAX_JOB_BYTES, describe_bytes
 from rollq.protocol.messages import AgentOptions, Job, JobClass, Trajectory, class_bound, job_classes
 from rollq.redis_client import ensure_group, run_partitions
 
-DEFAULT_SEEN_TTL_S = 7 * 24 * 3600
+DEFAULT_SEEN_TTL_S = DEFAULT_BLOB_TTL_S
 
 
 class JobRequest(msgspec.Struct, kw_only=True):

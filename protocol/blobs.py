@@ -12,6 +12,11 @@ from rollq.protocol.codec import Codec
 # Data whose encoding is at least this large travels by reference. Below it a copy per sample costs less than the
 # worker's extra read (the queue's hot path: small prompts, n = 1).
 BLOB_MIN_BYTES = 256
+# How long a stored blob lives by default: the producers' retention of a submission (seen_ttl_s), also what the
+# workers give the images of a trajectory they store (a consumer reads them long before).
+DEFAULT_BLOB_TTL_S = 7 * 24 * 3600
+# A sequence's images (VisionInputs) at least this large go to the blob store; smaller ones ride in the trajectory.
+VISION_INLINE_BYTES = 256 << 10
 
 
 def digest_of(payload: bytes) -> str:
@@ -37,4 +42,4 @@ def data_blob(codec: Codec, data: Any, min_bytes: int = BLOB_MIN_BYTES) -> DataB
     return DataBlob(payload) if len(payload) >= min_bytes else None
 
 
-__all__ = ["BLOB_MIN_BYTES", "DataBlob", "data_blob", "digest_of"]
+__all__ = ["BLOB_MIN_BYTES", "DEFAULT_BLOB_TTL_S", "VISION_INLINE_BYTES", "DataBlob", "data_blob", "digest_of"]

@@ -3,6 +3,7 @@ ignore it; anything else bumps SCHEMA_VERSION."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -11,11 +12,12 @@ import msgspec
 from rollq.protocol.arrays import Float32Array, Int32Array, UInt8Array
 from rollq.protocol.keys import DEFAULT_CLASS, partition_share, validate_class_name
 
-SCHEMA_VERSION = 3  # the newest message schema this code reads
+SCHEMA_VERSION = 4  # the newest message schema this code reads
 # A message's `schema` absent on the wire (omit_defaults) means 1, so an older reader's default and ours agree. A job
 # that uses a field an older worker would ignore to the job's harm (JOB_SCHEMA_2_FIELDS: it would run without its
 # data, or with a wider allowlist) says schema 2, and such a worker refuses it (SchemaTooNew) instead; a job naming a
-# LoRA adapter (`lora`) says 3: a worker before it would generate with the base weights.
+# LoRA adapter (`lora`) says 3: a worker before it would generate with the base weights. A trajectory with images
+# (`Sequence.vision`) says 4: a trainer before it would train the text alone.
 BASE_SCHEMA = 1
 
 # "cancelled": the sample was cancelled before it started (`Job.cancellable` jobs; it never ran). Consumers that
@@ -152,14 +154,44 @@ class ErrorRecord(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     at: float = 0.0
 
 
-class Sequence(msgspec.Struct, kw_only=True, gc=False):
-    """One token sequence. All four arrays have the same length."""
+class VisionInputs(msgspec.Struct, kw_only=True, gc=False):
+    """What a vision-language model's forward takes beside one sequence's input_ids (Qwen2-VL's names, as AReaL's
+    `multi_modal_input` holds them): the images' patches and grids, and which tokens are image tokens."""
+
+    pixel_values: Float32Array  # the processor's pixel_values, row-major, of shape pixel_shape
+    pixel_shape: list[int]  # e.g. [patches, 1176] for Qwen2-VL
+    image_grid_thw: Int32Array  # [images, 3] row-major: each image's (temporal, height, width) patch grid
+    mm_token_type_ids: UInt8Array  # per token of the sequence: 0 text, 1 image, 2 video (the processor's)
+
+    def __post_init__(self) -> None:
+        if math.prod(self.pixel_shape) != len(self.pixel_values):
+            raise ValueError(f"pixel_values has {len(self.pixel_values)} values for shape {self.pixel_shape}")
+        if len(self.image_grid_thw) % 3:
+            raise ValueError(f"image_grid_thw has {len(self.image_grid_thw)} values: 3 per image")
+
+
+class VisionRef(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
+    """A sequence's VisionInputs (msgpack), inline below the worker's `vision_inline_bytes`, else in the run's blob
+    store under its digest (RunKeys.blob), stored before the trajectory is published and expiring with the run's
+    retention (`blob_ttl_s`)."""
+
+    digest: str  # SHA-256 (hex) of the encoded VisionInputs
+    size: int  # its bytes
+    inline: bytes | None = None  # the encoded VisionInputs, when carried here
+
+
+class Sequence(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
+    """One token sequence. All four arrays have the same length. (Defaults are omitted on the wire: a missing
+    `reward` is 0.0.)"""
 
     input_ids: Int32Array
     loss_mask: UInt8Array
     logprobs: Float32Array
     versions: Int32Array  # policy version that produced each token; -1 for tokens the model did not generate
     reward: float = 0.0
+    # The images the model saw in this sequence (a vision-language model's), by reference or inline; the trainer
+    # needs them to recompute the logprobs. None: text only.
+    vision: VisionRef | None = None
 
     def __post_init__(self) -> None:
         n = len(self.input_ids)
@@ -184,6 +216,10 @@ class Trajectory(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     started_at: float = 0.0
     finished_at: float = 0.0
     schema: int = BASE_SCHEMA
+
+    def __post_init__(self) -> None:
+        if self.schema < 4 and any(s.vision is not None for s in self.sequences):
+            self.schema = 4  # a trainer that knows no images must not train the text alone
 
 
 class DeadLetter(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):

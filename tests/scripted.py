@@ -16,7 +16,8 @@ from rollq.engine.server.synthetic import SyntheticBackend, SyntheticConfig, loa
 async def scripted_engine(replies: list[str], **config: Any) -> AsyncIterator[ServerHandle]:
     """Serve replies[n] for the conversation's n-th assistant turn (the last reply beyond the list) on loopback;
     `config` goes to SyntheticConfig (latency, seed, turn_marker...)."""
-    backend = SyntheticBackend(SyntheticConfig(tokenizer="tiny", replies=replies, **config))
+    config.setdefault("tokenizer", "tiny")
+    backend = SyntheticBackend(SyntheticConfig(replies=replies, **config))
     handle = await serve(backend, EngineServerConfig(host="127.0.0.1", port=0))
     try:
         yield handle

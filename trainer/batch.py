@@ -60,6 +60,8 @@ class Group(msgspec.Struct, kw_only=True):
                     return f"token ids outside the model's vocabulary [0, {vocab_size})"
                 if ids.size < 2:
                     return "a sequence needs at least 2 tokens"
+                if s.vision is not None:  # never the text alone: the logprobs were of the text with its images
+                    return "it has images, and rollq's trainer does not train vision-language models yet"
         return None
 
     @property

@@ -27,6 +27,7 @@ from rollq.workers.areal_openai import ArealOpenAI, InteractionWithTokenLogpRewa
 from rollq.workers.areal_utils import (
     apply_chat_template,
     atrace_session_phase,
+    image2base64,
     import_from_string,
     load_hf_tokenizer,
     logging,
@@ -74,6 +75,7 @@ __all__ = [
     "WorkflowLike",
     "apply_chat_template",
     "atrace_session_phase",
+    "image2base64",
     "import_from_string",
     "load_hf_tokenizer",
     "logging",

@@ -5,6 +5,7 @@ source), so those files run in a rollq worker with only their import lines chang
 - `stats_tracker` (rollq.workers.stats): recorded per worker, served on its /metrics.
 - `import_from_string("pkg.mod.Name")`: through the worker's allowlist, like every import a job causes.
 - `apply_chat_template(tokenizer, messages, tokenize=True, **kw)`: token ids as a list on every transformers version.
+- `image2base64(images)`: PIL images as base64 PNG strings (what a request's `image_data` takes).
 - `load_hf_tokenizer(name)`: `tiny`, `smollm2` or a tokenizer directory; pad falls back to eos, as in AReaL.
 - perf tracing (`trace_session`, `session_context`, `atrace_session_phase`, `trace_session_phase`): each phase's
   seconds are recorded as `perf/<phase>_s` in the stats (AReaL writes them to its session tracer).
@@ -69,6 +70,14 @@ def load_hf_tokenizer(model_name_or_path: str, fast_tokenizer: bool = True, padd
     return tokenizer
 
 
+def image2base64(images: Any) -> list[str]:
+    """`areal.utils.image.image2base64`: a PIL image or a list of them as plain base64 of PNG files (SGLang's
+    image_data form), one string per image."""
+    from rollq.protocol.media import pil_to_image_file
+
+    return [pil_to_image_file(image).base64() for image in (images if isinstance(images, list | tuple) else [images])]
+
+
 def _record_phase(phase: str, seconds: float) -> None:
     stats_tracker.get("perf").scalar(**{f"{phase}_s": seconds})
 
@@ -128,6 +137,7 @@ def session_context() -> Callable[[Callable[..., Any]], Callable[..., Any]]:
 __all__ = [
     "apply_chat_template",
     "atrace_session_phase",
+    "image2base64",
     "import_from_string",
     "load_hf_tokenizer",
     "logging",

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 from rollq.config import RunSettings, setting
+from rollq.protocol.blobs import DEFAULT_BLOB_TTL_S, VISION_INLINE_BYTES
 from rollq.protocol.keys import validate_run_name
 from rollq.protocol.limits import MAX_JOB_BYTES, MAX_TRAJECTORY_BYTES
 from rollq.workers.media import DEFAULT_MAX_PIXELS
@@ -118,6 +119,19 @@ class WorkerConfig(RunSettings, kw_only=True):
             ge=1,
         ),
     ] = DEFAULT_MAX_PIXELS
+    vision_inline_bytes: Annotated[
+        int,
+        setting(
+            "a sequence's images (the processor's pixel values) at least this large go to the run's blob store, "
+            "referenced from the trajectory; smaller ones ride in it",
+            metavar="N",
+            ge=0,
+        ),
+    ] = VISION_INLINE_BYTES
+    blob_ttl_s: Annotated[
+        int,
+        setting("seconds the images of a published trajectory stay in the blob store", metavar="S", ge=60),
+    ] = DEFAULT_BLOB_TTL_S
     max_trajectory_bytes: Annotated[
         int,
         setting(

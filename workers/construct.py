@@ -6,8 +6,9 @@ RolloutWorkflows are named in a job directly, no factory class:
 
 - a mapping for a dataclass (or msgspec Struct) parameter (GenerationHyperparameters) is that class built from it;
 - a string for a tokenizer or processor parameter (by its hint, PreTrainedTokenizer*/ProcessorMixin/AutoProcessor,
-  or by its name when unannotated) is loaded: `tiny`, `smollm2`, the worker's own `--tokenizer`, or a directory
-  under the worker's `models_root`. A job never names an arbitrary path: its kwargs come from whoever may submit;
+  or by its name when unannotated) is loaded: `tiny`, `smollm2`, `tiny-vl`, the worker's own `--tokenizer`, or a
+  directory under the worker's `models_root`. A job never names an arbitrary path: its kwargs come from whoever
+  may submit;
 - a string for a Callable parameter (or an unannotated `..._fn`, AReaL's naming) is an import path, resolved
   through the worker's allowlist (a workflow that imported it itself would import what the allowlist never saw).
   rollq's own workflows resolve theirs themselves, through the same allowlist (a remote reward is only named: it
@@ -33,7 +34,7 @@ from rollq.workers.resolver import WorkflowLoadError, resolve
 
 _TOKENIZER_HINTS = ("Tokenizer",)
 _PROCESSOR_HINTS = ("Processor",)
-_BUILT_IN_MODELS = ("tiny", "smollm2")
+_BUILT_IN_MODELS = ("tiny", "smollm2", "tiny-vl")
 
 
 class ModelNames(msgspec.Struct, frozen=True, kw_only=True):
@@ -92,10 +93,11 @@ class KwargConverter:
         key = (kind, value)
         if key not in self._loaded:
             path = self.model_path(value, name)
-            from transformers import AutoProcessor, AutoTokenizer  # heavy: only for workflows that take one
+            from transformers import AutoTokenizer  # heavy: only for workflows that take one
 
-            loader = AutoTokenizer if kind == "tokenizer" else AutoProcessor
-            loaded = loader.from_pretrained(path)
+            from rollq.engine.tiny_vlm import load_processor
+
+            loaded = AutoTokenizer.from_pretrained(path) if kind == "tokenizer" else load_processor(path)
             if kind == "tokenizer" and loaded.pad_token_id is None:
                 loaded.pad_token_id = loaded.eos_token_id  # as AReaL's load_hf_tokenizer
             self._loaded[key] = loaded

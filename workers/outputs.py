@@ -7,6 +7,10 @@ logprobs and versions come from the engine response of this episode with exactly
 And what AReaL's OpenAI client exports (`client.export_interactions(...)`: `{completion id: interaction}`), by its
 shape: a mapping whose values all have `to_tensor_dict()` (rollq.workers.areal_openai's interactions, and AReaL's own)
 is one trajectory per value, in order.
+
+A vision-language workflow's `multi_modal_input` (AReaL's: a list of one dict with the processor's `pixel_values` and
+`image_grid_thw`) and `mm_token_type_ids` become the sequence's VisionInputs, carried inline here (the worker moves
+large ones to the run's blob store before publishing).
 """
 
 from __future__ import annotations
@@ -17,12 +21,16 @@ from typing import Any
 
 from rollq.engine.types import ModelResponse
 from rollq.protocol.arrays import Float32Array, Int32Array, UInt8Array
-from rollq.protocol.messages import Sequence
+from rollq.protocol.blobs import digest_of
+from rollq.protocol.codec import Codec
+from rollq.protocol.messages import Sequence, VisionInputs, VisionRef
 
 # What a trajectory mapping may hold (rollq's, AReaL's tensor dict's and its template's keys).
 TRAJECTORY_KEYS = frozenset(
     {"input_ids", "loss_mask", "logprobs", "versions", "reward", "rewards", "attention_mask", "output_ids"}
+    | {"multi_modal_input", "mm_token_type_ids"}
 )
+VISION_KEYS = frozenset({"pixel_values", "image_grid_thw"})  # what a multi_modal_input dict may hold
 
 
 class WorkflowOutputError(ValueError):
@@ -95,7 +103,7 @@ def _masked(item: Mapping[str, Any]) -> Mapping[str, Any]:
     if all(keep):
         return item
     out = dict(item)
-    for key in ("input_ids", "loss_mask", "logprobs", "versions"):
+    for key in ("input_ids", "loss_mask", "logprobs", "versions", "mm_token_type_ids"):
         value = item.get(key)
         if value is None:
             continue
@@ -125,7 +133,7 @@ def to_sequence(item: Any, responses: Seq[ModelResponse] = (), used: set[int] | 
     if unknown:  # dropping them would train on less than the workflow returned, silently
         raise WorkflowOutputError(
             f"trajectory has keys rollq does not carry: {', '.join(unknown)} (it carries "
-            f"{', '.join(sorted(TRAJECTORY_KEYS))}; images, multi_modal_input, are not supported yet)"
+            f"{', '.join(sorted(TRAJECTORY_KEYS))})"
         )
     item = _masked(item)
     try:
@@ -138,10 +146,67 @@ def to_sequence(item: Any, responses: Seq[ModelResponse] = (), used: set[int] | 
             else Int32Array([-1] * len(input_ids))
         )
         return Sequence(
-            input_ids=input_ids, loss_mask=loss_mask, logprobs=logprobs, versions=versions, reward=_reward(item)
+            input_ids=input_ids,
+            loss_mask=loss_mask,
+            logprobs=logprobs,
+            versions=versions,
+            reward=_reward(item),
+            vision=_vision(item, len(input_ids)),
         )
     except ValueError as exc:
         raise WorkflowOutputError(str(exc)) from None
+
+
+def _vision(item: Mapping[str, Any], length: int) -> VisionRef | None:
+    """The sequence's `multi_modal_input` + `mm_token_type_ids` as an inline VisionRef (None without images)."""
+    mm, types = item.get("multi_modal_input"), item.get("mm_token_type_ids")
+    if mm is None:
+        if types is not None and any(UInt8Array.coerce(types, "mm_token_type_ids")):
+            raise WorkflowOutputError("mm_token_type_ids marks image tokens, but there is no multi_modal_input")
+        return None
+    if isinstance(mm, Mapping):
+        mm = [mm]
+    if not isinstance(mm, list) or len(mm) != 1 or not isinstance(mm[0], Mapping):
+        raise WorkflowOutputError(
+            "multi_modal_input must be a list of one mapping (AReaL's form: the processor's pixel_values and "
+            f"image_grid_thw for this sequence), got {type(mm).__name__}"
+            + (f" of {len(mm)}" if isinstance(mm, list) else "")
+        )
+    inputs = mm[0]
+    unknown = sorted(str(k) for k in inputs if k not in VISION_KEYS)
+    if unknown:
+        raise WorkflowOutputError(
+            f"multi_modal_input has keys rollq does not carry: {', '.join(unknown)} (it carries pixel_values and "
+            "image_grid_thw: images; videos are not supported)"
+        )
+    pixels, grid = inputs.get("pixel_values"), inputs.get("image_grid_thw")
+    if pixels is None or grid is None or not hasattr(pixels, "shape"):
+        raise WorkflowOutputError("multi_modal_input needs pixel_values (a tensor or array) and image_grid_thw")
+    if types is None:
+        raise WorkflowOutputError("a trajectory with multi_modal_input needs mm_token_type_ids (the processor's)")
+    token_types = UInt8Array.coerce(types, "mm_token_type_ids")
+    if len(token_types) != length:
+        raise WorkflowOutputError(f"mm_token_type_ids has {len(token_types)} entries but input_ids has {length}")
+    grid_values = Int32Array.coerce(_flat(grid), "image_grid_thw")
+    vision = VisionInputs(
+        pixel_values=Float32Array.coerce(_flat(pixels), "pixel_values"),
+        pixel_shape=[int(d) for d in pixels.shape],
+        image_grid_thw=grid_values,
+        mm_token_type_ids=token_types,
+    )
+    payload = Codec().encode(vision)
+    return VisionRef(digest=digest_of(payload), size=len(payload), inline=payload)
+
+
+def _flat(value: Any) -> Any:
+    """A tensor or array as a 1-D float/int container (row-major), for the typed arrays' coerce."""
+    if hasattr(value, "detach"):  # torch: float32 for pixels (bfloat16 has no numpy view)
+        value = value.detach().cpu()
+        value = value.float() if value.is_floating_point() else value
+        return value.reshape(-1).numpy()
+    if hasattr(value, "reshape"):
+        return value.reshape(-1)
+    return value
 
 
 def _interactions(output: Mapping[Any, Any]) -> list[Any] | None:

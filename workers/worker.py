@@ -38,6 +38,7 @@ from rollq.protocol.messages import (
     JobClass,
     Sequence,
     Trajectory,
+    VisionRef,
     job_classes,
 )
 from rollq.redis_client import (
@@ -186,6 +187,7 @@ class Worker:
         self._requeue = self.redis.register_script(scripts.REQUEUE)
         self._start_sample = self.redis.register_script(scripts.START_SAMPLE)
         self._forget_workers = self.redis.register_script(scripts.FORGET_WORKERS)
+        self._store_blobs = self.redis.register_script(scripts.STORE_BLOBS)
         self._running: dict[tuple[str, str], _Running] = {}  # (job stream, entry id) -> its task
         # Job classes (RunKeys.classes) and the run's partitions (RunKeys.partitions), refreshed every
         # classes_refresh_ms: class -> its streams (one per partition), and the DRR state.
@@ -686,6 +688,8 @@ class Worker:
                     self._observe(job, "failed", started)
                     return
                 raise _Fatal(error) from None
+            if sequences:
+                await self._store_vision(sequences, keys)
             traj = Trajectory(
                 job_id=job.job_id,
                 sample_index=job.sample_index,
@@ -726,6 +730,20 @@ class Worker:
                 eid, payload, job or fatal.job, fatal.error, deliveries, started, decoded=job is not None, stream=jobs
             )
             self._observe(job, "dead_lettered", started)
+
+    async def _store_vision(self, sequences: list[Sequence], keys: RunKeys) -> None:
+        """Moves the sequences' large VisionInputs to the run's blob store (content-addressed: a rerun after a crash
+        stores the same key), before the trajectory that references them is published."""
+        large = [s for s in sequences if s.vision and s.vision.inline and s.vision.size >= self.cfg.vision_inline_bytes]
+        if not large:
+            return
+        blobs = {s.vision.digest: s.vision.inline for s in large if s.vision}
+        await self._writes.script(
+            self._store_blobs, [keys.blob(d) for d in blobs], [self.cfg.blob_ttl_s, *blobs.values()]
+        )
+        for s in large:
+            assert s.vision is not None
+            s.vision = VisionRef(digest=s.vision.digest, size=s.vision.size)
 
     def _observe(self, job: Job | None, outcome: str, started: float, sequences: list[Sequence] | None = None) -> None:
         for observe in self.episode_observers:

@@ -14,6 +14,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any, Literal
 
+import aiohttp
 import msgspec
 from aiohttp import web
 
@@ -22,10 +23,12 @@ from rollq.engine.server.distributed_routes import add_distributed_routes
 from rollq.engine.server.lora_registry import NOT_ENABLED, AdapterError, AdapterRegistry
 from rollq.engine.server.lora_routes import ROUTES_KEY as LORA_ROUTES_KEY
 from rollq.engine.server.lora_routes import add_lora_routes
+from rollq.engine.server.media import MediaPolicy, MediaRefused, load_images
 from rollq.engine.server.validation import BadRequest, EngineValueError, GenerateCall, parse_generate
 from rollq.engine.server.weights_root import WeightsPathRefused, resolve_under
 from rollq.engine.types import ADMIN_ROUTES, FinishReason, PauseMode, SamplingParams
 from rollq.http_server import BAD_JSON, read_body, start_site
+from rollq.protocol.media import ImageFile
 
 log = logging.getLogger("rollq.engine")
 
@@ -64,6 +67,9 @@ class EngineServerConfig(msgspec.Struct, kw_only=True):
     max_loras_per_batch: int = 8  # distinct adapters in one running batch, the base model counting as one
     max_loaded_loras: int | None = None
     lora_paths: list[str] = []  # adapters loaded at start: NAME=PATH or PATH (then named by its path)
+    # Where image_data may come from besides the request itself (engine/server/media.py): paths under media_root,
+    # URLs of these hosts; neither by default.
+    media: MediaPolicy = MediaPolicy()
 
 
 class _Req:
@@ -108,6 +114,7 @@ class EngineServer:
         self._update_lock = asyncio.Lock()
         self._changed = asyncio.Event()  # pulsed when `running` drops to 0 or the pause state changes
         self.started_at = time.time()
+        self._media_http: aiohttp.ClientSession | None = None  # fetches image URLs (only with media.url_hosts)
         # sglang:<name>_total counters
         self.counters = {
             "prompt_tokens": 0,
@@ -307,16 +314,17 @@ class EngineServer:
                 # SGLang 0.5.5's /generate ignores lora_path then (tokenizer_manager.py:433) and serves the base
                 # model: an adapter silently not applied. rollq refuses, with the words of its OpenAI routes.
                 raise EngineValueError(NOT_ENABLED)
+            images = await self._images(call)
             adapters = self.adapters.acquire(names)  # AdapterError (unknown name): a ValueError, as in SGLang
         except BadRequest as exc:  # the request's shape: FastAPI / the contract check answer before any stream
             return _bad_request(str(exc))
-        except (EngineValueError, NotImplementedError, AdapterError) as exc:
+        except (EngineValueError, NotImplementedError, AdapterError, MediaRefused) as exc:
             if body.get("stream") is True:
                 return await self._stream_error(request, str(exc))
             return _engine_error(str(exc))
 
         items: list[tuple[_Req, bool]] = []
-        for prompt in call.prompts:
+        for index, prompt in enumerate(call.prompts):
             for rid in prompt.rids:
                 state = GenState(
                     rid,
@@ -326,6 +334,7 @@ class EngineServer:
                     prompt.priority,
                     adapters[len(items)],
                 )
+                state.images = images[index] if images else []
                 items.append((_Req(state, prompt.top_logprobs_num), prompt.return_logprob))
                 self.counters["prompt_tokens"] += len(prompt.input_ids)
         self.counters["num_requests"] += len(items)
@@ -702,6 +711,16 @@ class EngineServer:
             headers={"X-Content-Type-Options": "nosniff"},
         )
 
+    async def _images(self, call: GenerateCall) -> list[list[ImageFile]]:
+        """Each prompt's image_data, loaded under the media policy ([] when the call has none)."""
+        if not any(p.image_data for p in call.prompts):
+            return []
+        if not self.backend.supports_images:
+            raise EngineValueError(f"this engine's model ({self.backend.model_path}) takes no image input")
+        if self._media_http is None and self.config.media.url_hosts:
+            self._media_http = aiohttp.ClientSession()
+        return [await load_images(p.image_data, self.config.media, self._media_http) for p in call.prompts]
+
     # --- lifecycle ---
 
     async def on_startup(self, app: web.Application) -> None:
@@ -725,6 +744,8 @@ class EngineServer:
         self._gate_changed()
 
     async def on_cleanup(self, app: web.Application) -> None:
+        if self._media_http is not None:
+            await self._media_http.close()
         await self.backend.close()
 
 

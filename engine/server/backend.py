@@ -29,6 +29,7 @@ from typing import Any
 
 from rollq.engine.server.lora_registry import AdapterRef
 from rollq.engine.types import FinishReason, PauseMode, SamplingParams
+from rollq.protocol.media import ImageFile
 
 
 class GenState:
@@ -49,6 +50,7 @@ class GenState:
         "priority",
         "cached_tokens",
         "adapter",
+        "images",
     )
 
     def __init__(
@@ -74,6 +76,7 @@ class GenState:
         self.priority = priority
         self.cached_tokens = 0
         self.adapter = adapter  # the LoRA adapter it generates with (None: the base model)
+        self.images: list[ImageFile] = []  # its image_data, loaded (backends with `supports_images`)
 
 
 def stop_check(
@@ -136,6 +139,7 @@ class Backend(abc.ABC):
         raise NotImplementedError(f"{type(self).__name__} cannot load weights from tensors")
 
     supports_lora = False  # load_adapter / unload_adapter work (a batch may mix adapters and the base model)
+    supports_images = False  # a state's `images` are seen by the model (image_data); without, they are refused
 
     async def load_adapter(self, ref: AdapterRef, path: str) -> None:
         """Read the PEFT adapter at `path` (already resolved under the weights root) as `ref`."""

@@ -13,6 +13,7 @@ from pathlib import Path
 from rollq.engine.server.app import EngineServerConfig, serve
 from rollq.engine.server.backend import Backend
 from rollq.engine.server.config import EngineConfig
+from rollq.engine.server.media import MediaPolicy
 
 log = logging.getLogger("rollq.engine")
 
@@ -253,5 +254,8 @@ def engine(args: EngineConfig) -> int:
         max_loras_per_batch=args.max_loras_per_batch,
         max_loaded_loras=args.max_loaded_loras or None,
         lora_paths=list(args.lora_paths),
+        media=MediaPolicy(
+            media_root=args.media_root, url_hosts=list(args.image_url_hosts), max_image_bytes=args.max_image_bytes
+        ),
     )
     return _run(_serve(backend, config, args))

@@ -50,6 +50,24 @@ class EngineConfig(RunSettings, kw_only=True):
             metavar="DIR",
         ),
     ] = None
+    media_root: Annotated[
+        str | None,
+        setting(
+            "directory image_data paths may name (resolved; anything outside it or missing is refused); unset: "
+            "requests carry their images (base64, data URIs) and name no files",
+            metavar="DIR",
+        ),
+    ] = None
+    image_url_hosts: Annotated[
+        list[str],
+        setting(
+            "hosts whose http(s) image URLs the engine fetches for image_data (repeatable); none by default",
+            metavar="HOST",
+        ),
+    ] = []
+    max_image_bytes: Annotated[int, setting("largest image file a request may carry or name", metavar="N", ge=1)] = (
+        16 << 20
+    )
     weight_version: Annotated[str, setting("the weight version reported until the first update")] = "default"
     skip_tokenizer_init: Annotated[
         bool,

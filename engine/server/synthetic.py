@@ -14,6 +14,7 @@ the token ids alone, so a resubmitted prompt + partial output continues the same
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import math
 import os
 import random
@@ -267,6 +268,8 @@ class SyntheticBackend(Backend):
 
     def _begin(self, state: GenState) -> _Seq:
         h = self.config.seed & _MASK
+        for image in state.images:  # the images come before the text, as a vision model sees them
+            h = (h * _MUL + int.from_bytes(hashlib.blake2b(image, digest_size=8).digest(), "little")) & _MASK
         for t in state.input_ids:
             h = (h * _MUL + t + 1) & _MASK
         for t in state.output_ids:  # a state resumed with partial output
@@ -452,6 +455,7 @@ class SyntheticBackend(Backend):
             await asyncio.sleep(self.config.load_delay_s)
 
     supports_lora = True  # adapters are read as a LoRA engine would and change nothing: there is no model
+    supports_images = True  # images are loaded and checked as a vision engine would; they seed the hashed tokens
 
     async def load_adapter(self, ref: AdapterRef, path: str) -> None:
         config = Path(path) / "adapter_config.json"

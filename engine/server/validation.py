@@ -48,6 +48,7 @@ class Prompt(msgspec.Struct, kw_only=True):
     logprob_start_len: int
     priority: int | None = None  # SGLang's request priority (larger first in the reference scheduler)
     lora_path: str | None = None  # the LoRA adapter's NAME (SGLang's field name), None: the base model
+    image_data: list[str] = []  # SGLang's image_data of this prompt, as given (engine/server/media.py loads them)
 
 
 class GenerateCall(msgspec.Struct, kw_only=True):
@@ -192,6 +193,7 @@ def parse_generate(body: Any, *, encode, vocab_size: int, context_length: int, t
     top_logprobs = _per_prompt(body.get("top_logprobs_num"), count, "top_logprobs_num", 0, int)
     start_len = _per_prompt(body.get("logprob_start_len"), count, "logprob_start_len", -1, int)
     lora_paths = _lora_paths(body.get("lora_path"), count)
+    images = _image_data(body.get("image_data"), count, batched)
     priority = body.get("priority")
     if priority is not None and type(priority) is not int:
         raise BadRequest("priority must be an integer")
@@ -235,6 +237,7 @@ def parse_generate(body: Any, *, encode, vocab_size: int, context_length: int, t
                 logprob_start_len=start_len[i],
                 priority=priority,
                 lora_path=lora_paths[i],
+                image_data=images[i],
             )
         )
     return GenerateCall(
@@ -243,6 +246,28 @@ def parse_generate(body: Any, *, encode, vocab_size: int, context_length: int, t
         stream=stream,
         return_text_in_logprobs=text_in_logprobs,
     )
+
+
+def _image_data(raw: Any, count: int, batched: bool) -> list[list[str]]:
+    """`image_data` per prompt (io_struct.py's MultimodalDataInputFormat, string forms): one prompt takes a string or
+    a list of strings (one per image placeholder, in order); a batch takes a list with one entry per prompt, each a
+    string, a list of strings or null."""
+    if raw is None:
+        return [[] for _ in range(count)]
+    if not batched:
+        items = [raw] if isinstance(raw, str) else raw
+        if not isinstance(items, list) or not all(isinstance(x, str) for x in items):
+            raise BadRequest("image_data must be a string or a list of strings (base64, a data URI, a path or a URL)")
+        return [list(items)]
+    if not isinstance(raw, list) or len(raw) != count:
+        raise EngineValueError(f"image_data of a batch needs one entry per prompt ({count})")
+    out: list[list[str]] = []
+    for entry in raw:
+        items = [] if entry is None else [entry] if isinstance(entry, str) else entry
+        if not isinstance(items, list) or not all(isinstance(x, str) for x in items):
+            raise BadRequest("each prompt's image_data must be a string, a list of strings or null")
+        out.append(list(items))
+    return out
 
 
 def _lora_paths(raw: Any, count: int) -> list[str | None]:

@@ -44,9 +44,13 @@ def test_a_request_of_areals_shape_becomes_rollqs():
     assert as_model_request(ours) is ours
 
 
-def test_images_are_refused_by_name_not_dropped():
-    with pytest.raises(ValueError, match="image_data: images are not supported"):
-        as_model_request(RequestOfAReaLShape(image_data=["data:image/png;base64,AAAA"]))
+def test_images_and_the_processor_are_carried():
+    processor = object()
+    req = as_model_request(RequestOfAReaLShape(image_data=["data:image/png;base64,AAAA"], processor=processor))
+    assert req.image_data == ["data:image/png;base64,AAAA"] and req.processor is processor
+    assert as_model_request(RequestOfAReaLShape()).image_data is None  # AReaL's default: an empty list
+    with pytest.raises(TypeError, match="image_data must be a list of strings"):
+        as_model_request(RequestOfAReaLShape(image_data=[b"\x89PNG"]))
     with pytest.raises(TypeError, match="needs input_ids"):
         as_model_request(object())
 
