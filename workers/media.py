@@ -5,42 +5,14 @@
 - Any other ImageFile in the data becomes a data URI string: the form OpenAI SDKs and SGLang take, so an agent can
   put it in an `image_url` part as it is.
 
-Opening is bounded: only MEDIA_TYPES' formats, and at most `max_pixels` pixels per image, checked from the header
-before any pixel is decoded (a small file can declare a huge canvas)."""
+Opening is bounded (rollq.images.open_image)."""
 
 from __future__ import annotations
 
-import io
 from typing import Any
 
-from rollq.protocol.media import DATA_URI_PREFIX, ImageError, ImageFile, image_from_string
-
-PIL_FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
-DEFAULT_MAX_PIXELS = 4096 * 4096
-
-
-class MediaError(Exception):
-    """An image in a job's data that can't be used (not an image, an unsupported format, over the pixel limit)."""
-
-
-def open_image(image: ImageFile | str, max_pixels: int = DEFAULT_MAX_PIXELS) -> Any:
-    """A PIL image (RGB) from an ImageFile or an image string, within `max_pixels`. Raises MediaError."""
-    from PIL import Image, UnidentifiedImageError
-
-    try:
-        raw = image if isinstance(image, ImageFile) else image_from_string(image)
-    except ImageError as exc:
-        raise MediaError(str(exc)) from None
-    try:
-        opened = Image.open(io.BytesIO(raw), formats=PIL_FORMATS)
-        width, height = opened.size
-        if width * height > max_pixels:
-            raise MediaError(f"an image of {width}x{height} pixels is over the worker's max_image_pixels={max_pixels}")
-        return opened.convert("RGB")  # decodes the pixels (and fails on a truncated file)
-    except Image.DecompressionBombError as exc:  # PIL's own bound (far above ours), raised while opening
-        raise MediaError(f"an image is over the worker's max_image_pixels={max_pixels}: {exc}") from None
-    except (UnidentifiedImageError, OSError, ValueError) as exc:
-        raise MediaError(f"an image ({raw.media_type}, {len(raw)} bytes) does not decode: {exc}") from None
+from rollq.images import DEFAULT_MAX_PIXELS, MediaError, open_image
+from rollq.protocol.media import DATA_URI_PREFIX, ImageFile
 
 
 def prepare_images(data: Any, max_pixels: int = DEFAULT_MAX_PIXELS) -> Any:

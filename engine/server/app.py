@@ -25,6 +25,7 @@ from rollq.engine.server.lora_routes import ROUTES_KEY as LORA_ROUTES_KEY
 from rollq.engine.server.lora_routes import add_lora_routes
 from rollq.engine.server.media import MediaPolicy, MediaRefused, load_images
 from rollq.engine.server.validation import BadRequest, EngineValueError, GenerateCall, parse_generate
+from rollq.engine.server.vision import ImageRequestError
 from rollq.engine.server.weights_root import WeightsPathRefused, resolve_under
 from rollq.engine.types import ADMIN_ROUTES, FinishReason, PauseMode, SamplingParams
 from rollq.http_server import BAD_JSON, read_body, start_site
@@ -315,10 +316,14 @@ class EngineServer:
                 # model: an adapter silently not applied. rollq refuses, with the words of its OpenAI routes.
                 raise EngineValueError(NOT_ENABLED)
             images = await self._images(call)
+            prepared = [
+                await asyncio.to_thread(self.backend.prepare_images, list(p.input_ids), images[i]) if images else None
+                for i, p in enumerate(call.prompts)
+            ]
             adapters = self.adapters.acquire(names)  # AdapterError (unknown name): a ValueError, as in SGLang
         except BadRequest as exc:  # the request's shape: FastAPI / the contract check answer before any stream
             return _bad_request(str(exc))
-        except (EngineValueError, NotImplementedError, AdapterError, MediaRefused) as exc:
+        except (EngineValueError, NotImplementedError, AdapterError, MediaRefused, ImageRequestError) as exc:
             if body.get("stream") is True:
                 return await self._stream_error(request, str(exc))
             return _engine_error(str(exc))
@@ -326,17 +331,19 @@ class EngineServer:
         items: list[tuple[_Req, bool]] = []
         for index, prompt in enumerate(call.prompts):
             for rid in prompt.rids:
+                ready = prepared[index]
                 state = GenState(
                     rid,
-                    list(prompt.input_ids),
+                    list(ready[0] if ready else prompt.input_ids),
                     prompt.params,
                     prompt.return_logprob,
                     prompt.priority,
                     adapters[len(items)],
                 )
-                state.images = images[index] if images else []
+                if ready is not None:
+                    state.images, state.vision = images[index], ready[1]
                 items.append((_Req(state, prompt.top_logprobs_num), prompt.return_logprob))
-                self.counters["prompt_tokens"] += len(prompt.input_ids)
+                self.counters["prompt_tokens"] += len(state.input_ids)
         self.counters["num_requests"] += len(items)
         for req, _ in items:
             self.states[req.state.rid] = req

@@ -51,6 +51,7 @@ class GenState:
         "cached_tokens",
         "adapter",
         "images",
+        "vision",
     )
 
     def __init__(
@@ -77,6 +78,7 @@ class GenState:
         self.cached_tokens = 0
         self.adapter = adapter  # the LoRA adapter it generates with (None: the base model)
         self.images: list[ImageFile] = []  # its image_data, loaded (backends with `supports_images`)
+        self.vision: Any = None  # the backend's model inputs of those images (Backend.prepare_images)
 
 
 def stop_check(
@@ -120,6 +122,11 @@ class Backend(abc.ABC):
 
     def decode(self, ids: list[int]) -> str:
         raise NotImplementedError(f"{type(self).__name__} has no tokenizer")
+
+    def prepare_images(self, input_ids: list[int], images: list[ImageFile]) -> tuple[list[int], Any]:
+        """(the prompt as the model takes it with these images, their model inputs for GenState.vision), for a
+        backend with `supports_images`; run in a worker thread. A ValueError is the request's 400."""
+        return input_ids, None
 
     @abc.abstractmethod
     async def run(self, state: GenState) -> None:

@@ -242,13 +242,23 @@ class Prefilled:
     """One sequence's own cache after prefill, and the logits of its last position. With `shared` (a cascade
     prefill), `layers` hold only the tokens after that prefix."""
 
-    __slots__ = ("layers", "length", "logits", "shared")
+    __slots__ = ("layers", "length", "logits", "shared", "rope_delta")
 
-    def __init__(self, layers: KV, length: int, logits: torch.Tensor, shared: SharedPrefix | None = None) -> None:
+    def __init__(
+        self,
+        layers: KV,
+        length: int,
+        logits: torch.Tensor,
+        shared: SharedPrefix | None = None,
+        rope_delta: int = 0,
+    ) -> None:
         self.layers = layers  # per layer (keys, values), each [1, kv_heads, length (- shared.length), head_dim]
         self.length = length
         self.logits = logits  # [vocab]
         self.shared = shared
+        # Position of the next token minus `length`: negative after images under multimodal rope (Qwen2-VL's
+        # rope_deltas: an image's tokens span fewer positions than they are many)
+        self.rope_delta = rope_delta
 
     def full_layers(self) -> KV:
         """KV of all `length` tokens (a concatenation when the prefix is shared)."""
@@ -320,6 +330,38 @@ def prefill(
     return [Prefilled([(k[r : r + 1], v[r : r + 1]) for k, v in kvs_out], length, logits[r]) for r in range(rows)]
 
 
+def prefill_vision(
+    model: PreTrainedModel,
+    ids: Sequence[int],
+    pixel_values: torch.Tensor,
+    image_grid_thw: torch.Tensor,
+    mm_token_type_ids: Sequence[int],
+) -> Prefilled:
+    """Prefill one sequence holding image tokens (a Qwen2-VL-family model): its images through the vision tower,
+    its 3-D rope positions from the image grids (the model's own get_rope_index), no cached prefix. The result
+    decodes in a KVBatch like any row, its positions moved by its rope delta."""
+    device = model.device
+    input_ids = torch.tensor([list(ids)], device=device)
+    types = torch.tensor([list(mm_token_type_ids)], device=device)
+    grid = image_grid_thw.to(device)
+    positions, delta = model.model.get_rope_index(input_ids, types, grid, None, torch.ones_like(input_ids))
+    n_layers = model.config.get_text_config().num_hidden_layers
+    layers = [_BufferLayer(reserve=len(ids)) for _ in range(n_layers)]
+    out = model(
+        input_ids=input_ids,
+        pixel_values=pixel_values.to(device, model.dtype),
+        image_grid_thw=grid,
+        position_ids=positions,
+        past_key_values=_BufferCache(layers),
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    kv = [lay.kv() for lay in layers]
+    return Prefilled(
+        [(k[0:1], v[0:1]) for k, v in kv], len(ids), out.logits[0, -1], rope_delta=int(delta.reshape(-1)[0])
+    )
+
+
 def prefill_last(
     model: PreTrainedModel,
     ids: Sequence[Sequence[int]],
@@ -368,6 +410,7 @@ class KVBatch:
         self._mask_buf = torch.zeros(0, 0, dtype=torch.long)  # [B, capacity]: 1 = real token, up to the width
         self._lengths = torch.zeros(0, dtype=torch.long)  # [B]: tokens per row = next position id
         self._offsets = torch.zeros(0, dtype=torch.long)  # [B]: tokens of its shared prefix (not in the buffers)
+        self._deltas = torch.zeros(0, dtype=torch.long)  # [B]: rope position minus token index (Prefilled.rope_delta)
         self._shared: list[SharedPrefix | None] = []
         self._plan: _CascadePlan | None = None
         self._width = 0
@@ -403,7 +446,7 @@ class KVBatch:
         start = self._width - width
         kept = [(k[idx, :, start:], v[idx, :, start:]) for k, v in (lay.kv() for lay in self._layers)]
         shared = [self._shared[r] for r in rows]
-        self._install(kept, self._mask_buf[idx, start : self._width], lengths, offsets, shared)
+        self._install(kept, self._mask_buf[idx, start : self._width], lengths, offsets, shared, self._deltas[idx])
 
     def add(self, seqs: Sequence[Prefilled], shared: Sequence[SharedPrefix | None] | None = None) -> None:
         """Append rows, left-padding old and new rows to a common length. `shared` (per row, cascade batches only):
@@ -446,6 +489,7 @@ class KVBatch:
         self._width = width
         self._lengths = torch.cat([self._lengths.to(dev), torch.tensor([s.length for s in seqs], device=dev)])
         self._offsets = torch.cat([self._offsets.to(dev), torch.tensor(offs, device=dev)])
+        self._deltas = torch.cat([self._deltas.to(dev), torch.tensor([s.rope_delta for s in seqs], device=dev)])
         self._shared = [*self._shared, *shared]
         self._plan = None
 
@@ -456,6 +500,7 @@ class KVBatch:
         lengths: torch.Tensor,
         offsets: torch.Tensor,
         shared: list[SharedPrefix | None],
+        deltas: torch.Tensor,
     ) -> None:
         """Rows given as (keys, values) per layer of width = mask.shape[1], copied into fresh buffers with room."""
         width = mask.shape[1]
@@ -473,6 +518,7 @@ class KVBatch:
         self._width = width
         self._lengths = lengths
         self._offsets = offsets
+        self._deltas = deltas
         self._shared = shared
         self._plan = None
 
@@ -523,7 +569,7 @@ class KVBatch:
         out = model(
             input_ids=torch.tensor(list(tokens), device=self._mask_buf.device)[:, None],
             attention_mask=mask,
-            position_ids=self._lengths[:, None],
+            position_ids=(self._lengths + self._deltas)[:, None],
             past_key_values=self._cache,
             use_cache=True,
             logits_to_keep=1,

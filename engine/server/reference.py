@@ -31,7 +31,7 @@ from typing import Any
 
 import msgspec
 import torch  # ImportError here tells `rollq engine --backend reference` that torch/transformers are missing
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer, GenerationConfig
 
 from rollq.engine.server.backend import Backend, GenState, stop_check
 from rollq.engine.server.kv_batch import (
@@ -42,14 +42,18 @@ from rollq.engine.server.kv_batch import (
     SharedPrefix,
     prefill,
     prefill_last,
+    prefill_vision,
 )
 from rollq.engine.server.lora_registry import AdapterRef
 from rollq.engine.server.lora_slots import AdapterSlots
 from rollq.engine.server.prefix_cache import PrefixCache, common_prefix
 from rollq.engine.server.sampler import RowSpec, request_key, sample
+from rollq.engine.server.vision import ImageInputs, ImageRequestError, PreparedImages
 from rollq.engine.server.weights import copy_into, load_into
 from rollq.engine.tiny_model import model_dir
 from rollq.engine.types import FinishReason, PauseMode
+from rollq.images import DEFAULT_MAX_PIXELS
+from rollq.protocol.media import ImageFile
 
 log = logging.getLogger(__name__)
 
@@ -73,10 +77,15 @@ class ReferenceConfig(msgspec.Struct, kw_only=True, frozen=True):
     attn_implementation: str = "sdpa"
     prefix_cache_tokens: int = 32768  # KV of this many tokens kept for prefix reuse (LRU); 0 disables the cache
     max_loras_per_batch: int = 8  # distinct LoRA adapters in the running batch, the base model counting as one
+    max_image_pixels: int = DEFAULT_MAX_PIXELS  # a vision model's largest image (read from its header first)
 
 
 class _Req:
     __slots__ = ("state", "done", "key", "prefilled", "cacheable")
+
+    @property
+    def has_images(self) -> bool:
+        return self.state.vision is not None
 
     def __init__(self, state: GenState, done: asyncio.Future[None], key: int) -> None:
         self.state = state
@@ -104,6 +113,7 @@ class ReferenceBackend(Backend):
         self._totals = {"prompt_tokens": 0, "cached_tokens": 0, "prefill_tokens": 0}
         self.base: Any = None  # the transformers model; `model` is it, or peft's wrapper once adapters were loaded
         self._slots: Any = None  # the LoRA adapters (engine/server/lora_slots.py), set up with the model
+        self._images: ImageInputs | None = None  # a vision-language model's image inputs
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
 
@@ -120,8 +130,16 @@ class ReferenceBackend(Backend):
         # copy of its KV (engine/server/kv_batch.py). Without the cache nothing is shared, not even equal prompts.
         cascade = cfg.attn_implementation == "sdpa" and cfg.prefix_cache_tokens > 0
         self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        model_config = AutoConfig.from_pretrained(path, local_files_only=True)
+        vision = getattr(model_config, "vision_config", None) is not None
+        if vision:  # a vision-language model (Qwen2-VL family): images through its own processor (vision.py)
+            from rollq.engine.tiny_vlm import load_processor
+
+            self._images = ImageInputs(load_processor(path), int(model_config.image_token_id), cfg.max_image_pixels)
+            self.supports_images = True
+        model_class = AutoModelForImageTextToText if vision else AutoModelForCausalLM
         self.model = (
-            AutoModelForCausalLM.from_pretrained(
+            model_class.from_pretrained(
                 path,
                 dtype=getattr(torch, cfg.dtype),
                 local_files_only=True,
@@ -170,6 +188,17 @@ class ReferenceBackend(Backend):
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
+    def prepare_images(self, input_ids: list[int], images: list[ImageFile]) -> tuple[list[int], Any]:
+        if self._images is None:
+            raise ImageRequestError(f"this engine's model ({self.model_path}) takes no image input")
+        ids, prepared = self._images.prepare(input_ids, images)
+        if len(ids) >= self.context_length:
+            raise ImageRequestError(
+                f"The input ({len(ids)} tokens with its images) is longer than the model's context length "
+                f"({self.context_length} tokens)."
+            )
+        return ids, prepared if images else None
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
@@ -184,6 +213,8 @@ class ReferenceBackend(Backend):
         if state.params.max_new_tokens <= len(state.output_ids):
             state.finish = FinishReason(type="length", length=len(state.output_ids))
             return
+        if state.vision is not None and state.adapter is not None:
+            raise ValueError("a request with images cannot name a LoRA adapter on this engine")
         req = _Req(state, asyncio.get_running_loop().create_future(), request_key(self.config.seed, state.rid))
         self._enqueue(req)
         self._wake.set()
@@ -339,17 +370,20 @@ class ReferenceBackend(Backend):
                 break
             in_batch.add(key)
             admit.append(self._waiting.popleft())
-            admit[-1].cacheable = True  # prefilled afresh
+            # prefilled afresh; a row with images is never cached: its image tokens' ids are the same for any image
+            admit[-1].cacheable = not admit[-1].has_images
+        admit.sort(key=lambda r: r.has_images)  # rows with images are prefilled one by one, after the rest
         # Snapshot what the thread reads, so the loop may go on mutating states meanwhile.
         decode_tokens = [r.state.output_ids[-1] for r in running]
         prefill_ids = [self._keys(r) for r in admit]  # cache keys; the model gets the tokens (_tokens)
+        with_images = [r.state.vision for r in admit if r.has_images]
         adapters = self._adapter_names([*running, *admit])
         rows = [self._row_spec(r) for r in (*running, *admit)]
         self._running = running + admit
         epoch = self._cache.epoch  # a flush while the step runs voids what it would cache
         try:
             tokens, logprobs, reused = await asyncio.to_thread(
-                self._step, epoch, leaving, keep, decode_tokens, prefill_ids, rows, adapters
+                self._step, epoch, leaving, keep, decode_tokens, prefill_ids, rows, adapters, with_images
             )
         except Exception as e:
             log.exception("reference engine step failed; aborting the running batch")
@@ -391,16 +425,26 @@ class ReferenceBackend(Backend):
         prefill_ids: list[list[int]],
         rows: list[Any],
         adapters: list[str] | None = None,
+        with_images: list[PreparedImages] | None = None,
     ) -> tuple[list[int], list[float], list[int]]:
-        """One iteration's torch work (worker thread); `adapters`: each row's (running, then admitted), or None."""
+        """One iteration's torch work (worker thread); `adapters`: each row's (running, then admitted), or None;
+        `with_images`: the images of the last admitted rows (after those without)."""
         n = len(decode_tokens)
+        with_images = with_images or []
+        text_ids = prefill_ids[: len(prefill_ids) - len(with_images)]
         with torch.inference_mode():
             self._retire(leaving, epoch)
             self._batch.keep(keep)
             parts = [self._batch.decode(self.model, decode_tokens, adapters and adapters[:n])] if decode_tokens else []
-            seqs, reused = self._prefill(prefill_ids, epoch, adapters[n:] if adapters is not None else None)
+            seqs, reused = self._prefill(text_ids, epoch, adapters[n : n + len(text_ids)] if adapters else None)
+            shared = self._share(text_ids, seqs, epoch)
+            for ids, images in zip(prefill_ids[len(text_ids) :], with_images, strict=True):
+                types = images.token_types(len(ids))
+                seqs.append(prefill_vision(self.model, ids, images.pixel_values, images.image_grid_thw, types))
+                shared.append(None)
+                reused.append(0)
             parts += [s.logits[None] for s in seqs]
-            self._batch.add(seqs, self._share(prefill_ids, seqs, epoch))
+            self._batch.add(seqs, shared)
             if not parts:  # nothing runs: rows only left the batch
                 return [], [], []
             tokens, logprobs = sample(torch.cat(parts), rows)
