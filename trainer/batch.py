@@ -8,7 +8,8 @@ import msgspec
 import numpy as np
 import torch
 
-from rollq.protocol.messages import Sequence, Trajectory
+from rollq.protocol.codec import Codec
+from rollq.protocol.messages import Sequence, Trajectory, VisionInputs
 
 
 def _column(values, dtype: str) -> np.ndarray:
@@ -51,8 +52,9 @@ class Group(msgspec.Struct, kw_only=True):
         joined = np.concatenate(columns)
         return int(joined.min()), int(joined.max())
 
-    def invalid(self, vocab_size: int) -> str | None:
-        """Why these sequences can't be trained by a model of `vocab_size` tokens (None: they can)."""
+    def invalid(self, vocab_size: int, takes_images: bool = False) -> str | None:
+        """Why these sequences can't be trained by a model of `vocab_size` tokens, with or without a vision tower
+        (None: they can)."""
         for t in self.samples:
             for s in t.sequences:
                 ids = _column(s.input_ids, "<i4")
@@ -60,8 +62,10 @@ class Group(msgspec.Struct, kw_only=True):
                     return f"token ids outside the model's vocabulary [0, {vocab_size})"
                 if ids.size < 2:
                     return "a sequence needs at least 2 tokens"
-                if s.vision is not None:  # never the text alone: the logprobs were of the text with its images
-                    return "it has images, and rollq's trainer does not train vision-language models yet"
+                if s.vision is not None and not takes_images:  # never the text alone: the logprobs were of both
+                    return "it has images, and the trainer's model takes none"
+                if s.vision is not None and s.vision.inline is None:
+                    return "its images were not read from the blob store"
         return None
 
     @property
@@ -91,6 +95,7 @@ class Batch(msgspec.Struct, kw_only=True):
     rewards: torch.Tensor  # [N]
     masked_tokens: int = 0  # generated tokens left out of the loss as older than `min_version`
     group_ids: list[str] = []  # [N] the group (prompt) of each row (rollq.trainer.seam hands them out)
+    vision: list[VisionInputs | None] = []  # [N] each row's images (a vision-language model's), or [] for none
 
     @property
     def tokens(self) -> int:
@@ -151,6 +156,8 @@ def build_batch(groups: list[Group], pad_id: int = 0, min_version: int | None = 
         mask[i, :k] = torch.from_numpy(_column(s.loss_mask, "u1").astype(np.float32))
         behav[i, :k] = torch.from_numpy(_column(s.logprobs, "<f4").copy())
         versions[i, :k] = torch.from_numpy(_column(s.versions, "<i4").astype(np.int64))
+    codec = Codec()
+    vision = [_vision_of(s, codec) for s in seqs]
     masked = 0
     if min_version is not None:
         old = (mask > 0) & (versions < min_version)
@@ -167,7 +174,20 @@ def build_batch(groups: list[Group], pad_id: int = 0, min_version: int | None = 
         rewards=torch.tensor([s.reward for s in seqs], dtype=torch.float32),
         masked_tokens=masked,
         group_ids=group_ids,
+        vision=vision if any(v is not None for v in vision) else [],
     )
+
+
+def _vision_of(seq: Sequence, codec: Codec) -> VisionInputs | None:
+    """A sequence's images, decoded (the collector has read the stored ones: every ref is inline here)."""
+    if seq.vision is None:
+        return None
+    if seq.vision.inline is None:
+        raise ValueError("a sequence's images were not read from the blob store")
+    vision = codec.decode(seq.vision.inline, VisionInputs)
+    if len(vision.mm_token_type_ids) != len(seq.input_ids):
+        raise ValueError(f"mm_token_type_ids has {len(vision.mm_token_type_ids)} entries for {len(seq.input_ids)} ids")
+    return vision
 
 
 __all__ = ["Batch", "Group", "build_batch", "grpo_advantages", "micro_batches", "model_tokens", "trained_versions"]

@@ -25,13 +25,15 @@ import collections
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from fractions import Fraction
 from functools import partial
 
 import msgspec
 
 from rollq.producer.results import Delivered, PartitionedConsumer, ResultConsumer
+from rollq.protocol.blobs import digest_of
+from rollq.protocol.messages import ErrorRecord, Trajectory, VisionRef
 from rollq.trainer.batch import Group, model_tokens
 from rollq.trainer.ledger import Ride, StalenessLedger, direct
 from rollq.trainer.settled import SettledGroups, TrainedPart
@@ -100,8 +102,13 @@ class GroupCollector:
         give_up_after_failed: int = 0,
         filter_groups: float = 0,
         ride: Ride | None = None,
+        takes_images: bool = False,
+        read_blob: Callable[[str, str], Awaitable[bytes | None]] | None = None,
     ) -> None:
         self.ride: Ride = ride or direct  # every Redis call: the trainer's rides out an outage
+        self.takes_images = takes_images  # the model has a vision tower: groups with images may train
+        # (job id, digest) -> a stored blob (a sequence's images by reference) or None when it is gone
+        self.read_blob = read_blob
         self.consumer = consumer
         self.ledger = ledger
         self.group_prefix = group_prefix  # this trainer's job ids; anything else is left from an earlier run
@@ -155,7 +162,7 @@ class GroupCollector:
         if not group.ok:
             return "failed"
         self.good_groups += 1
-        why = group.invalid(self.vocab_size)
+        why = group.invalid(self.vocab_size, self.takes_images)
         if why is not None:
             log.warning("group %s can't be trained: %s", group.job_id, why)
             return "invalid"
@@ -198,7 +205,7 @@ class GroupCollector:
             ok = [t for t in group.samples if t.status == "ok" and t.sequences]
             survivors = Group(job_id=job_id, samples=ok, context_rewards=context)
             enough = ok and len(ok) + trained_before >= self.partial_groups
-            if enough and survivors.invalid(self.vocab_size) is None:
+            if enough and survivors.invalid(self.vocab_size, self.takes_images) is None:
                 await self._train_partially(job_id, items, group, survivors, dropped)
                 return
         if reason is not None:
@@ -295,7 +302,7 @@ class GroupCollector:
             span = group.version_range()
             if span is None or span[0] > version - self.max_staleness or self._out_of_bound(span, version):
                 continue
-            if group.invalid(self.vocab_size) is None:
+            if group.invalid(self.vocab_size, self.takes_images) is None:
                 yield span[0], job_id, group
 
     def _hand_out_part(self, job_id: str, group: Group) -> list[Delivered]:
@@ -411,6 +418,7 @@ class GroupCollector:
                     await self.ride(partial(self.consumer.commit, [d]), "acking a trained part's sample")
                     self.settled_copies += 1
                 continue
+            await self._read_images(traj)
             self.samples_read += 1
             self.model_tokens_read += model_tokens(traj)
             items = self._partial.setdefault(traj.job_id, [])
@@ -418,6 +426,26 @@ class GroupCollector:
             if len(items) + (len(part.samples) if part else 0) >= traj.n:
                 del self._partial[traj.job_id]
                 await self._completed(traj.job_id, items, dropped)
+
+    async def _read_images(self, traj: Trajectory) -> None:
+        """Images stored by reference (Sequence.vision) read in now, checked against their digest: the batch is
+        built without Redis. One that is gone or corrupt fails its sample, and so its group (`failed`)."""
+        if not self.takes_images or traj.status != "ok":
+            return
+        for seq in traj.sequences:
+            ref = seq.vision
+            if ref is None or ref.inline is not None:
+                continue
+            payload = None
+            if self.read_blob is not None:
+                payload = await self.ride(partial(self.read_blob, traj.job_id, ref.digest), "reading images")
+            if payload is None or digest_of(payload) != ref.digest:
+                why = "gone from the blob store (past its retention)" if payload is None else "corrupt"
+                traj.status = "error"
+                traj.error = ErrorRecord(type="ImagesMissing", message=f"images {ref.digest[:16]}... {why}")
+                log.warning("sample %s#%d can't be trained: its images are %s", traj.job_id, traj.sample_index, why)
+                return
+            seq.vision = VisionRef(digest=ref.digest, size=ref.size, inline=payload)
 
     def _hand_out(
         self, chosen: list[tuple[int, str, Fraction]], parts: dict[str, Group], version: int, dropped: Counter

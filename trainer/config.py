@@ -213,6 +213,14 @@ class TrainConfig(RunSettings, kw_only=True):
         int, setting("padded tokens per forward/backward (length-sorted micro-batches)", ge=1, group=OPTIM)
     ] = 4096
     grad_clip: Annotated[float, setting("gradient norm clip", gt=0, group=OPTIM)] = 1.0
+    train_vision_tower: Annotated[
+        bool,
+        setting(
+            "a vision-language model's vision tower trains too (default: frozen, the language model and the "
+            "projector's merger train)",
+            group=OPTIM,
+        ),
+    ] = False
     seed: Annotated[int, setting("random seed of the trainer", group=OPTIM)] = 0
     device: Annotated[str, setting("torch device of the trainer (and of `rollq up`'s engines)", group=OPTIM)] = "cpu"
     compute_dtype: Annotated[

@@ -38,6 +38,7 @@ from rollq.engine.tiny_model import model_dir
 from rollq.engine.weight_group import DistributedSyncConfig, DistributedWeightSync
 from rollq.producer.producer import Producer
 from rollq.producer.results import Delivered, PartitionedConsumer, ResultConsumer
+from rollq.protocol.keys import RunKeys, partition_of
 from rollq.redis_client import ClusterView, ReplicaWait, ride_out
 from rollq.trainer import checkpoint
 from rollq.trainer.batch import Batch, Group, build_batch, trained_versions
@@ -359,6 +360,11 @@ class Trainer:
         finally:
             server.close()
 
+    async def _read_blob(self, job_id: str, digest: str) -> bytes | None:
+        """A blob a worker stored for a sample of `job_id` (its images), from the job's partition; None if gone."""
+        keys = RunKeys(self.cfg.run).at(partition_of(job_id, await self.producer.partitions()))
+        return await self.redis.get(keys.blob(digest))
+
     async def _run(self) -> list[StepRecord]:
         cfg = self.cfg
         if cfg.join_late and not self.policy.fused_prox:
@@ -416,6 +422,8 @@ class Trainer:
             give_up_after_failed=0 if resumed else 2 * cfg.batch_samples,
             filter_groups=cfg.dynamic_sampling_budget * cfg.groups_per_step if cfg.dynamic_sampling else 0,
             ride=self.ride,
+            takes_images=bool(getattr(self.policy, "takes_images", False)),  # a policy of the seam may have none
+            read_blob=self._read_blob,
         )
         self.collector.skip = set(self.state.unacked_groups)
         self.collector.settled = self.state.settled

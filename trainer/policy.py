@@ -24,6 +24,7 @@ import msgspec
 import torch
 
 from rollq.engine.tiny_model import model_dir
+from rollq.protocol.messages import VisionInputs
 from rollq.trainer import lora
 from rollq.trainer import rank_commands as rc
 from rollq.trainer.batch import Batch, micro_batches
@@ -47,11 +48,27 @@ class _Rows(msgspec.Struct, kw_only=True):
     prox: torch.Tensor  # proximal logprobs: filled before the passes, or by them (fused_prox)
     lengths: list[int]
     learning: set[int]  # rows with an advantage: the only ones through the passes
+    vision: list[_RowImages | None] = []  # per row (a vision-language model's batch), or [] for none
+
+
+class _RowImages(msgspec.Struct, kw_only=True):
+    """One row's images as the model's forward takes them."""
+
+    pixel_values: torch.Tensor  # [patches, dim]
+    image_grid_thw: torch.Tensor  # [images, 3]
+    types: torch.Tensor  # [T] mm_token_type_ids
+
+
+def _row_images(v: VisionInputs, device: str) -> _RowImages:
+    pixels = torch.frombuffer(bytearray(v.pixel_values.to_bytes()), dtype=torch.float32).view(*v.pixel_shape)
+    grid = torch.frombuffer(bytearray(v.image_grid_thw.to_bytes()), dtype=torch.int32).view(-1, 3).long()
+    types = torch.frombuffer(bytearray(v.mm_token_type_ids.to_bytes()), dtype=torch.uint8).long()
+    return _RowImages(pixel_values=pixels.to(device), image_grid_thw=grid.to(device), types=types.to(device))
 
 
 class Policy:
     def __init__(self, config: TrainConfig, ranks: RankGroup | None = None) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # the run's own progress lines are what the user reads
@@ -65,18 +82,28 @@ class Policy:
         on_gpu = torch.device(self.device).type == "cuda"
         # On N ranks of GPUs FSDP's own mixed precision (bfloat16 passes, float32 reductions) replaces autocast.
         self.fsdp_mixed_precision = self.ranks.distributed and on_gpu and config.compute_dtype == "bfloat16"
+        model_config = AutoConfig.from_pretrained(self.path)
+        # A vision-language model (Qwen2-VL family): rows with images run through its vision tower (frozen unless
+        # train_vision_tower); rollq trains it on one rank for now.
+        self.takes_images = getattr(model_config, "vision_config", None) is not None
+        if self.takes_images and (self.ranks.distributed or config.lora):
+            raise ValueError("a vision-language model trains on one rank, with full fine-tuning (no LoRA) for now")
         if self.ranks.distributed:
             from rollq.trainer.sharding import load_sharded
 
             self.model = load_sharded(self.path, self.device, mixed_precision=self.fsdp_mixed_precision)
         else:
-            model = AutoModelForCausalLM.from_pretrained(self.path, dtype=torch.float32)
+            model_class = AutoModelForImageTextToText if self.takes_images else AutoModelForCausalLM
+            model = model_class.from_pretrained(self.path, dtype=torch.float32)
             self.model = model.to(self.device)
+        if self.takes_images and not config.train_vision_tower:
+            self.model.model.visual.requires_grad_(False)
         if config.lora:  # a frozen base and an adapter, replicated on every rank (trainer/lora.py)
             self.model = lora.apply_lora(self.model, config, self.path)
             if self.ranks.distributed:
                 lora.broadcast_adapter(lora.trainable(self.model))
-        self.params = lora.trainable(self.model)  # what the optimizer moves: the adapter alone in a LoRA run
+        # what the optimizer moves: the adapter alone in a LoRA run, never a frozen vision tower
+        self.params = [p for p in lora.trainable(self.model) if p.requires_grad]
         # fused: one kernel for the whole update on CUDA (not available on CPU)
         self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, weight_decay=config.weight_decay, fused=on_gpu)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
@@ -96,15 +123,37 @@ class Policy:
             return contextlib.nullcontext()
         return torch.autocast(torch.device(self.device).type, dtype=getattr(torch, self.config.compute_dtype))
 
-    def token_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """log p(input_ids[:, t] | input_ids[:, :t]) for t >= 1: [N, T-1] (float32 whatever the compute dtype)."""
+    def token_logprobs(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **images: torch.Tensor
+    ) -> torch.Tensor:
+        """log p(input_ids[:, t] | input_ids[:, :t]) for t >= 1: [N, T-1] (float32 whatever the compute dtype).
+        `images`: a vision-language model's pixel_values, image_grid_thw and mm_token_type_ids for these rows."""
         with self._autocast():
-            logits = self.model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
+            logits = self.model(input_ids=input_ids, attention_mask=attention_mask, **images).logits[:, :-1]
         logits = logits.float()
         return torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
 
-    def _logprobs_of(self, ids: torch.Tensor, attn: torch.Tensor, rows: list[int], width: int) -> torch.Tensor:
-        return self.token_logprobs(ids[rows, :width], attn[rows, :width])
+    def _logprobs_of(self, r: _Rows, rows: list[int], width: int) -> torch.Tensor:
+        return self.token_logprobs(r.ids[rows, :width], r.attn[rows, :width], **self._images_of(r, rows, width))
+
+    def _images_of(self, r: _Rows, rows: list[int], width: int) -> dict[str, torch.Tensor]:
+        """The forward's image inputs for `rows` (their images in row order; none when they have none). Every row
+        gets mm_token_type_ids, so the model computes each one's multimodal rope positions."""
+        if not r.vision or all(r.vision[i] is None for i in rows):
+            return {}
+        types = torch.zeros(len(rows), width, dtype=torch.long, device=r.ids.device)
+        pixels, grids = [], []
+        for j, i in enumerate(rows):
+            v = r.vision[i]
+            if v is not None:
+                types[j, : min(width, len(v.types))] = v.types[:width]
+                pixels.append(v.pixel_values)
+                grids.append(v.image_grid_thw)
+        return {
+            "pixel_values": torch.cat(pixels),
+            "image_grid_thw": torch.cat(grids),
+            "mm_token_type_ids": types,
+        }
 
     def _idle_pass(self) -> torch.Tensor:
         """A pass over one 2-token row, for a rank with fewer micro-batches than another: FSDP's collectives (an
@@ -135,6 +184,9 @@ class Policy:
             prox=behav.to(dev).clone(),  # rows left out keep their behaviour logprobs (no gap)
             lengths=attn.sum(dim=1).tolist(),
             learning=set((adv != 0).nonzero().flatten().tolist()),
+            vision=[
+                None if v is None else _row_images(v, dev) for v in (batch.vision if isinstance(batch, Batch) else [])
+            ],
         )
         if not self.fused_prox:
             self.model.eval()
@@ -142,7 +194,7 @@ class Policy:
                 mbs, passes = self._micro(rows, sorted(rows.learning))
                 for mb in mbs:
                     w = max(rows.lengths[i] for i in mb)
-                    rows.prox[mb, : w - 1] = self._logprobs_of(rows.ids, rows.attn, mb, w)
+                    rows.prox[mb, : w - 1] = self._logprobs_of(rows, mb, w)
                 for _ in range(passes - len(mbs)):
                     self._idle_pass()
         return rows
@@ -153,7 +205,7 @@ class Policy:
         total = 0.0
         for mb in mbs:
             w = max(r.lengths[i] for i in mb)
-            logprobs = self._logprobs_of(r.ids, r.attn, mb, w)
+            logprobs = self._logprobs_of(r, mb, w)
             if self.fused_prox:
                 r.prox[mb, : w - 1] = logprobs.detach()
             loss, s = decoupled_ppo_loss(
