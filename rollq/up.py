@@ -198,7 +198,7 @@ async def _run(cfg: TrainConfig, stack_cfg: UpConfig, procs: Processes, redis_di
     from rollq.trainer.engines import engine_pool
     from rollq.trainer.loop import Trainer
 
-    if cfg.model == "smollm2":  # convert the GGUF once here, not in every engine and the trainer at once
+    if cfg.model in ("smollm2", "tiny-vl"):  # build it once here, not in every engine and the trainer at once
         from rollq.engine.tiny_model import model_dir
 
         try:

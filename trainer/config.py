@@ -38,6 +38,26 @@ def smollm2_task() -> dict[str, Any]:
     }
 
 
+def colours_task() -> dict[str, Any]:
+    """What `--model tiny-vl` trains unless told otherwise: the built-in visual task (rollq.tasks.colours: name the
+    colour of a picture by its letter), with rollq's vision workflow, evaluated greedily on 20 held-out pictures."""
+    return {
+        "dataset": "toy:colours",
+        "workflow": "vision_rlvr",
+        "workflow_kwargs": {
+            "reward_fn": "rollq.tasks.colours:colours_reward",
+            "processor": "tiny-vl",
+            "max_new_tokens": 2,
+            "temperature": 1.2,
+        },
+        "eval_dataset": "toy:colours-heldout",
+        "steps": 120,
+        "group_size": 8,
+        "groups_per_step": 4,
+        "lr": 1e-3,
+    }
+
+
 class TrainConfig(RunSettings, kw_only=True):
     """The trainer: feeds prompts through the staleness ledger, trains on fresh groups, updates every engine."""
 
@@ -71,17 +91,18 @@ class TrainConfig(RunSettings, kw_only=True):
     model: Annotated[
         str,
         setting(
-            "`tiny` (the offline test model), `smollm2` (SmolLM2-135M-Instruct, offline) or an HF model directory; "
-            "engines must serve the same model. `smollm2` brings its own task for every setting not given: "
-            "dataset toy:add, eval_dataset toy:add-heldout, its reward, lr, steps and batch (trainer.config."
-            "smollm2_task)",
+            "`tiny` (the offline test model), `smollm2` (SmolLM2-135M-Instruct, offline), `tiny-vl` (a tiny "
+            "Qwen2-VL, offline) or an HF model directory; engines must serve the same model. `smollm2` and `tiny-vl` "
+            "bring their own task for every setting not given: dataset, eval_dataset, workflow and its arguments, "
+            "lr, steps and batch (trainer.config.smollm2_task: toy:add; colours_task: toy:colours, pictures)",
             group=WHAT,
         ),
     ] = "tiny"
     dataset: Annotated[
         str,
         setting(
-            "prompts: JSONL, Parquet, a `datasets` directory saved to disk, or a built-in task (toy:digits, toy:add)",
+            "prompts: JSONL, Parquet, a `datasets` directory saved to disk, or a built-in task (toy:digits, toy:add, "
+            "toy:colours)",
             group=WHAT,
         ),
     ] = "toy:digits"
@@ -459,7 +480,8 @@ class TrainConfig(RunSettings, kw_only=True):
     def implied(cls, given: Mapping[str, Any]) -> dict[str, Any]:
         """A pretrained model's own task: `model: smollm2` alone trains the arithmetic task (smollm2_task); a LoRA
         run's learning rate is lora_lr unless `lr` is given."""
-        implied = smollm2_task() if given.get("model") == "smollm2" else {}
+        tasks = {"smollm2": smollm2_task, "tiny-vl": colours_task}
+        implied = tasks[given["model"]]() if given.get("model") in tasks else {}
         if int(given.get("lora_rank") or 0) > 0:
             implied["lr"] = float(given.get("lora_lr") or LORA_LR)
         return implied

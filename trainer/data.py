@@ -16,9 +16,15 @@ class DatasetError(ValueError):
 
 def load_prompts(spec: str) -> list[dict[str, Any]]:
     if spec.startswith("toy:"):
-        from rollq.tasks import addition, digits
+        from rollq.tasks import addition, colours, digits
 
-        builtin = {"toy:digits": digits.prompts, "toy:add": addition.prompts, "toy:add-heldout": addition.held_out}
+        builtin = {
+            "toy:digits": digits.prompts,
+            "toy:add": addition.prompts,
+            "toy:add-heldout": addition.held_out,
+            "toy:colours": colours.prompts,
+            "toy:colours-heldout": colours.held_out,
+        }
         if spec not in builtin:
             raise DatasetError(f"unknown toy task {spec!r} ({', '.join(builtin)})")
         return builtin[spec]()

@@ -97,7 +97,9 @@ class Policy:
             model = model_class.from_pretrained(self.path, dtype=torch.float32)
             self.model = model.to(self.device)
         if self.takes_images and not config.train_vision_tower:
-            self.model.model.visual.requires_grad_(False)
+            # the tower frozen; its merger (the projector into the language model's embeddings) trains
+            for name, param in self.model.model.visual.named_parameters():
+                param.requires_grad_(name.startswith("merger."))
         if config.lora:  # a frozen base and an adapter, replicated on every rank (trainer/lora.py)
             self.model = lora.apply_lora(self.model, config, self.path)
             if self.ranks.distributed:

@@ -100,11 +100,14 @@ async def test_the_trainer_recomputes_the_engines_logprobs_with_the_images():
         blind = policy.token_logprobs(batch.input_ids[:1], batch.attention_mask[:1])
     assert not torch.allclose(blind[0, len(red[0]) - 1 : len(red[0]) - 1 + len(red[1])], logprobs[0, : len(red[1])])
 
-    tower = {n: p.detach().clone() for n, p in policy.model.model.visual.named_parameters()}
+    visual = policy.model.model.visual.named_parameters
+    tower = {n: p.detach().clone() for n, p in visual() if not n.startswith("merger.")}
+    merger = {n: p.detach().clone() for n, p in visual() if n.startswith("merger.")}
     head = policy.model.lm_head.weight.detach().clone()
     stats = policy.train_step(batch)
     assert stats.grad_norm > 0 and abs(stats.importance_mean - 1) < 1e-3  # on-policy: the engine's own logprobs
-    assert all(torch.equal(p, tower[n]) for n, p in policy.model.model.visual.named_parameters())  # frozen
+    assert all(torch.equal(p, tower[n]) for n, p in visual() if n in tower)  # frozen
+    assert any(not torch.equal(p, merger[n]) for n, p in visual() if n in merger)  # the projector trains
     assert not torch.equal(policy.model.lm_head.weight, head)
 
 

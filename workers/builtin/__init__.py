@@ -8,6 +8,7 @@ from types import MappingProxyType
 BUILTIN_WORKFLOWS = MappingProxyType(
     {
         "rlvr": "rollq.workers.builtin.rlvr:RLVRWorkflow",
+        "vision_rlvr": "rollq.workers.builtin.vision_rlvr:VisionRLVRWorkflow",
         "multi_turn": "rollq.workers.builtin.multi_turn:MultiTurnWorkflow",
         "tool_agent": "rollq.workers.builtin.tool_agent:ToolAgentWorkflow",
     }
