@@ -332,24 +332,28 @@ def prefill(
 
 def prefill_vision(
     model: PreTrainedModel,
-    ids: Sequence[int],
-    pixel_values: torch.Tensor,
-    image_grid_thw: torch.Tensor,
-    mm_token_type_ids: Sequence[int],
-) -> Prefilled:
-    """Prefill one sequence holding image tokens (a Qwen2-VL-family model): its images through the vision tower,
-    its 3-D rope positions from the image grids (the model's own get_rope_index), no cached prefix. The result
-    decodes in a KVBatch like any row, its positions moved by its rope delta."""
+    ids: Sequence[Sequence[int]],
+    pixel_values: Sequence[torch.Tensor],
+    image_grid_thw: Sequence[torch.Tensor],
+    mm_token_type_ids: Sequence[Sequence[int]],
+) -> list[Prefilled]:
+    """Prefill sequences of equal length holding image tokens (a Qwen2-VL-family model) in one forward pass: their
+    images through the vision tower, each row's 3-D rope positions from its image grids (the model's own
+    get_rope_index), no cached prefix. Each result decodes in a KVBatch like any row, its positions moved by its rope
+    delta."""
+    length = len(ids[0])
+    if any(len(x) != length for x in ids):
+        raise ValueError("a batched prefill takes sequences of one length")
     device = model.device
-    input_ids = torch.tensor([list(ids)], device=device)
-    types = torch.tensor([list(mm_token_type_ids)], device=device)
-    grid = image_grid_thw.to(device)
-    positions, delta = model.model.get_rope_index(input_ids, types, grid, None, torch.ones_like(input_ids))
+    input_ids = torch.tensor([list(x) for x in ids], device=device)
+    types = torch.tensor([list(t) for t in mm_token_type_ids], device=device)
+    grid = torch.cat(list(image_grid_thw)).to(device)
+    positions, deltas = model.model.get_rope_index(input_ids, types, grid, None, torch.ones_like(input_ids))
     n_layers = model.config.get_text_config().num_hidden_layers
-    layers = [_BufferLayer(reserve=len(ids)) for _ in range(n_layers)]
+    layers = [_BufferLayer(reserve=length) for _ in range(n_layers)]
     out = model(
         input_ids=input_ids,
-        pixel_values=pixel_values.to(device, model.dtype),
+        pixel_values=torch.cat(list(pixel_values)).to(device, model.dtype),
         image_grid_thw=grid,
         position_ids=positions,
         past_key_values=_BufferCache(layers),
@@ -357,9 +361,8 @@ def prefill_vision(
         logits_to_keep=1,
     )
     kv = [lay.kv() for lay in layers]
-    return Prefilled(
-        [(k[0:1], v[0:1]) for k, v in kv], len(ids), out.logits[0, -1], rope_delta=int(delta.reshape(-1)[0])
-    )
+    rows = [[(k[r : r + 1], v[r : r + 1]) for k, v in kv] for r in range(len(ids))]
+    return [Prefilled(row, length, out.logits[r, -1], rope_delta=int(deltas[r, 0])) for r, row in enumerate(rows)]
 
 
 def prefill_last(

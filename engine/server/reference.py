@@ -438,17 +438,37 @@ class ReferenceBackend(Backend):
             parts = [self._batch.decode(self.model, decode_tokens, adapters and adapters[:n])] if decode_tokens else []
             seqs, reused = self._prefill(text_ids, epoch, adapters[n : n + len(text_ids)] if adapters else None)
             shared = self._share(text_ids, seqs, epoch)
-            for ids, images in zip(prefill_ids[len(text_ids) :], with_images, strict=True):
-                types = images.token_types(len(ids))
-                seqs.append(prefill_vision(self.model, ids, images.pixel_values, images.image_grid_thw, types))
-                shared.append(None)
-                reused.append(0)
+            seqs += self._prefill_vision(prefill_ids[len(text_ids) :], with_images)
+            shared += [None] * len(with_images)
+            reused += [0] * len(with_images)
             parts += [s.logits[None] for s in seqs]
             self._batch.add(seqs, shared)
             if not parts:  # nothing runs: rows only left the batch
                 return [], [], []
             tokens, logprobs = sample(torch.cat(parts), rows)
             return tokens, logprobs, reused
+
+    def _prefill_vision(self, ids: list[list[int]], images: list[PreparedImages]) -> list[Prefilled]:
+        """Prefill the admitted rows with images (worker thread), batched by length (the samples of a group, or the
+        prompts of a task, have one); in order."""
+        out: list[Prefilled | None] = [None] * len(ids)
+        by_length: dict[int, list[int]] = {}
+        for i, x in enumerate(ids):
+            by_length.setdefault(len(x), []).append(i)
+        for length, members in by_length.items():
+            rows = max(1, min(PREFILL_BATCH_ROWS, PREFILL_BATCH_TOKENS // length))
+            for c in range(0, len(members), rows):
+                chunk = members[c : c + rows]
+                done = prefill_vision(
+                    self.model,
+                    [ids[i] for i in chunk],
+                    [images[i].pixel_values for i in chunk],
+                    [images[i].image_grid_thw for i in chunk],
+                    [images[i].token_types(length) for i in chunk],
+                )
+                for i, seq in zip(chunk, done, strict=True):
+                    out[i] = seq
+        return [s for s in out if s is not None]
 
     def _prefill(
         self, prefill_ids: list[list[int]], epoch: int, adapters: list[str] | None = None
