@@ -52,9 +52,10 @@ class Group(msgspec.Struct, kw_only=True):
         joined = np.concatenate(columns)
         return int(joined.min()), int(joined.max())
 
-    def invalid(self, vocab_size: int, takes_images: bool = False) -> str | None:
+    def invalid(self, vocab_size: int, takes_images: bool = False, image_token_id: int | None = None) -> str | None:
         """Why these sequences can't be trained by a model of `vocab_size` tokens, with or without a vision tower
-        (None: they can)."""
+        (None: they can); with `image_token_id`, image tokens that the sequence's images don't account for (a
+        forward would fail on them)."""
         for t in self.samples:
             for s in t.sequences:
                 ids = _column(s.input_ids, "<i4")
@@ -66,6 +67,11 @@ class Group(msgspec.Struct, kw_only=True):
                     return "it has images, and the trainer's model takes none"
                 if s.vision is not None and s.vision.inline is None:
                     return "its images were not read from the blob store"
+                if image_token_id is not None:
+                    slots = int((ids == image_token_id).sum())
+                    filled = sum(Codec().decode(s.vision.inline, VisionInputs).mm_token_type_ids) if s.vision else 0
+                    if slots != filled:
+                        return f"{slots} image tokens where its images fill {filled}"
         return None
 
     @property

@@ -103,10 +103,12 @@ class GroupCollector:
         filter_groups: float = 0,
         ride: Ride | None = None,
         takes_images: bool = False,
+        image_token_id: int | None = None,
         read_blob: Callable[[str, str], Awaitable[bytes | None]] | None = None,
     ) -> None:
         self.ride: Ride = ride or direct  # every Redis call: the trainer's rides out an outage
         self.takes_images = takes_images  # the model has a vision tower: groups with images may train
+        self.image_token_id = image_token_id  # its image token: in a sequence, only where its images go
         # (job id, digest) -> a stored blob (a sequence's images by reference) or None when it is gone
         self.read_blob = read_blob
         self.consumer = consumer
@@ -162,7 +164,7 @@ class GroupCollector:
         if not group.ok:
             return "failed"
         self.good_groups += 1
-        why = group.invalid(self.vocab_size, self.takes_images)
+        why = group.invalid(self.vocab_size, self.takes_images, self.image_token_id)
         if why is not None:
             log.warning("group %s can't be trained: %s", group.job_id, why)
             return "invalid"
@@ -205,7 +207,7 @@ class GroupCollector:
             ok = [t for t in group.samples if t.status == "ok" and t.sequences]
             survivors = Group(job_id=job_id, samples=ok, context_rewards=context)
             enough = ok and len(ok) + trained_before >= self.partial_groups
-            if enough and survivors.invalid(self.vocab_size, self.takes_images) is None:
+            if enough and survivors.invalid(self.vocab_size, self.takes_images, self.image_token_id) is None:
                 await self._train_partially(job_id, items, group, survivors, dropped)
                 return
         if reason is not None:
@@ -302,7 +304,7 @@ class GroupCollector:
             span = group.version_range()
             if span is None or span[0] > version - self.max_staleness or self._out_of_bound(span, version):
                 continue
-            if group.invalid(self.vocab_size, self.takes_images) is None:
+            if group.invalid(self.vocab_size, self.takes_images, self.image_token_id) is None:
                 yield span[0], job_id, group
 
     def _hand_out_part(self, job_id: str, group: Group) -> list[Delivered]:

@@ -423,6 +423,7 @@ class Trainer:
             filter_groups=cfg.dynamic_sampling_budget * cfg.groups_per_step if cfg.dynamic_sampling else 0,
             ride=self.ride,
             takes_images=bool(getattr(self.policy, "takes_images", False)),  # a policy of the seam may have none
+            image_token_id=getattr(self.policy, "image_token_id", None),
             read_blob=self._read_blob,
         )
         self.collector.skip = set(self.state.unacked_groups)

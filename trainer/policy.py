@@ -23,6 +23,7 @@ from typing import Any
 import msgspec
 import torch
 
+from rollq.engine.server.vision import vision_token_ids
 from rollq.engine.tiny_model import model_dir
 from rollq.protocol.messages import VisionInputs
 from rollq.trainer import lora
@@ -86,6 +87,9 @@ class Policy:
         # A vision-language model (Qwen2-VL family): rows with images run through its vision tower (frozen unless
         # train_vision_tower); rollq trains it on one rank for now.
         self.takes_images = getattr(model_config, "vision_config", None) is not None
+        # its placeholder tokens are never sampled (the engine's rule, engine/server/vision.py): nor counted here
+        self.never_sampled = vision_token_ids(model_config) if self.takes_images else []
+        self.image_token_id = int(model_config.image_token_id) if self.takes_images else None
         if self.takes_images and (self.ranks.distributed or config.lora):
             raise ValueError("a vision-language model trains on one rank, with full fine-tuning (no LoRA) for now")
         if self.ranks.distributed:
@@ -133,7 +137,15 @@ class Policy:
         with self._autocast():
             logits = self.model(input_ids=input_ids, attention_mask=attention_mask, **images).logits[:, :-1]
         logits = logits.float()
-        return torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+        targets = input_ids[:, 1:]
+        if not self.never_sampled:
+            return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        never = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
+        never[self.never_sampled] = True
+        logprobs = torch.log_softmax(logits.masked_fill(never, float("-inf")), dim=-1)
+        logprobs = logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        # the prompt's own vision tokens (never trained; a sampled one makes its group invalid): 0, not -inf
+        return logprobs.masked_fill(never[targets], 0.0)
 
     def _logprobs_of(self, r: _Rows, rows: list[int], width: int) -> torch.Tensor:
         return self.token_logprobs(r.ids[rows, :width], r.attn[rows, :width], **self._images_of(r, rows, width))

@@ -48,7 +48,7 @@ from rollq.engine.server.lora_registry import AdapterRef
 from rollq.engine.server.lora_slots import AdapterSlots
 from rollq.engine.server.prefix_cache import PrefixCache, common_prefix
 from rollq.engine.server.sampler import RowSpec, request_key, sample
-from rollq.engine.server.vision import ImageInputs, ImageRequestError, PreparedImages
+from rollq.engine.server.vision import ImageInputs, ImageRequestError, PreparedImages, vision_token_ids
 from rollq.engine.server.weights import copy_into, load_into
 from rollq.engine.tiny_model import model_dir
 from rollq.engine.types import FinishReason, PauseMode
@@ -114,6 +114,7 @@ class ReferenceBackend(Backend):
         self.base: Any = None  # the transformers model; `model` is it, or peft's wrapper once adapters were loaded
         self._slots: Any = None  # the LoRA adapters (engine/server/lora_slots.py), set up with the model
         self._images: ImageInputs | None = None  # a vision-language model's image inputs
+        self._never_sampled: torch.Tensor | None = None  # token ids no row may sample (vision_token_ids)
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
 
@@ -137,6 +138,7 @@ class ReferenceBackend(Backend):
 
             self._images = ImageInputs(load_processor(path), int(model_config.image_token_id), cfg.max_image_pixels)
             self.supports_images = True
+            self._never_sampled = torch.tensor(vision_token_ids(model_config))
         model_class = AutoModelForImageTextToText if vision else AutoModelForCausalLM
         self.model = (
             model_class.from_pretrained(
@@ -445,7 +447,10 @@ class ReferenceBackend(Backend):
             self._batch.add(seqs, shared)
             if not parts:  # nothing runs: rows only left the batch
                 return [], [], []
-            tokens, logprobs = sample(torch.cat(parts), rows)
+            logits = torch.cat(parts)
+            if self._never_sampled is not None:
+                logits[:, self._never_sampled] = float("-inf")
+            tokens, logprobs = sample(logits, rows)
             return tokens, logprobs, reused
 
     def _prefill_vision(self, ids: list[list[int]], images: list[PreparedImages]) -> list[Prefilled]:

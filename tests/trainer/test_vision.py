@@ -119,3 +119,12 @@ def test_a_sequence_with_images_is_invalid_for_a_text_model():
     assert g.invalid(1000) == "it has images, and the trainer's model takes none"
     seq.vision = VisionRef(digest=digest_of(payload), size=len(payload))
     assert g.invalid(1000, takes_images=True) == "its images were not read from the blob store"
+
+
+def test_image_tokens_the_images_do_not_fill_are_invalid():
+    """A generated image pad would read as a picture's slot in the trainer's forward (transformers finds slots by
+    id): such a sequence is dropped, not a failed step. The engines never sample one (both leave them out)."""
+    seq = Sequence(input_ids=[1, 522, 3], loss_mask=[0, 1, 1], logprobs=[0.0] * 3, versions=[-1, 0, 0])
+    g = Group(job_id="g", samples=[Trajectory(job_id="g", sample_index=0, n=1, status="ok", sequences=[seq])])
+    assert g.invalid(1000, takes_images=True, image_token_id=522) == "1 image tokens where its images fill 0"
+    assert g.invalid(1000, takes_images=True, image_token_id=523) is None
