@@ -472,7 +472,7 @@ async def _proxy_breakdown(
         for _ in range(n):
             for turn, messages in (("first", first_messages), ("continuation", second)):
                 t = time.perf_counter()
-                prompt = proxy._chat_prompt(s, normalize_messages(messages), normalize_tools(tools))
+                prompt = await proxy._chat_prompt(s, normalize_messages(messages), normalize_tools(tools))
                 times[turn].append(time.perf_counter() - t)
                 if (prompt.parent is None) != (turn == "first"):
                     raise BenchError(f"proxy breakdown: unexpected parent match for the {turn} turn")

@@ -120,6 +120,24 @@ class HangingSyncAgent:
         return 0.0
 
 
+class ImageAgent:
+    """Asks about the job's image (`data["image"]`: the worker hands an image in a job's data to agents as a data
+    URI) in an `image_url` part, then asks again in a second turn that repeats the conversation, image included."""
+
+    async def run(self, data: dict, base_url: str, api_key: str, http_client: Any) -> float:
+        from openai import AsyncOpenAI
+
+        client = AsyncOpenAI(base_url=base_url, api_key=api_key, http_client=http_client)
+        image = {"type": "image_url", "image_url": {"url": data["image"]}}
+        messages: list[dict[str, Any]] = [
+            {"role": "user", "content": [image, {"type": "text", "text": "Which colour is it?"}]}
+        ]
+        first = await client.chat.completions.create(model="policy", messages=messages, max_tokens=16)
+        messages += [first.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "Sure?"}]
+        second = await client.chat.completions.create(model="policy", messages=messages, max_tokens=16)
+        return 1.0 if "red" in (second.choices[0].message.content or "") else 0.0
+
+
 # -- agents for agent host processes (tests/workers/agents/test_agent_hosts.py) ----------------------------------------
 
 

@@ -110,7 +110,8 @@ class InteractionWithTokenLogpReward:
     `model_response` is the engine's ModelResponse, `completion` the ChatCompletion the caller got, `messages` the
     request's messages, `output_message_list` the reply as a message, `parent` the interaction whose conversation
     this one continues. `to_tensor_dict()` is its trajectory (rollq's mapping: input_ids, loss_mask, logprobs,
-    versions, reward, as lists) as the last export_interactions() made it, else this completion alone."""
+    versions, reward, as lists; with images also multi_modal_input and mm_token_type_ids) as the last
+    export_interactions() made it, else this completion alone."""
 
     chat_template_type: str
     is_completion = True
@@ -216,9 +217,9 @@ class _Completions:
             normalized = normalize_messages(raw)
             normalized_tools = normalize_tools(body.get("tools"))
             parse_tools = tool_choice_allows_calls(body.get("tool_choice"), normalized_tools)
+            prompt = await proxy._chat_prompt(client.session, normalized, normalized_tools)
         except BadRequest as exc:
             raise ValueError(f"{exc} (parameter {exc.param})" if exc.param else str(exc)) from None
-        prompt = proxy._chat_prompt(client.session, normalized, normalized_tools)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         responses: list[ModelResponse] = []
         token = _RESPONSES.set(responses)

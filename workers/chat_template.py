@@ -105,6 +105,14 @@ def continuation_ids(
 ) -> list[int]:
     """Tokens that close the assistant turn ending in `last_output` and add `messages`, then open the next
     assistant turn (the generation prompt)."""
+    return encode(tokenizer, continuation_text(tokenizer, last_output, messages, base))
+
+
+def continuation_text(
+    tokenizer: Any, last_output: list[int], messages: list[dict[str, Any]], base: str | None = None
+) -> str:
+    """continuation_ids' text, before it is tokenized (a processor expands the image placeholders of new turns with
+    images while tokenizing it)."""
     base = base if base is not None else anchor_text(tokenizer)
     full = render(tokenizer, _ANCHOR + messages, add_generation_prompt=True)
     if not full.startswith(base):
@@ -116,7 +124,7 @@ def continuation_ids(
         eos_text = tokenizer.decode([last_output[-1]])
         if closing.startswith(eos_text):
             closing = closing[len(eos_text) :]
-    return encode(tokenizer, closing + full[len(base) :])
+    return closing + full[len(base) :]
 
 
 def _eos_ids(tokenizer: Any) -> set[int]:
@@ -144,6 +152,7 @@ __all__ = [
     "LazyTokenizer",
     "anchor_text",
     "continuation_ids",
+    "continuation_text",
     "encode",
     "load_tokenizer",
     "prompt_ids",

@@ -171,6 +171,7 @@ class Worker:
                     port=config.proxy_port,
                     continuation=config.proxy_continuation,
                     max_body_bytes=config.proxy_max_body_bytes,
+                    max_image_pixels=config.max_image_pixels,
                 ),
                 redis_url=config.rewards_url,
                 run=config.run,

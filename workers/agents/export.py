@@ -82,7 +82,14 @@ def _individual(rec: CompletionRecord, reward: float) -> dict[str, Any]:
         "logprobs": [0.0] * n_prompt + rec.output_logprobs,
         "versions": [-1] * n_prompt + rec.output_versions,
         "reward": reward,
+        **_vision(rec),
     }
+
+
+def _vision(leaf: CompletionRecord) -> dict[str, Any]:
+    """The images of a sequence that ends with `leaf`'s output: its prompt's, which are every image of the
+    conversation up to it (a continued prompt keeps its parent's), so also the whole branch's in `concat`."""
+    return leaf.vision.trajectory_fields(len(leaf.full_ids)) if leaf.vision is not None else {}
 
 
 def _concat(path: list[CompletionRecord], reward: float) -> dict[str, Any]:
@@ -96,7 +103,14 @@ def _concat(path: list[CompletionRecord], reward: float) -> dict[str, Any]:
         mask[start:end] = [1] * (end - start)
         logprobs[start:end] = rec.output_logprobs
         versions[start:end] = rec.output_versions
-    return {"input_ids": ids, "loss_mask": mask, "logprobs": logprobs, "versions": versions, "reward": reward}
+    return {
+        "input_ids": ids,
+        "loss_mask": mask,
+        "logprobs": logprobs,
+        "versions": versions,
+        "reward": reward,
+        **_vision(leaf),
+    }
 
 
 def _extends(child: CompletionRecord, parent: CompletionRecord) -> bool:

@@ -1,9 +1,11 @@
 """OpenAI chat wire format <-> the proxy's internal form: request validation, message normalisation, parsing the
 model's text into content + tool calls, and the response / SSE chunk bodies.
 
-Normalised messages are what the chat template renders and what parent matching compares: text content only,
-assistant tool calls as `{"type": "function", "function": {"name", "arguments": dict}}` without ids (clients echo
-ids back, but comparing them would gain nothing and some frameworks rewrite them).
+Normalised messages are what the chat template renders and what parent matching compares: text content, a user
+message with images as a list of `{"type": "text", "text"}` and `{"type": "image", "image": data URI}` parts (what
+vision chat templates render as image placeholders; comparing the URIs keeps a conversation with other images from
+matching), assistant tool calls as `{"type": "function", "function": {"name", "arguments": dict}}` without ids
+(clients echo ids back, but comparing them would gain nothing and some frameworks rewrite them).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any, overload
 
 import msgspec
 
+from rollq.protocol.media import ImageError, image_from_string
 from rollq.workers.tool_calls import parse_tool_calls
 
 
@@ -128,24 +131,84 @@ def generation_params(
 # -- messages ---------------------------------------------------------------------------------------------------------
 
 
+IMAGE_PARTS = ("image_url", "input_image")  # chat completions' and the Responses API's image content parts
+
+
 def content_text(content: Any, where: str) -> str:
     """A message's content as text: a string, or text parts joined."""
+    text = content_parts(content, where, images=False)
+    assert isinstance(text, str)  # images=False refuses image parts, so the content is text
+    return text
+
+
+def content_parts(content: Any, where: str, *, images: bool) -> str | list[dict[str, Any]]:
+    """A message's content: its text (a string, or text parts joined) when it has no images, else its parts in
+    order, adjacent text joined and each image as `{"type": "image", "image": data URI}`. `images`: whether the
+    message may hold images (user messages: OpenAI takes them nowhere else)."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if isinstance(part, str):
-                parts.append(part)
-            elif isinstance(part, dict) and part.get("type") in ("text", "input_text", "output_text"):
-                parts.append(str(part.get("text", "")))
+    if not isinstance(content, list):
+        raise BadRequest(f"{where}: content must be a string or a list of content parts", "messages")
+    parts: list[dict[str, Any]] = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if isinstance(part, str) or kind in ("text", "input_text", "output_text"):
+            text = part if isinstance(part, str) else str(part.get("text", ""))
+            if parts and parts[-1]["type"] == "text":
+                parts[-1] = {"type": "text", "text": parts[-1]["text"] + text}
             else:
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise BadRequest(f"{where}: only text content is supported, got a {kind!r} part", "messages")
-        return "".join(parts)
-    raise BadRequest(f"{where}: content must be a string or a list of text parts", "messages")
+                parts.append({"type": "text", "text": text})
+        elif kind in IMAGE_PARTS and images:
+            parts.append(image_part(part, f"{where}.content[{j}]"))
+        elif kind in IMAGE_PARTS:
+            raise BadRequest(f"{where}: images are supported in user messages only, got an {kind!r} part", "messages")
+        else:
+            raise BadRequest(f"{where}: only text and image content is supported, got a {kind!r} part", "messages")
+    if all(p["type"] == "text" for p in parts):
+        return "".join(p["text"] for p in parts)  # as before images: text-only prompts render and match unchanged
+    return parts
+
+
+def image_part(part: dict[str, Any], where: str) -> dict[str, Any]:
+    """An `image_url` (chat: `{"url": ...}`) or `input_image` (Responses: the URL itself) part as a normalised image
+    part. Only data URIs: the proxy needs the image's pixels (for the processor's image tokens and the trajectory)
+    and fetches no URLs, which would let an agent make the worker reach any address."""
+    raw = part.get("image_url")
+    url = raw.get("url") if isinstance(raw, dict) else raw
+    if url is None and part.get("file_id") is not None:
+        raise BadRequest(
+            f"{where}: images by file_id are not supported (the proxy keeps no files): send the image as a "
+            "data:image/<type>;base64, URI",
+            "messages",
+        )
+    if not isinstance(url, str):
+        raise BadRequest(f"{where}: an image part needs image_url, a data:image/<type>;base64, URI", "messages")
+    if url.startswith(("http://", "https://")):
+        raise BadRequest(
+            f"{where}: image URLs are not supported: the recording proxy fetches no URLs; send the image inline as a "
+            "data:image/<type>;base64, URI",
+            "messages",
+        )
+    if not url.startswith("data:"):
+        raise BadRequest(f"{where}: an image_url must be a data:image/<type>;base64, URI", "messages")
+    try:
+        image_from_string(url)  # refused here, by name, rather than by the processor or the engine later
+    except ImageError as exc:
+        raise BadRequest(f"{where}: {exc}", "messages") from None
+    return {"type": "image", "image": url}
+
+
+def message_images(messages: list[dict[str, Any]]) -> list[str]:
+    """The normalised messages' images (data URIs), in order: one per image placeholder their rendering holds."""
+    return [
+        part["image"]
+        for msg in messages
+        if isinstance(msg.get("content"), list)
+        for part in msg["content"]
+        if part["type"] == "image"
+    ]
 
 
 def _arguments(raw: Any, where: str) -> Any:
@@ -168,6 +231,8 @@ def normalize_message(msg: Any, index: int) -> dict[str, Any]:
         role = "system"
     if role not in ("system", "user", "assistant", "tool"):
         raise BadRequest(f"{where}: unsupported role {role!r} (system, developer, user, assistant, tool)", "messages")
+    if role == "user":
+        return {"role": role, "content": content_parts(msg.get("content"), where, images=True)}
     text = content_text(msg.get("content"), where)
     if role != "assistant":
         out: dict[str, Any] = {"role": role, "content": text}
@@ -415,6 +480,7 @@ __all__ = [
     "chat_completion",
     "chat_stream",
     "generation_params",
+    "message_images",
     "normalize_messages",
     "normalize_tools",
     "parse_reply",

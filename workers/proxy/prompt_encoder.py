@@ -13,7 +13,7 @@ import re
 from collections import OrderedDict
 from typing import Any
 
-from rollq.workers.chat_template import anchor_text, continuation_ids, encode, render
+from rollq.workers.chat_template import anchor_text, continuation_ids, continuation_text, encode, render
 
 _PROBE = [
     {"role": "system", "content": "You are terse."},
@@ -41,11 +41,17 @@ class PromptEncoder:
 
     def chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
         """A root prompt: the whole conversation rendered by the chat template, plus the generation prompt."""
-        return self.encode(render(self.tokenizer, messages, tools=tools, add_generation_prompt=True))
+        return self.encode(self.chat_text(messages, tools))
+
+    def chat_text(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
+        return render(self.tokenizer, messages, tools=tools, add_generation_prompt=True)
 
     def continuation(self, last_output: list[int], messages: list[dict[str, Any]]) -> list[int]:
         """The new turns after a recorded completion (see chat_template.continuation_ids)."""
         return continuation_ids(self.tokenizer, last_output, messages, base=self._anchor)
+
+    def continuation_text(self, last_output: list[int], messages: list[dict[str, Any]]) -> str:
+        return continuation_text(self.tokenizer, last_output, messages, base=self._anchor)
 
     def _encode_pieces(self, text: str) -> list[int]:
         ids: list[int] = []

@@ -4,6 +4,10 @@ engine pool, that records every completion token-exactly under the calling episo
 Token in, token out: a request that continues a recorded conversation is sent to the engine as the parent's exact
 prompt + output ids followed by only the new turns' tokens; generated text is never re-tokenized. So a chain of
 turns is one growing token sequence (the `concat` export), and what the engine sampled is what gets trained.
+
+Images (user messages' data URIs) are rendered by the chat template as image placeholders and expanded by the
+model's processor into the image's tokens; the request carries them to the engine as `image_data`, and the record
+keeps the prompt's images (all of the conversation's so far, in order), so its sequences carry them too.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from aiohttp import web
 from rollq.engine.client import EngineError
 from rollq.engine.types import InferenceEngine, ModelRequest, SamplingParams
 from rollq.http_server import BAD_JSON, read_body, start_site
+from rollq.images import DEFAULT_MAX_PIXELS
 from rollq.workers.chat_template import stop_token_ids
 from rollq.workers.proxy import anthropic, responses
 from rollq.workers.proxy.chat import (
@@ -28,6 +33,7 @@ from rollq.workers.proxy.chat import (
     chat_completion,
     chat_stream,
     generation_params,
+    message_images,
     normalize_messages,
     normalize_tools,
     parse_reply,
@@ -39,6 +45,7 @@ from rollq.workers.proxy.chat import (
 from rollq.workers.proxy.prompt_encoder import PromptEncoder
 from rollq.workers.proxy.sessions import CompletionRecord, Session, SessionClosed, SessionStore
 from rollq.workers.proxy.streaming import TextStream, stream_deltas
+from rollq.workers.proxy.vision import ImageProcessor, PromptVision, continued
 
 log = logging.getLogger("rollq.proxy")
 
@@ -59,6 +66,9 @@ class ProxyConfig(msgspec.Struct, kw_only=True, frozen=True):
     # clients' keep-alive (aiohttp's 15 s, httpx's 5 s), so a reused connection is never closed under a request.
     header_timeout_s: float = 30.0
     body_timeout_s: float = 60.0
+    # An image in a request with more pixels than this (read from its header, before decoding) is a 400: the
+    # worker's max_image_pixels, as for images in jobs' data.
+    max_image_pixels: int = DEFAULT_MAX_PIXELS
 
 
 class _Prompt(msgspec.Struct, kw_only=True):
@@ -66,6 +76,7 @@ class _Prompt(msgspec.Struct, kw_only=True):
     parent: str | None
     messages: list[Any] | None = None
     tools: Any = None
+    vision: PromptVision | None = None
 
 
 class _Unauthorized(Exception):
@@ -103,6 +114,7 @@ class RecordingProxy:
         # Token ids a completions prompt may hold: what the tokenizer can decode (None: it does not say).
         self.vocab_size: int | None = len(tokenizer) if hasattr(tokenizer, "__len__") else None
         self.config = config or ProxyConfig()
+        self.images = ImageProcessor(tokenizer, self.config.max_image_pixels)
         self.sessions = SessionStore()
         self._runner: web.AppRunner | None = None
         self.port = 0
@@ -214,6 +226,7 @@ class RecordingProxy:
                         affinity=session.key,
                         priority=session.priority,
                         lora_path=session.lora,
+                        image_data=list(prompt.vision.images) if prompt.vision is not None else None,
                     ),
                     on_tokens=on_tokens[i] if on_tokens else None,
                 )
@@ -238,6 +251,7 @@ class RecordingProxy:
                 messages=prompt.messages,
                 tools=prompt.tools,
                 reply=reply.normalized() if prompt.messages is not None else None,
+                vision=prompt.vision,
             )
             try:
                 session.add(record)
@@ -255,17 +269,45 @@ class RecordingProxy:
             )
         return choices
 
-    def _chat_prompt(self, session: Session, messages: list[dict[str, Any]], tools: Any) -> _Prompt:
+    async def _chat_prompt(self, session: Session, messages: list[dict[str, Any]], tools: Any) -> _Prompt:
         match = session.chat_parent(messages, tools)
+        parent_key = None
         if match is not None:
             parent, start = match
-            if self.config.continuation == "template":
-                return _Prompt(
-                    ids=self.prompts.chat(messages, tools), parent=parent.key, messages=messages, tools=tools
-                )
-            suffix = self.prompts.continuation(parent.output_ids, messages[start:])
-            return _Prompt(ids=parent.full_ids + suffix, parent=parent.key, messages=messages, tools=tools)
-        return _Prompt(ids=self.prompts.chat(messages, tools), parent=None, messages=messages, tools=tools)
+            parent_key = parent.key
+            # The parent's own message objects (equal: just matched), so a session's records share one copy of each
+            # earlier turn, its images' data URIs included, rather than one per request that repeats them.
+            messages = [*(parent.messages or ()), parent.reply, *messages[start:]]
+            if self.config.continuation == "exact":
+                return await self._continued_prompt(parent, messages, start, tools)
+        images = message_images(messages)  # a root, or "template": the whole conversation rendered again
+        if images:
+            await self.images.ready()  # first: a text model's template can't render image parts
+            ids, vision = await self.images.expand(self.prompts.chat_text(messages, tools), images)
+            return _Prompt(ids=ids, parent=parent_key, messages=messages, tools=tools, vision=vision)
+        return _Prompt(ids=self.prompts.chat(messages, tools), parent=parent_key, messages=messages, tools=tools)
+
+    async def _continued_prompt(
+        self, parent: CompletionRecord, messages: list[dict[str, Any]], start: int, tools: Any
+    ) -> _Prompt:
+        """The parent's exact prompt + output ids, then the new turns' tokens (their images expanded on their own:
+        the parent's are in its record)."""
+        new = messages[start:]
+        images = message_images(new)
+        if images:
+            await self.images.ready()
+            suffix, new_vision = await self.images.expand(
+                self.prompts.continuation_text(parent.output_ids, new), images
+            )
+        else:
+            suffix, new_vision = self.prompts.continuation(parent.output_ids, new), None
+        return _Prompt(
+            ids=parent.full_ids + suffix,
+            parent=parent.key,
+            messages=messages,
+            tools=tools,
+            vision=continued(parent.vision, len(parent.full_ids), new_vision, len(suffix)),
+        )
 
     def _max_tokens(self, session: Session) -> int:
         return int(session.defaults.get("max_tokens") or self.config.default_max_tokens)
@@ -345,7 +387,7 @@ class RecordingProxy:
             messages = normalize_messages(body.get("messages"))
             tools = normalize_tools(body.get("tools"))
             parse_tools = tool_choice_allows_calls(body.get("tool_choice"), tools)
-            prompt = self._chat_prompt(session, messages, tools)
+            prompt = await self._chat_prompt(session, messages, tools)
         except _Unauthorized as exc:
             return _openai_error(str(exc), 401, "authentication_error")
         except BadRequest as exc:
@@ -390,7 +432,14 @@ class RecordingProxy:
         except BadRequest as exc:
             return _openai_error(str(exc), 400, param=exc.param)
         parent = session.token_parent(prompt_ids)
-        prompt = _Prompt(ids=prompt_ids, parent=parent.key if parent else None)
+        prompt = _Prompt(
+            ids=prompt_ids,
+            parent=parent.key if parent else None,
+            # A prompt that extends a recorded completion holds its images' tokens: it keeps its images too.
+            vision=continued(parent.vision, len(parent.full_ids), None, len(prompt_ids) - len(parent.full_ids))
+            if parent is not None
+            else None,
+        )
         rid = f"cmpl-{uuid.uuid4().hex}"
         model = str(body.get("model") or self.config.model_name)
         if params.stream:
@@ -446,7 +495,7 @@ class RecordingProxy:
             messages = anthropic.normalize_messages(body)
             tools = anthropic.normalize_tools(body.get("tools"))
             parse_tools = anthropic.tool_choice_allows_calls(body.get("tool_choice"), tools)
-            prompt = self._chat_prompt(session, messages, tools)
+            prompt = await self._chat_prompt(session, messages, tools)
         except _Unauthorized as exc:
             return _anthropic_error(str(exc), 401, "authentication_error")
         except BadRequest as exc:
@@ -484,7 +533,7 @@ class RecordingProxy:
             if req.previous_response_id is not None:
                 history = self._response_history(session, req.previous_response_id)
             conversation = history + req.input
-            prompt = self._chat_prompt(session, req.messages(history), req.tools)
+            prompt = await self._chat_prompt(session, req.messages(history), req.tools)
         except _Unauthorized as exc:
             return _openai_error(str(exc), 401, "authentication_error")
         except BadRequest as exc:

@@ -16,6 +16,8 @@ from typing import Any
 
 import msgspec
 
+from rollq.workers.proxy.vision import PromptVision
+
 
 class CompletionRecord(msgspec.Struct, kw_only=True):
     """One choice of one completion request, token-exact: `output_*` are the engine's ids/logprobs/versions."""
@@ -33,6 +35,7 @@ class CompletionRecord(msgspec.Struct, kw_only=True):
     messages: list[Any] | None = None
     tools: Any = None
     reply: Any = None
+    vision: PromptVision | None = None  # the prompt's images (the export's sequences carry them), None: text only
     reward: float | None = None
     delivered: bool = False  # the whole response was handed to the client's connection
 

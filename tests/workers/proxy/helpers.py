@@ -9,8 +9,8 @@ import msgspec
 
 from rollq.engine.client import parse_generate
 from rollq.engine.pool import EnginePool, PoolConfig
-from rollq.workers.context import WorkflowContext
-from rollq.workers.proxy.server import RecordingProxy
+from rollq.workers.context import ContextConfig, WorkflowContext
+from rollq.workers.proxy.server import ProxyConfig, RecordingProxy
 from tests.agents import SCRIPT
 from tests.scripted import scripted_engine
 
@@ -25,23 +25,24 @@ class Stack(msgspec.Struct):
 
         return AsyncOpenAI(base_url=self.proxy.base_url, api_key=key, http_client=self.context.http_client())
 
-    async def direct(self, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
-        """The same prompt sent straight to the engine: what the engine returns for it."""
-        resp = await self.context.http_client().post(
-            f"{self.engine_url}/generate",
-            json={
-                "input_ids": prompt_ids,
-                "sampling_params": {"max_new_tokens": max_new_tokens},
-                "return_logprob": True,
-            },
-        )
+    async def direct(
+        self, prompt_ids: list[int], max_new_tokens: int, image_data: list[str] | None = None
+    ) -> tuple[list[int], list[float]]:
+        """The same prompt (and images) sent straight to the engine: what the engine returns for it."""
+        body = {"input_ids": prompt_ids, "sampling_params": {"max_new_tokens": max_new_tokens}, "return_logprob": True}
+        if image_data:
+            body["image_data"] = image_data
+        resp = await self.context.http_client().post(f"{self.engine_url}/generate", json=body)
         result = parse_generate(resp.json())
         return result.output_ids, result.output_logprobs
 
 
 @asynccontextmanager
-async def make_stack(**engine_config):
-    async with scripted_engine(SCRIPT, **engine_config) as engine, EnginePool(PoolConfig(urls=[engine.url])) as pool:
-        async with WorkflowContext() as ctx:
+async def make_stack(script: list[str] = SCRIPT, proxy: ProxyConfig | None = None, **engine_config):
+    """`engine_config` goes to the scripted engine; its `tokenizer` (default "tiny") is the proxy's too."""
+    engine_config.setdefault("tokenizer", "tiny")
+    config = ContextConfig(tokenizer=engine_config["tokenizer"], proxy=proxy or ProxyConfig())
+    async with scripted_engine(script, **engine_config) as engine, EnginePool(PoolConfig(urls=[engine.url])) as pool:
+        async with WorkflowContext(config) as ctx:
             proxy = await ctx.proxy(pool)
             yield Stack(proxy=proxy, context=ctx, engine_url=engine.url)

@@ -185,7 +185,7 @@ async def test_completions_api_and_models(stack):
         (b"{not json", 400, "not valid JSON"),
         (b'{"model": "m"}', 400, "'messages' must be a non-empty list"),
         (b'{"messages": [{"role": "user", "content": "hi"}], "temperature": 7}', 400, "'temperature' must be a number"),
-        (b'{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}', 400, "only text content"),
+        (b'{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}', 400, "needs image_url"),
         (b'{"messages": [{"role": "wizard", "content": "hi"}]}', 400, "unsupported role"),
         (b'{"messages": [{"role": "user", "content": "hi"}], "tool_choice": "sometimes"}', 400, "tool_choice"),
         (b'{"messages": [{"role": "user", "content": "hi"}], "n": 0}', 400, "'n' must be an integer"),
