@@ -10,7 +10,7 @@ import torch
 
 from rollq.trainer import checkpoint
 from rollq.trainer.checkpoint import TrainerState
-from rollq.trainer.config import LORA_LR, TrainConfig
+from rollq.trainer.config import LORA_LR, LORA_STEPS, TrainConfig
 from rollq.trainer.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, write_adapter
 from rollq.trainer.policy import Policy
 from tests.trainer.test_policy import batch_of_two
@@ -84,12 +84,15 @@ def test_a_lora_checkpoint_holds_the_adapter_alone_and_resumes_the_same_training
         assert torch.equal(a, b), name
 
 
-def test_a_lora_run_takes_the_lora_learning_rate_unless_lr_is_given():
+def test_a_lora_run_takes_the_lora_learning_rate_and_steps_unless_given():
     from rollq.config import build
 
-    assert build(TrainConfig, "trainer", {"lora_rank": 8}).lr == LORA_LR
-    assert build(TrainConfig, "trainer", {"lora_rank": 8, "lr": 1e-3}).lr == 1e-3
-    assert build(TrainConfig, "trainer", {}).lr == TrainConfig().lr
+    lora = build(TrainConfig, "trainer", {"lora_rank": 8})
+    assert (lora.lr, lora.steps) == (LORA_LR, LORA_STEPS)
+    given = build(TrainConfig, "trainer", {"lora_rank": 8, "lr": 3e-4, "steps": 9})
+    assert (given.lr, given.steps) == (3e-4, 9)
+    plain = build(TrainConfig, "trainer", {})
+    assert (plain.lr, plain.steps) == (TrainConfig().lr, TrainConfig().steps) != (LORA_LR, LORA_STEPS)
 
 
 def test_target_modules_the_model_lacks_are_a_clear_error():
