@@ -316,8 +316,12 @@ class EngineServer:
                 # model: an adapter silently not applied. rollq refuses, with the words of its OpenAI routes.
                 raise EngineValueError(NOT_ENABLED)
             images = await self._images(call)
+            # A vision model sees every prompt here, with or without pictures: image tokens no picture fills are the
+            # request's 400, not a failed forward of the whole batch.
             prepared = [
-                await asyncio.to_thread(self.backend.prepare_images, list(p.input_ids), images[i]) if images else None
+                await asyncio.to_thread(self.backend.prepare_images, list(p.input_ids), images[i] if images else [])
+                if images or self.backend.supports_images
+                else None
                 for i, p in enumerate(call.prompts)
             ]
             adapters = self.adapters.acquire(names)  # AdapterError (unknown name): a ValueError, as in SGLang
@@ -341,7 +345,7 @@ class EngineServer:
                     adapters[len(items)],
                 )
                 if ready is not None:
-                    state.images, state.vision = images[index], ready[1]
+                    state.images, state.vision = (images[index] if images else []), ready[1]
                 items.append((_Req(state, prompt.top_logprobs_num), prompt.return_logprob))
                 self.counters["prompt_tokens"] += len(state.input_ids)
         self.counters["num_requests"] += len(items)

@@ -193,13 +193,16 @@ class ReferenceBackend(Backend):
     def prepare_images(self, input_ids: list[int], images: list[ImageFile]) -> tuple[list[int], Any]:
         if self._images is None:
             raise ImageRequestError(f"this engine's model ({self.model_path}) takes no image input")
+        if not images:
+            self._images.check_no_placeholders(input_ids)
+            return input_ids, None
         ids, prepared = self._images.prepare(input_ids, images)
         if len(ids) >= self.context_length:
             raise ImageRequestError(
                 f"The input ({len(ids)} tokens with its images) is longer than the model's context length "
                 f"({self.context_length} tokens)."
             )
-        return ids, prepared if images else None
+        return ids, prepared
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)

@@ -66,6 +66,13 @@ class ImageInputs:
         types = [int(t == self.image_token_id) for t in ids]
         return ids, PreparedImages(out["pixel_values"], grid, types)
 
+    def check_no_placeholders(self, ids: list[int]) -> None:
+        """A prompt without images must hold no image token (the model would look for a picture there)."""
+        if self.image_token_id in ids:
+            raise ImageRequestError(
+                f"the prompt has image placeholders (token {self.image_token_id}) but the request has no image_data"
+            )
+
     def _sized(self, ids: list[int], sizes: list[int]) -> list[int]:
         runs: list[tuple[int, int]] = []  # (start, length) of each run of image tokens
         i = 0

@@ -88,6 +88,10 @@ async def test_placeholders_that_do_not_fit_the_images_are_refused(start_engine,
     i = ids.index(pad)
     resp = await generate(http, url, body(ids[:i] + [pad] * 3 + ids[i + 1 :], [(1, 2, 3)]))
     assert resp.status_code == 400 and "placeholder of 3 tokens" in resp.text and "its image takes 4" in resp.text
+    resp = await generate(http, url, body(ids, []))  # placeholders and no pictures: the request's error alone
+    assert resp.status_code == 400 and "image placeholders (token" in resp.text and "no image_data" in resp.text
+    resp = await generate(http, url, {"input_ids": [ids, ids[-3:]], "image_data": [png((1, 2, 3)), None]})
+    assert resp.status_code == 200 and len(resp.json()) == 2  # a batch: one prompt with a picture, one without
 
 
 @pytest.mark.parametrize("mode", ["retract", "in_place"])
