@@ -67,6 +67,28 @@ def user_package(root: Path, package: str, files: dict[str, str], user_modules: 
 
 
 QUESTION = {"messages": [{"role": "user", "content": "What is 2 + 3?"}], "answer": "5"}
+# AReaL's VisionRLVRWorkflow's arguments in a job: the tiny vision-language model's tokenizer and processor by name
+VISION_KWARGS = {
+    "reward_fn": "tests.reward_fns:answer_in_completion",
+    "gconfig": {"max_new_tokens": 16},
+    "tokenizer": "tiny-vl",
+    "processor": "tiny-vl",
+    "enable_thinking": False,
+}
+
+
+def colour_question(colour: tuple[int, int, int], size: int = 56) -> dict[str, Any]:
+    """A row of AReaL's vision datasets' shape: the templated prompt with one image placeholder, the PIL image, the
+    answer."""
+    from PIL import Image
+
+    from rollq.engine.tiny_model import model_dir
+    from rollq.engine.tiny_vlm import load_processor
+
+    processor = load_processor(model_dir("tiny-vl"))
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Which colour is it?"}]}]
+    prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return {"messages": prompt, "images": [Image.new("RGB", (size, size), colour)], "answer": "red"}
 
 
 async def submit_and_wait(redis: Any, run_name: str, workflow: str, n: int = 1, **job: Any) -> list[Any]:

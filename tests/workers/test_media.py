@@ -56,7 +56,8 @@ async def test_a_workflow_gets_its_images_and_a_bad_one_dead_letters_its_job(red
         await producer.submit(
             "tests.workflows:SeeImages", {"images": [ImageFile(png_claiming(4000, 4000))]}, job_id="bomb"
         )
-        trajs = {(t.job_id, t.sample_index): t async for t in producer.wait_for({"pil": 2, "uri": 1, "bomb": 1}, timeout_s=20)}
+        results = producer.wait_for({"pil": 2, "uri": 1, "bomb": 1}, timeout_s=20)
+        trajs = {(t.job_id, t.sample_index): t async for t in results}
     assert [trajs["pil", i].sequences[0].reward for i in range(2)] == [1201.0, 1201.0]
     assert trajs["uri", 0].sequences[0].reward == 201.0
     bomb = trajs["bomb", 0]

@@ -10,7 +10,6 @@ import uuid
 
 import pytest
 import torch
-from PIL import Image
 
 from rollq.engine.pool import EnginePool, PoolConfig
 from rollq.engine.tiny_model import model_dir
@@ -19,24 +18,9 @@ from rollq.producer.producer import JobRequest
 from rollq.protocol import Codec
 from rollq.protocol.keys import RunKeys
 from rollq.protocol.messages import VisionInputs
-from tests.areal_real import submit_all, user_package
+from tests.areal_real import VISION_KWARGS, colour_question, submit_all, user_package
 from tests.helpers import running_worker
 from tests.scripted import scripted_engine
-
-KWARGS = {
-    "reward_fn": "tests.reward_fns:answer_in_completion",
-    "gconfig": {"max_new_tokens": 16},
-    "tokenizer": "tiny-vl",
-    "processor": "tiny-vl",
-    "enable_thinking": False,
-}
-
-
-def colour_question(colour: tuple[int, int, int], size: int = 56) -> dict:
-    processor = load_processor(model_dir("tiny-vl"))
-    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Which colour is it?"}]}]
-    prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return {"messages": prompt, "images": [Image.new("RGB", (size, size), colour)], "answer": "red"}
 
 
 @pytest.fixture
@@ -62,7 +46,9 @@ async def test_vision_rlvr_with_only_its_imports_changed(redis, redis_url, run_n
                 redis_url, run_name, engine=pool, max_attempts=1, allow=["tests", vision_rlvr.split(".")[0]], **limit
             ):
                 got = await submit_all(
-                    redis, run_name, [JobRequest(workflow=vision_rlvr, data=data, workflow_kwargs=KWARGS, job_id="v")]
+                    redis,
+                    run_name,
+                    [JobRequest(workflow=vision_rlvr, data=data, workflow_kwargs=VISION_KWARGS, job_id="v")],
                 )
     [t] = got["v"]
     assert t.status == "ok", t.error

@@ -9,7 +9,9 @@ import uuid
 
 import pytest
 
-from tests.areal_real import run_converted, user_package
+from rollq.protocol import Codec
+from rollq.protocol.messages import VisionInputs
+from tests.areal_real import VISION_KWARGS, colour_question, run_converted, user_package
 from tests.scripted import tiny_tokenizer
 
 REWARD = "tests.reward_fns:answer_in_completion"
@@ -131,8 +133,15 @@ async def test_the_files_unchanged_with_areal_importable(redis, redis_url, run_n
         JobRequest(job_id="v2", workflow=MULTI_TURN_V2, workflow_kwargs=MULTI_TURN_KWARGS, data=QUESTION),
         JobRequest(job_id="eval", workflow=probe, data=QUESTION, is_eval=True),
         JobRequest(job_id="train", workflow=probe, data=QUESTION),
+        JobRequest(
+            job_id="vision",
+            workflow="areal.workflow.vision_rlvr:VisionRLVRWorkflow",
+            workflow_kwargs={**VISION_KWARGS, "reward_fn": REWARD},
+            data={**colour_question((200, 0, 0)), "answer": "4"},
+        ),
     ]
-    async with scripted_engine(["The answer is 4.", "The answer is 5."]) as engine:
+    # the tiny vision-language model's tokenizer: the tiny model's ids and its four vision tokens besides
+    async with scripted_engine(["The answer is 4.", "The answer is 5."], tokenizer="tiny-vl") as engine:
         worker = spawn_worker(
             redis_url,
             run_name,
@@ -155,3 +164,9 @@ async def test_the_files_unchanged_with_areal_importable(redis, redis_url, run_n
     [eval_run], [train_run] = got["eval"], got["train"]
     assert eval_run.status == "ok" and train_run.status == "ok", (eval_run.error, train_run.error)
     assert (eval_run.sequences[0].reward, train_run.sequences[0].reward) == (1.0, 0.0)
+    # vision_rlvr.py as the wheel ships it (AReaL's own ModelRequest, image2base64 and processor call): its image
+    # reached the engine and the trajectory carries its pixel values
+    [vision] = got["vision"]
+    assert vision.status == "ok" and vision.sequences[0].reward == 1.0, vision.error
+    pixels = Codec().decode(vision.sequences[0].vision.inline, VisionInputs)
+    assert list(pixels.image_grid_thw) == [1, 4, 4] and sum(pixels.mm_token_type_ids) == 4
