@@ -197,6 +197,7 @@ async def run_stack(cfg: TrainConfig, stack_cfg: UpConfig) -> list[StepRecord]:
 async def _run(cfg: TrainConfig, stack_cfg: UpConfig, procs: Processes, redis_dir: Path) -> list[StepRecord]:
     from rollq.trainer.engines import engine_pool
     from rollq.trainer.loop import Trainer
+    from rollq.trainer.policy import Policy
 
     if cfg.model in ("smollm2", "tiny-vl"):  # build it once here, not in every engine and the trainer at once
         from rollq.engine.tiny_model import model_dir
@@ -218,8 +219,15 @@ async def _run(cfg: TrainConfig, stack_cfg: UpConfig, procs: Processes, redis_di
         procs.start(f"engine-{i}", engine_argv(cfg, port), env=keys.engine_env(str(weights_root)))
     for i in range(stack_cfg.workers):
         procs.start(f"worker-{i}", worker_argv(cfg, stack_cfg, url, urls), env=keys.worker_env())
-    for u in urls:
-        await procs.wait_until(functools.partial(engine_healthy, u), 300, f"engine {u}", interval_s=0.1)
+    # The trainer's model loads while the engines start (seconds each, on other cores): neither waits for the other.
+    policy = asyncio.create_task(asyncio.to_thread(Policy, cfg)) if cfg.nproc == 1 else None
+    try:
+        for u in urls:
+            await procs.wait_until(functools.partial(engine_healthy, u), 300, f"engine {u}", interval_s=0.1)
+    except BaseException:
+        if policy is not None:
+            policy.cancel()
+        raise
     cfg = msgspec.structs.replace(
         cfg,
         redis_url=url,
@@ -233,7 +241,8 @@ async def _run(cfg: TrainConfig, stack_cfg: UpConfig, procs: Processes, redis_di
     redis = redis_client(url)
     pool = engine_pool(cfg)
     try:
-        training = asyncio.create_task(Trainer(cfg, redis, pool).run(), name="trainer")
+        assert policy is not None
+        training = asyncio.create_task(Trainer(cfg, redis, pool, policy=await policy).run(), name="trainer")
         watch = asyncio.create_task(_watch(procs), name="watch")
         try:
             await asyncio.wait([training, watch], return_when=asyncio.FIRST_COMPLETED)

@@ -132,7 +132,7 @@ class TrainConfig(RunSettings, kw_only=True):
             group=WHAT,
         ),
     ] = msgspec.field(default_factory=lambda: {"temperature": 0.0})
-    steps: Annotated[int, setting("training steps", ge=1, group=HOW_MUCH)] = 120
+    steps: Annotated[int, setting("training steps", ge=1, group=HOW_MUCH)] = 150
     group_size: Annotated[int, setting("samples per prompt (GRPO group)", ge=1, group=HOW_MUCH)] = 8
     groups_per_step: Annotated[
         int, setting("a step trains on group_size * groups_per_step samples (B)", ge=1, group=HOW_MUCH)
@@ -223,7 +223,7 @@ class TrainConfig(RunSettings, kw_only=True):
             group=HOW_MUCH,
         ),
     ] = False
-    lr: Annotated[float, setting("learning rate (AdamW)", gt=0, group=OPTIM)] = 1e-3
+    lr: Annotated[float, setting("learning rate (AdamW)", gt=0, group=OPTIM)] = 7e-4
     weight_decay: Annotated[float, setting("AdamW weight decay", ge=0, group=OPTIM)] = 0.0
     clip_eps: Annotated[float, setting("PPO clip of pi_theta / pi_prox", gt=0, lt=1, group=OPTIM)] = 0.2
     behav_imp_cap: Annotated[
