@@ -12,6 +12,8 @@ torch device, the way `rollq up --device cuda` runs them.
 3. The policy's weights, written as the trainer writes them, load into the engine (`/update_weights_from_disk`,
    weight version 1), and the engine's logprobs of its greedy answer then agree with the trainer's own within the
    tolerance of the compute dtype.
+4. Pictures: the tiny Qwen2-VL in the engine and the trainer on the device; the trainer's logprobs of the engine's
+   answer to a picture, with the same picture, agree with the engine's; a training step on it is finite.
 Meant for a lent GPU machine, which may have another Python / torch and no Redis: it needs only this repository's
 packages. The last line printed is a JSON summary (`ok`: every check passed).
 """
@@ -32,6 +34,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+import msgspec
 
 from bench.results import add_results_arg, write_results
 
@@ -138,6 +142,77 @@ async def engine_checks(policy: Any, device: str, dtype: str, tmp: Path) -> dict
         await engine.close()
 
 
+async def vision_checks(device: str, dtype: str) -> dict[str, Any]:
+    """The tiny Qwen2-VL on the device: the reference engine answers a picture (its vision tower and 3-D rope in
+    the compute dtype), and the trainer's logprobs of that answer with the same picture agree with the engine's; a
+    training step on it is finite."""
+    import torch
+    from PIL import Image
+
+    from rollq.engine.server.backend import GenState
+    from rollq.engine.server.reference import ReferenceBackend, ReferenceConfig
+    from rollq.engine.tiny_model import model_dir
+    from rollq.engine.tiny_vlm import load_processor
+    from rollq.engine.types import SamplingParams
+    from rollq.protocol.media import pil_to_image_file
+    from rollq.protocol.messages import Trajectory
+    from rollq.trainer.batch import Group, build_batch
+    from rollq.trainer.config import TrainConfig
+    from rollq.trainer.policy import Policy
+    from rollq.workers.outputs import to_sequences
+
+    processor = load_processor(model_dir("tiny-vl"))
+    content = [{"type": "image"}, {"type": "text", "text": "Which colour?"}]
+    text = processor.apply_chat_template(
+        [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
+    )
+    picture = Image.new("RGB", (56, 56), (200, 30, 30))
+    inputs = processor(images=[picture], text=text, return_tensors="pt")
+    prompt = inputs["input_ids"][0].tolist()
+    backend = ReferenceBackend(ReferenceConfig(model="tiny-vl", device=device, dtype=dtype, max_running=2))
+    await backend.start()
+    try:
+        file = pil_to_image_file(picture)
+        state = GenState("v", prompt, SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True), True)
+        state.input_ids, state.vision = await asyncio.to_thread(backend.prepare_images, prompt, [file])
+        state.images = [file]
+        t0 = time.perf_counter()
+        await backend.run(state)
+        gen_s = time.perf_counter() - t0
+    finally:
+        await backend.close()
+    out = state.output_ids
+    episode = {
+        "input_ids": prompt + out,
+        "loss_mask": [0] * len(prompt) + [1] * len(out),
+        "logprobs": [0.0] * len(prompt) + list(state.output_logprobs),
+        "versions": [-1] * len(prompt) + [0] * len(out),
+        "reward": 1.0,
+        "multi_modal_input": [{"pixel_values": inputs["pixel_values"], "image_grid_thw": inputs["image_grid_thw"]}],
+        "mm_token_type_ids": inputs["mm_token_type_ids"][0].tolist() + [0] * len(out),
+    }
+    [seq] = to_sequences(episode)
+    policy = Policy(TrainConfig(model="tiny-vl", device=device, compute_dtype=dtype))  # type: ignore[arg-type]
+    samples = [Trajectory(job_id="g", sample_index=0, n=2, status="ok", sequences=[seq])]
+    other = msgspec.structs.replace(seq, reward=0.0)
+    samples.append(Trajectory(job_id="g", sample_index=1, n=2, status="ok", sequences=[other]))
+    batch = build_batch([Group(job_id="g", samples=samples)], policy.pad_id)
+    rows = policy._rows(batch)
+    with torch.no_grad():
+        own = policy._logprobs_of(rows, [0], batch.input_ids.shape[1])[0, len(prompt) - 1 :].cpu().tolist()
+    gap = max((abs(a - b) for a, b in zip(own, state.output_logprobs, strict=True)), default=0.0)
+    stats = policy.train_step(batch)
+    tolerance = 1e-3 if dtype == "float32" else 0.15
+    return {
+        "ok": len(out) == 8 and gap <= tolerance and math.isfinite(stats.loss) and math.isfinite(stats.grad_norm),
+        "generate_s": round(gen_s, 4),
+        "image_tokens": int(inputs["mm_token_type_ids"].sum()),
+        "max_logprob_gap_trainer_vs_engine": round(gap, 5),
+        "tolerance": tolerance,
+        "train_loss_finite": math.isfinite(stats.loss),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda", help="torch device (default cuda)")
@@ -166,7 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     policy, summary["policy"] = policy_checks(args.device, args.dtype, args.steps)
     with tempfile.TemporaryDirectory(prefix="rollq-gpu-check-") as tmp:
         summary["engine"] = asyncio.run(engine_checks(policy, args.device, args.dtype, Path(tmp)))
-    summary["ok"] = summary["policy"]["ok"] and summary["engine"]["ok"]
+    summary["vision"] = asyncio.run(vision_checks(args.device, args.dtype))
+    summary["ok"] = summary["policy"]["ok"] and summary["engine"]["ok"] and summary["vision"]["ok"]
     print(json.dumps(summary), flush=True)
     write_results("gpu_check", summary, args.results, argv)
     return 0 if summary["ok"] else 1
