@@ -6,7 +6,7 @@ YAML keys, its `ROLLQ_<SECTION>_<KEY>` variables, its command-line flags (rollq.
     run: my-run                            # shared (flag --run, ROLLQ_RUN)
     worker:  {concurrency: 64, engine: [http://engine-0:30000]}
     engine:  {backend: reference, model: tiny, register: true}
-    trainer: {steps: 150, group_size: 8, max_staleness: 2}
+    trainer: {steps: 200, group_size: 8, max_staleness: 2}
 
 Layers, each over the one before: the Struct's defaults, the file's section, the environment, then flags (or
 `KEY=VALUE` overrides). A section is named after its `rollq` command (`reward-worker` -> `reward_worker`; the trainer's

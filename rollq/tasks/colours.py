@@ -31,7 +31,8 @@ def _prompts(count: int, seed: int) -> list[dict[str, Any]]:
     out = []
     for i in range(count):
         letter = letters[i % len(letters)]
-        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}]
+        # the picture last: next to the answer, where a 2-layer model attends first
+        messages = [{"role": "user", "content": [{"type": "text", "text": QUESTION}, {"type": "image"}]}]
         out.append({"messages": messages, "images": [picture(letter, rng)], "answer": letter, "id": i})
     return out
 
