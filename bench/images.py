@@ -36,7 +36,7 @@ GROUP_N = 8  # samples per prompt: a job's data is in each of its n entries unle
 
 
 def _processor_and_picture(size: int) -> tuple[Any, Any, str]:
-    from rollq.engine.tiny_model import model_dir
+    from rollq.engine.models import model_dir
     from rollq.engine.tiny_vlm import load_processor
     from rollq.tasks import colours
 

@@ -876,6 +876,18 @@ BENCHES: dict[str, Bench] = {
                     label="part",
                 ),
                 Table(
+                    "Pictures (the tiny Qwen2-VL)",
+                    (("vision", "vision"),),
+                    (
+                        Col("ok", "ok", yesno),
+                        Col("generate s", "generate_s", num(3)),
+                        Col("image tokens", "image_tokens", num()),
+                        Col("max logprob gap trainer vs engine", "max_logprob_gap_trainer_vs_engine", num(4)),
+                        Col("tolerance", "tolerance", num(3)),
+                    ),
+                    label="part",
+                ),
+                Table(
                     "Engine",
                     (("engine", "engine"),),
                     (
@@ -898,6 +910,44 @@ BENCHES: dict[str, Bench] = {
             ),
             missing="not run here: it needs a CUDA GPU (`python -m bench.gpu_check --device cpu` runs the same path on "
             "CPU, without a results file worth tabling)",
+        ),
+        Bench(
+            "images",
+            "Images: the stream, a worker, an engine",
+            "A trajectory of the tiny Qwen2-VL on a 56x56 picture (the processor's pixel values, as AReaL's "
+            "VisionRLVRWorkflow returns them) encoded as a worker publishes it with its picture inline or by "
+            "reference (its digest; the pixels stored once in the blob store), beside the same sequence without one; a "
+            "group's 8 job entries with the picture (PNG) inline in each or stored once by reference. A `rollq worker` "
+            "process's CPU per sample running rollq's `vision_rlvr` on pictures vs `rlvr` on text prompts of the same "
+            "token count against one scripted engine (read from /proc). The reference engine serving the tiny "
+            "Qwen2-VL: 32 requests of 16 tokens at once, prompts with a picture vs text prompts of the same length.",
+            (
+                Table(
+                    "Bytes",
+                    (("", "stream_bytes"),),
+                    (
+                        Col("trajectory, text only", "trajectory_text_only", num()),
+                        Col("trajectory, picture inline", "trajectory_inline", num()),
+                        Col("trajectory, picture by reference", "trajectory_by_reference", num()),
+                        Col("blob store per sample", "blob_store_bytes_per_sample", num()),
+                        Col("a group's jobs, inline", "job_group_inline", num()),
+                        Col("a group's jobs, by reference", "job_group_by_reference", num()),
+                    ),
+                ),
+                Table(
+                    "Worker CPU and engine throughput",
+                    (("", ""),),
+                    (
+                        Col("worker CPU ms/sample, text", "worker_cpu/text_cpu_ms_per_sample", num(2)),
+                        Col("worker CPU ms/sample, picture", "worker_cpu/image_cpu_ms_per_sample", num(2)),
+                        Col("picture / text", "worker_cpu/image_over_text_cpu", times()),
+                        Col("engine tokens/s, text", "engine/text_tokens_per_s", num()),
+                        Col("engine tokens/s, picture", "engine/image_tokens_per_s", num()),
+                        Col("picture / text", "engine/image_over_text", times()),
+                    ),
+                ),
+            ),
+            targets="",
         ),
         Bench(
             "trainer_gpu",

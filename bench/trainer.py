@@ -527,7 +527,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def smollm2_shape(directory: Path) -> Path:
     """Random weights in SmolLM2-135M's shape, with the tiny model's tokenizer (see the module doc)."""
     from bench.engine_weights import smollm2_shaped
-    from rollq.engine.tiny_model import model_dir
+    from rollq.engine.models import model_dir
 
     return smollm2_shaped(directory, model_dir("tiny"))
 

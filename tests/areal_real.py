@@ -82,7 +82,7 @@ def colour_question(colour: tuple[int, int, int], size: int = 56) -> dict[str, A
     answer."""
     from PIL import Image
 
-    from rollq.engine.tiny_model import model_dir
+    from rollq.engine.models import model_dir
     from rollq.engine.tiny_vlm import load_processor
 
     processor = load_processor(model_dir("tiny-vl"))

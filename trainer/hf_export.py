@@ -120,7 +120,7 @@ def export_run(
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    from rollq.engine.tiny_model import model_dir
+    from rollq.engine.models import model_dir
     from rollq.trainer.policy import quiet_single_process
 
     hf_logging.disable_progress_bar()

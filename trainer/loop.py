@@ -33,8 +33,8 @@ import torch
 
 from rollq.engine.client import EngineError, EngineUnavailable
 from rollq.engine.fleet import FleetController, FleetResult
+from rollq.engine.models import model_dir
 from rollq.engine.pool import EnginePool
-from rollq.engine.tiny_model import model_dir
 from rollq.engine.weight_group import DistributedSyncConfig, DistributedWeightSync
 from rollq.producer.producer import Producer
 from rollq.producer.results import Delivered, PartitionedConsumer, ResultConsumer

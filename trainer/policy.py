@@ -23,8 +23,8 @@ from typing import Any
 import msgspec
 import torch
 
-from rollq.engine.server.vision import vision_token_ids
-from rollq.engine.tiny_model import model_dir
+from rollq.engine.images import vision_token_ids
+from rollq.engine.models import model_dir
 from rollq.protocol.messages import VisionInputs
 from rollq.trainer import lora
 from rollq.trainer import rank_commands as rc

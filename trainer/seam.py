@@ -405,7 +405,7 @@ def _served_model(model: str) -> tuple[int, int, Path]:
     directory), as rollq's own trainer takes them from its model."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from rollq.engine.tiny_model import model_dir
+    from rollq.engine.models import model_dir
 
     path = model_dir(model)
     tokenizer = AutoTokenizer.from_pretrained(path)

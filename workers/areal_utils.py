@@ -61,7 +61,7 @@ def load_hf_tokenizer(model_name_or_path: str, fast_tokenizer: bool = True, padd
     """A tokenizer by rollq's model names (`tiny`, `smollm2`) or from a directory; never downloads."""
     from transformers import AutoTokenizer  # heavy: only when a workflow asks
 
-    from rollq.engine.tiny_model import model_dir
+    from rollq.engine.models import model_dir
 
     kwargs = {} if padding_side is None else {"padding_side": padding_side}
     tokenizer = AutoTokenizer.from_pretrained(model_dir(model_name_or_path), use_fast=fast_tokenizer, **kwargs)

@@ -22,7 +22,7 @@ def load_tokenizer(name: str) -> Any:
     directory."""
     from transformers import AutoTokenizer  # heavy import: only when a workflow or the proxy needs it
 
-    from rollq.engine.tiny_model import model_dir
+    from rollq.engine.models import model_dir
 
     return AutoTokenizer.from_pretrained(model_dir(name))
 

@@ -105,7 +105,7 @@ class KwargConverter:
 
     def model_path(self, value: str, name: str) -> Path:
         """The directory a model name stands for, if a job may name it."""
-        from rollq.engine.tiny_model import model_dir
+        from rollq.engine.models import model_dir
 
         if value in _BUILT_IN_MODELS or value == self.models.worker_tokenizer:
             return model_dir(value)

@@ -5,13 +5,13 @@
 - Any other ImageFile in the data becomes a data URI string: the form OpenAI SDKs and SGLang take, so an agent can
   put it in an `image_url` part as it is.
 
-Opening is bounded (rollq.images.open_image)."""
+Opening is bounded (rollq.engine.images.open_image)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from rollq.images import DEFAULT_MAX_PIXELS, MediaError, open_image
+from rollq.engine.images import DEFAULT_MAX_PIXELS, MediaError, open_image
 from rollq.protocol.media import DATA_URI_PREFIX, ImageFile
 
 

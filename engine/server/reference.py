@@ -33,6 +33,8 @@ import msgspec
 import torch  # ImportError here tells `rollq engine --backend reference` that torch/transformers are missing
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer, GenerationConfig
 
+from rollq.engine.images import DEFAULT_MAX_PIXELS, vision_token_ids
+from rollq.engine.models import model_dir
 from rollq.engine.server.backend import Backend, GenState, stop_check
 from rollq.engine.server.kv_batch import (
     ADAPTER_KEY_SPACE,
@@ -48,11 +50,9 @@ from rollq.engine.server.lora_registry import AdapterRef
 from rollq.engine.server.lora_slots import AdapterSlots
 from rollq.engine.server.prefix_cache import PrefixCache, common_prefix
 from rollq.engine.server.sampler import RowSpec, request_key, sample
-from rollq.engine.server.vision import ImageInputs, ImageRequestError, PreparedImages, vision_token_ids
+from rollq.engine.server.vision import ImageInputs, ImageRequestError, PreparedImages
 from rollq.engine.server.weights import copy_into, load_into
-from rollq.engine.tiny_model import model_dir
 from rollq.engine.types import FinishReason, PauseMode
-from rollq.images import DEFAULT_MAX_PIXELS
 from rollq.protocol.media import ImageFile
 
 log = logging.getLogger(__name__)

@@ -127,7 +127,7 @@ class SyntheticConfig(msgspec.Struct, kw_only=True, frozen=True):
 def load_tokenizer(name: str) -> tuple[Any, Path]:
     """(HF tokenizer, its directory) for `name`: "tiny" / "smollm2" (built offline on first use) or a tokenizer
     directory."""
-    from rollq.engine.tiny_model import model_dir
+    from rollq.engine.models import model_dir
 
     path = model_dir(name)
     if name == "tiny":

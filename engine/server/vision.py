@@ -12,16 +12,8 @@ from typing import Any
 
 import torch
 
-from rollq.images import MediaError, open_image
+from rollq.engine.images import MediaError, open_image
 from rollq.protocol.media import ImageFile
-
-
-def vision_token_ids(config: Any) -> list[int]:
-    """A vision-language model's own placeholder tokens (vision start and end, image and video pads). Neither the
-    reference engine's sampling nor the trainer's logprobs include them: a generated image pad would read as a
-    picture's slot in the next forward (transformers finds the slots by id), which no picture fills."""
-    names = ("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id")
-    return sorted({int(v) for n in names if (v := getattr(config, n, None)) is not None})
 
 
 class ImageRequestError(ValueError):
@@ -103,4 +95,4 @@ class ImageInputs:
         return out + ids[last:]
 
 
-__all__ = ["ImageInputs", "ImageRequestError", "PreparedImages", "vision_token_ids"]
+__all__ = ["ImageInputs", "ImageRequestError", "PreparedImages"]

@@ -58,4 +58,4 @@ def colours_reward(
     return 1.0 if letter == data["answer"] else WRONG_LETTER if letter in COLOURS else 0.0
 
 
-__all__ = ["COLOURS", "QUESTION", "colours_reward", "held_out", "picture", "prompts"]
+__all__ = ["COLOURS", "QUESTION", "WRONG_LETTER", "colours_reward", "held_out", "picture", "prompts"]

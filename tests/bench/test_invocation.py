@@ -28,6 +28,7 @@ BENCHMARKS = [
     "staleness_model",
     "trainer",
     "lora",
+    "images",
     "report",
 ]
 

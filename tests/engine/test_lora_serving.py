@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from rollq.engine.models import model_dir
 from rollq.engine.server.reference import ReferenceBackend, ReferenceConfig
-from rollq.engine.tiny_model import model_dir
 from tests.helpers import wait_until
 
 pytestmark = pytest.mark.slow

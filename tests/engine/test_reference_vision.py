@@ -12,8 +12,8 @@ import pytest
 import torch
 from PIL import Image
 
+from rollq.engine.models import model_dir
 from rollq.engine.server.reference import ReferenceBackend, ReferenceConfig
-from rollq.engine.tiny_model import model_dir
 from rollq.engine.tiny_vlm import load_processor
 from tests.engine.test_server_conformance import generate
 

@@ -22,8 +22,9 @@ from transformers import AutoConfig
 
 from rollq.engine import smollm2
 from rollq.engine.eos import model_eos_ids
+from rollq.engine.models import model_dir
 from rollq.engine.server.reference import ReferenceBackend, ReferenceConfig
-from rollq.engine.tiny_model import cache_root, model_dir
+from rollq.engine.tiny_model import cache_root
 from rollq.workers.chat_template import load_tokenizer, stop_token_ids
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]

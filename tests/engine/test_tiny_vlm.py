@@ -18,7 +18,8 @@ from PIL import Image
 from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer, Qwen2VLForConditionalGeneration
 
 from rollq.engine import tiny_vlm
-from rollq.engine.tiny_model import CHAT_TEMPLATE, SPEC_FILE, model_dir
+from rollq.engine.models import model_dir
+from rollq.engine.tiny_model import CHAT_TEMPLATE, SPEC_FILE
 from rollq.engine.tiny_vlm import IMAGE_PAD, VISION_TOKENS, TinyVLSpec, build_tiny_vl, load_processor
 
 QUESTION = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is this?"}]}]

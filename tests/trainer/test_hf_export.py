@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from rollq.engine.tiny_model import model_dir
+from rollq.engine.models import model_dir
 from rollq.trainer import checkpoint
 from rollq.trainer.checkpoint import TrainerState
 from rollq.trainer.config import TrainConfig

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from rollq.engine.tiny_model import model_dir
+from rollq.engine.models import model_dir
 from tests.helpers import REPO_ROOT
 from tests.trainer import rank_script
 

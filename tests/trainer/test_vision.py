@@ -10,9 +10,9 @@ import pytest
 import torch
 from PIL import Image
 
+from rollq.engine.models import model_dir
 from rollq.engine.server.backend import GenState
 from rollq.engine.server.reference import ReferenceBackend, ReferenceConfig
-from rollq.engine.tiny_model import model_dir
 from rollq.engine.tiny_vlm import load_processor
 from rollq.engine.types import SamplingParams
 from rollq.protocol import Codec

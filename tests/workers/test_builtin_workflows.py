@@ -67,8 +67,8 @@ async def greedy(pool: EnginePool, ids: list[int], n: int):
 
 def test_agent_names():
     assert resolve_agent_name("rlvr") == "rollq.workers.builtin.rlvr:RLVRWorkflow"
-    assert set(BUILTIN_WORKFLOWS) == {"rlvr", "multi_turn", "tool_agent"}
-    with pytest.raises(ValueError, match="known: multi_turn, rlvr, tool_agent"):
+    assert set(BUILTIN_WORKFLOWS) == {"rlvr", "multi_turn", "tool_agent", "vision_rlvr"}
+    with pytest.raises(ValueError, match="known: multi_turn, rlvr, tool_agent, vision_rlvr"):
         resolve_agent_name("nope")
 
 

@@ -38,7 +38,7 @@ class LazyProcessor:
 
 
 def _load_processor(name: str) -> Any:
-    from rollq.engine.tiny_model import model_dir
+    from rollq.engine.models import model_dir
     from rollq.engine.tiny_vlm import load_processor
 
     return load_processor(model_dir(name))

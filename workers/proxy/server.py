@@ -21,9 +21,9 @@ import msgspec
 from aiohttp import web
 
 from rollq.engine.client import EngineError
+from rollq.engine.images import DEFAULT_MAX_PIXELS
 from rollq.engine.types import InferenceEngine, ModelRequest, SamplingParams
 from rollq.http_server import BAD_JSON, read_body, start_site
-from rollq.images import DEFAULT_MAX_PIXELS
 from rollq.workers.chat_template import stop_token_ids
 from rollq.workers.proxy import anthropic, responses
 from rollq.workers.proxy.chat import (

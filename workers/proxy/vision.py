@@ -16,7 +16,7 @@ from typing import Any
 
 import msgspec
 
-from rollq.images import DEFAULT_MAX_PIXELS, MediaError, open_image
+from rollq.engine.images import DEFAULT_MAX_PIXELS, MediaError, open_image
 from rollq.workers.proxy.chat import BadRequest
 
 

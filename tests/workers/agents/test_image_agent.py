@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from rollq.engine.models import model_dir
 from rollq.engine.pool import EnginePool, PoolConfig
-from rollq.engine.tiny_model import model_dir
 from rollq.engine.tiny_vlm import load_processor
 from rollq.producer.producer import JobRequest, Producer
 from rollq.protocol import Codec

@@ -11,8 +11,8 @@ import uuid
 import pytest
 import torch
 
+from rollq.engine.models import model_dir
 from rollq.engine.pool import EnginePool, PoolConfig
-from rollq.engine.tiny_model import model_dir
 from rollq.engine.tiny_vlm import load_processor
 from rollq.producer.producer import JobRequest
 from rollq.protocol import Codec

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from rollq.engine.tiny_model import model_dir
+from rollq.engine.models import model_dir
 from rollq.engine.tiny_vlm import load_processor
 from rollq.protocol import Codec
 from rollq.protocol.messages import VisionInputs

@@ -1,6 +1,7 @@
 """Opening an image file for a model, bounded: only the formats rollq carries (protocol.media.MEDIA_TYPES), and at
 most `max_pixels` pixels, checked from the header before any pixel is decoded (a small file can declare a huge
-canvas). Shared by the workers (a job's images) and the engines (a request's image_data)."""
+canvas). Shared by the workers (a job's images) and the engines (a request's image_data); and a vision model's own
+placeholder tokens, which neither the engine nor the trainer lets it sample."""
 
 from __future__ import annotations
 
@@ -37,4 +38,12 @@ def open_image(image: ImageFile | str, max_pixels: int = DEFAULT_MAX_PIXELS) -> 
         raise MediaError(f"an image ({raw.media_type}, {len(raw)} bytes) does not decode: {exc}") from None
 
 
-__all__ = ["DEFAULT_MAX_PIXELS", "PIL_FORMATS", "MediaError", "open_image"]
+def vision_token_ids(config: Any) -> list[int]:
+    """A vision-language model's own placeholder tokens (vision start and end, image and video pads). Neither the
+    reference engine's sampling nor the trainer's logprobs include them: a generated image pad would read as a
+    picture's slot in the next forward (transformers finds the slots by id), which no picture fills."""
+    names = ("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id")
+    return sorted({int(v) for n in names if (v := getattr(config, n, None)) is not None})
+
+
+__all__ = ["DEFAULT_MAX_PIXELS", "PIL_FORMATS", "MediaError", "open_image", "vision_token_ids"]
