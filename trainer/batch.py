@@ -69,7 +69,8 @@ class Group(msgspec.Struct, kw_only=True):
                     return "its images were not read from the blob store"
                 if image_token_id is not None:
                     slots = int((ids == image_token_id).sum())
-                    filled = sum(Codec().decode(s.vision.inline, VisionInputs).mm_token_type_ids) if s.vision else 0
+                    inline = s.vision.inline if s.vision else None
+                    filled = sum(Codec().decode(inline, VisionInputs).mm_token_type_ids) if inline is not None else 0
                     if slots != filled:
                         return f"{slots} image tokens where its images fill {filled}"
         return None
