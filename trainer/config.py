@@ -42,9 +42,8 @@ def smollm2_task() -> dict[str, Any]:
 def colours_task() -> dict[str, Any]:
     """What `--model tiny-vl` trains unless told otherwise: the built-in visual task (rollq.tasks.colours: name the
     colour of a picture by its letter), with rollq's vision workflow, evaluated greedily on 20 held-out pictures."""
-    # Exploration is what the task needs: a policy that writes one letter for every picture scores the same in every
-    # sample of a group (no signal). Sampling hotter and filtering up to 2 batches of such groups per step keeps the
-    # groups that still tell the pictures apart.
+    # Exploration: a group whose samples all score alike teaches nothing; sampling hotter and filtering up to 2
+    # batches of such groups per step keeps the groups that tell the pictures apart.
     return {
         "dataset": "toy:colours",
         "workflow": "vision_rlvr",
