@@ -51,6 +51,28 @@ def test_plain_rollq_trains_the_toy_task_and_cleans_up(tmp_path):
 
 
 @pytest.mark.slow
+def test_rollq_up_trains_the_visual_task_on_pictures(tmp_path):
+    """The smoke version of the visual task's loop (CONTRIBUTING.md): `--model tiny-vl` brings toy:colours, and two
+    steps train groups whose samples carry their pictures (none dropped as invalid: the trainer took the images)."""
+    run_dir = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLQ_") or k == "ROLLQ_CACHE"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "rollq", "up", "--model", "tiny-vl", "steps=2", f"run_dir={run_dir}"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["steps"] == 2 and summary["trained_samples"] == 2 * 32 and "invalid" not in summary["dropped"]
+    assert "training toy:colours with the tiny-vl model" in proc.stderr
+    evals = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in evals] == [0, 2] and all(e["failed"] == 0 and e["samples"] == 20 for e in evals)
+
+
+@pytest.mark.slow
 def test_rollq_up_against_a_redis_that_does_not_answer_says_so(unused_redis_url, tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "rollq", "up", "--redis", unused_redis_url, f"run_dir={tmp_path / 'run'}"],
