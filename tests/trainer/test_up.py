@@ -51,6 +51,7 @@ def test_plain_rollq_trains_the_toy_task_and_cleans_up(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.scenario  # 40 s: in CI it took .ci/run from 421 to 501 s, over its 8 minutes; CI keeps the pieces
 def test_rollq_up_trains_the_visual_task_on_pictures(tmp_path):
     """The smoke version of the visual task's loop (CONTRIBUTING.md): `--model tiny-vl` brings toy:colours, and two
     steps train groups whose samples carry their pictures (none dropped as invalid: the trainer took the images)."""
