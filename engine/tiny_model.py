@@ -13,7 +13,9 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
@@ -222,20 +224,28 @@ def build_model(spec: TinySpec, vocab_size: int, eos_ids: list[int], pad_id: int
 def build_tiny(directory: str | os.PathLike[str], spec: TinySpec | None = None) -> Path:
     """Write the tiny model to `directory` (skipped when it already holds this spec's build) and return its path."""
     spec = spec or TinySpec()
-    out = Path(directory).expanduser()
-    digest = spec.digest()
-    if _is_built(out, digest):
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    # Build next to the target and rename into place, so concurrent builders never see a half-written directory.
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+
+    def write(tmp: Path) -> None:
         tok = build_tokenizer(spec)
         eos_ids = [tok.convert_tokens_to_ids(IM_END), tok.convert_tokens_to_ids(ENDOFTEXT)]
         model = build_model(spec, len(tok), eos_ids, tok.pad_token_id)
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        (tmp / SPEC_FILE).write_text(json.dumps({"digest": digest, "spec": msgspec.to_builtins(spec)}, indent=1))
+
+    return build_once(directory, spec.digest(), msgspec.to_builtins(spec), write)
+
+
+def build_once(directory: str | os.PathLike[str], digest: str, spec: Any, write: Callable[[Path], None]) -> Path:
+    """`write(tmp)` a model directory, unless `directory` already holds the build of `digest`; built next to the
+    target and renamed into place (the spec file written last), so concurrent builders never see half a build."""
+    out = Path(directory).expanduser()
+    if _is_built(out, digest):
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        write(tmp)
+        (tmp / SPEC_FILE).write_text(json.dumps({"digest": digest, "spec": spec}, indent=1))
         if out.exists():
             if _is_built(out, digest):  # another builder won the race
                 return out

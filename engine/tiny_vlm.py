@@ -18,13 +18,11 @@ import functools
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import msgspec
 
-from rollq.engine.tiny_model import CHAT_TEMPLATE, ENDOFTEXT, IM_END, SPEC_FILE, TinySpec, _is_built, build_tokenizer
+from rollq.engine.tiny_model import CHAT_TEMPLATE, ENDOFTEXT, IM_END, TinySpec, build_once, build_tokenizer
 
 BUILD_VERSION = 1  # bump when the build below changes in a way the spec does not capture
 
@@ -194,14 +192,8 @@ def build_model_vl(spec: TinyVLSpec, tok):
 def build_tiny_vl(directory: str | os.PathLike[str], spec: TinyVLSpec | None = None) -> Path:
     """Write the tiny VLM to `directory` (skipped when it already holds this spec's build) and return its path."""
     spec = spec or TinyVLSpec()
-    out = Path(directory).expanduser()
-    digest = spec.digest()
-    if _is_built(out, digest):
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    # Build next to the target and rename into place, so concurrent builders never see a half-written directory.
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+
+    def write(tmp: Path) -> None:
         tok = build_tokenizer_vl()
         model = build_model_vl(spec, tok)
         model.save_pretrained(tmp)
@@ -214,15 +206,8 @@ def build_tiny_vl(directory: str | os.PathLike[str], spec: TinyVLSpec | None = N
         # config of its own: like the published Qwen2-VL checkpoints, it falls back to preprocessor_config.json.
         processor_config = {"image_processor": image_processor.to_dict(), "processor_class": "Qwen2VLProcessor"}
         (tmp / "processor_config.json").write_text(json.dumps(processor_config, indent=2, sort_keys=True) + "\n")
-        (tmp / SPEC_FILE).write_text(json.dumps({"digest": digest, "spec": msgspec.to_builtins(spec)}, indent=1))
-        if out.exists():
-            if _is_built(out, digest):  # another builder won the race
-                return out
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+
+    return build_once(directory, spec.digest(), msgspec.to_builtins(spec), write)
 
 
 def load_processor(directory: str | os.PathLike[str]):
