@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+from collections.abc import Callable
 from typing import Any
 
 from rollq.engine.eos import model_eos_ids
@@ -45,10 +46,12 @@ class StopTextDecoder:
 
 
 class LazyTokenizer:
-    """Loads once per workflow instance (the worker builds one instance per process), off the event loop."""
+    """Loads once per workflow instance (the worker builds one instance per process), off the event loop; `loader`
+    (default load_tokenizer) may load another thing by the model's name, e.g. its processor."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, loader: Callable[[str], Any] | None = None) -> None:
         self.name = name
+        self._loader = loader or load_tokenizer
         self._tokenizer: Any = None
         self._lock: asyncio.Lock | None = None  # created inside the running loop
 
@@ -57,7 +60,7 @@ class LazyTokenizer:
             self._lock = self._lock or asyncio.Lock()
             async with self._lock:
                 if self._tokenizer is None:
-                    self._tokenizer = await asyncio.to_thread(load_tokenizer, self.name)
+                    self._tokenizer = await asyncio.to_thread(self._loader, self.name)
         return self._tokenizer
 
 

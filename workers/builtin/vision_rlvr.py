@@ -16,25 +16,8 @@ from typing import Any
 from rollq.engine.types import InferenceEngine
 from rollq.protocol.media import pil_to_image_file
 from rollq.workers.builtin.episode import GenerationConfig, TokenSequence
-from rollq.workers.chat_template import stop_token_ids
+from rollq.workers.chat_template import LazyTokenizer, stop_token_ids
 from rollq.workers.rewards.call import RewardedWorkflow
-
-
-class LazyProcessor:
-    """The model's processor, loaded once per workflow instance, off the event loop."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self._processor: Any = None
-        self._lock: asyncio.Lock | None = None  # created inside the running loop
-
-    async def get(self) -> Any:
-        if self._processor is None:
-            self._lock = self._lock or asyncio.Lock()
-            async with self._lock:
-                if self._processor is None:
-                    self._processor = await asyncio.to_thread(_load_processor, self.name)
-        return self._processor
 
 
 def _load_processor(name: str) -> Any:
@@ -54,7 +37,7 @@ class VisionRLVRWorkflow(RewardedWorkflow):
         **reward_options: Any,
     ) -> None:
         super().__init__(reward_fn, **reward_options)  # reward_mode, reward_timeout, ...: see RewardedWorkflow
-        self.processor = LazyProcessor(processor)
+        self.processor = LazyTokenizer(processor, _load_processor)  # the model's processor, loaded once
         self.generation = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature)
 
     async def arun_episode(self, engine: InferenceEngine, data: dict[str, Any]) -> dict[str, Any] | None:
