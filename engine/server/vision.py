@@ -8,12 +8,13 @@ images fill the runs in order; a count that does not match is the request's erro
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from rollq.engine.images import MediaError, open_image
 from rollq.protocol.media import ImageFile
+
+if TYPE_CHECKING:  # the server imports this module for its error; only the reference backend needs torch
+    import torch
 
 
 class ImageRequestError(ValueError):
