@@ -125,26 +125,27 @@ def micro_batches(lengths: list[int], rows: list[int], max_tokens: int) -> list[
     return out
 
 
-def grpo_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """(r - mean) / (std + eps) within the group; a group whose rewards are all equal teaches nothing (all zero)."""
+def grpo_advantages(rewards: torch.Tensor, eps: float = 1e-6, std_norm: bool = True) -> torch.Tensor:
+    """(r - mean) / (std + eps) within the group, or r - mean without `std_norm` (Dr. GRPO; verl's
+    `norm_adv_by_std_in_grpo=False`); a group whose rewards are all equal teaches nothing (all zero)."""
     if rewards.numel() < 2:
         return torch.zeros_like(rewards)
     centred = rewards - rewards.mean()
-    return centred / (rewards.std() + eps)
+    return centred / (rewards.std() + eps) if std_norm else centred
 
 
-def build_batch(groups: list[Group], pad_id: int = 0, min_version: int | None = None) -> Batch:
+def build_batch(groups: list[Group], pad_id: int = 0, min_version: int | None = None, std_norm: bool = True) -> Batch:
     """One row per sequence. A sample with several sequences (an agent's completions) shares its group's
     normalisation: the advantage is computed over every sequence of the group, and over its `context_rewards` (parts
     trained earlier). With `min_version`, generated tokens of an older policy version are left out of the loss
-    (counted in `masked_tokens`)."""
+    (counted in `masked_tokens`). `std_norm`: see grpo_advantages."""
     seqs: list[Sequence] = []
     group_ids: list[str] = []
     advantages: list[torch.Tensor] = []
     for group in groups:
         members = [s for t in group.samples for s in t.sequences]
         rewards = torch.tensor([*group.context_rewards, *(s.reward for s in members)], dtype=torch.float32)
-        advantages.append(grpo_advantages(rewards)[len(group.context_rewards) :])
+        advantages.append(grpo_advantages(rewards, std_norm=std_norm)[len(group.context_rewards) :])
         seqs += members
         group_ids += [group.job_id] * len(members)
     if not seqs:

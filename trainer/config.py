@@ -59,6 +59,7 @@ def colours_task() -> dict[str, Any]:
         "groups_per_step": 4,
         "dynamic_sampling_budget": 2.0,
         "lr": 1e-3,
+        "adv_std_norm": False,
     }
 
 
@@ -238,6 +239,15 @@ class TrainConfig(RunSettings, kw_only=True):
         int, setting("padded tokens per forward/backward (length-sorted micro-batches)", ge=1, group=OPTIM)
     ] = 4096
     grad_clip: Annotated[float, setting("gradient norm clip", gt=0, group=OPTIM)] = 1.0
+    adv_std_norm: Annotated[
+        bool,
+        setting(
+            "divide a group's advantages by its rewards' std (GRPO); off: reward minus the group's mean only (Dr. "
+            "GRPO, verl's norm_adv_by_std_in_grpo=False), so a rare penalty weighs what it costs, not as much as a "
+            "rare success",
+            group=OPTIM,
+        ),
+    ] = True
     train_vision_tower: Annotated[
         bool,
         setting(

@@ -499,12 +499,13 @@ class Trainer:
         meanwhile and would pass the bound at the next update (collect_at_risk) joins the step's optimizer step."""
         assert self.collector is not None
         collector, event_loop, pad_id = self.collector, asyncio.get_running_loop(), self.policy.pad_id
+        std_norm = self.cfg.adv_std_norm
 
         def late() -> Batch | None:
             extra = asyncio.run_coroutine_threadsafe(collector.collect_at_risk(version), event_loop).result()
             if not extra.groups and not extra.dropped:
                 return None
-            extra_batch = build_batch(extra.groups, pad_id, min_version) if extra.groups else None
+            extra_batch = build_batch(extra.groups, pad_id, min_version, std_norm) if extra.groups else None
             joined.append((extra, extra_batch))  # its drops count too
             return extra_batch
 
@@ -523,7 +524,7 @@ class Trainer:
         got = await self.collector.collect(cfg.groups_per_step, state.version)
         t1 = time.monotonic()
         min_version = state.version - cfg.max_staleness if cfg.stale_policy == "mask" else None
-        batch = build_batch(got.groups, self.policy.pad_id, min_version)
+        batch = build_batch(got.groups, self.policy.pad_id, min_version, cfg.adv_std_norm)
         joined: list[tuple[Collected, Batch | None]] = []  # join_late: what joined the step while it trained
         joiner = self._late_joiner(state.version, min_version, joined) if cfg.join_late else None
         stats = await asyncio.to_thread(self.policy.train_step, batch, joiner)

@@ -28,6 +28,20 @@ def test_grpo_advantages_are_normalised_within_the_group():
     assert torch.equal(grpo_advantages(torch.tensor([0.7])), torch.zeros(1))
 
 
+def test_without_std_norm_a_rare_penalty_weighs_what_it_costs():
+    """Dr. GRPO: one -0.25 among zeros and one 1.0 among zeros weigh alike under GRPO's std; centred only, the
+    penalty is a quarter of the success."""
+    penalty, success = torch.tensor([-0.25, 0, 0, 0]), torch.tensor([1.0, 0, 0, 0])
+    assert torch.allclose(grpo_advantages(penalty)[0], -grpo_advantages(success)[0])
+    assert torch.allclose(grpo_advantages(penalty, std_norm=False), penalty - penalty.mean())
+    assert torch.allclose(grpo_advantages(success, std_norm=False)[0], torch.tensor(0.75))
+    g = Group(
+        job_id="g", samples=[traj("g", 0, [5, 6], [0, 1], [-1, 1], 2.0), traj("g", 1, [5, 7], [0, 1], [-1, 1], 0.0)]
+    )
+    assert build_batch([g], std_norm=False).advantages.tolist() == [1.0, -1.0]
+    assert torch.equal(grpo_advantages(torch.tensor([0.7, 0.7]), std_norm=False), torch.zeros(2))
+
+
 def test_build_batch_pads_and_aligns_targets_with_their_columns():
     a = Group(
         job_id="g0",
