@@ -27,6 +27,7 @@ from rollq.protocol.keys import (
 from rollq.protocol.limits import MAX_JOB_BYTES, describe_bytes
 from rollq.protocol.messages import AgentOptions, Job, JobClass, Trajectory, class_bound, job_classes
 from rollq.redis_client import ensure_group, run_partitions
+from rollq.tracing import Span, SpanKind, Tracing, traceparent
 
 DEFAULT_SEEN_TTL_S = DEFAULT_BLOB_TTL_S
 
@@ -44,6 +45,7 @@ class JobRequest(msgspec.Struct, kw_only=True):
     job_class: str = DEFAULT_CLASS  # its job class (`rollq classes set`): stream, priority, share, admission budget
     priority: int | None = None  # its engine requests' priority (larger first); None: its class's
     lora: str = ""  # the LoRA adapter its generation names (the trainer's versioned adapter); "" = none
+    traceparent: str = ""  # W3C traceparent of the caller's span: the submit span (rollq.tracing) is its child
 
 
 class SubmitResult(msgspec.Struct, frozen=True):
@@ -104,8 +106,10 @@ class Producer:
         max_job_bytes: int = MAX_JOB_BYTES,
         partitions: int = 0,
         blob_min_bytes: int = BLOB_MIN_BYTES,
+        tracing: Tracing | None = None,
     ) -> None:
         self.redis = redis
+        self.tracing = tracing or Tracing.disabled()
         self.keys = RunKeys(run)
         self.reply_to = reply_to or self.keys.results
         if not self.keys.owns(self.reply_to):
@@ -295,6 +299,7 @@ class Producer:
             job_class=req.job_class,
             priority=req.priority,
             lora=req.lora,
+            traceparent=req.traceparent,
         )
 
     def _fits(self, req: JobRequest, classes: dict[str, JobClass], count: int) -> None:
@@ -351,7 +356,10 @@ class Producer:
         blobs: dict[str, bytes] = {}  # digest -> payload: one copy per distinct data in the call
         job_keys: list[str] = []
         job_args: list[Any] = []
-        for req, job_id in chunk:
+        spans = [self._submit_span(req, job_id) for req, job_id in chunk] if self.tracing.enabled else []
+        for k, (req, job_id) in enumerate(chunk):
+            if spans:
+                req = msgspec.structs.replace(req, traceparent=traceparent(spans[k]))
             blob = data_blob(self.codec, req.data, self.blob_min_bytes)
             if blob is not None:
                 blobs.setdefault(blob.digest, blob.payload)
@@ -367,8 +375,33 @@ class Producer:
             )
         script_keys = [inflight_key(reply_to), *job_keys]
         args: list[Any] = [self.seen_ttl_s, partition_share(self.max_inflight, count), reply_to, 1 if atomic else 0]
-        replies: list[Any] = await self._submit(keys=script_keys, args=[*args, *job_args])  # a reply pair per job
+        try:
+            replies: list[Any] = await self._submit(keys=script_keys, args=[*args, *job_args])  # a pair per job
+        except BaseException as exc:
+            for span in spans:
+                span.record_exception(exc)
+                span.end()
+            raise
+        for span, status in zip(spans, replies[0::2], strict=False):
+            span.set_attribute("rollq.admitted", int(status) == 1)  # 0: a duplicate job id, -1: no room (retried)
+            span.end()
         return replies
+
+    def _submit_span(self, req: JobRequest, job_id: str) -> Span:
+        """The root of a job's trace (or a child of the caller's): its samples' attempts are its children."""
+        return self.tracing.start(
+            "submit",
+            parent=req.traceparent or None,
+            kind=SpanKind.PRODUCER,
+            attributes={
+                "rollq.run": self.keys.run,
+                "rollq.job_id": job_id,
+                "rollq.n": req.n,
+                "rollq.workflow": req.workflow,
+                "rollq.job_class": req.job_class,
+                "rollq.is_eval": req.is_eval,
+            },
+        )
 
     async def _wait_for_room(self, req: JobRequest, partition: int, count: int) -> dict[str, JobClass]:
         """Poll until both bounds have room for `req` on its partition (the SUBMIT call that follows decides);

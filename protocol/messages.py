@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -19,6 +19,7 @@ SCHEMA_VERSION = 4  # the newest message schema this code reads
 # LoRA adapter (`lora`) says 3: a worker before it would generate with the base weights. A trajectory with images
 # (`Sequence.vision`) says 4: a trainer before it would train the text alone.
 BASE_SCHEMA = 1
+TRACEPARENT_MAX = 128  # a W3C traceparent is 55 characters; a longer one is refused, not carried
 
 # "cancelled": the sample was cancelled before it started (`Job.cancellable` jobs; it never ran). Consumers that
 # know only the first three treat it as they treat "error": not trainable.
@@ -89,6 +90,9 @@ class Job(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     # The LoRA adapter its generation names: the trainer's adapter of the policy version the group was admitted
     # under (`<run>-v<N>`, loaded on the engines before that admission); "" = the engines' own weights.
     lora: str = ""
+    # W3C traceparent of the span that submitted it (rollq.tracing): its samples' spans join that trace. Tracing
+    # only: a reader that knows no traces ignores it.
+    traceparent: Annotated[str, msgspec.Meta(max_length=TRACEPARENT_MAX)] = ""
     schema: int = BASE_SCHEMA
 
     def __post_init__(self) -> None:
@@ -215,6 +219,8 @@ class Trajectory(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     submitted_at: float = 0.0
     started_at: float = 0.0
     finished_at: float = 0.0
+    # W3C traceparent of the worker's attempt span: the trainer's train / drop span of the sample is its child.
+    traceparent: Annotated[str, msgspec.Meta(max_length=TRACEPARENT_MAX)] = ""
     schema: int = BASE_SCHEMA
 
     def __post_init__(self) -> None:

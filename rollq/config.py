@@ -118,8 +118,50 @@ class RunSettings(Settings, kw_only=True):
         ),
     ] = 0
 
+    trace_endpoint: Annotated[
+        str,
+        setting(
+            "OTLP/HTTP endpoint rollout traces go to, e.g. MLflow's http://HOST:5000/v1/traces ('' = "
+            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT, else no tracing; 'off' = none)",
+            metavar="URL",
+            shared=True,
+        ),
+    ] = ""
+    trace_headers: Annotated[
+        str,
+        setting(
+            "headers sent with traces, k=v,k2=v2 (e.g. x-mlflow-experiment-id=1; '' = OTEL_EXPORTER_OTLP_HEADERS)",
+            metavar="K=V,...",
+            shared=True,
+        ),
+    ] = ""
+    trace_sample_rate: Annotated[
+        float | None,
+        setting(
+            "share of jobs traced (0 to 1), decided at submit for the whole trace (default: OTEL_TRACES_SAMPLER, "
+            "else all)",
+            shared=True,
+        ),
+    ] = None
+    trace_service: Annotated[
+        str, setting("service name of this process's spans ('' = OTEL_SERVICE_NAME, else rollq-COMMAND)", shared=True)
+    ] = ""
+    trace_text: Annotated[
+        bool,
+        setting(
+            "record prompt and completion text (and token ids) in spans; off by default: traces leave the trust "
+            "boundary",
+            shared=True,
+        ),
+    ] = False
+    trace_text_chars: Annotated[
+        int, setting("with trace_text: each recorded text cut to this many characters", shared=True, ge=1)
+    ] = 2048
+
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.trace_sample_rate is not None and not 0 <= self.trace_sample_rate <= 1:
+            raise ValueError(f"trace_sample_rate: {self.trace_sample_rate} is not between 0 and 1")
         try:
             self.redis_url = with_tls(self.redis_url, self.redis_tls_ca, self.redis_tls_cert, self.redis_tls_key)
         except ValueError as exc:

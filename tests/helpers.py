@@ -28,9 +28,9 @@ def pid_alive(pid: int) -> bool:
 
 
 @asynccontextmanager
-async def running_worker(redis_url: str, run: str, engine=None, **config) -> AsyncIterator[Worker]:
+async def running_worker(redis_url: str, run: str, engine=None, tracing=None, **config) -> AsyncIterator[Worker]:
     config.setdefault("allow", ["tests"])  # the test suite's workflows, rewards, agents and tools
-    worker = Worker(WorkerConfig(redis_url=redis_url, run=run, **config), engine=engine)
+    worker = Worker(WorkerConfig(redis_url=redis_url, run=run, **config), engine=engine, tracing=tracing)
     task = asyncio.create_task(worker.run())
     ready = asyncio.create_task(worker.ready.wait())
     done, _ = await asyncio.wait([task, ready], timeout=10, return_when=asyncio.FIRST_COMPLETED)

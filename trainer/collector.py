@@ -34,6 +34,7 @@ import msgspec
 from rollq.producer.results import Delivered, PartitionedConsumer, ResultConsumer
 from rollq.protocol.blobs import digest_of
 from rollq.protocol.messages import ErrorRecord, Trajectory, VisionRef
+from rollq.tracing import Tracing, sample_attributes
 from rollq.trainer.batch import Group, model_tokens
 from rollq.trainer.ledger import Ride, StalenessLedger, direct
 from rollq.trainer.settled import SettledGroups, TrainedPart
@@ -105,7 +106,9 @@ class GroupCollector:
         takes_images: bool = False,
         image_token_id: int | None = None,
         read_blob: Callable[[str, str], Awaitable[bytes | None]] | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
+        self.tracing = tracing or Tracing.disabled()  # a dropped sample's `drop` span, in its trace
         self.ride: Ride = ride or direct  # every Redis call: the trainer's rides out an outage
         self.takes_images = takes_images  # the model has a vision tower: groups with images may train
         self.image_token_id = image_token_id  # its image token: in a sequence, only where its images go
@@ -239,6 +242,12 @@ class GroupCollector:
         survivors; its failed ones were counted and given back already)."""
         await self.ride(lambda: self.consumer.commit(items), "acking a dropped group")
         samples = held.samples if held is not None else [d.trajectory for d in items]
+        if self.tracing.enabled:
+            for t in samples:
+                if t.traceparent:
+                    self.tracing.start(
+                        "drop", parent=t.traceparent, attributes={"rollq.reason": reason, **sample_attributes(t)}
+                    ).end()
         dropped[reason] += len(samples)
         self.dropped_tokens += sum(model_tokens(t) for t in samples)
         if reason != "foreign":

@@ -40,6 +40,7 @@ from rollq.producer.producer import Producer
 from rollq.producer.results import Delivered, PartitionedConsumer, ResultConsumer
 from rollq.protocol.keys import RunKeys, partition_of
 from rollq.redis_client import ClusterView, ReplicaWait, ride_out
+from rollq.tracing import Tracing, sample_attributes
 from rollq.trainer import checkpoint
 from rollq.trainer.batch import Batch, Group, build_batch, trained_versions
 from rollq.trainer.checkpoint import TrainerState
@@ -118,7 +119,9 @@ class Trainer:
         )
         # A failover the cluster client followed by itself (no call failed) calls for the same recovery (_recover).
         self.cluster_view = ClusterView(redis, [self.ledger.keys.ledger])
-        self.producer = Producer(redis, config.run, partitions=config.partitions)
+        # Spans: each prompt's submit, each sample's train or drop (rollq/tracing.py); shut down as the run ends.
+        self.tracing = Tracing.from_settings(config, "trainer")
+        self.producer = Producer(redis, config.run, partitions=config.partitions, tracing=self.tracing)
         # One stream per partition on a partitioned run: replaced once the run's partition count is known (_run).
         self.consumer: ResultConsumer | PartitionedConsumer = ResultConsumer(
             redis, self.producer.reply_to, group=CONSUMER_GROUP, name=CONSUMER_NAME
@@ -365,6 +368,28 @@ class Trainer:
         keys = RunKeys(self.cfg.run).at(partition_of(job_id, await self.producer.partitions()))
         return await self.redis.get(keys.blob(digest))
 
+    def _trace_trained(self, groups: list[Group], step: int, version: int, started_ns: int) -> None:
+        """Each trained sample's `train` span, in its trace (a child of the worker's attempt): the step's training
+        time, the step, the policy version trained and how far behind it the sample's tokens were."""
+        ended = time.time_ns()
+        for group in groups:
+            for t in group.samples:
+                if not t.traceparent:
+                    continue
+                produced = [int(v) for s in t.sequences for v in s.versions if v >= 0]
+                span = self.tracing.start(
+                    "train",
+                    parent=t.traceparent,
+                    attributes={
+                        **sample_attributes(t),
+                        "rollq.step": step,
+                        "rollq.version": version,
+                        "rollq.staleness": version - min(produced) if produced else 0,
+                    },
+                    start_time=started_ns,
+                )
+                span.end(end_time=ended)
+
     async def _run(self) -> list[StepRecord]:
         cfg = self.cfg
         if cfg.join_late and not self.policy.fused_prox:
@@ -425,6 +450,7 @@ class Trainer:
             takes_images=bool(getattr(self.policy, "takes_images", False)),  # a policy of the seam may have none
             image_token_id=getattr(self.policy, "image_token_id", None),
             read_blob=self._read_blob,
+            tracing=self.tracing,
         )
         self.collector.skip = set(self.state.unacked_groups)
         self.collector.settled = self.state.settled
@@ -474,6 +500,7 @@ class Trainer:
                 _, late = await asyncio.wait(list(self._unloads), timeout=UNLOAD_WAIT_S)
                 for unload in late:
                     unload.cancel()
+            await asyncio.to_thread(self.tracing.shutdown)  # exports the spans still buffered
         records = self.metrics.read()
         await self._plot(records)
         return records
@@ -527,6 +554,7 @@ class Trainer:
         batch = build_batch(got.groups, self.policy.pad_id, min_version, cfg.adv_std_norm)
         joined: list[tuple[Collected, Batch | None]] = []  # join_late: what joined the step while it trained
         joiner = self._late_joiner(state.version, min_version, joined) if cfg.join_late else None
+        train_started_ns = time.time_ns()
         stats = await asyncio.to_thread(self.policy.train_step, batch, joiner)
         late_samples, batches = 0, [batch]
         for extra, extra_batch in joined:
@@ -612,6 +640,8 @@ class Trainer:
             ),
             cfg.steps,
         )
+        if self.tracing.enabled:
+            self._trace_trained(got.groups, state.step, state.version - 1, train_started_ns)
         if cfg.trained_log:  # the policy version trained is the one before this step's update
             self._log_trained(state.step, state.version - 1, got.groups, min_version)
         if state.step % cfg.checkpoint_every == 0 or state.step == cfg.steps:

@@ -27,8 +27,10 @@ import httpx
 import msgspec
 from httpx_aiohttp import HttpxAiohttpClient
 
+import rollq.tracing as tracing
 from rollq.config import DEFAULT_REDIS_URL
 from rollq.engine.types import InferenceEngine, ModelRequest, ModelResponse, ProgressCallback, as_model_request
+from rollq.tracing import SpanKind
 from rollq.workers.proxy.server import ProxyConfig, RecordingProxy
 from rollq.workers.rewards.processes import shared_pools
 from rollq.workers.stats import StatsTracker, WorkflowStats
@@ -118,6 +120,8 @@ class RecordingEngine:
     """Wraps the engine handed to workflows: every response is also kept for the episode that asked for it, and
     a request that sets no `priority` gets its episode's job class priority."""
 
+    traces_calls = True  # each call's engine.generate span (rollq/tracing.py) is made here
+
     def __init__(self, inner: InferenceEngine) -> None:
         self.inner = inner
 
@@ -134,10 +138,13 @@ class RecordingEngine:
         if episode is not None and episode.lora and not req.lora_path:
             req = copy.copy(req)
             req.lora_path = episode.lora
-        if on_tokens is None:
-            resp = await self.inner.agenerate(req)
+        traced = tracing.active()
+        if traced is None:
+            resp = await (self.inner.agenerate(req) if on_tokens is None else self.inner.agenerate(req, on_tokens))
         else:
-            resp = await self.inner.agenerate(req, on_tokens)
+            with traced.span("engine.generate", kind=SpanKind.CLIENT) as span:
+                resp = await (self.inner.agenerate(req) if on_tokens is None else self.inner.agenerate(req, on_tokens))
+                tracing.record_generation(traced, span, req, resp)
         recording = _RECORDING.get()
         if recording is not None and recording.open:
             recording.responses.append(resp)

@@ -25,6 +25,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 from redis.typing import StreamIdT
 
+import rollq.tracing as tracing
 from rollq.engine.types import InferenceEngine
 from rollq.protocol import scripts
 from rollq.protocol.codec import Codec, CodecError
@@ -50,6 +51,7 @@ from rollq.redis_client import (
     redis_client,
     run_partitions,
 )
+from rollq.tracing import INVALID_SPAN, Span, SpanKind, Tracing, traceparent
 from rollq.workers.batcher import WriteBatcher
 from rollq.workers.blobs import BlobError, BlobReader
 from rollq.workers.config import WorkerConfig
@@ -148,8 +150,12 @@ class Worker:
         engine: InferenceEngine | None = None,
         redis: aioredis.Redis | None = None,
         share: RunShare | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self.cfg = config
+        # Spans of each sample's attempts (rollq/tracing.py): the given one is its caller's to shut down.
+        self.tracing = tracing if tracing is not None else Tracing.from_settings(config, "worker")
+        self._owns_tracing = tracing is None
         self.keys = RunKeys(config.run)
         self.name = config.name or default_worker_name()
         self.redis = redis or redis_client(config.redis_url)
@@ -241,7 +247,7 @@ class Worker:
         log.info("worker %s serving run %r (concurrency %d)", self.name, self.cfg.run, self.cfg.concurrency)
         try:
             # Job tasks started below inherit both: workflow_context() finds the context, resolve() the allowlist.
-            with enforcing(self.allowlist):
+            with enforcing(self.allowlist), self.tracing.installed():
                 async with self.context:
                     try:
                         await self._consume_loop()
@@ -253,6 +259,8 @@ class Worker:
                 task.cancel()
             await asyncio.gather(*background, return_exceptions=True)
             await self._deregister()
+            if self._owns_tracing:
+                await asyncio.to_thread(self.tracing.shutdown)  # exports what is buffered
         log.info("worker %s stopped: %s", self.name, msgspec.json.encode(self.stats).decode())
         return self.stats
 
@@ -610,8 +618,11 @@ class Worker:
         jobs = stream or self.keys.jobs  # the entry's own (class's) stream: acks, retries and dead letters go there
         keys = self._keys_of.get(jobs, self.keys)  # its partition's keys: everything one step writes is in its slot
         job: Job | None = None
+        attempt: Span = INVALID_SPAN  # this run's span (tracing on): a child of the job's submit
         try:
             job = self._decode(eid, payload, fields, keys)
+            if self.tracing.enabled:
+                attempt = self._attempt_span(job, eid, deliveries)
             reply_to = job.reply_to or keys.results
             if job.cancellable:  # mark the sample started, unless its job was cancelled (then it is acked, not run)
                 skipped = Trajectory(
@@ -666,7 +677,12 @@ class Worker:
                     priority=job_class.priority if job.priority is None else job.priority,
                     lora=job.lora,
                 )
-                with enforcing(allowlist), episode_scope(episode) as responses:  # workflow_context.get() in it
+                with (
+                    enforcing(allowlist),
+                    episode_scope(episode) as responses,  # workflow_context.get() in it
+                    self.tracing.within(attempt),
+                    self.tracing.span("episode", attributes={"rollq.workflow": job.workflow}),
+                ):
                     output = await workflow.arun_episode(self._episode_engine, data)
                 sequences = to_sequences(output, responses)
             except asyncio.CancelledError:
@@ -684,6 +700,7 @@ class Worker:
                         error.message,
                     )
                     retry = msgspec.structs.replace(job, attempt=runs)
+                    tracing.error(attempt, error.type, f"retried: {error.message}")
                     await self._writes.script(self._requeue, [jobs], [WORKER_GROUP, eid, self.codec.encode(retry)])
                     self.stats.requeued += 1
                     self._observe(job, "failed", started)
@@ -703,7 +720,11 @@ class Worker:
                 submitted_at=job.submitted_at,
                 started_at=started,
                 finished_at=time.time(),
+                traceparent=traceparent(attempt) if attempt.is_recording() else "",
             )
+            if attempt.is_recording():
+                attempt.set_attribute("rollq.outcome", traj.status)
+                attempt.set_attribute("rollq.reward", [s.reward for s in traj.sequences])
             encoded = self.codec.encode(traj)
             if len(encoded) > self.cfg.max_trajectory_bytes:
                 raise _Fatal(
@@ -727,10 +748,33 @@ class Worker:
                     self.stats.completed += 1
                 self._observe(job, "rejected" if sequences is None else "ok", started, sequences)
         except _Fatal as fatal:
+            if not attempt.is_recording() and self.tracing.enabled and (job or fatal.job) is not None:
+                attempt = self._attempt_span(job or fatal.job, eid, deliveries)  # type: ignore[arg-type]
+            tracing.error(attempt, fatal.error.type, fatal.error.message)
+            attempt.set_attribute("rollq.outcome", "dead_lettered")
             await self._dead_letter(
                 eid, payload, job or fatal.job, fatal.error, deliveries, started, decoded=job is not None, stream=jobs
             )
             self._observe(job, "dead_lettered", started)
+        finally:
+            attempt.end()
+
+    def _attempt_span(self, job: Job, eid: str, deliveries: int) -> Span:
+        """A run of one sample on this worker, in the trace of the job's submit (a new trace when it has none)."""
+        return self.tracing.start(
+            "attempt",
+            parent=job.traceparent or None,
+            kind=SpanKind.CONSUMER,
+            attributes={
+                "rollq.job_id": job.job_id,
+                "rollq.sample_index": job.sample_index,
+                "rollq.sample_id": f"{job.job_id}#{job.sample_index}",
+                "rollq.attempt": job.attempt + deliveries,
+                "rollq.worker": self.name,
+                "rollq.workflow": job.workflow,
+                "rollq.entry_id": eid,
+            },
+        )
 
     async def _store_vision(self, sequences: list[Sequence], keys: RunKeys) -> None:
         """Moves the sequences' large VisionInputs to the run's blob store (content-addressed: a rerun after a crash

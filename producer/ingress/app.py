@@ -34,6 +34,7 @@ import msgspec
 import redis.asyncio as aioredis
 from aiohttp import web
 
+import rollq.tracing as tracing
 from rollq.config import ConfigError
 from rollq.http_server import BAD_JSON, read_body
 from rollq.producer.ingress.config import IngressConfig
@@ -61,6 +62,7 @@ from rollq.protocol.codec import Codec, CodecError
 from rollq.protocol.keys import DEFAULT_CLASS, PAYLOAD_FIELD, WORKER_GROUP, RunKeys, partition_of, partition_share
 from rollq.protocol.messages import Job, JobClass, Trajectory, class_bound, job_classes
 from rollq.redis_client import TRANSIENT_ERRORS, ensure_group, redis_client, run_partitions
+from rollq.tracing import INVALID_SPAN, TRACEPARENT, Span, SpanKind, Tracing, traceparent
 
 log = logging.getLogger("rollq.ingress")
 
@@ -198,6 +200,7 @@ class _Prepared(msgspec.Struct):
     job: Job
     first: bytes  # the sample-0 entry's payload
     blob: DataBlob | None
+    span: Span = INVALID_SPAN  # its submit span (tracing on), ended once it is admitted or refused
 
 
 class Ingress:
@@ -212,6 +215,8 @@ class Ingress:
         self.redis = redis or redis_client(cfg.redis_url)
         self.stats = IngressStats()
         self.codec = Codec()
+        # Each job's submit span, a child of the request's `traceparent` header when it has one (rollq/tracing.py).
+        self.tracing = Tracing.from_settings(cfg, "ingress")
         self._submit = self.redis.register_script(scripts.INGRESS_SUBMIT)
         self._cancel = self.redis.register_script(scripts.CANCEL_JOB)
         self._groups: set[str] = set()
@@ -241,6 +246,7 @@ class Ingress:
             await reader.close()
         if self._own_redis:
             await self.redis.aclose()
+        await asyncio.to_thread(self.tracing.shutdown)  # exports the submits still buffered
 
     @web.middleware
     async def _middleware(
@@ -375,14 +381,20 @@ class Ingress:
                         f"(it has {', '.join(sorted(classes))})",
                         f"{at}.job_class",
                     )
-        admitted = await self._admit(tenant, specs, patterns, where)
+        admitted = await self._admit(tenant, specs, patterns, where, request.headers.get(TRACEPARENT, ""))
         return _json(SubmitResponse(admitted), 202)
 
     async def _classes(self) -> dict[str, JobClass]:
         return job_classes(await self.redis.hgetall(self.keys.classes))  # type: ignore[misc]  # stub: sync|async
 
     def _prepare(
-        self, tenant: str, specs: list[JobSpec], where: str, patterns: list[str] | None, partitions: int
+        self,
+        tenant: str,
+        specs: list[JobSpec],
+        where: str,
+        patterns: list[str] | None,
+        partitions: int,
+        parent: str = "",
     ) -> list[_Prepared]:
         """Each job's sample-0 entry and its data's blob, refusing (413) a request whose jobs would take more than
         max_request_bytes in Redis before anything more is encoded: n entries per job, each distinct data once."""
@@ -394,6 +406,21 @@ class Ingress:
             client_id = spec.job_id or uuid.uuid4().hex
             job_id = self.internal_id(tenant, client_id)
             partition = partition_of(job_id, partitions)
+            span: Span = INVALID_SPAN
+            if self.tracing.enabled:
+                span = self.tracing.start(
+                    "submit",
+                    parent=parent or None,
+                    kind=SpanKind.SERVER,
+                    attributes={
+                        "rollq.run": self.cfg.run,
+                        "rollq.job_id": job_id,
+                        "rollq.client_job_id": client_id,
+                        "rollq.tenant": tenant,
+                        "rollq.n": spec.n,
+                        "rollq.workflow": spec.workflow,
+                    },
+                )
             job = Job(
                 job_id=job_id,
                 workflow=spec.workflow,
@@ -408,6 +435,7 @@ class Ingress:
                 job_class=spec.job_class or DEFAULT_CLASS,
                 tenant=tenant,
                 allow=patterns,
+                traceparent=traceparent(span) if span.is_recording() else "",
             )
             try:
                 first = self.codec.encode(job)
@@ -435,15 +463,28 @@ class Ingress:
                     f"{self.cfg.max_request_bytes:,}: fewer samples or jobs per request",
                     where.format(i),
                 )
-            out.append(_Prepared(spec, client_id, partition, job, first, blob))
+            out.append(_Prepared(spec, client_id, partition, job, first, blob, span))
         return out
 
-    async def _admit(self, tenant: str, specs: list[JobSpec], patterns: list[str] | None, where: str) -> list[Admitted]:
+    async def _admit(
+        self, tenant: str, specs: list[JobSpec], patterns: list[str] | None, where: str, parent: str = ""
+    ) -> list[Admitted]:
         """One INGRESS_SUBMIT per partition the batch's jobs live on (one, unless the run is partitioned), all or
         nothing on each. Should a later partition refuse after an earlier one admitted (its bound filled meanwhile),
         the 429 names the jobs admitted: resubmitting the batch with the same job ids is safe (duplicates)."""
         count = await self.partitions()
-        prepared = self._prepare(tenant, specs, where, patterns, count)
+        prepared = self._prepare(tenant, specs, where, patterns, count, parent)
+        try:
+            return await self._admit_prepared(prepared, count, tenant)
+        except BaseException as exc:
+            for job in prepared:
+                tracing.error(job.span, type(exc).__name__, str(exc))
+            raise
+        finally:
+            for job in prepared:
+                job.span.end()
+
+    async def _admit_prepared(self, prepared: list[_Prepared], count: int, tenant: str) -> list[Admitted]:
         classes = await self._classes()
         by_partition: dict[int, list[int]] = {}
         for k, job in enumerate(prepared):
@@ -460,6 +501,7 @@ class Ingress:
             fresh.update(zip(indices, flags, strict=True))
         out = []
         for k, job in enumerate(prepared):
+            job.span.set_attribute("rollq.admitted", fresh[k])
             out.append(Admitted(job.client_id, fresh[k], job.spec.n))
             if fresh[k]:
                 self.stats.jobs_admitted += 1

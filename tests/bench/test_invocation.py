@@ -29,6 +29,7 @@ BENCHMARKS = [
     "trainer",
     "lora",
     "images",
+    "tracing",
     "report",
 ]
 

@@ -13,6 +13,7 @@ import inspect
 import json
 from typing import Any
 
+import rollq.tracing as tracing
 from rollq.engine.types import InferenceEngine
 from rollq.protocol.messages import AgentOptions
 from rollq.workers.agents.command import is_command
@@ -48,6 +49,8 @@ class AgentWorkflow:
         episode = workflow_context.get()  # the proxy's requests run outside the episode: the session carries it
         session.priority = episode.priority
         session.lora = episode.lora or None
+        session.tracing = tracing.active()  # its completions' spans: children of this episode's
+        session.traceparent = tracing.traceparent() if session.tracing is not None else ""
         urls = {"base_url": proxy.base_url, "anthropic_base_url": proxy.root_url}
         try:
             if opts.mode == "inline":
@@ -59,7 +62,10 @@ class AgentWorkflow:
         records = session.ordered()
         if result is None:  # the agent rejected the sample (as arun_episode returning None does)
             return None
-        assign_rewards(records, result)
+        with tracing.span("reward", attributes={"rollq.completions": len(records)}) as span:
+            assign_rewards(records, result)
+            if isinstance(result, int | float):
+                span.set_attribute("rollq.reward", float(result))
         return export(records, opts.export_style, opts.turn_discount)
 
     async def _run_inline(self, ctx: Any, data: Any, urls: dict[str, str], key: str) -> Any:

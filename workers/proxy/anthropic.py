@@ -13,7 +13,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from rollq.workers.proxy.chat import BadRequest, ChoiceOut, GenerationParams, integer, number, stop_list
+from rollq.workers.proxy.chat import BadRequest, ChoiceOut, GenerationParams, integer, model_name, number, stop_list
 
 
 def _blocks(content: Any, where: str) -> list[dict[str, Any]]:
@@ -117,6 +117,7 @@ def generation_params(body: dict[str, Any]) -> GenerationParams:
     if not isinstance(stream, bool):
         raise BadRequest("'stream' must be a boolean", "stream")
     return GenerationParams(
+        model=model_name(body),
         max_new_tokens=max_tokens,
         temperature=number(body, "temperature", 1.0, 0.0, 1.0),
         top_p=number(body, "top_p", 1.0, 0.0, 1.0),

@@ -29,6 +29,12 @@ class BadRequest(Exception):
         self.param = param
 
 
+def model_name(body: dict[str, Any]) -> str:
+    """The request's `model`, as a client named it (cut to 200 characters; "" when it is no string)."""
+    model = body.get("model")
+    return model[:200] if isinstance(model, str) else ""
+
+
 class GenerationParams(msgspec.Struct, kw_only=True):
     """What one chat / completions / messages request asks the engine for."""
 
@@ -43,6 +49,7 @@ class GenerationParams(msgspec.Struct, kw_only=True):
     logprobs: bool = False
     stream: bool = False
     include_usage: bool = False
+    model: str = ""  # what the client named (the proxy serves the policy whatever it is): for traces only
 
 
 class ParsedReply(msgspec.Struct, kw_only=True):
@@ -115,6 +122,7 @@ def generation_params(
     if not isinstance(options, dict):
         raise BadRequest("'stream_options' must be an object", "stream_options")
     return GenerationParams(
+        model=model_name(body),
         max_new_tokens=max_tokens or default_max_tokens,
         n=integer(body, "n", 1, 1, 16),
         temperature=number(body, "temperature", 1.0, 0.0, 2.0),

@@ -26,6 +26,7 @@ from rollq.workers.proxy.chat import (
     ChoiceOut,
     GenerationParams,
     integer,
+    model_name,
     normalize_message,
     number,
     token_logprobs,
@@ -95,6 +96,7 @@ def parse_request(body: dict[str, Any], default_max_tokens: int) -> ResponsesReq
     tools = normalize_tools(body.get("tools"))
     choice = tool_choice(body.get("tool_choice"))
     params = GenerationParams(
+        model=model_name(body),
         max_new_tokens=integer(body, "max_output_tokens", None, 1) or default_max_tokens,
         temperature=number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=number(body, "top_p", 1.0, 0.0, 1.0),

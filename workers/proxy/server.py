@@ -22,8 +22,9 @@ from aiohttp import web
 
 from rollq.engine.client import EngineError
 from rollq.engine.images import DEFAULT_MAX_PIXELS
-from rollq.engine.types import InferenceEngine, ModelRequest, SamplingParams
+from rollq.engine.types import InferenceEngine, ModelRequest, ModelResponse, SamplingParams
 from rollq.http_server import BAD_JSON, read_body, start_site
+from rollq.tracing import INVALID_SPAN, NO_SPAN, Span, SpanKind, Tracing, record_generation
 from rollq.workers.chat_template import stop_token_ids
 from rollq.workers.proxy import anthropic, responses
 from rollq.workers.proxy.chat import (
@@ -216,23 +217,78 @@ class RecordingProxy:
         engine = self.engine
         if engine is None:  # a proxy started before any worker gave it an engine (see WorkerContext.proxy)
             raise RuntimeError("the recording proxy has no inference engine")
-        # Every turn and choice of an episode goes to one engine while it is healthy: its prefix cache holds them.
-        responses = await asyncio.gather(
-            *(
-                engine.agenerate(
-                    ModelRequest(
-                        input_ids=prompt.ids,
-                        sampling=sampling,
-                        affinity=session.key,
-                        priority=session.priority,
-                        lora_path=session.lora,
-                        image_data=list(prompt.vision.images) if prompt.vision is not None else None,
-                    ),
-                    on_tokens=on_tokens[i] if on_tokens else None,
-                )
-                for i in range(params.n)
-            )
+        request = ModelRequest(
+            input_ids=prompt.ids,
+            sampling=sampling,
+            affinity=session.key,  # every turn and choice of an episode to one engine: its prefix cache holds them
+            priority=session.priority,
+            lora_path=session.lora,
+            image_data=list(prompt.vision.images) if prompt.vision is not None else None,
         )
+        traced = session.tracing if session.tracing is not None and session.tracing.enabled else None
+        span: Span = INVALID_SPAN
+        if traced is not None:  # the episode's child: the handler runs outside the episode's task
+            span = traced.start("proxy.completion", parent=session.traceparent, kind=SpanKind.SERVER)
+        try:
+            with traced.within(span) if traced is not None else NO_SPAN:
+                responses = await asyncio.gather(
+                    *(
+                        self._one_generation(traced, engine, request, on_tokens[i] if on_tokens else None)
+                        for i in range(params.n)
+                    )
+                )
+            choices = self._choices(session, prompt, params, responses, rid, parse_tools, want_pieces)
+            if traced is not None and span.is_recording():
+                span.set_attributes(
+                    {
+                        "rollq.model": params.model,
+                        "rollq.rid": rid,
+                        "rollq.choices": params.n,
+                        "rollq.prompt_tokens": len(prompt.ids),
+                        "rollq.completion_tokens": sum(len(r.output_tokens) for r in responses),
+                        "rollq.images": len(prompt.vision.images) if prompt.vision is not None else 0,
+                        "rollq.finish_reasons": [c.reply.finish_reason for c in choices],
+                        "rollq.tool_calls": [
+                            str(call.get("function", {}).get("name", ""))
+                            for c in choices
+                            for call in c.reply.tool_calls
+                        ],
+                    }
+                )
+                traced.set_text(span, "rollq.messages", msgspec.json.encode(prompt.messages).decode())
+                traced.set_text(span, "rollq.completion", [c.raw_text for c in choices])
+        except BaseException as exc:
+            span.record_exception(exc)
+            raise
+        finally:
+            span.end()
+        return choices
+
+    @staticmethod
+    async def _one_generation(
+        traced: Tracing | None, engine: InferenceEngine, request: ModelRequest, on_tokens: Any
+    ) -> ModelResponse:
+        if traced is None:
+            return await engine.agenerate(request, on_tokens=on_tokens)
+        if getattr(engine, "traces_calls", False):  # the worker's episode engine makes the call's span itself
+            with traced.installed():
+                return await engine.agenerate(request, on_tokens=on_tokens)
+        with traced.span("engine.generate", kind=SpanKind.CLIENT) as span:
+            resp = await engine.agenerate(request, on_tokens=on_tokens)
+            record_generation(traced, span, request, resp)
+            return resp
+
+    def _choices(
+        self,
+        session: Session,
+        prompt: _Prompt,
+        params: GenerationParams,
+        responses: list[ModelResponse],
+        rid: str,
+        parse_tools: bool,
+        want_pieces: bool,
+    ) -> list[ChoiceOut]:
+        """The engine's responses as the client's choices, each recorded in the session."""
         order = session.next_order()
         choices = []
         for index, resp in enumerate(responses):

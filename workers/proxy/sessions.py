@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from rollq.workers.proxy.vision import PromptVision
+
+if TYPE_CHECKING:
+    from rollq.tracing import Tracing
 
 
 class CompletionRecord(msgspec.Struct, kw_only=True):
@@ -58,6 +61,9 @@ class Session:
         self.defaults = defaults or {}  # per-episode request defaults (max_tokens)
         self.priority: int | None = None  # the episode's job class priority, given to its engine requests
         self.lora: str | None = None  # the episode's LoRA adapter (Job.lora), named by its engine requests
+        # The episode's span (rollq/tracing.py), when traced: the proxy's completions are its children.
+        self.tracing: Tracing | None = None
+        self.traceparent = ""
         self.records: dict[str, CompletionRecord] = {}
         # Responses API: each response's conversation without its instructions (for previous_response_id).
         self.response_inputs: dict[str, list[Any]] = {}

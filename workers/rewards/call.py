@@ -19,6 +19,7 @@ from typing import Any, overload
 
 import msgspec
 
+import rollq.tracing as tracing
 from rollq.config import DEFAULT_RUN, ENV_PREFIX
 from rollq.redis_client import redis_url_from_env
 from rollq.workers.context import workflow_context
@@ -155,10 +156,22 @@ class RewardCaller:
     async def __call__(
         self, prompt_text: str, completion_text: str, input_ids: list[int], output_ids: list[int], data: dict[str, Any]
     ) -> float:
+        if tracing.active() is None:
+            return await self._call(prompt_text, completion_text, input_ids, output_ids, data)
+        with tracing.span("reward", attributes={"rollq.reward_mode": self.config.mode}) as span:
+            value = await self._call(prompt_text, completion_text, input_ids, output_ids, data)
+            if isinstance(value, int | float):
+                span.set_attribute("rollq.reward", float(value))
+            return value
+
+    async def _call(
+        self, prompt_text: str, completion_text: str, input_ids: list[int], output_ids: list[int], data: dict[str, Any]
+    ) -> float:
         if self._runner is None:
             assert self.fn is not None  # inline mode: __init__ resolved it (a bad path raised there)
             return await call_reward(self.fn, prompt_text, completion_text, input_ids, output_ids, data)
-        return await self._runner(
+        runner = self._runner.untraced if isinstance(self._runner, AsyncRewardWrapper) else self._runner
+        return await runner(
             prompt_text, completion_text, list(input_ids), list(output_ids), **reward_kwargs(self.fn, data)
         )
 

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import msgspec
 
+import rollq.tracing as tracing
 from rollq.workers.rewards.values import as_reward
 
 if TYPE_CHECKING:
@@ -175,6 +176,16 @@ class AsyncRewardWrapper:
         return self._pool.pids
 
     async def __call__(self, *args: Any, **kwargs: Any) -> float:
+        if tracing.active() is None:
+            return await self.untraced(*args, **kwargs)
+        with tracing.span("reward", attributes={"rollq.reward_mode": "process"}) as span:
+            value = await self.untraced(*args, **kwargs)
+            if isinstance(value, int | float):
+                span.set_attribute("rollq.reward", float(value))
+            return value
+
+    async def untraced(self, *args: Any, **kwargs: Any) -> float:
+        """The call without its `reward` span (a caller that makes its own)."""
         for attempt in range(self.max_retries + 1):
             try:
                 return await self._pool(*args, **kwargs)

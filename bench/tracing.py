@@ -1,0 +1,254 @@
+"""What rollout tracing costs: rollout throughput with tracing off, and on (every trace sampled, exported over OTLP/HTTP
+to a loopback receiver), each against the same rollouts on a build with no tracing at all, in the same run (JSON
+summary last).
+
+The rollouts: a `rollq worker` subprocess (concurrency C) running rollq's `rlvr` workflow (the engine call and the
+reward, each a span when traced) against a synthetic engine subprocess generating `--tokens` tokens per sample at
+`--token-latency` seconds a step, fed by a Producer and read by a consumer in this process (the submit span when
+traced); a measure is `--samples` samples from the first submit to the last commit. The three builds, interleaved
+round by round (`--rounds`, the median reported):
+
+- none: the worker from the commit before tracing was added (`--baseline-ref`, default: the parent of the commit
+  that added rollq/tracing.py), installed into a directory of its own and put first on the worker's PYTHONPATH;
+- off: this build, no endpoint (the default);
+- on: this build, `trace_endpoint` the receiver (`python -m rollq.trace_sink --count-only`, a subprocess), sample
+  rate 1.0; the receiver's count of spans is checked against what the samples make.
+
+The worker's CPU per sample (from /proc) is reported for each: what tracing costs where rollouts are CPU-bound.
+
+  python -m bench.tracing [--samples N] [--rounds R] [--concurrency C] [--token-latency S] [--tokens N]
+"""
+
+from __future__ import annotations
+
+if __name__ == "__main__" and not __package__:
+    import script_path  # noqa: F401  (run as `python bench/tracing.py`: the repository root on sys.path)
+
+import argparse
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench.common import REPO, BenchError, bench_env, delete_matching, print_summary, proc_cpu_s, run_bench, start_redis
+from bench.results import add_results_arg, write_results
+from rollq.local import Processes, free_port
+from rollq.producer.producer import JobRequest, Producer
+from rollq.protocol.keys import RunKeys
+from rollq.redis_client import redis_client
+from rollq.tracing import Tracing
+
+BUILDS = ("none", "off", "on")
+SPANS_PER_SAMPLE = 5  # submit, attempt, episode, engine.generate, reward
+
+
+def baseline_ref() -> str:
+    """The parent of the commit that added rollq/tracing.py."""
+    added = subprocess.run(
+        ["git", "log", "--diff-filter=A", "--format=%H", "--", "rollq/tracing.py"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    if not added:
+        raise BenchError("rollq/tracing.py is not committed yet: pass --baseline-ref")
+    return f"{added[-1]}^"
+
+
+def build_baseline(ref: str, tmp: Path) -> Path:
+    """`ref`'s rollq installed into tmp/site (a git worktree of it, built with uv pip --target, no dependencies)."""
+    tree, site = tmp / "baseline-tree", tmp / "baseline-site"
+    subprocess.run(
+        ["git", "worktree", "add", "--detach", "-f", str(tree), ref], cwd=REPO, check=True, capture_output=True
+    )
+    try:
+        uv = Path(sys.executable).parent / "uv"
+        installer = (
+            [str(uv), "pip", "install", "-p", sys.executable]
+            if uv.exists()
+            else [sys.executable, "-m", "pip", "install"]
+        )
+        subprocess.run(
+            [*installer, "-q", "--no-deps", "--target", str(site), str(tree)], check=True, capture_output=True
+        )
+    finally:
+        subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=REPO, capture_output=True)
+    return site
+
+
+async def healthy(url: str) -> bool:
+    try:
+        async with httpx.AsyncClient(timeout=1) as client:
+            return (await client.get(f"{url}/health")).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+async def sink_count(url: str) -> int:
+    async with httpx.AsyncClient(timeout=5) as client:
+        return int((await client.get(f"{url}/count")).json()["spans"])
+
+
+async def measure(
+    procs: Processes, redis_url: str, engine: str, build: str, env: dict[str, str], args: argparse.Namespace
+) -> dict[str, Any]:
+    run = f"tr-{build}-{uuid.uuid4().hex[:8]}"
+    redis = redis_client(redis_url)
+    argv = [sys.executable, "-m", "rollq", "worker", "--redis", redis_url, "--run", run, "--engine", engine]
+    worker = procs.start(
+        f"worker-{build}", [*argv, "--concurrency", str(args.concurrency), "--log-level", "WARNING"], env=env
+    )
+    tracing = Tracing.disabled()
+    try:
+        await procs.wait_until(lambda: redis.zcard(RunKeys(run).workers), 60, "worker to register", watch=worker)
+        if build == "on":  # the submit spans too, as a traced trainer makes them
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+            tracing = Tracing.exporting(OTLPSpanExporter(endpoint=env["ROLLQ_TRACE_ENDPOINT"]), service="bench")
+        producer = Producer(redis, run, tracing=tracing)
+        consumer = producer.consumer(group="bench", name="bench")
+        await consumer.setup()
+        kwargs = {"reward_fn": "rollq.tasks.digits:digits_reward", "max_new_tokens": args.tokens, "tokenizer": "tiny"}
+        requests = [
+            JobRequest(
+                workflow="rlvr", data={"prompt": "Write a number using digits only.", "id": i}, workflow_kwargs=kwargs
+            )
+            for i in range(args.samples)
+        ]
+        cpu0, t0 = proc_cpu_s(worker.pid), time.perf_counter()
+        submit = asyncio.create_task(producer.submit_many(requests))
+        got = bad = 0
+        deadline = time.monotonic() + args.timeout
+        while got < args.samples:
+            if time.monotonic() > deadline:
+                raise BenchError(f"{build}: {got} of {args.samples} samples in {args.timeout:g} s")
+            procs.check(worker)
+            batch = await consumer.read(count=512, block_ms=1000)
+            got += len(batch)
+            bad += sum(d.trajectory.status != "ok" for d in batch)
+            await consumer.commit(batch)
+        elapsed, cpu1 = time.perf_counter() - t0, proc_cpu_s(worker.pid)
+        await submit
+        if bad:
+            raise BenchError(f"{build}: {bad} samples did not finish ok")
+        return {
+            "samples_per_s": args.samples / elapsed,
+            "worker_cpu_us_per_sample": None if cpu0 is None or cpu1 is None else (cpu1 - cpu0) / args.samples * 1e6,
+        }
+    finally:
+        await asyncio.to_thread(tracing.shutdown)
+        procs.stop(worker, grace_s=10)  # SIGTERM: the worker exports what it buffered as it stops
+        await delete_matching(redis, f"{RunKeys(run).prefix}:*")
+        await redis.aclose()
+
+
+async def bench(procs: Processes, tmp: Path, args: argparse.Namespace) -> dict[str, Any]:
+    redis_url = start_redis(procs, tmp / "redis")
+    port, sink_port = free_port(), free_port()
+    engine = f"http://127.0.0.1:{port}"
+    argv = [sys.executable, "-m", "rollq.engine", "--backend", "synthetic", "--port", str(port), "--tokenizer", "tiny"]
+    argv += ["--token-latency", str(args.token_latency), "--length-dist", f"fixed:{args.tokens}"]
+    engine_proc = procs.start("engine", argv, env=bench_env())
+    sink_proc = procs.start(
+        "sink", [sys.executable, "-m", "rollq.trace_sink", "--port", str(sink_port), "--count-only"], env=bench_env()
+    )
+    sink = f"http://127.0.0.1:{sink_port}"
+    await procs.wait_until(lambda: healthy(engine), 60, "engine healthy", watch=engine_proc)
+    await procs.wait_until(lambda: healthy(sink), 60, "trace receiver", watch=sink_proc)
+    ref = args.baseline_ref or baseline_ref()
+    site = await asyncio.to_thread(build_baseline, ref, tmp)
+    base = bench_env()
+    envs = {
+        "none": {**base, "PYTHONPATH": os.pathsep.join([str(site), base["PYTHONPATH"]])},
+        "off": base,
+        "on": {**base, "ROLLQ_TRACE_ENDPOINT": f"{sink}/v1/traces", "ROLLQ_TRACE_SAMPLE_RATE": "1"},
+    }
+    results: dict[str, list[dict[str, Any]]] = {b: [] for b in BUILDS}
+    spans_before = await sink_count(sink)
+    for r in range(args.rounds):
+        order = BUILDS[r % 3 :] + BUILDS[: r % 3]  # each build first in turn
+        for build in order:
+            results[build].append(await measure(procs, redis_url, engine, build, envs[build], args))
+            print(f"round {r + 1} {build}: {results[build][-1]['samples_per_s']:.1f} samples/s", file=sys.stderr)
+    spans = await sink_count(sink) - spans_before
+    expected = SPANS_PER_SAMPLE * args.samples * args.rounds
+    if spans < expected:
+        raise BenchError(f"the receiver got {spans} spans, the traced samples make {expected}")
+
+    def median(build: str, key: str) -> float | None:
+        values = [m[key] for m in results[build] if m[key] is not None]
+        return statistics.median(values) if values else None
+
+    summary: dict[str, Any] = {
+        "baseline_ref": ref,
+        "samples": args.samples,
+        "rounds": args.rounds,
+        "concurrency": args.concurrency,
+        "token_latency_s": args.token_latency,
+        "tokens": args.tokens,
+        "spans_received": spans,
+        "builds": {
+            b: {
+                "samples_per_s": median(b, "samples_per_s"),
+                "worker_cpu_us_per_sample": median(b, "worker_cpu_us_per_sample"),
+                "each": [round(m["samples_per_s"], 1) for m in results[b]],
+            }
+            for b in BUILDS
+        },
+    }
+    none = summary["builds"]["none"]["samples_per_s"]
+    for b in ("off", "on"):
+        summary[f"{b}_vs_none"] = summary["builds"][b]["samples_per_s"] / none
+    summary["off_within_1pct"] = summary["off_vs_none"] >= 0.99
+    summary["on_within_3pct"] = summary["on_vs_none"] >= 0.97
+    return summary
+
+
+def table(s: dict[str, Any]) -> str:
+    rows = ["| build | samples/s (median) | each round | worker CPU us/sample | vs none |", "|---|---|---|---|---|"]
+    none = s["builds"]["none"]["samples_per_s"]
+    for b in BUILDS:
+        m = s["builds"][b]
+        cpu = m["worker_cpu_us_per_sample"]
+        rows.append(
+            f"| {b} | {m['samples_per_s']:.1f} | {', '.join(map(str, m['each']))} | "
+            f"{'-' if cpu is None else f'{cpu:.0f}'} | {m['samples_per_s'] / none:.3f} |"
+        )
+    return "\n".join(rows)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--samples", type=int, default=2000, help="samples per measure (default 2000)")
+    p.add_argument("--rounds", type=int, default=3, help="rounds of the three builds (default 3; medians)")
+    p.add_argument("--concurrency", type=int, default=64, help="the worker's concurrency (default 64)")
+    p.add_argument("--token-latency", type=float, default=0.005, help="engine seconds per decode step (0.005)")
+    p.add_argument("--tokens", type=int, default=32, help="tokens per sample (default 32)")
+    p.add_argument("--baseline-ref", default="", help="git ref of the build with no tracing (default: see above)")
+    p.add_argument("--timeout", type=float, default=300, help="seconds a measure may take")
+    add_results_arg(p)
+    args = p.parse_args()
+    out: dict[str, Any] = {}
+
+    async def run(procs: Processes, tmp: Path) -> None:
+        out.update(await bench(procs, tmp, args))
+
+    rc = run_bench(run, "rollq-bench-tracing-")
+    if rc:
+        return rc
+    print(table(out))
+    print_summary(out)
+    write_results("tracing", out, args.results)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

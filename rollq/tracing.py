@@ -1,0 +1,314 @@
+"""Rollout traces: OpenTelemetry spans for every sample, one trace per submitted job across every process.
+
+    submit (producer / ingress)  ->  attempt (worker, one per sample and try)  ->  episode (workflow or agent)
+        ->  engine.generate (each engine call; under proxy.completion for an agent's)  ->  reward
+        ->  train / drop (the trainer: the step that trained it, or why it was dropped)
+
+The context travels in the stream entries as W3C `traceparent` strings (Job.traceparent, Trajectory.traceparent),
+so one trace spans processes and machines; a caller in any language may pass its own (the ingress takes the
+`traceparent` header too).
+
+Closed by default: nothing is exported unless an endpoint is set (`trace_endpoint`, else the standard
+OTEL_EXPORTER_OTLP_TRACES_ENDPOINT / OTEL_EXPORTER_OTLP_ENDPOINT), and prompt or completion text (or token ids) is
+recorded only with `trace_text` on, cut to `trace_text_chars`, because traces leave the trust boundary. The standard
+OTEL_* variables are honoured (headers, sampler, service name, batch processor); a rollq setting wins over them.
+
+A process holds one Tracing (its tracer, or none). Code deep in a call (an engine call, a reward) reaches it through
+the `current` context variable, set by the worker for its tasks; without one, or with tracing off, a span is a
+no-op that costs a context-variable read."""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import os
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+from opentelemetry import trace
+from opentelemetry.trace import INVALID_SPAN, Link, Span, SpanKind, Status, StatusCode, use_span
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+if TYPE_CHECKING:
+    from opentelemetry.context import Context
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SpanExporter
+
+    from rollq.config import RunSettings
+
+TRACEPARENT = "traceparent"
+OFF = "off"
+_PROPAGATOR = TraceContextTextMapPropagator()
+_NOOP = contextlib.nullcontext(INVALID_SPAN)  # reusable: entering it does nothing
+NO_SPAN = _NOOP
+
+# The process's Tracing, for code that has no handle on it (engine calls, rewards): set by the worker for its tasks.
+current: contextvars.ContextVar[Tracing | None] = contextvars.ContextVar("rollq_tracing", default=None)
+
+
+def traces_endpoint(setting: str, env: Mapping[str, str] | None = None) -> str:
+    """Where spans go: the setting ('off': nowhere, whatever the environment says), else the standard variables
+    (OTEL_EXPORTER_OTLP_TRACES_ENDPOINT as is; OTEL_EXPORTER_OTLP_ENDPOINT + /v1/traces, as the OTLP spec says);
+    '' = tracing off. OTEL_SDK_DISABLED=true turns it off too, unless the setting names an endpoint."""
+    env = os.environ if env is None else env
+    if setting:
+        return "" if setting == OFF else setting
+    if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return ""
+    if env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
+        return env["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"]
+    base = env.get("OTEL_EXPORTER_OTLP_ENDPOINT", "")
+    return f"{base.rstrip('/')}/v1/traces" if base else ""
+
+
+def parse_headers(text: str) -> dict[str, str]:
+    """`k=v,k2=v2` (the OTEL_EXPORTER_OTLP_HEADERS form; values may be %-encoded) -> a dict; a pair without `=` is
+    an error naming it."""
+    from urllib.parse import unquote
+
+    headers: dict[str, str] = {}
+    for pair in filter(None, (p.strip() for p in text.split(","))):
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"trace_headers: {pair!r} is not key=value")
+        headers[unquote(key.strip()).lower()] = unquote(value.strip())
+    return headers
+
+
+class Tracing:
+    """One process's tracer, or none (`Tracing.disabled()`): spans, the context they hand on, and text capping."""
+
+    def __init__(self, provider: TracerProvider | None = None, *, text_chars: int = 0, service: str = "rollq") -> None:
+        self.provider = provider
+        self.tracer = provider.get_tracer("rollq") if provider is not None else None
+        self.text_chars = text_chars  # 0: no prompt or completion text (nor token ids) in any span
+        self.service = service
+
+    @classmethod
+    def disabled(cls) -> Tracing:
+        return cls()
+
+    @classmethod
+    def from_settings(cls, settings: RunSettings, component: str) -> Tracing:
+        """The process's tracing from its settings and the OTEL_* environment; off without an endpoint."""
+        endpoint = traces_endpoint(settings.trace_endpoint)
+        if not endpoint:
+            return cls.disabled()
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+        headers = parse_headers(settings.trace_headers) if settings.trace_headers else None  # None: OTEL_* headers
+        return cls.exporting(
+            OTLPSpanExporter(endpoint=endpoint, headers=headers),
+            service=settings.trace_service or os.environ.get("OTEL_SERVICE_NAME") or f"rollq-{component}",
+            sample_rate=settings.trace_sample_rate,
+            text_chars=settings.trace_text_chars if settings.trace_text else 0,
+        )
+
+    @classmethod
+    def exporting(
+        cls,
+        exporter: SpanExporter,
+        *,
+        service: str = "rollq",
+        sample_rate: float | None = None,
+        text_chars: int = 0,
+        batch: bool = True,
+    ) -> Tracing:
+        """Spans to `exporter` (batched on a background thread, or synchronously: tests' in-memory exporter).
+        `sample_rate` None: OTEL_TRACES_SAMPLER / _ARG, else every trace; a rate samples whole traces at their root
+        (the submit) and every later process follows the root's decision (parent-based)."""
+        from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
+        from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+
+        sampler = None if sample_rate is None else ParentBased(TraceIdRatioBased(sample_rate))
+        provider = TracerProvider(resource=Resource.create({SERVICE_NAME: service}), sampler=sampler)
+        provider.add_span_processor(BatchSpanProcessor(exporter) if batch else SimpleSpanProcessor(exporter))
+        return cls(provider, text_chars=text_chars, service=service)
+
+    @property
+    def enabled(self) -> bool:
+        return self.tracer is not None
+
+    def span(
+        self,
+        name: str,
+        *,
+        parent: str | None = None,
+        attributes: Mapping[str, Any] | None = None,
+        kind: SpanKind = SpanKind.INTERNAL,
+        links: list[str] | None = None,
+    ) -> contextlib.AbstractContextManager[Span]:
+        """A span, the current one inside the block (children made there are its); `parent`: a traceparent string
+        (from a stream entry) rather than the current span; `links`: other traceparents it relates to. An exception
+        leaving the block is recorded on it and marks it an error."""
+        if self.tracer is None:
+            return _NOOP
+        context = extract(parent) if parent else None
+        span_links = [Link(c) for c in (span_context(tp) for tp in links or ()) if c is not None]
+        return self.tracer.start_as_current_span(
+            name, context=context, kind=kind, attributes=attributes, links=span_links or None
+        )
+
+    def start(
+        self,
+        name: str,
+        *,
+        parent: str | None = None,
+        attributes: Mapping[str, Any] | None = None,
+        kind: SpanKind = SpanKind.INTERNAL,
+        links: list[str] | None = None,
+        start_time: int | None = None,
+    ) -> Span:
+        """A span that is not made current (end it with `.end()`): one of many started together, like a chunk's
+        submits; INVALID_SPAN when off. `start_time`: ns since the epoch, when it began before now."""
+        if self.tracer is None:
+            return INVALID_SPAN
+        span_links = [Link(c) for c in (span_context(tp) for tp in links or ()) if c is not None]
+        return self.tracer.start_span(
+            name,
+            context=extract(parent) if parent else None,
+            kind=kind,
+            attributes=attributes,
+            links=span_links or None,
+            start_time=start_time,
+        )
+
+    def within(self, span: Span) -> contextlib.AbstractContextManager[Any]:
+        """`span` (from `start`) as the current span in the block, without ending it there."""
+        return use_span(span, end_on_exit=False) if span.is_recording() else _NOOP
+
+    def text(self, value: Any) -> str | None:
+        """`value` as recordable text (cut to text_chars, the cut said), or None when text is not recorded."""
+        if not self.text_chars or value is None:
+            return None
+        text = value if isinstance(value, str) else str(value)
+        if len(text) <= self.text_chars:
+            return text
+        return f"{text[: self.text_chars]}... [{len(text) - self.text_chars} more characters]"
+
+    def set_text(self, span: Span, key: str, value: Any) -> None:
+        """span[key] = value's text, when text is recorded and the span is."""
+        if self.text_chars and span.is_recording():
+            text = self.text(value)
+            if text is not None:
+                span.set_attribute(key, text)
+
+    def flush(self, timeout_s: float = 5.0) -> bool:
+        return self.provider.force_flush(int(timeout_s * 1000)) if self.provider is not None else True
+
+    def shutdown(self) -> None:
+        """Exports what is buffered, then stops (a process's last act: spans of a SIGKILLed one are lost)."""
+        if self.provider is not None:
+            self.provider.shutdown()
+            self.provider = self.tracer = None
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[Tracing]:
+        """This Tracing as `current` in the block (and the tasks started in it)."""
+        token = current.set(self)
+        try:
+            yield self
+        finally:
+            current.reset(token)
+
+
+def active() -> Tracing | None:
+    """The Tracing set for this task, if it traces."""
+    tracing = current.get()
+    return tracing if tracing is not None and tracing.tracer is not None else None
+
+
+def span(name: str, **kwargs: Any) -> contextlib.AbstractContextManager[Span]:
+    """A span of the current task's Tracing (a no-op without one)."""
+    tracing = current.get()
+    return _NOOP if tracing is None else tracing.span(name, **kwargs)
+
+
+def traceparent(of: Span | None = None) -> str:
+    """The context of `of` (default: the current span) as a W3C traceparent ('' when nothing is traced)."""
+    carrier: dict[str, str] = {}
+    _PROPAGATOR.inject(carrier, context=trace.set_span_in_context(of) if of is not None else None)
+    return carrier.get(TRACEPARENT, "")
+
+
+def extract(value: str) -> Context:
+    return _PROPAGATOR.extract({TRACEPARENT: value})
+
+
+def span_context(value: str) -> trace.SpanContext | None:
+    """The span a traceparent names (None when it is not a valid one)."""
+    context = trace.get_current_span(extract(value)).get_span_context()
+    return context if context.is_valid else None
+
+
+def sample_attributes(traj: Any) -> dict[str, Any]:
+    """What names a sample (a rollq.protocol Trajectory) on the trainer's spans, as the worker's attempt does. A
+    leaf module, this one knows the trajectory by its fields."""
+    return {
+        "rollq.job_id": traj.job_id,
+        "rollq.sample_index": traj.sample_index,
+        "rollq.sample_id": f"{traj.job_id}#{traj.sample_index}",
+        "rollq.status": traj.status,
+        "rollq.reward": [s.reward for s in traj.sequences],
+    }
+
+
+def record_generation(traced: Tracing, span: Span, req: Any, resp: Any) -> None:
+    """An engine call's span: tokens in and out, latency, engine, policy versions, finish reason (and the tokens
+    themselves, decoded when the request has a tokenizer, only with trace_text on). `req` and `resp`: the
+    engine's ModelRequest and ModelResponse (rollq.engine.types), known here by their fields."""
+    if not span.is_recording():
+        return
+    versions = [v for v in resp.output_versions if v >= 0]
+    span.set_attributes(
+        {
+            "rollq.engine": resp.engine,
+            "rollq.tokens_in": len(resp.input_tokens),
+            "rollq.tokens_out": len(resp.output_tokens),
+            "rollq.latency_s": resp.latency_s,
+            "rollq.finish_reason": resp.stop_reason,
+            "rollq.policy_version": max(versions, default=-1),
+            "rollq.policy_version_min": min(versions, default=-1),
+            "rollq.resubmissions": resp.resubmissions,
+        }
+    )
+    if traced.text_chars:
+        tokenizer = req.tokenizer
+        decode = getattr(tokenizer, "decode", None)
+        prompt: Any = decode(resp.input_tokens) if decode else resp.input_tokens
+        completion: Any = decode(resp.output_tokens) if decode else resp.output_tokens
+        traced.set_text(span, "rollq.prompt", prompt)
+        traced.set_text(span, "rollq.completion", completion)
+
+
+def error(span: Span, kind: str, message: str) -> None:
+    """Marks `span` failed with an error that was handled (a dead letter), not raised through it."""
+    if span.is_recording():
+        span.set_status(Status(StatusCode.ERROR, f"{kind}: {message}"[:1024]))
+        span.set_attribute("rollq.error.type", kind)
+        span.add_event("exception", {"exception.type": kind, "exception.message": message[:4096]})
+
+
+__all__ = [
+    "INVALID_SPAN",
+    "NO_SPAN",
+    "OFF",
+    "TRACEPARENT",
+    "Span",
+    "SpanKind",
+    "Tracing",
+    "active",
+    "current",
+    "error",
+    "extract",
+    "parse_headers",
+    "record_generation",
+    "sample_attributes",
+    "span",
+    "span_context",
+    "traceparent",
+    "traces_endpoint",
+    "use_span",
+]
