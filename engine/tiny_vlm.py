@@ -24,7 +24,7 @@ import msgspec
 
 from rollq.engine.tiny_model import CHAT_TEMPLATE, ENDOFTEXT, IM_END, TinySpec, build_once, build_tokenizer
 
-BUILD_VERSION = 1  # bump when the build below changes in a way the spec does not capture
+BUILD_VERSION = 2  # bump when the build below changes in a way the spec does not capture
 
 VISION_START, VISION_END = "<|vision_start|>", "<|vision_end|>"
 IMAGE_PAD, VIDEO_PAD = "<|image_pad|>", "<|video_pad|>"
@@ -64,6 +64,11 @@ class TinyVLSpec(msgspec.Struct, frozen=True, kw_only=True):
     min_pixels: int = 56 * 56
     max_pixels: int = 112 * 112
     initializer_range: float = 0.2  # as the text model: peaked logits, so greedy ties are practically impossible
+    # An answer format the model starts with, as a pretrained VLM knows one (answer_prior): these tokens' logits
+    # raised by answer_logit where an answer begins, all alike, so each is as likely as the others whatever the
+    # picture. It knows the format, not the answers (rollq.tasks.colours: chance 0.25). "" = none.
+    answer_tokens: str = "ABCD"
+    answer_logit: float = 11.0
 
     def __post_init__(self) -> None:
         head_dim = self.hidden_size // self.num_attention_heads
@@ -189,6 +194,35 @@ def build_model_vl(spec: TinyVLSpec, tok):
     return model
 
 
+def answer_prior(model, tok, spec: TinyVLSpec) -> None:
+    """Sets the output rows of `spec.answer_tokens` (one token each) to one vector, along the mean final hidden
+    state where the answer of a rollq.tasks.colours prompt begins, scaled so their logits there are about
+    `answer_logit`, and equal: a random-init model otherwise writes any of its 524 tokens first and almost never an
+    answer. Equal rows give each answer the same logit for any picture: the prior tells no picture from another,
+    and the mean is over pictures of every colour alike."""
+    import torch
+
+    from rollq.tasks import colours
+
+    if not spec.answer_tokens:
+        return
+    ids = [tok.convert_tokens_to_ids(t) for t in spec.answer_tokens]
+    if len(set(ids)) != len(ids) or tok.unk_token_id in ids:
+        raise ValueError(f"answer_tokens {spec.answer_tokens!r} must each be one distinct token")
+    processor = _image_only_processor_class()(
+        image_processor=build_image_processor(spec), tokenizer=tok, chat_template=tok.chat_template
+    )
+    hidden = []
+    with torch.no_grad():
+        for prompt in colours.prompts(8):  # two pictures of each colour
+            text = processor.apply_chat_template(prompt["messages"], add_generation_prompt=True, tokenize=False)
+            inputs = processor(text=[text], images=prompt["images"], return_tensors="pt")
+            out = model(**inputs, output_hidden_states=True)
+            hidden.append(out.hidden_states[-1][0, -1])  # after the final norm: what the output rows multiply
+        mean = torch.stack(hidden).mean(0)
+        model.lm_head.weight[ids] = mean * (spec.answer_logit / float(mean @ mean))
+
+
 def build_tiny_vl(directory: str | os.PathLike[str], spec: TinyVLSpec | None = None) -> Path:
     """Write the tiny VLM to `directory` (skipped when it already holds this spec's build) and return its path."""
     spec = spec or TinyVLSpec()
@@ -196,6 +230,7 @@ def build_tiny_vl(directory: str | os.PathLike[str], spec: TinyVLSpec | None = N
     def write(tmp: Path) -> None:
         tok = build_tokenizer_vl()
         model = build_model_vl(spec, tok)
+        answer_prior(model, tok, spec)
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)  # also chat_template.jinja, where the processor reads its template too
         image_processor = build_image_processor(spec)

@@ -42,8 +42,10 @@ def smollm2_task() -> dict[str, Any]:
 def colours_task() -> dict[str, Any]:
     """What `--model tiny-vl` trains unless told otherwise: the built-in visual task (rollq.tasks.colours: name the
     colour of a picture by its letter), with rollq's vision workflow, evaluated greedily on 20 held-out pictures."""
-    # Exploration: a group whose samples all score alike teaches nothing; sampling hotter and filtering up to 2
-    # batches of such groups per step keeps the groups that tell the pictures apart.
+    # Exploration: the model starts with the four letters alike (engine/tiny_vlm.py, answer_prior), so sampling at
+    # temperature 1 finds each picture's letter; a group whose samples all score alike teaches nothing, and
+    # filtering up to 2 batches of such groups per step keeps those that tell the pictures apart. (At 1.5 the
+    # held-out pictures were all named right from step 130 while the sampled reward stayed near 0.75.)
     return {
         "dataset": "toy:colours",
         "workflow": "vision_rlvr",
@@ -51,7 +53,7 @@ def colours_task() -> dict[str, Any]:
             "reward_fn": "rollq.tasks.colours:colours_reward",
             "processor": "tiny-vl",
             "max_new_tokens": 2,
-            "temperature": 1.5,
+            "temperature": 1.0,
         },
         "eval_dataset": "toy:colours-heldout",
         "steps": 200,
@@ -59,7 +61,6 @@ def colours_task() -> dict[str, Any]:
         "groups_per_step": 4,
         "dynamic_sampling_budget": 2.0,
         "lr": 1e-3,
-        "adv_std_norm": False,
     }
 
 

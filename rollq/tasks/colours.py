@@ -1,8 +1,8 @@
 """The built-in visual task (`toy:colours`, what `rollq up --model tiny-vl` trains): name the colour of a picture
 by its letter, A red, B green, C blue or D yellow. The text is the same for every prompt, so only the image tells
-the answer: a random-init model almost never writes one of the letters first, and a wrong one scores below
-anything else (WRONG_LETTER), so which letter is learnt per picture. Pictures are 56x56 (four image tokens on the
-tiny Qwen2-VL), each a shade of its colour with noise, drawn from a seed: the same prompts on every machine."""
+the answer. The tiny Qwen2-VL starts knowing the answer format, not the colours (engine/tiny_vlm.py,
+answer_prior): the four letters alike for any picture, chance 0.25. Pictures are 56x56 (four image tokens), each a
+shade of its colour with noise, drawn from a seed: the same prompts on every machine."""
 
 from __future__ import annotations
 
@@ -46,20 +46,13 @@ def held_out(count: int = 20) -> list[dict[str, Any]]:
     return _prompts(count, seed=1)
 
 
-# Another of the letters, not the picture's, scores below any other answer. Without that (0, or a bonus of 0.1 for
-# any letter) a letter right for one picture rose for every picture: groups of the other pictures, all wrong, all
-# scored alike and taught nothing, and the policy wrote one letter for everything (held-out 0.25-0.325 for 120
-# steps in three runs). Below the rest, a wrong letter is pushed down for the picture it was wrong for.
-WRONG_LETTER = -0.25
-
-
 def colours_reward(
     prompt_text: str, completion_text: str, input_ids: Any = None, output_ids: Any = None, **data: Any
 ) -> float:
-    """1.0 when the answer starts with the picture's letter, WRONG_LETTER with another of the four letters, else 0.
-    A policy answering a letter at random scores 0.0625; 0.8 needs about 84 % of pictures named right."""
-    letter = completion_text.strip()[:1]
-    return 1.0 if letter == data["answer"] else WRONG_LETTER if letter in COLOURS else 0.0
+    """1.0 when the answer starts with the picture's letter, else 0. Any wrong answer scores alike: a wrong letter
+    scored below the rest pushed every letter down early in some runs (3 wrong letters to each right one at
+    chance), and the policy stopped writing letters at all (held-out 0 from step 10, a run of 200)."""
+    return 1.0 if completion_text.strip()[:1] == data["answer"] else 0.0
 
 
-__all__ = ["COLOURS", "QUESTION", "WRONG_LETTER", "colours_reward", "held_out", "picture", "prompts"]
+__all__ = ["COLOURS", "QUESTION", "colours_reward", "held_out", "picture", "prompts"]

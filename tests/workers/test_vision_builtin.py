@@ -29,7 +29,7 @@ async def test_the_colours_task_through_a_worker(redis, redis_url, run_name, rep
     [t] = got["c"]
     assert t.status == "ok", t.error
     [seq] = t.sequences
-    assert seq.reward == (1.0 if reply == "A" else colours.WRONG_LETTER)  # another of the letters: below the rest
+    assert seq.reward == (1.0 if reply == "A" else 0.0)
     vision = Codec().decode(seq.vision.inline, VisionInputs)
     assert list(vision.image_grid_thw) == [1, 4, 4] and sum(vision.mm_token_type_ids) == 4
     assert len(vision.mm_token_type_ids) == len(seq.input_ids)
