@@ -214,6 +214,20 @@ class Tracing:
             current.reset(token)
 
 
+def child_env(settings: RunSettings) -> dict[str, str]:
+    """The tracing settings given to this process, as the ROLLQ_TRACE_* variables of a process it starts (`rollq
+    up`'s workers): in the environment, not on the command line, as the headers may hold a token."""
+    values = {
+        "ROLLQ_TRACE_ENDPOINT": settings.trace_endpoint,
+        "ROLLQ_TRACE_HEADERS": settings.trace_headers,
+        "ROLLQ_TRACE_SERVICE": settings.trace_service,
+        "ROLLQ_TRACE_SAMPLE_RATE": "" if settings.trace_sample_rate is None else repr(settings.trace_sample_rate),
+        "ROLLQ_TRACE_TEXT": "true" if settings.trace_text else "",
+        "ROLLQ_TRACE_TEXT_CHARS": str(settings.trace_text_chars) if settings.trace_text else "",
+    }
+    return {k: v for k, v in values.items() if v}
+
+
 def active() -> Tracing | None:
     """The Tracing set for this task, if it traces."""
     tracing = current.get()
@@ -300,6 +314,7 @@ __all__ = [
     "SpanKind",
     "Tracing",
     "active",
+    "child_env",
     "current",
     "error",
     "extract",

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import msgspec
 
+import rollq.tracing as tracing
 from rollq.config import DEFAULT_REDIS_URL, Settings, setting
 from rollq.local import LocalError, Processes, RedisServer, free_port
 from rollq.redis_client import TRANSIENT_ERRORS, redis_client, safe_url
@@ -218,7 +219,8 @@ async def _run(cfg: TrainConfig, stack_cfg: UpConfig, procs: Processes, redis_di
         urls.append(f"http://127.0.0.1:{port}")
         procs.start(f"engine-{i}", engine_argv(cfg, port), env=keys.engine_env(str(weights_root)))
     for i in range(stack_cfg.workers):
-        procs.start(f"worker-{i}", worker_argv(cfg, stack_cfg, url, urls), env=keys.worker_env())
+        env = {**keys.worker_env(), **tracing.child_env(cfg)}  # its spans join the trainer's traces
+        procs.start(f"worker-{i}", worker_argv(cfg, stack_cfg, url, urls), env=env)
     # The trainer's model loads while the engines start (seconds each, on other cores): neither waits for the other.
     policy = asyncio.create_task(asyncio.to_thread(Policy, cfg)) if cfg.nproc == 1 else None
     try:

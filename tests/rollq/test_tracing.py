@@ -7,13 +7,13 @@ import asyncio
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from rollq.config import RunSettings
+from rollq.config import RunSettings, load
 from rollq.engine.pool import EnginePool, PoolConfig
 from rollq.producer.producer import JobRequest, Producer
 from rollq.protocol.codec import Codec
 from rollq.protocol.messages import Job
 from rollq.trace_sink import TraceSink
-from rollq.tracing import Tracing, parse_headers, traceparent, traces_endpoint
+from rollq.tracing import Tracing, child_env, parse_headers, traceparent, traces_endpoint
 from tests.agents import SCRIPT
 from tests.helpers import running_worker
 from tests.scripted import scripted_engine
@@ -80,6 +80,17 @@ async def test_settings_win_over_the_otel_variables(monkeypatch):
         tracing.start("probe").end()
         await asyncio.to_thread(tracing.shutdown)
         assert sink.spans[-1].service == "rollq-trainer"
+
+
+def test_rollq_up_hands_its_tracing_settings_to_the_workers_it_starts():
+    given = RunSettings(trace_endpoint="http://m:5000/v1/traces", trace_headers="k=v", trace_sample_rate=0.25)
+    opened = RunSettings(trace_endpoint="http://m:5000/v1/traces", trace_text=True, trace_text_chars=99)
+    from rollq.workers.config import WorkerConfig
+
+    for settings in (given, opened, RunSettings()):
+        worker = load(WorkerConfig, "worker", env=child_env(settings))  # as the worker reads its environment
+        names = ("trace_endpoint", "trace_headers", "trace_sample_rate", "trace_text", "trace_text_chars")
+        assert [getattr(worker, n) for n in names] == [getattr(settings, n) for n in names]
 
 
 def test_the_roots_sampling_decision_holds_downstream(monkeypatch):
@@ -156,3 +167,33 @@ async def test_an_agents_completions_are_children_of_its_episode(redis, redis_ur
         assert "The answer is 5." in completions[1].attributes["rollq.completion"]
     else:
         assert not any(k in s.attributes for s in spans.values() for k in ("rollq.messages", "rollq.completion"))
+
+
+async def test_the_ingress_continues_the_callers_trace(redis, redis_url, run_name, monkeypatch):
+    """A job submitted over HTTP with a W3C `traceparent` header: its submit span is a child of the caller's span,
+    and the queued job carries the submit's context to the worker."""
+    import httpx
+
+    from rollq.protocol.keys import PAYLOAD_FIELD, RunKeys
+    from tests.producer.ingress_helpers import running_ingress
+
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")  # the SDK's own variable: export every 50 ms
+    async with TraceSink() as sink, running_ingress(redis_url, run_name, trace_endpoint=sink.endpoint) as (_, url):
+        caller = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+        async with httpx.AsyncClient(timeout=10) as http:
+            r = await http.post(
+                f"{url}/v1/jobs",
+                json={
+                    "jobs": [{"workflow": "tests.workflows:Echo", "job_id": "a"}, {"workflow": "tests.workflows:Echo"}]
+                },
+                headers={"Authorization": "Bearer tok-acme", "traceparent": caller},
+            )
+        assert r.status_code == 202, r.text
+        spans = await sink.wait_for(lambda s: len([x for x in s if x.name == "submit"]) == 2, 30)
+    submits = [s for s in spans if s.name == "submit"]
+    assert {s.trace_id for s in submits} == {"0af7651916cd43dd8448eb211c80319c"}
+    assert {s.parent_id for s in submits} == {"b7ad6b7169203331"} and {s.service for s in submits} == {"rollq-ingress"}
+    assert sorted(s.attributes["rollq.admitted"] for s in submits) == [True, True]
+    entries = await redis.xrange(RunKeys(run_name).jobs)
+    carried = {Codec().decode_job(fields[PAYLOAD_FIELD]).traceparent.split("-")[2] for _, fields in entries}
+    assert carried == {s.span_id for s in submits}

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 
 from rollq.local import Processes, free_port
 from tests.helpers import REPO_ROOT
@@ -44,6 +45,33 @@ print(json.dumps({"version": mlflow.__version__, "traces": out}))
 """
 
 
+def compose_service() -> dict:
+    return yaml.safe_load((REPO_ROOT / "compose.yaml").read_text())["services"]["mlflow"]
+
+
+def compose_command(tmp_path: Path, port: int) -> list[str]:
+    """compose.yaml's MLflow command as written, its store, artifacts and port moved to the test's: loopback."""
+    moved = {
+        "--host": "127.0.0.1",
+        "--port": str(port),
+        "--backend-store-uri": f"sqlite:///{tmp_path / 'mlflow.db'}",
+        "--default-artifact-root": str(tmp_path / "artifacts"),
+    }
+    command = compose_service()["command"]
+    assert command[:2] == ["mlflow", "server"], command
+    out = ["mlflow", "server"]
+    for arg in command[2:]:
+        flag, _, value = arg.partition("=")
+        out.append(f"{flag}={moved.get(flag, value)}")
+    return out
+
+
+def compose_environment() -> dict[str, str]:
+    env = {k: str(v) for k, v in compose_service()["environment"].items()}
+    assert env.items() >= QUIET.items()  # the compose service keeps MLflow's telemetry off too
+    return env
+
+
 @pytest.fixture
 async def mlflow_server(tmp_path):
     if not MLFLOW_PYTHON.exists():
@@ -51,14 +79,8 @@ async def mlflow_server(tmp_path):
         pytest.skip(f"no MLflow at {MLFLOW_PYTHON}: {setup}")
     port = free_port()
     procs = Processes(tmp_path, cwd=tmp_path)
-    argv = [str(MLFLOW_PYTHON), "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1"]
-    argv += [
-        "--backend-store-uri",
-        f"sqlite:///{tmp_path / 'mlflow.db'}",
-        "--default-artifact-root",
-        str(tmp_path / "artifacts"),
-    ]
-    proc = procs.start("mlflow", argv, env=QUIET)
+    argv = [str(MLFLOW_PYTHON), "-m", *compose_command(tmp_path, port)]
+    proc = procs.start("mlflow", argv, env=compose_environment())
     url = f"http://127.0.0.1:{port}"
 
     async def healthy() -> bool:
