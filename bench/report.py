@@ -294,6 +294,36 @@ def _prefix_line(d: Any) -> str:
     )
 
 
+def _tracing_bench(name: str, title: str, about: str) -> Bench:
+    def paired(s: Any) -> str:
+        each = {b: ", ".join(f"{r:.3f}" for r in get(s, f"{b}_vs_none_each") or []) for b in ("off", "on")}
+        return (
+            f"Paired with `none`, median over {get(s, 'rounds')} rounds: off {num(3)(get(s, 'off_vs_none'))} "
+            f"({each['off']}), on {num(3)(get(s, 'on_vs_none'))} ({each['on']}); off within 1 %: "
+            f"{yesno(get(s, 'off_within_1pct'))}, on within 3 %: {yesno(get(s, 'on_within_3pct'))}. Spans received: "
+            f"{num()(get(s, 'spans_received'))}."
+        )
+
+    return Bench(
+        name,
+        title,
+        about,
+        (
+            Table(
+                "Throughput and the worker's CPU",
+                (("none", "builds/none"), ("off", "builds/off"), ("on", "builds/on")),
+                (
+                    Col("samples/s (median)", "samples_per_s", num(1)),
+                    Col("worker CPU us/sample", "worker_cpu_us_per_sample", num()),
+                ),
+                label="build",
+            ),
+        ),
+        (Line(paired),),
+        targets="",
+    )
+
+
 def _trainer_tables(gpu: bool) -> tuple[Table, ...]:
     """bench.trainer's tables: memory per rank at the end of each phase, then rank 0's times and the losses."""
     phases = joined(num(), " / ")
@@ -948,6 +978,20 @@ BENCHES: dict[str, Bench] = {
                 ),
             ),
             targets="",
+        ),
+        _tracing_bench(
+            "tracing",
+            "Rollout tracing: off, on, and no tracing code at all",
+            "The same rollouts (a `rollq worker` running `rlvr` against a synthetic engine, 64 at a time, 8 tokens at "
+            "0.1 s a step: generation bounds the throughput, as in RL) on a build from before tracing was added "
+            "(none), this build with no endpoint (off), and every trace sampled and exported to a loopback OTLP "
+            "receiver (on); interleaved, each round's ratio to its own `none`, the median over rounds.",
+        ),
+        _tracing_bench(
+            "tracing-stress",
+            "Rollout tracing under CPU-bound rollouts",
+            "As above with generation nearly free (32 tokens at 2 ms a step): the worker, the engine, Redis and the "
+            "benchmark share 2 cores flat out, so the CPU that tracing costs shows in the throughput.",
         ),
         Bench(
             "trainer_gpu",

@@ -20,27 +20,38 @@ from rollq.local import Processes, free_port
 from tests.helpers import REPO_ROOT
 from tests.rollq.test_tracing_processes import GROUP, GROUPS, STEPS, traced_run
 
-pytestmark = [pytest.mark.scenario, pytest.mark.slow]
+pytestmark = [pytest.mark.scenario, pytest.mark.slow, pytest.mark.timeout(600)]  # MLflow starts in about a minute
 
 MLFLOW_PIN = "3.17.2"
 MLFLOW_PYTHON = Path(os.environ.get("ROLLQ_MLFLOW_PYTHON", REPO_ROOT / ".venv-mlflow" / "bin" / "python"))
 QUIET = {"MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "true"}  # nothing leaves loopback
 
-# Run with MLflow's own client: each trained sample's trace, found by the sample id the spans carry (MLflow stores
-# attribute values JSON-encoded, so the id is matched with its quotes).
+# Run with MLflow's own client: each trained sample's trace, found by the sample id its attempt span carries (MLflow
+# 3.17 stores attribute values JSON-encoded: `=` on one finds nothing, LIKE finds it; the ids here cannot contain
+# one another, as a job's tenth sample would its first).
 SEARCH = """
-import json, sys, mlflow
+import json, sys, time
+import mlflow
+
 mlflow.set_tracking_uri(sys.argv[1])
-out = {}
-for sample_id in sys.argv[3:]:
-    found = mlflow.search_traces(
-        locations=[sys.argv[2]],
-        filter_string=f"span.attributes.rollq.sample_id LIKE '%\\"{sample_id}\\"%'",
-        return_type="list",
-    )
-    out[sample_id] = [
-        {"trace_id": t.info.trace_id, "spans": [[s.name, s.span_id, s.parent_id] for s in t.data.spans]} for t in found
-    ]
+experiment, expected, samples = sys.argv[2], set(sys.argv[3].split(",")), sys.argv[4:]
+deadline = time.monotonic() + 60  # the worker's last spans follow its export delay: bounded polling
+while True:
+    out = {}
+    for sample_id in samples:
+        found = mlflow.search_traces(
+            locations=[experiment],
+            filter_string=f"span.attributes.rollq.sample_id LIKE '%{sample_id}%'",
+            return_type="list",
+        )
+        out[sample_id] = [
+            {"trace_id": t.info.trace_id, "spans": [[s.name, s.span_id, s.parent_id] for s in t.data.spans]}
+            for t in found
+        ]
+    whole = all(len(t) == 1 and expected <= {n for n, _, _ in t[0]["spans"]} for t in out.values())
+    if whole or time.monotonic() > deadline:
+        break
+    time.sleep(1)
 print(json.dumps({"version": mlflow.__version__, "traces": out}))
 """
 
@@ -117,22 +128,16 @@ async def test_a_runs_rollouts_arrive_in_mlflow_whole_and_searchable_by_sample_i
     assert len(samples) == STEPS * GROUPS * GROUP
 
     expected = {"submit", "attempt", "episode", "engine.generate", "reward", "train"}
-    found: dict = {}
-    for _ in range(60):  # the worker's last spans follow its export delay: bounded polling of MLflow's own search
-        result = await asyncio.to_thread(
-            subprocess.run,
-            [str(MLFLOW_PYTHON), "-c", SEARCH, mlflow_server, experiment, *samples],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            env={**os.environ, **QUIET},
-        )
-        assert result.returncode == 0, result.stderr[-3000:]
-        found = json.loads(result.stdout.strip().splitlines()[-1])
-        traces = found["traces"]
-        if all(len(traces[s]) == 1 and expected <= {n for n, _, _ in traces[s][0]["spans"]} for s in samples):
-            break
-        await asyncio.sleep(1)
+    result = await asyncio.to_thread(
+        subprocess.run,
+        [str(MLFLOW_PYTHON), "-c", SEARCH, mlflow_server, experiment, ",".join(sorted(expected)), *samples],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, **QUIET},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    found = json.loads(result.stdout.strip().splitlines()[-1])
     assert found["version"] == MLFLOW_PIN
     for sample in samples:
         [trace] = found["traces"][sample]
