@@ -126,7 +126,7 @@ async def engine_process(tmp_path, tiny_dir):  # tiny_dir: built once, before en
         argv = [sys.executable, "-m", "rollq.engine", "--backend", "synthetic", "--port", str(port)]
         proc = procs.start(f"engine-{port}", [*argv, "--weights-root", str(tmp_path), *args])
         url = f"http://127.0.0.1:{port}"
-        # a hang guard, not a speed check: three test processes share two cores in CI
+        # a hang guard, not a speed check: four test processes share two cores in CI
         await procs.wait_until(lambda: engine_healthy(url), 90, f"{url} healthy", watch=proc, interval_s=0.02)
         return proc, url
 
