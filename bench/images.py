@@ -29,6 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from bench.common import print_summary
 from bench.results import add_results_arg, write_results
 
@@ -73,14 +75,7 @@ def stream_bytes(size: int) -> dict[str, Any]:
     assert seq.vision is not None
 
     def trajectory(vision: Any) -> int:
-        s = type(seq)(
-            input_ids=seq.input_ids,
-            loss_mask=seq.loss_mask,
-            logprobs=seq.logprobs,
-            versions=seq.versions,
-            reward=seq.reward,
-            vision=vision,
-        )
+        s = msgspec.structs.replace(seq, vision=vision)
         return len(codec.encode(Trajectory(job_id="j", sample_index=0, n=GROUP_N, status="ok", sequences=[s])))
 
     by_ref = type(seq.vision)(digest=seq.vision.digest, size=seq.vision.size)

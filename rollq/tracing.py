@@ -22,11 +22,11 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Awaitable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from opentelemetry import trace
-from opentelemetry.trace import INVALID_SPAN, Link, Span, SpanKind, Status, StatusCode, use_span
+from opentelemetry.trace import INVALID_SPAN, Span, SpanKind, Status, StatusCode, use_span
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 if TYPE_CHECKING:
@@ -78,11 +78,10 @@ def parse_headers(text: str) -> dict[str, str]:
 class Tracing:
     """One process's tracer, or none (`Tracing.disabled()`): spans, the context they hand on, and text capping."""
 
-    def __init__(self, provider: TracerProvider | None = None, *, text_chars: int = 0, service: str = "rollq") -> None:
+    def __init__(self, provider: TracerProvider | None = None, *, text_chars: int = 0) -> None:
         self.provider = provider
         self.tracer = provider.get_tracer("rollq") if provider is not None else None
         self.text_chars = text_chars  # 0: no prompt or completion text (nor token ids) in any span
-        self.service = service
 
     @classmethod
     def disabled(cls) -> Tracing:
@@ -125,31 +124,20 @@ class Tracing:
         sampler = None if sample_rate is None else ParentBased(TraceIdRatioBased(sample_rate))
         provider = TracerProvider(resource=Resource.create({SERVICE_NAME: service}), sampler=sampler)
         provider.add_span_processor(BatchSpanProcessor(exporter) if batch else SimpleSpanProcessor(exporter))
-        return cls(provider, text_chars=text_chars, service=service)
+        return cls(provider, text_chars=text_chars)
 
     @property
     def enabled(self) -> bool:
         return self.tracer is not None
 
     def span(
-        self,
-        name: str,
-        *,
-        parent: str | None = None,
-        attributes: Mapping[str, Any] | None = None,
-        kind: SpanKind = SpanKind.INTERNAL,
-        links: list[str] | None = None,
+        self, name: str, *, attributes: Mapping[str, Any] | None = None, kind: SpanKind = SpanKind.INTERNAL
     ) -> contextlib.AbstractContextManager[Span]:
-        """A span, the current one inside the block (children made there are its); `parent`: a traceparent string
-        (from a stream entry) rather than the current span; `links`: other traceparents it relates to. An exception
-        leaving the block is recorded on it and marks it an error."""
+        """A child of the current span, itself the current one inside the block. An exception leaving the block is
+        recorded on it and marks it an error."""
         if self.tracer is None:
             return _NOOP
-        context = extract(parent) if parent else None
-        span_links = [Link(c) for c in (span_context(tp) for tp in links or ()) if c is not None]
-        return self.tracer.start_as_current_span(
-            name, context=context, kind=kind, attributes=attributes, links=span_links or None
-        )
+        return self.tracer.start_as_current_span(name, kind=kind, attributes=attributes)
 
     def start(
         self,
@@ -158,22 +146,15 @@ class Tracing:
         parent: str | None = None,
         attributes: Mapping[str, Any] | None = None,
         kind: SpanKind = SpanKind.INTERNAL,
-        links: list[str] | None = None,
         start_time: int | None = None,
     ) -> Span:
-        """A span that is not made current (end it with `.end()`): one of many started together, like a chunk's
-        submits; INVALID_SPAN when off. `start_time`: ns since the epoch, when it began before now."""
+        """A span that is not made current (end it with `.end()`; `within` makes it current for a block): a child
+        of `parent`, a traceparent string from a stream entry, else of the current span; INVALID_SPAN when off.
+        `start_time`: ns since the epoch, when it began before now."""
         if self.tracer is None:
             return INVALID_SPAN
-        span_links = [Link(c) for c in (span_context(tp) for tp in links or ()) if c is not None]
-        return self.tracer.start_span(
-            name,
-            context=extract(parent) if parent else None,
-            kind=kind,
-            attributes=attributes,
-            links=span_links or None,
-            start_time=start_time,
-        )
+        context = extract(parent) if parent else None
+        return self.tracer.start_span(name, context=context, kind=kind, attributes=attributes, start_time=start_time)
 
     def within(self, span: Span) -> contextlib.AbstractContextManager[Any]:
         """`span` (from `start`) as the current span in the block, without ending it there."""
@@ -194,9 +175,6 @@ class Tracing:
             text = self.text(value)
             if text is not None:
                 span.set_attribute(key, text)
-
-    def flush(self, timeout_s: float = 5.0) -> bool:
-        return self.provider.force_flush(int(timeout_s * 1000)) if self.provider is not None else True
 
     def shutdown(self) -> None:
         """Exports what is buffered, then stops (a process's last act: spans of a SIGKILLed one are lost)."""
@@ -240,6 +218,17 @@ def span(name: str, **kwargs: Any) -> contextlib.AbstractContextManager[Span]:
     return _NOOP if tracing is None else tracing.span(name, **kwargs)
 
 
+async def reward(mode: str, call: Awaitable[Any]) -> Any:
+    """Awaits a reward call, inside a `reward` span (its mode, its value when a number) when this task traces."""
+    if active() is None:
+        return await call
+    with span("reward", attributes={"rollq.reward_mode": mode}) as reward_span:
+        value = await call
+        if isinstance(value, int | float):
+            reward_span.set_attribute("rollq.reward", float(value))
+        return value
+
+
 def traceparent(of: Span | None = None) -> str:
     """The context of `of` (default: the current span) as a W3C traceparent ('' when nothing is traced)."""
     carrier: dict[str, str] = {}
@@ -249,12 +238,6 @@ def traceparent(of: Span | None = None) -> str:
 
 def extract(value: str) -> Context:
     return _PROPAGATOR.extract({TRACEPARENT: value})
-
-
-def span_context(value: str) -> trace.SpanContext | None:
-    """The span a traceparent names (None when it is not a valid one)."""
-    context = trace.get_current_span(extract(value)).get_span_context()
-    return context if context.is_valid else None
 
 
 def sample_attributes(traj: Any) -> dict[str, Any]:
@@ -320,9 +303,9 @@ __all__ = [
     "extract",
     "parse_headers",
     "record_generation",
+    "reward",
     "sample_attributes",
     "span",
-    "span_context",
     "traceparent",
     "traces_endpoint",
     "use_span",

@@ -138,12 +138,13 @@ class RecordingEngine:
         if episode is not None and episode.lora and not req.lora_path:
             req = copy.copy(req)
             req.lora_path = episode.lora
+        call = self.inner.agenerate(req) if on_tokens is None else self.inner.agenerate(req, on_tokens)
         traced = tracing.active()
         if traced is None:
-            resp = await (self.inner.agenerate(req) if on_tokens is None else self.inner.agenerate(req, on_tokens))
+            resp = await call
         else:
             with traced.span("engine.generate", kind=SpanKind.CLIENT) as span:
-                resp = await (self.inner.agenerate(req) if on_tokens is None else self.inner.agenerate(req, on_tokens))
+                resp = await call
                 tracing.record_generation(traced, span, req, resp)
         recording = _RECORDING.get()
         if recording is not None and recording.open:

@@ -748,8 +748,9 @@ class Worker:
                     self.stats.completed += 1
                 self._observe(job, "rejected" if sequences is None else "ok", started, sequences)
         except _Fatal as fatal:
-            if not attempt.is_recording() and self.tracing.enabled and (job or fatal.job) is not None:
-                attempt = self._attempt_span(job or fatal.job, eid, deliveries)  # type: ignore[arg-type]
+            failed = job or fatal.job
+            if failed is not None and self.tracing.enabled and not attempt.is_recording():
+                attempt = self._attempt_span(failed, eid, deliveries)  # refused before its run began
             tracing.error(attempt, fatal.error.type, fatal.error.message)
             attempt.set_attribute("rollq.outcome", "dead_lettered")
             await self._dead_letter(

@@ -17,19 +17,21 @@ from tests.helpers import REPO_ROOT
 STEPS = 30
 
 
+def clean_env() -> dict[str, str]:
+    """This environment without ROLLQ_* settings (but the model cache): unless a Redis answers on the default port,
+    `rollq` starts its own."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("ROLLQ_") or k == "ROLLQ_CACHE"}
+
+
+def run_rollq(*args: str) -> subprocess.CompletedProcess[str]:
+    argv = [sys.executable, "-m", "rollq", *args]
+    return subprocess.run(argv, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, env=clean_env())
+
+
 @pytest.mark.slow
 def test_plain_rollq_trains_the_toy_task_and_cleans_up(tmp_path):
     run_dir = tmp_path / "run"
-    # No --redis and no ROLLQ_* settings: unless a Redis answers on the default port, `rollq` starts its own.
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLQ_") or k == "ROLLQ_CACHE"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "rollq", f"steps={STEPS}", "lr=2e-3", f"run_dir={run_dir}"],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
+    proc = run_rollq(f"steps={STEPS}", "lr=2e-3", f"run_dir={run_dir}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert summary["steps"] == STEPS and summary["trained_samples"] == STEPS * 64
@@ -56,15 +58,7 @@ def test_rollq_up_trains_the_visual_task_on_pictures(tmp_path):
     """The smoke version of the visual task's loop (CONTRIBUTING.md): `--model tiny-vl` brings toy:colours, and two
     steps train groups whose samples carry their pictures (none dropped as invalid: the trainer took the images)."""
     run_dir = tmp_path / "run"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLQ_") or k == "ROLLQ_CACHE"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "rollq", "up", "--model", "tiny-vl", "steps=2", f"run_dir={run_dir}"],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
+    proc = run_rollq("up", "--model", "tiny-vl", "steps=2", f"run_dir={run_dir}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert summary["steps"] == 2 and summary["trained_samples"] == 2 * 32 and "invalid" not in summary["dropped"]
@@ -104,7 +98,7 @@ async def test_sigterm_stops_rollq_up_and_everything_it_started(tmp_path):
     from tests.helpers import wait_until
 
     log = tmp_path / "up.log"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLQ_") or k == "ROLLQ_CACHE"}
+    env = clean_env()
     with open(log, "w") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "rollq", "up", "steps=1000", f"run_dir={tmp_path / 'run'}"],

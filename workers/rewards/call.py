@@ -156,13 +156,9 @@ class RewardCaller:
     async def __call__(
         self, prompt_text: str, completion_text: str, input_ids: list[int], output_ids: list[int], data: dict[str, Any]
     ) -> float:
-        if tracing.active() is None:
-            return await self._call(prompt_text, completion_text, input_ids, output_ids, data)
-        with tracing.span("reward", attributes={"rollq.reward_mode": self.config.mode}) as span:
-            value = await self._call(prompt_text, completion_text, input_ids, output_ids, data)
-            if isinstance(value, int | float):
-                span.set_attribute("rollq.reward", float(value))
-            return value
+        return await tracing.reward(
+            self.config.mode, self._call(prompt_text, completion_text, input_ids, output_ids, data)
+        )
 
     async def _call(
         self, prompt_text: str, completion_text: str, input_ids: list[int], output_ids: list[int], data: dict[str, Any]

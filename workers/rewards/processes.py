@@ -176,13 +176,7 @@ class AsyncRewardWrapper:
         return self._pool.pids
 
     async def __call__(self, *args: Any, **kwargs: Any) -> float:
-        if tracing.active() is None:
-            return await self.untraced(*args, **kwargs)
-        with tracing.span("reward", attributes={"rollq.reward_mode": "process"}) as span:
-            value = await self.untraced(*args, **kwargs)
-            if isinstance(value, int | float):
-                span.set_attribute("rollq.reward", float(value))
-            return value
+        return await tracing.reward("process", self.untraced(*args, **kwargs))
 
     async def untraced(self, *args: Any, **kwargs: Any) -> float:
         """The call without its `reward` span (a caller that makes its own)."""
