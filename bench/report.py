@@ -300,8 +300,8 @@ def _tracing_bench(name: str, title: str, about: str) -> Bench:
         return (
             f"Paired with `none`, median over {get(s, 'rounds')} rounds: off {num(3)(get(s, 'off_vs_none'))} "
             f"({each['off']}), on {num(3)(get(s, 'on_vs_none'))} ({each['on']}); off within 1 %: "
-            f"{yesno(get(s, 'off_within_1pct'))}, on within 3 %: {yesno(get(s, 'on_within_3pct'))}. Spans received: "
-            f"{num()(get(s, 'spans_received'))}."
+            f"{yesno(get(s, 'off_within_1pct'))}, on within 3 %: {yesno(get(s, 'on_within_3pct'))}. Sample rate "
+            f"when on: {num(2)(get(s, 'sample_rate') or 1.0)}; spans received: {num()(get(s, 'spans_received'))}."
         )
 
     return Bench(
@@ -992,6 +992,13 @@ BENCHES: dict[str, Bench] = {
             "Rollout tracing under CPU-bound rollouts",
             "As above with generation nearly free (32 tokens at 2 ms a step): the worker, the engine, Redis and the "
             "benchmark share 2 cores flat out, so the CPU that tracing costs shows in the throughput.",
+        ),
+        _tracing_bench(
+            "tracing-stress-sampled",
+            "Rollout tracing under CPU-bound rollouts, one trace in ten",
+            "The CPU-bound rollouts above with `trace_sample_rate` 0.1 when on (`--sample-rate 0.1`): a tenth of the "
+            "jobs traced, decided at their submit, every later span following; what a run whose workers are bound "
+            "by their CPU sets to keep tracing cheap.",
         ),
         Bench(
             "trainer_gpu",

@@ -12,14 +12,17 @@ round by round (`--rounds`, the median reported):
   that added rollq/tracing.py), installed into a directory of its own and put first on the worker's PYTHONPATH;
 - off: this build, no endpoint (the default);
 - on: this build, `trace_endpoint` the receiver (`python -m rollq.trace_sink --count-only`, a subprocess), sample
-  rate 1.0; the receiver's count of spans is checked against what the samples make.
+  rate `--sample-rate` (default 1.0: every trace); the receiver's count of spans is checked against what the sampled
+  samples make.
 
 The worker's CPU per sample (from /proc) is reported for each: what tracing costs in CPU, whatever bounds the
 throughput. By default generation bounds it, as in RL (a sample's tokens take the engine about a second, the worker
 a few ms); `--stress` makes generation nearly free (2 ms a step), so the worker, engine, Redis and this process share
-the 2 cores flat out and every CPU microsecond shows in the throughput (written as tracing-stress.json).
+the 2 cores flat out and every CPU microsecond shows in the throughput (written as tracing-stress.json; with a
+`--sample-rate` below 1, as tracing-stress-sampled.json: what the setting `trace_sample_rate` buys back).
 
-  python -m bench.tracing [--stress] [--samples N] [--rounds R] [--concurrency C] [--token-latency S] [--tokens N]
+  python -m bench.tracing [--stress] [--sample-rate P] [--samples N] [--rounds R] [--concurrency C]
+                          [--token-latency S] [--tokens N]
 """
 
 from __future__ import annotations
@@ -115,7 +118,9 @@ async def measure(
         if build == "on":  # the submit spans too, as a traced trainer makes them
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
-            tracing = Tracing.exporting(OTLPSpanExporter(endpoint=env["ROLLQ_TRACE_ENDPOINT"]), service="bench")
+            tracing = Tracing.exporting(
+                OTLPSpanExporter(endpoint=env["ROLLQ_TRACE_ENDPOINT"]), service="bench", sample_rate=args.sample_rate
+            )
         producer = Producer(redis, run, tracing=tracing)
         consumer = producer.consumer(group="bench", name="bench")
         await consumer.setup()
@@ -172,7 +177,7 @@ async def bench(procs: Processes, tmp: Path, args: argparse.Namespace) -> dict[s
     envs = {
         "none": {**base, "PYTHONPATH": os.pathsep.join([str(site), base["PYTHONPATH"]])},
         "off": base,
-        "on": {**base, "ROLLQ_TRACE_ENDPOINT": f"{sink}/v1/traces", "ROLLQ_TRACE_SAMPLE_RATE": "1"},
+        "on": {**base, "ROLLQ_TRACE_ENDPOINT": f"{sink}/v1/traces", "ROLLQ_TRACE_SAMPLE_RATE": repr(args.sample_rate)},
     }
     results: dict[str, list[dict[str, Any]]] = {b: [] for b in BUILDS}
     spans_before = await sink_count(sink)
@@ -182,9 +187,11 @@ async def bench(procs: Processes, tmp: Path, args: argparse.Namespace) -> dict[s
             results[build].append(await measure(procs, redis_url, engine, build, envs[build], args))
             print(f"round {r + 1} {build}: {results[build][-1]['samples_per_s']:.1f} samples/s", file=sys.stderr)
     spans = await sink_count(sink) - spans_before
-    expected = SPANS_PER_SAMPLE * args.samples * args.rounds
-    if spans < expected:
-        raise BenchError(f"the receiver got {spans} spans, the traced samples make {expected}")
+    every = SPANS_PER_SAMPLE * args.samples * args.rounds  # what the samples make, every one traced
+    sampled_share = spans / every
+    # Each job is one sample, sampled or not at its submit: the share is binomial, its deviation under 0.004 here.
+    if (args.sample_rate == 1 and spans < every) or abs(sampled_share - args.sample_rate) > 0.05:
+        raise BenchError(f"the receiver got {spans} spans, the samples make {every} at sample rate {args.sample_rate}")
 
     def median(build: str, key: str) -> float | None:
         values = [m[key] for m in results[build] if m[key] is not None]
@@ -198,7 +205,9 @@ async def bench(procs: Processes, tmp: Path, args: argparse.Namespace) -> dict[s
         "concurrency": args.concurrency,
         "token_latency_s": args.token_latency,
         "tokens": args.tokens,
+        "sample_rate": args.sample_rate,
         "spans_received": spans,
+        "sampled_share": sampled_share,
         "builds": {
             b: {
                 "samples_per_s": median(b, "samples_per_s"),
@@ -238,6 +247,7 @@ def table(s: dict[str, Any]) -> str:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--stress", action="store_true", help="generation nearly free: CPU-bound rollouts (see above)")
+    p.add_argument("--sample-rate", type=float, default=1.0, help="share of traces sampled when on (default 1)")
     p.add_argument("--samples", type=int, help="samples per measure (default 1000; --stress 2000)")
     p.add_argument("--rounds", type=int, default=5, help="rounds of the three builds (default 5; medians)")
     p.add_argument("--concurrency", type=int, default=64, help="the worker's concurrency (default 64)")
@@ -247,6 +257,8 @@ def main() -> int:
     p.add_argument("--timeout", type=float, default=300, help="seconds a measure may take")
     add_results_arg(p)
     args = p.parse_args()
+    if not 0 < args.sample_rate <= 1:
+        p.error("--sample-rate must be in (0, 1]")
     args.samples = args.samples or (2000 if args.stress else 1000)
     args.token_latency = args.token_latency if args.token_latency is not None else (0.002 if args.stress else 0.1)
     args.tokens = args.tokens or (32 if args.stress else 8)
@@ -260,7 +272,8 @@ def main() -> int:
         return rc
     print(table(out))
     print_summary(out)
-    write_results("tracing-stress" if args.stress else "tracing", out, args.results)
+    name = "tracing-stress" if args.stress else "tracing"
+    write_results(f"{name}-sampled" if args.sample_rate < 1 else name, out, args.results)
     return 0
 
 

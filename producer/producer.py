@@ -27,7 +27,8 @@ from rollq.protocol.keys import (
 from rollq.protocol.limits import MAX_JOB_BYTES, describe_bytes
 from rollq.protocol.messages import AgentOptions, Job, JobClass, Trajectory, class_bound, job_classes
 from rollq.redis_client import ensure_group, run_partitions
-from rollq.tracing import Span, SpanKind, Tracing, traceparent
+from rollq.tracing import INVALID_SPAN, Span, SpanKind, Tracing, traceparent
+from rollq.tracing import error as span_failed
 
 DEFAULT_SEEN_TTL_S = DEFAULT_BLOB_TTL_S
 
@@ -219,7 +220,35 @@ class Producer:
                 "give job ids of one partition or submit without atomic"
             )
         classes = await self._prepare(reqs, count)
+        # One submit span per job, from this call until it is admitted or found a duplicate: a job that waits for
+        # room (tried again below) stays one trace, its wait and tries on its span.
+        spans = [self._submit_span(req, job_id) for req, job_id in zip(reqs, ids, strict=True)]
+        if self.tracing.enabled:
+            reqs = [
+                msgspec.structs.replace(req, traceparent=traceparent(span))
+                for req, span in zip(reqs, spans, strict=True)
+            ]
+        try:
+            return await self._submit_all(reqs, ids, classes, count, spans, atomic=atomic, wait=wait)
+        except BaseException as exc:
+            for span in spans:  # those not admitted (the others were ended and replaced by INVALID_SPAN)
+                span_failed(span, type(exc).__name__, str(exc))
+                span.end()
+            raise
+
+    async def _submit_all(
+        self,
+        reqs: list[JobRequest],
+        ids: list[str],
+        classes: dict[str, JobClass],
+        count: int,
+        spans: list[Span],
+        *,
+        atomic: bool,
+        wait: bool,
+    ) -> list[SubmitResult]:
         results: dict[int, SubmitResult] = {}
+        tries = [0] * len(reqs)
         pending = list(range(len(reqs)))  # indices of the requests not admitted (nor found duplicate) yet
         while pending:
             chunk = pending if atomic else pending[: self.chunk_size]
@@ -236,10 +265,14 @@ class Producer:
                     for st, info in zip(replies[0::2], replies[1::2], strict=True)
                 ]
                 for k, (st, info) in zip(indices, statuses, strict=True):
+                    tries[k] += 1
                     if st == -2:
                         raise ValueError(f"unknown job class {info!r} (define it with `rollq classes set {info}`)")
                     if st in (0, 1):
                         results[k] = SubmitResult(ids[k], st == 1, info if st == 0 else self.reply_stream(partition))
+                        spans[k].set_attributes({"rollq.admitted": st == 1, "rollq.submit_tries": tries[k]})
+                        spans[k].end()  # 0: a duplicate job id
+                        spans[k] = INVALID_SPAN
                     elif st == -1 and info:
                         full.append((k, partition, info))
             pending = [k for k in pending if k not in results]
@@ -356,10 +389,7 @@ class Producer:
         blobs: dict[str, bytes] = {}  # digest -> payload: one copy per distinct data in the call
         job_keys: list[str] = []
         job_args: list[Any] = []
-        spans = [self._submit_span(req, job_id) for req, job_id in chunk] if self.tracing.enabled else []
-        for k, (req, job_id) in enumerate(chunk):
-            if spans:
-                req = msgspec.structs.replace(req, traceparent=traceparent(spans[k]))
+        for req, job_id in chunk:
             blob = data_blob(self.codec, req.data, self.blob_min_bytes)
             if blob is not None:
                 blobs.setdefault(blob.digest, blob.payload)
@@ -375,16 +405,7 @@ class Producer:
             )
         script_keys = [inflight_key(reply_to), *job_keys]
         args: list[Any] = [self.seen_ttl_s, partition_share(self.max_inflight, count), reply_to, 1 if atomic else 0]
-        try:
-            replies: list[Any] = await self._submit(keys=script_keys, args=[*args, *job_args])  # a pair per job
-        except BaseException as exc:
-            for span in spans:
-                span.record_exception(exc)
-                span.end()
-            raise
-        for span, status in zip(spans, replies[0::2], strict=False):
-            span.set_attribute("rollq.admitted", int(status) == 1)  # 0: a duplicate job id, -1: no room (retried)
-            span.end()
+        replies: list[Any] = await self._submit(keys=script_keys, args=[*args, *job_args])  # a pair per job
         return replies
 
     def _submit_span(self, req: JobRequest, job_id: str) -> Span:

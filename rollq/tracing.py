@@ -135,8 +135,8 @@ class Tracing:
     ) -> contextlib.AbstractContextManager[Span]:
         """A child of the current span, itself the current one inside the block. An exception leaving the block is
         recorded on it and marks it an error."""
-        if self.tracer is None:
-            return _NOOP
+        if self.tracer is None or _unsampled(trace.get_current_span()):
+            return _NOOP  # off, or in a trace not sampled: what the SDK would make records nothing, for more CPU
         return self.tracer.start_as_current_span(name, kind=kind, attributes=attributes)
 
     def start(
@@ -154,11 +154,16 @@ class Tracing:
         if self.tracer is None:
             return INVALID_SPAN
         context = extract(parent) if parent else None
+        above = trace.get_current_span(context)
+        if _unsampled(above):  # the SDK's sampler (parent-based) would record nothing: the parent, handed on as is
+            return above
         return self.tracer.start_span(name, context=context, kind=kind, attributes=attributes, start_time=start_time)
 
     def within(self, span: Span) -> contextlib.AbstractContextManager[Any]:
-        """`span` (from `start`) as the current span in the block, without ending it there."""
-        return use_span(span, end_on_exit=False) if span.is_recording() else _NOOP
+        """`span` (from `start`) as the current span in the block, without ending it there. A span not sampled is
+        current too (when tracing is on), so the spans begun in the block follow its decision instead of starting
+        traces of their own."""
+        return use_span(span, end_on_exit=False) if span.get_span_context().is_valid else _NOOP
 
     def text(self, value: Any) -> str | None:
         """`value` as recordable text (cut to text_chars, the cut said), or None when text is not recorded."""
@@ -190,6 +195,12 @@ class Tracing:
             yield self
         finally:
             current.reset(token)
+
+
+def _unsampled(span: Span) -> bool:
+    """`span` is of a trace whose root decided not to sample it (every span of it follows: parent-based)."""
+    context = span.get_span_context()
+    return context.is_valid and not context.trace_flags.sampled
 
 
 def child_env(settings: RunSettings) -> dict[str, str]:
@@ -230,7 +241,8 @@ async def reward(mode: str, call: Awaitable[Any]) -> Any:
 
 
 def traceparent(of: Span | None = None) -> str:
-    """The context of `of` (default: the current span) as a W3C traceparent ('' when nothing is traced)."""
+    """The context of `of` (default: the current span) as a W3C traceparent ('' when tracing is off). A span not
+    sampled has one too, its sampled flag clear: the next process follows the decision."""
     carrier: dict[str, str] = {}
     _PROPAGATOR.inject(carrier, context=trace.set_span_in_context(of) if of is not None else None)
     return carrier.get(TRACEPARENT, "")

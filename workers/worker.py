@@ -720,7 +720,7 @@ class Worker:
                 submitted_at=job.submitted_at,
                 started_at=started,
                 finished_at=time.time(),
-                traceparent=traceparent(attempt) if attempt.is_recording() else "",
+                traceparent=traceparent(attempt) if self.tracing.enabled else "",  # sampled or not: followed
             )
             if attempt.is_recording():
                 attempt.set_attribute("rollq.outcome", traj.status)
@@ -749,7 +749,7 @@ class Worker:
                 self._observe(job, "rejected" if sequences is None else "ok", started, sequences)
         except _Fatal as fatal:
             failed = job or fatal.job
-            if failed is not None and self.tracing.enabled and not attempt.is_recording():
+            if failed is not None and self.tracing.enabled and not attempt.get_span_context().is_valid:
                 attempt = self._attempt_span(failed, eid, deliveries)  # refused before its run began
             tracing.error(attempt, fatal.error.type, fatal.error.message)
             attempt.set_attribute("rollq.outcome", "dead_lettered")

@@ -394,10 +394,12 @@ class Ingress:
         where: str,
         patterns: list[str] | None,
         partitions: int,
-        parent: str = "",
+        parent: str,
+        spans: list[Span],
     ) -> list[_Prepared]:
         """Each job's sample-0 entry and its data's blob, refusing (413) a request whose jobs would take more than
-        max_request_bytes in Redis before anything more is encoded: n entries per job, each distinct data once."""
+        max_request_bytes in Redis before anything more is encoded: n entries per job, each distinct data once.
+        Each job's submit span (tracing on) is appended to `spans` as it is begun: the caller ends them all."""
         now = time.time()
         total = 0
         blobs: set[str] = set()
@@ -421,6 +423,7 @@ class Ingress:
                         "rollq.workflow": spec.workflow,
                     },
                 )
+                spans.append(span)
             job = Job(
                 job_id=job_id,
                 workflow=spec.workflow,
@@ -435,7 +438,7 @@ class Ingress:
                 job_class=spec.job_class or DEFAULT_CLASS,
                 tenant=tenant,
                 allow=patterns,
-                traceparent=traceparent(span) if span.is_recording() else "",
+                traceparent=traceparent(span) if self.tracing.enabled else "",  # sampled or not: followed
             )
             try:
                 first = self.codec.encode(job)
@@ -473,16 +476,17 @@ class Ingress:
         nothing on each. Should a later partition refuse after an earlier one admitted (its bound filled meanwhile),
         the 429 names the jobs admitted: resubmitting the batch with the same job ids is safe (duplicates)."""
         count = await self.partitions()
-        prepared = self._prepare(tenant, specs, where, patterns, count, parent)
+        spans: list[Span] = []  # every job's begun so far: a request refused halfway (400, 413) ends them too
         try:
+            prepared = self._prepare(tenant, specs, where, patterns, count, parent, spans)
             return await self._admit_prepared(prepared, count, tenant)
         except BaseException as exc:
-            for job in prepared:
-                tracing.error(job.span, type(exc).__name__, str(exc))
+            for span in spans:
+                tracing.error(span, type(exc).__name__, str(exc))
             raise
         finally:
-            for job in prepared:
-                job.span.end()
+            for span in spans:
+                span.end()
 
     async def _admit_prepared(self, prepared: list[_Prepared], count: int, tenant: str) -> list[Admitted]:
         classes = await self._classes()

@@ -14,6 +14,7 @@ from rollq.protocol.codec import Codec
 from rollq.protocol.messages import Job
 from rollq.trace_sink import TraceSink
 from rollq.tracing import Tracing, child_env, parse_headers, traceparent, traces_endpoint
+from rollq.tracing import span as tracing_span
 from tests.agents import SCRIPT
 from tests.helpers import running_worker
 from tests.scripted import scripted_engine
@@ -99,13 +100,54 @@ def test_the_roots_sampling_decision_holds_downstream(monkeypatch):
     root = unsampled.start("submit")
     tp = traceparent(root)
     assert not int(tp.rsplit("-", 1)[1], 16) & 1  # valid, not sampled: carried so the next process follows it
-    downstream.start("attempt", parent=tp).end()
-    assert exported.get_finished_spans() == ()
+    attempt = downstream.start("attempt", parent=tp)
+    with downstream.installed(), downstream.within(attempt):  # the worker's shape: episode, engine call, reward
+        with tracing_span("episode"), tracing_span("engine.generate"):
+            pass
+        assert traceparent(attempt).split("-")[1] == tp.split("-")[1]  # the trajectory carries the decision on
+    attempt.end()
+    assert exported.get_finished_spans() == ()  # not one span of its own trace, nor of a new one
     monkeypatch.setenv("OTEL_TRACES_SAMPLER", "traceidratio")
     monkeypatch.setenv("OTEL_TRACES_SAMPLER_ARG", "0")
     by_env, exported = memory_tracing()  # no rollq rate: the standard variables decide
     by_env.start("submit").end()
     assert exported.get_finished_spans() == ()
+
+
+async def test_a_job_that_waits_for_room_stays_one_trace(redis, redis_url, run_name):
+    """Backpressure: jobs refused for room are tried again; each keeps the one submit span it began with (its tries
+    on it) rather than a new trace per try, and the span ends when the job is admitted, or with the error that gave up
+    on it (QueueFull)."""
+    from rollq.producer.producer import QueueFull
+    from rollq.protocol.keys import PAYLOAD_FIELD, RunKeys
+
+    tracing, exported = memory_tracing()
+    producer = Producer(redis, run_name, max_inflight=2, poll_interval_s=0.01, tracing=tracing)
+    reqs = [JobRequest(workflow="tests.workflows:Echo", data={"i": i}, job_id=f"j{i}") for i in range(4)]
+    with pytest.raises(QueueFull):
+        await producer.submit_many(reqs[:3], wait=False)  # room for two: the third is refused, not waited for
+    first = {s.attributes["rollq.job_id"]: s for s in exported.get_finished_spans() if s.name == "submit"}
+    assert {j: s.attributes.get("rollq.admitted") for j, s in first.items()} == {"j0": True, "j1": True, "j2": None}
+    assert first["j2"].status.description.startswith("QueueFull") and first["j2"].events[0].name == "exception"
+    entries = await redis.xrange(RunKeys(run_name).jobs)  # queued, no worker yet: each carries its submit's context
+    carried = {job.job_id: job.traceparent for job in (Codec().decode_job(f[PAYLOAD_FIELD]) for _, f in entries)}
+    assert {j: int(tp.split("-")[2], 16) for j, tp in carried.items()} == {j: first[j].context.span_id for j in carried}
+    assert sorted(carried) == ["j0", "j1"]
+    exported.clear()
+    consumer = producer.consumer()
+    await consumer.setup()
+    async with running_worker(redis_url, run_name, concurrency=4):
+        submit = asyncio.create_task(producer.submit_many(reqs[2:]))  # wait until j0 and j1 are consumed
+        got = 0
+        while got < 4:
+            batch = await consumer.read(count=4, block_ms=2000)
+            got += len(batch)
+            await consumer.commit(batch)  # frees room for the waiting jobs
+        assert all(r.admitted for r in await asyncio.wait_for(submit, 10))
+    spans = {s.attributes["rollq.job_id"]: s for s in exported.get_finished_spans() if s.name == "submit"}
+    assert sorted(spans) == ["j2", "j3"]
+    assert all(s.attributes["rollq.admitted"] and s.attributes["rollq.submit_tries"] >= 2 for s in spans.values())
+    assert len({s.context.trace_id for s in spans.values()}) == 2
 
 
 def test_off_costs_nothing_on_the_wire():
@@ -171,14 +213,18 @@ async def test_an_agents_completions_are_children_of_its_episode(redis, redis_ur
 
 async def test_the_ingress_continues_the_callers_trace(redis, redis_url, run_name, monkeypatch):
     """A job submitted over HTTP with a W3C `traceparent` header: its submit span is a child of the caller's span,
-    and the queued job carries the submit's context to the worker."""
+    and the queued job carries the submit's context to the worker. A request refused halfway (413 at its second job)
+    ends the spans it began, failed."""
     import httpx
 
     from rollq.protocol.keys import PAYLOAD_FIELD, RunKeys
     from tests.producer.ingress_helpers import running_ingress
 
     monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")  # the SDK's own variable: export every 50 ms
-    async with TraceSink() as sink, running_ingress(redis_url, run_name, trace_endpoint=sink.endpoint) as (_, url):
+    async with (
+        TraceSink() as sink,
+        running_ingress(redis_url, run_name, trace_endpoint=sink.endpoint, max_request_bytes=1024) as (_, url),
+    ):
         caller = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
         async with httpx.AsyncClient(timeout=10) as http:
             r = await http.post(
@@ -188,9 +234,19 @@ async def test_the_ingress_continues_the_callers_trace(redis, redis_url, run_nam
                 },
                 headers={"Authorization": "Bearer tok-acme", "traceparent": caller},
             )
-        assert r.status_code == 202, r.text
-        spans = await sink.wait_for(lambda s: len([x for x in s if x.name == "submit"]) == 2, 30)
-    submits = [s for s in spans if s.name == "submit"]
+            assert r.status_code == 202, r.text
+            big = {"workflow": "tests.workflows:Echo", "job_id": "c", "n": 16}  # 16 entries: over 1024 bytes
+            refused = await http.post(
+                f"{url}/v1/jobs",
+                json={"jobs": [{"workflow": "tests.workflows:Echo", "job_id": "b"}, big]},
+                headers={"Authorization": "Bearer tok-acme"},
+            )
+        assert refused.status_code == 413, refused.text
+        spans = await sink.wait_for(lambda s: len([x for x in s if x.name == "submit"]) == 4, 30)
+    failed = [s for s in spans if s.name == "submit" and s.attributes.get("rollq.client_job_id") in ("b", "c")]
+    assert sorted(s.attributes["rollq.client_job_id"] for s in failed) == ["b", "c"]
+    assert {s.attributes["rollq.error.type"] for s in failed} == {"HttpError"}
+    submits = [s for s in spans if s.name == "submit" and s not in failed]
     assert {s.trace_id for s in submits} == {"0af7651916cd43dd8448eb211c80319c"}
     assert {s.parent_id for s in submits} == {"b7ad6b7169203331"} and {s.service for s in submits} == {"rollq-ingress"}
     assert sorted(s.attributes["rollq.admitted"] for s in submits) == [True, True]
