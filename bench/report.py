@@ -298,8 +298,10 @@ def _tracing_bench(name: str, title: str, about: str) -> Bench:
     def paired(s: Any) -> str:
         each = {b: ", ".join(f"{r:.3f}" for r in get(s, f"{b}_vs_none_each") or []) for b in ("off", "on")}
         return (
-            f"Paired with `none`, median over {get(s, 'rounds')} rounds: off {num(3)(get(s, 'off_vs_none'))} "
-            f"({each['off']}), on {num(3)(get(s, 'on_vs_none'))} ({each['on']}); off within 1 %: "
+            f"Steady state (after {num()(get(s, 'warmup_samples'))} of {num()(get(s, 'samples'))} samples), paired "
+            f"with `none`, median over {get(s, 'rounds')} rounds: off {num(3)(get(s, 'off_vs_none'))} "
+            f"({each['off']}), on {num(3)(get(s, 'on_vs_none'))} ({each['on']}); whole measures, warm-up included: "
+            f"off {num(3)(get(s, 'off_vs_none_whole'))}, on {num(3)(get(s, 'on_vs_none_whole'))}; off within 1 %: "
             f"{yesno(get(s, 'off_within_1pct'))}, on within 3 %: {yesno(get(s, 'on_within_3pct'))}. Sample rate "
             f"when on: {num(2)(get(s, 'sample_rate') or 1.0)}; spans received: {num()(get(s, 'spans_received'))}."
         )
@@ -313,8 +315,10 @@ def _tracing_bench(name: str, title: str, about: str) -> Bench:
                 "Throughput and the worker's CPU",
                 (("none", "builds/none"), ("off", "builds/off"), ("on", "builds/on")),
                 (
-                    Col("samples/s (median)", "samples_per_s", num(1)),
-                    Col("worker CPU us/sample", "worker_cpu_us_per_sample", num()),
+                    Col("samples/s, steady (median)", "samples_per_s", num(1)),
+                    Col("warm-up s", "warmup_s", num(2)),
+                    Col("samples/s, whole measure", "whole_samples_per_s", num(1)),
+                    Col("worker CPU us/sample, steady", "worker_cpu_us_per_sample", num()),
                 ),
                 label="build",
             ),

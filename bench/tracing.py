@@ -5,8 +5,9 @@ summary last).
 The rollouts: a `rollq worker` subprocess (concurrency C) running rollq's `rlvr` workflow (the engine call and the
 reward, each a span when traced) against a synthetic engine subprocess generating `--tokens` tokens per sample at
 `--token-latency` seconds a step, fed by a Producer and read by a consumer in this process (the submit span when
-traced); a measure is `--samples` samples from the first submit to the last commit. The three builds, interleaved
-round by round (`--rounds`, the median reported):
+traced); a measure is `--samples` samples, its throughput the steady state after the first `--warmup` samples (a
+quarter by default: the worker's first episodes load its tokenizer), the warm-up's seconds and the whole measure's
+throughput reported beside it. The three builds, interleaved round by round (`--rounds`, the median reported):
 
 - none: the worker from the commit before tracing was added (`--baseline-ref`, default: the parent of the commit
   that added rollq/tracing.py), installed into a directory of its own and put first on the worker's PYTHONPATH;
@@ -131,9 +132,10 @@ async def measure(
             )
             for i in range(args.samples)
         ]
-        cpu0, t0 = proc_cpu_s(worker.pid), time.perf_counter()
+        t0 = time.perf_counter()
         submit = asyncio.create_task(producer.submit_many(requests))
         got = bad = 0
+        warm: tuple[float, float | None, int] | None = None  # (when, worker CPU, samples) once warmed up
         deadline = time.monotonic() + args.timeout
         while got < args.samples:
             if time.monotonic() > deadline:
@@ -143,13 +145,19 @@ async def measure(
             got += len(batch)
             bad += sum(d.trajectory.status != "ok" for d in batch)
             await consumer.commit(batch)
-        elapsed, cpu1 = time.perf_counter() - t0, proc_cpu_s(worker.pid)
+            if warm is None and got >= args.warmup:
+                warm = (time.perf_counter(), proc_cpu_s(worker.pid), got)
+        end, cpu1 = time.perf_counter(), proc_cpu_s(worker.pid)
         await submit
         if bad:
             raise BenchError(f"{build}: {bad} samples did not finish ok")
+        assert warm is not None
+        steady = args.samples - warm[2]
         return {
-            "samples_per_s": args.samples / elapsed,
-            "worker_cpu_us_per_sample": None if cpu0 is None or cpu1 is None else (cpu1 - cpu0) / args.samples * 1e6,
+            "samples_per_s": steady / (end - warm[0]),
+            "warmup_s": warm[0] - t0,
+            "whole_samples_per_s": args.samples / (end - t0),
+            "worker_cpu_us_per_sample": None if warm[1] is None or cpu1 is None else (cpu1 - warm[1]) / steady * 1e6,
         }
     finally:
         await asyncio.to_thread(tracing.shutdown)
@@ -201,6 +209,7 @@ async def bench(procs: Processes, tmp: Path, args: argparse.Namespace) -> dict[s
         "workload": "stress" if args.stress else "generation-bound",
         "baseline_ref": ref,
         "samples": args.samples,
+        "warmup_samples": args.warmup,
         "rounds": args.rounds,
         "concurrency": args.concurrency,
         "token_latency_s": args.token_latency,
@@ -211,6 +220,8 @@ async def bench(procs: Processes, tmp: Path, args: argparse.Namespace) -> dict[s
         "builds": {
             b: {
                 "samples_per_s": median(b, "samples_per_s"),
+                "warmup_s": median(b, "warmup_s"),
+                "whole_samples_per_s": median(b, "whole_samples_per_s"),
                 "worker_cpu_us_per_sample": median(b, "worker_cpu_us_per_sample"),
                 "each": [round(m["samples_per_s"], 1) for m in results[b]],
             }
@@ -223,6 +234,11 @@ async def bench(procs: Processes, tmp: Path, args: argparse.Namespace) -> dict[s
         ratios = [m["samples_per_s"] / n["samples_per_s"] for m, n in zip(results[b], results["none"], strict=True)]
         summary[f"{b}_vs_none"] = statistics.median(ratios)
         summary[f"{b}_vs_none_each"] = [round(r, 3) for r in ratios]
+        whole = [
+            m["whole_samples_per_s"] / n["whole_samples_per_s"]
+            for m, n in zip(results[b], results["none"], strict=True)
+        ]
+        summary[f"{b}_vs_none_whole"] = statistics.median(whole)  # warm-up included: what startup adds
     summary["off_within_1pct"] = summary["off_vs_none"] >= 0.99
     summary["on_within_3pct"] = summary["on_vs_none"] >= 0.97
     return summary
@@ -230,16 +246,17 @@ async def bench(procs: Processes, tmp: Path, args: argparse.Namespace) -> dict[s
 
 def table(s: dict[str, Any]) -> str:
     rows = [
-        "| build | samples/s (median) | each round | worker CPU us/sample | / none, paired median (each round) |",
-        "|---|---|---|---|---|",
+        "| build | samples/s (median) | each round | warm-up s | whole measure samples/s | worker CPU us/sample "
+        "| / none, paired median (each round) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for b in BUILDS:
         m = s["builds"][b]
         cpu = m["worker_cpu_us_per_sample"]
         paired = "1" if b == "none" else f"{s[f'{b}_vs_none']:.3f} ({', '.join(map(str, s[f'{b}_vs_none_each']))})"
         rows.append(
-            f"| {b} | {m['samples_per_s']:.1f} | {', '.join(map(str, m['each']))} | "
-            f"{'-' if cpu is None else f'{cpu:.0f}'} | {paired} |"
+            f"| {b} | {m['samples_per_s']:.1f} | {', '.join(map(str, m['each']))} | {m['warmup_s']:.2f} | "
+            f"{m['whole_samples_per_s']:.1f} | {'-' if cpu is None else f'{cpu:.0f}'} | {paired} |"
         )
     return "\n".join(rows)
 
@@ -249,6 +266,7 @@ def main() -> int:
     p.add_argument("--stress", action="store_true", help="generation nearly free: CPU-bound rollouts (see above)")
     p.add_argument("--sample-rate", type=float, default=1.0, help="share of traces sampled when on (default 1)")
     p.add_argument("--samples", type=int, help="samples per measure (default 1000; --stress 2000)")
+    p.add_argument("--warmup", type=int, help="samples before the steady state is measured (default: a quarter)")
     p.add_argument("--rounds", type=int, default=5, help="rounds of the three builds (default 5; medians)")
     p.add_argument("--concurrency", type=int, default=64, help="the worker's concurrency (default 64)")
     p.add_argument("--token-latency", type=float, help="engine seconds per decode step (default 0.1; --stress 0.002)")
@@ -260,6 +278,9 @@ def main() -> int:
     if not 0 < args.sample_rate <= 1:
         p.error("--sample-rate must be in (0, 1]")
     args.samples = args.samples or (2000 if args.stress else 1000)
+    args.warmup = args.samples // 4 if args.warmup is None else args.warmup
+    if not 0 <= args.warmup < args.samples:
+        p.error("--warmup must be below --samples")
     args.token_latency = args.token_latency if args.token_latency is not None else (0.002 if args.stress else 0.1)
     args.tokens = args.tokens or (32 if args.stress else 8)
     out: dict[str, Any] = {}

@@ -198,9 +198,10 @@ class Tracing:
 
 
 def _unsampled(span: Span) -> bool:
-    """`span` is of a trace whose root decided not to sample it (every span of it follows: parent-based)."""
+    """`span` records nothing, in a trace whose root decided not to sample it (every span of it follows: parent-based).
+    Ending it, or setting its attributes, does nothing."""
     context = span.get_span_context()
-    return context.is_valid and not context.trace_flags.sampled
+    return context.is_valid and not context.trace_flags.sampled and not span.is_recording()
 
 
 def child_env(settings: RunSettings) -> dict[str, str]:
