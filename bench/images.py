@@ -266,6 +266,8 @@ def main() -> int:
     p.add_argument("--new", type=int, default=16, help="tokens each engine request generates")
     add_results_arg(p)
     args = p.parse_args()
+    if args.jobs < 32:  # the CPU clock (/proc) ticks in 10 ms: fewer text episodes can read as no CPU at all
+        p.error("--jobs must be at least 32")
     out = asyncio.run(run_all(args))
     print()
     print(table(out))

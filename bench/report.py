@@ -303,7 +303,8 @@ def _tracing_bench(name: str, title: str, about: str) -> Bench:
             f"({each['off']}), on {num(3)(get(s, 'on_vs_none'))} ({each['on']}); whole measures, warm-up included: "
             f"off {num(3)(get(s, 'off_vs_none_whole'))}, on {num(3)(get(s, 'on_vs_none_whole'))}; off within 1 %: "
             f"{yesno(get(s, 'off_within_1pct'))}, on within 3 %: {yesno(get(s, 'on_within_3pct'))}. Sample rate "
-            f"when on: {num(2)(get(s, 'sample_rate') or 1.0)}; spans received: {num()(get(s, 'spans_received'))}."
+            f"when on: {num(2)(get(s, 'sample_rate') or 1.0)}; spans received: {num()(get(s, 'spans_received'))} "
+            f"({num(3)(get(s, 'received_share'))} of every sample's; below the rate: dropped by the SDK's full queue)."
         )
 
     return Bench(
