@@ -150,6 +150,36 @@ async def test_a_job_that_waits_for_room_stays_one_trace(redis, redis_url, run_n
     assert len({s.context.trace_id for s in spans.values()}) == 2
 
 
+async def test_a_traced_engine_call_hands_its_span_to_the_engine():
+    """/generate carries the W3C `traceparent` of the caller's span (what SGLang with --enable-trace makes its request's
+    root span a child of), plain and streamed; untraced calls carry none. The headers as aiohttp sent them to a real
+    engine server on loopback."""
+    import aiohttp
+
+    from rollq.engine.client import SGLangClient
+    from rollq.engine.types import SamplingParams
+
+    tracing, _ = memory_tracing()
+    sent: list[dict[str, str]] = []
+
+    async def on_request_start(session, context, params) -> None:
+        sent.append(dict(params.headers))
+
+    hooks = aiohttp.TraceConfig()
+    hooks.on_request_start.append(on_request_start)
+    sampling = SamplingParams(max_new_tokens=2)
+    async with scripted_engine(["hi"]) as engine, aiohttp.ClientSession(trace_configs=[hooks]) as http:
+        client = SGLangClient(engine.url, http)
+        await client.generate([1, 2, 3], sampling)
+        with tracing.installed(), tracing.span("engine.generate") as span:
+            await client.generate([1, 2, 3], sampling)
+            await client.generate([1, 2, 3], sampling, on_progress=lambda ids, logprobs: None)
+            expected = traceparent(span)
+    assert "traceparent" not in sent[0]
+    assert [h.get("traceparent") for h in sent[1:]] == [expected, expected]
+    assert expected.split("-")[2] == format(span.get_span_context().span_id, "016x")
+
+
 def test_off_costs_nothing_on_the_wire():
     tracing = Tracing.disabled()
     with tracing.span("episode") as span:
