@@ -1,7 +1,8 @@
-"""AReaL parity: agents and RolloutWorkflows in the shapes of AReaL's own files and docs (tests/areal_agents.py:
-AReaL's API used as AReaL uses it, with rollq's imports) run unchanged in a real rollq worker, against a real
-EnginePool and a scripted engine server, over real Redis streams. Defaults and names as AReaL's: AgentOptions(mode,
-export_style, turn_discount)."""
+"""AReaL parity: RolloutWorkflows in the shapes of AReaL's docs (tests/areal_agents.py: AReaL's API used as AReaL
+uses it, with rollq's imports) run unchanged in a real rollq worker, against a real EnginePool and a scripted engine
+server, over real Redis streams. Defaults and names as AReaL's: AgentOptions(mode, export_style, turn_discount).
+AReaL's own agent files (math, multi-turn, the Agents SDK calculator) run from the real wheel in
+tests/workers/areal_real/test_agent_files.py."""
 
 from __future__ import annotations
 
@@ -121,58 +122,6 @@ async def test_reward_wrappers_built_per_run_share_the_workers_processes():
         second = AsyncRewardWrapper(reward_fns.sleepy)
         assert await second(0.0) == 1.0 and second.pids == pids
     assert pids and not any(pid_alive(p) for p in pids)
-
-
-@pytest.mark.slow  # reward processes start (~5 s)
-async def test_math_agent_single_turn(redis, redis_url, run_name):
-    """AReaL's MathAgent: one completion, `AsyncRewardWrapper(math_reward_fn, max_workers=None)` built per run,
-    keyword arguments passed to the reward function; its float rewards the last completion."""
-    trajs = await run(redis, redis_url, run_name, ["The answer is 5."], "tests.areal_agents:MathAgent", n=3)
-    assert [t.status for t in trajs] == ["ok"] * 3, [t.error for t in trajs]
-    for t in trajs:
-        [seq] = t.sequences
-        assert seq.reward == 1.0 and trained_text(seq) == "The answer is 5."
-        assert all(lp < 0 for lp, m in zip(seq.logprobs, seq.loss_mask, strict=True) if m)
-
-
-async def test_multi_turn_math_agent_discounts_a_wrong_first_turn(redis, redis_url, run_name):
-    """AReaL's MultiTurnMathAgent returns {completion_id: reward}: turn 1 wrong (an explicit 0), turn 2 right.
-    AReaL's rule: turn 1's value = 0 + turn_discount * 1.0."""
-    agent = AgentOptions(turn_discount=0.9)
-    replies = ["The answer is 4.", "The answer is 5."]
-    [t] = await run(redis, redis_url, run_name, replies, "tests.areal_agents:MultiTurnMathAgent", agent=agent)
-    assert t.status == "ok", t.error
-    first, second = t.sequences
-    assert (first.reward, second.reward) == (pytest.approx(0.9), 1.0)
-    assert trained_text(first) == "The answer is 4." and trained_text(second) == "The answer is 5."
-    assert list(second.input_ids[: len(first.input_ids)]) == list(first.input_ids)  # turn 2 continues turn 1
-
-    [t] = await run(  # concat: one sequence, both turns trained, the leaf's reward
-        redis,
-        redis_url,
-        run_name,
-        replies,
-        "tests.areal_agents:MultiTurnMathAgent",
-        agent=AgentOptions(export_style="concat", turn_discount=0.9),
-        job_id="concat",
-    )
-    [seq] = t.sequences
-    assert seq.reward == 1.0 and trained_text(seq) == "The answer is 4.The answer is 5."
-
-
-@pytest.mark.slow  # reward processes start (~5 s)
-async def test_math_tool_agent_on_the_agents_sdk_default_responses_provider(redis, redis_url, run_name, monkeypatch):
-    """AReaL's calculator agent: the OpenAI Agents SDK's Runner with `OpenAIProvider(openai_client=client)` (the
-    Responses API), function tools and an SQLiteSession; the final output's reward goes to the last completion and,
-    along the parent link, to the tool-calling turn."""
-    monkeypatch.setenv("OPENAI_AGENTS_DISABLE_TRACING", "1")
-    replies = ['<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>', "The answer is 5."]
-    [t] = await run(redis, redis_url, run_name, replies, "tests.areal_agents:MathToolAgent")
-    assert t.status == "ok", t.error
-    call, answer = t.sequences
-    assert (call.reward, answer.reward) == (1.0, 1.0)
-    assert trained_text(call) == replies[0] and trained_text(answer) == "The answer is 5."
-    assert list(answer.input_ids[: len(call.input_ids)]) == list(call.input_ids)  # turn 2 continues turn 1's ids
 
 
 async def test_rollout_workflow_from_the_add_a_workflow_guide(redis, redis_url, run_name):
