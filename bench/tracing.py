@@ -51,6 +51,7 @@ from rollq.producer.producer import JobRequest, Producer
 from rollq.protocol.keys import RunKeys
 from rollq.redis_client import redis_client
 from rollq.tracing import Tracing
+from rollq.up import engine_healthy
 
 BUILDS = ("none", "off", "on")
 SPANS_PER_SAMPLE = 5  # submit, attempt, episode, engine.generate, reward
@@ -89,14 +90,6 @@ def build_baseline(ref: str, tmp: Path) -> Path:
     finally:
         subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=REPO, capture_output=True)
     return site
-
-
-async def healthy(url: str) -> bool:
-    try:
-        async with httpx.AsyncClient(timeout=1) as client:
-            return (await client.get(f"{url}/health")).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 async def sink_count(url: str) -> int:
@@ -177,8 +170,8 @@ async def bench(procs: Processes, tmp: Path, args: argparse.Namespace) -> dict[s
         "sink", [sys.executable, "-m", "rollq.trace_sink", "--port", str(sink_port), "--count-only"], env=bench_env()
     )
     sink = f"http://127.0.0.1:{sink_port}"
-    await procs.wait_until(lambda: healthy(engine), 60, "engine healthy", watch=engine_proc)
-    await procs.wait_until(lambda: healthy(sink), 60, "trace receiver", watch=sink_proc)
+    await procs.wait_until(lambda: engine_healthy(engine), 60, "engine healthy", watch=engine_proc)
+    await procs.wait_until(lambda: engine_healthy(sink), 60, "trace receiver", watch=sink_proc)
     ref = args.baseline_ref or baseline_ref()
     site = await asyncio.to_thread(build_baseline, ref, tmp)
     base = bench_env()

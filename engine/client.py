@@ -176,12 +176,6 @@ _decode = msgspec.json.Decoder().decode
 _encode = msgspec.json.Encoder().encode
 
 
-def _trace_headers() -> dict[str, str] | None:
-    """`traceparent` of the current span when this task traces (rollq.tracing), else None."""
-    parent = tracing.traceparent() if tracing.active() is not None else ""
-    return {tracing.TRACEPARENT: parent} if parent else None
-
-
 def _json_body(payload: Any, headers: dict[str, str]) -> dict[str, Any]:
     """aiohttp request arguments for a JSON body, encoded by msgspec (~10x faster than aiohttp's json.dumps on a
     prompt's input_ids)."""
@@ -205,12 +199,11 @@ class SGLangClient:
         *,
         json: Any = None,
         timeout: float | None = 30.0,
-        extra_headers: dict[str, str] | None = None,
+        headers: dict[str, str] | None = None,  # None: the route's (the admin key's on control routes)
     ) -> _Reply:
         try:
-            headers = self.admin_headers if path in ADMIN_ROUTES else self.headers
-            if extra_headers:
-                headers = {**headers, **extra_headers}
+            if headers is None:
+                headers = self.admin_headers if path in ADMIN_ROUTES else self.headers
             body = _json_body(json, headers) if json is not None else {"headers": headers}
             async with self.http.request(
                 method, self.url + path, timeout=aiohttp.ClientTimeout(total=timeout, connect=5.0), **body
@@ -241,11 +234,11 @@ class SGLangClient:
         json: Any = None,
         timeout: float | None = 30.0,
         first_of_list: bool = False,  # /generate with n > 1 answers a list; callers ask for one sample per call
-        extra_headers: dict[str, str] | None = None,
+        headers: dict[str, str] | None = None,
     ) -> dict[str, Any]:
         """A route that answers a JSON object (/generate, the info routes): anything else (a proxy's page, a router's
         reply of another shape) is an EngineError naming the engine, the route, the status and the body."""
-        resp = await self._request(method, path, json=json, timeout=timeout, extra_headers=extra_headers)
+        resp = await self._request(method, path, json=json, timeout=timeout, headers=headers)
         if resp.status >= 400:
             raise _refusal(self.url, resp, path)
         try:
@@ -284,15 +277,12 @@ class SGLangClient:
             payload["image_data"] = image_data
         if priority is not None:
             payload["priority"] = priority
-        # The caller's span (a traced worker's engine call): SGLang run with --enable-trace makes its request's spans
-        # its children (the W3C headers it reads: sglang 0.5.23 srt/observability/trace.py:41,74 and
-        # srt/managers/tokenizer_manager.py:3805-3814), so one trace shows the sample inside the engine too.
-        trace_headers = _trace_headers()
+        headers = self._generate_headers()
         if on_progress is not None:
-            result = await self._generate_stream(payload, timeout, on_progress, trace_headers)
+            result = await self._generate_stream(payload, timeout, on_progress, headers)
         else:
             body = await self._json_object(
-                "POST", "/generate", json=payload, timeout=timeout, first_of_list=True, extra_headers=trace_headers
+                "POST", "/generate", json=payload, timeout=timeout, first_of_list=True, headers=headers
             )
             result = parse_generate(body)
         error = _abort_error(self.url, result)
@@ -300,12 +290,16 @@ class SGLangClient:
             raise error
         return result
 
+    def _generate_headers(self) -> dict[str, str]:
+        """/generate's headers: with the caller's span as `traceparent` when the task traces (rollq.tracing). SGLang run
+        with --enable-trace makes its request's spans children of it (the W3C headers it reads: sglang 0.5.23
+        srt/observability/trace.py:41,74 and srt/managers/tokenizer_manager.py:3805-3814), so one trace shows the
+        sample inside the engine too."""
+        parent = tracing.traceparent() if tracing.active() is not None else ""
+        return {**self.headers, tracing.TRACEPARENT: parent} if parent else self.headers
+
     async def _generate_stream(
-        self,
-        payload: dict[str, Any],
-        timeout: float | None,
-        on_progress: ProgressCallback,
-        trace_headers: dict[str, str] | None = None,
+        self, payload: dict[str, Any], timeout: float | None, on_progress: ProgressCallback, headers: dict[str, str]
     ) -> GenerateResult:
         """`stream: true`: chunks carry the cumulative output_ids and logprobs (SGLang 0.5.23 and rollq's engines;
         0.5.5 sends deltas and may drop chunks — stream only against the former). The last chunk is the result."""
@@ -317,7 +311,7 @@ class SGLangClient:
             async with self.http.post(
                 self.url + "/generate",
                 timeout=aiohttp.ClientTimeout(total=timeout, connect=5.0),
-                **_json_body(payload, {**self.headers, **trace_headers} if trace_headers else self.headers),
+                **_json_body(payload, headers),
             ) as resp:
                 if resp.status >= 400:
                     reply = _Reply(resp.status, await resp.read(), resp.reason)

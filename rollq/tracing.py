@@ -241,6 +241,15 @@ async def reward(mode: str, call: Awaitable[Any]) -> Any:
         return value
 
 
+async def generation(traced: Tracing, req: Any, call: Awaitable[Any]) -> Any:
+    """Awaits an engine call (`req`: its ModelRequest) inside an `engine.generate` span, recorded by
+    `record_generation`."""
+    with traced.span("engine.generate", kind=SpanKind.CLIENT) as span:
+        resp = await call
+        record_generation(traced, span, req, resp)
+        return resp
+
+
 def traceparent(of: Span | None = None) -> str:
     """The context of `of` (default: the current span) as a W3C traceparent ('' when tracing is off). A span not
     sampled has one too, its sampled flag clear: the next process follows the decision."""
@@ -314,6 +323,7 @@ __all__ = [
     "current",
     "error",
     "extract",
+    "generation",
     "parse_headers",
     "record_generation",
     "reward",

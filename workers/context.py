@@ -30,7 +30,6 @@ from httpx_aiohttp import HttpxAiohttpClient
 import rollq.tracing as tracing
 from rollq.config import DEFAULT_REDIS_URL
 from rollq.engine.types import InferenceEngine, ModelRequest, ModelResponse, ProgressCallback, as_model_request
-from rollq.tracing import SpanKind
 from rollq.workers.proxy.server import ProxyConfig, RecordingProxy
 from rollq.workers.rewards.processes import shared_pools
 from rollq.workers.stats import StatsTracker, WorkflowStats
@@ -140,12 +139,7 @@ class RecordingEngine:
             req.lora_path = episode.lora
         call = self.inner.agenerate(req) if on_tokens is None else self.inner.agenerate(req, on_tokens)
         traced = tracing.active()
-        if traced is None:
-            resp = await call
-        else:
-            with traced.span("engine.generate", kind=SpanKind.CLIENT) as span:
-                resp = await call
-                tracing.record_generation(traced, span, req, resp)
+        resp = await (call if traced is None else tracing.generation(traced, req, call))
         recording = _RECORDING.get()
         if recording is not None and recording.open:
             recording.responses.append(resp)

@@ -24,7 +24,7 @@ from rollq.engine.client import EngineError
 from rollq.engine.images import DEFAULT_MAX_PIXELS
 from rollq.engine.types import InferenceEngine, ModelRequest, ModelResponse, SamplingParams
 from rollq.http_server import BAD_JSON, read_body, start_site
-from rollq.tracing import INVALID_SPAN, NO_SPAN, Span, SpanKind, Tracing, record_generation
+from rollq.tracing import INVALID_SPAN, NO_SPAN, Span, SpanKind, Tracing, generation
 from rollq.workers.chat_template import stop_token_ids
 from rollq.workers.proxy import anthropic, responses
 from rollq.workers.proxy.chat import (
@@ -273,10 +273,7 @@ class RecordingProxy:
         if getattr(engine, "traces_calls", False):  # the worker's episode engine makes the call's span itself
             with traced.installed():
                 return await engine.agenerate(request, on_tokens=on_tokens)
-        with traced.span("engine.generate", kind=SpanKind.CLIENT) as span:
-            resp = await engine.agenerate(request, on_tokens=on_tokens)
-            record_generation(traced, span, request, resp)
-            return resp
+        return await generation(traced, request, engine.agenerate(request, on_tokens=on_tokens))
 
     def _choices(
         self,
