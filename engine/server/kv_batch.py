@@ -2,8 +2,9 @@
 
 Each row's tokens are right-aligned; an attention mask hides the padding and explicit position ids keep every row's
 positions its own, so a row decodes exactly as it would alone. Rows join (after their own unpadded prefill) and
-leave between decode steps. Works with HF decoder-only models that take `position_ids` and a 2-D attention mask
-(Llama/Qwen families); sliding-window layers are treated as full attention.
+leave between decode steps. Model-agnostic: every model class gets the shapes all of them accept (a 2-D padding mask,
+or in cascade steps a prepared 4-D one, which transformers' mask builders hand through as is), and sliding-window
+layers see exactly their window (the model's own mask in plain steps, `sliding_window` in cascade steps).
 
 KV lives in preallocated per-layer buffers [rows, kv_heads, capacity, head_dim], grown geometrically: a decode step
 writes its token's K/V in place (`_BufferLayer.update`) instead of concatenating the whole cache anew, and the model
@@ -19,7 +20,8 @@ merges the two by log-sum-exp, which is exact. Rows without a prefix take the su
 
 from __future__ import annotations
 
-import collections
+import functools
+import inspect
 from collections.abc import Sequence
 from typing import Any
 
@@ -58,7 +60,21 @@ class _CascadePlan:
     """What the cascade attention needs in one decode step: per layer the groups' prefix K/V, padded to one length
     ([G, kv_heads, Pmax, head_dim]), which rows use which group, and the suffix padding of every row."""
 
-    __slots__ = ("prefix", "prefix_bias", "rows", "slots", "order", "groups", "width", "suffix_bias", "padded")
+    __slots__ = (
+        "prefix",
+        "prefix_bias",
+        "lengths",
+        "rows",
+        "slots",
+        "order",
+        "groups",
+        "width",
+        "suffix_bias",
+        "padded",
+        "positions",
+        "windows",
+        "mask",
+    )
 
     def __init__(self, prefixes: list[SharedPrefix], shared: list[SharedPrefix | None], device: torch.device) -> None:
         index = {id(p): g for g, p in enumerate(prefixes)}
@@ -70,6 +86,7 @@ class _CascadePlan:
                 slots.append((g, fill[g]))
                 fill[g] += 1
         self.groups, self.width = len(prefixes), max(fill)
+        self.lengths = torch.tensor([p.length for p in prefixes], device=device)
         self.rows = torch.tensor(rows, device=device)
         flat = [g * self.width + j for g, j in slots]
         self.slots = torch.tensor(flat, device=device)  # flat (group, slot) of each shared row
@@ -90,13 +107,59 @@ class _CascadePlan:
                     buf[g, :, : p.length] = p.layers[li][j][0]
                 pair.append(buf)
             self.prefix.append((pair[0], pair[1]))
-        lengths = torch.tensor([p.length for p in prefixes], device=device)
-        pad = torch.arange(longest, device=device)[None, :] >= lengths[:, None]
+        pad = torch.arange(longest, device=device)[None, :] >= self.lengths[:, None]
         dtype = prefixes[0].layers[0][0].dtype
         bias = torch.zeros(pad.shape, dtype=dtype, device=device).masked_fill_(pad, float("-inf"))
         self.prefix_bias = bias[:, None, None, :] if bool(pad.any()) else None  # [G, 1, 1, Pmax] additive
         self.suffix_bias: torch.Tensor | None = None  # [B, 1, 1, W] additive (-inf on left padding), set per step
         self.padded = True  # whether rows have left padding (else suffix_bias stays None)
+        self.positions = torch.zeros(0, dtype=torch.long, device=device)  # [B] each row's query token index, per step
+        self.windows: dict[int, _WindowBias] = {}  # per sliding-window size, built at its first layer of a step
+        # What the model is handed as attention_mask: a 4-D tensor, which every model class's mask builder returns
+        # unchanged (transformers' _preprocess_mask_arguments), so none builds a mask of its own for this step
+        self.mask = torch.zeros(1, 1, 1, 1, dtype=dtype, device=device)
+
+    def step(self, positions: torch.Tensor, suffix_bias: torch.Tensor | None) -> None:
+        """Set up one forward: `positions` [B] the token index of each row's query (its tokens before it, shared
+        prefix included), `suffix_bias` as the attribute."""
+        self.positions, self.suffix_bias = positions, suffix_bias
+        self.windows.clear()
+
+    def window(self, size: int, suffix_width: int) -> _WindowBias:
+        """The additive biases of a sliding-window layer of `size` in this step (transformers' rule: a query at token
+        index i sees the keys at indices j with i - size < j <= i)."""
+        made = self.windows.get(size)
+        if made is None:
+            made = self.windows[size] = _WindowBias(self, size, suffix_width)
+        return made
+
+
+class _WindowBias:
+    """A sliding-window layer's view in one cascade step. Suffix: column c of the left-padded buffers (the query's
+    own token at the last column, W-1) holds the token W-1-c before the query in every row, so the window keeps the
+    last `size` columns of all rows alike. Prefix: token j of a row's shared prefix is visible from j >
+    position - size, a bound per row; a row that sees none of its prefix drops that part (`dead`)."""
+
+    __slots__ = ("suffix", "prefix", "dead")
+
+    def __init__(self, plan: _CascadePlan, size: int, suffix_width: int) -> None:
+        self.suffix = plan.suffix_bias
+        if suffix_width > size:
+            cut = plan.mask.new_zeros(1, 1, 1, suffix_width)
+            cut[..., : suffix_width - size] = float("-inf")
+            self.suffix = cut if self.suffix is None else self.suffix + cut
+        self.prefix = plan.prefix_bias
+        self.dead: torch.Tensor | None = None
+        low = plan.positions[plan.rows] - size + 1  # per shared row: its first visible prefix token
+        if bool((low > 0).any()):
+            longest = plan.prefix[0][0].shape[2]
+            lows = low.new_zeros(plan.groups * plan.width)
+            lows[plan.slots] = low  # by (group, slot); empty slots see everything (their output is never read)
+            hidden = torch.arange(longest, device=low.device)[None, :] < lows[:, None]  # [G * n, Pmax]
+            rows = plan.mask.new_zeros(hidden.shape).masked_fill_(hidden, float("-inf"))
+            rows = rows.view(plan.groups, 1, plan.width, 1, longest)
+            self.prefix = rows if self.prefix is None else rows + self.prefix[:, :, None]
+            self.dead = (low >= plan.lengths[plan.slots // plan.width])[:, None, None, None]  # [shared rows, 1, 1, 1]
 
 
 def cascade_attention(
@@ -108,37 +171,60 @@ def cascade_attention(
     scaling: float | None = None,
     dropout: float = 0.0,
     rollq_cascade: _CascadePlan | None = None,
+    sliding_window: int | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """SDPA, except in a KVBatch cascade decode step (`rollq_cascade` given): there every row attends to its
     suffix (`key`/`value`: the batch's left-padded buffers) and, for rows with a shared prefix, to that prefix;
-    the two partial attentions are merged exactly by their log-sum-exp."""
+    the two partial attentions are merged exactly by their log-sum-exp. A sliding-window layer (`sliding_window`,
+    as the model passes it) sees its window in both parts. An attention the cascade does not compute (logit
+    softcapping, attention sinks) raises CascadeUnsupported: the engine's start-up check (engine/server/
+    self_check.py) then serves the model without shared-prefix decode."""
     if rollq_cascade is None:
         return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=dropout,
+            scaling=scaling,
+            sliding_window=sliding_window,
+            **kwargs,
         )
+    unsupported = [name for name in UNSUPPORTED_ATTENTION if kwargs.get(name) is not None]
+    if unsupported:
+        raise CascadeUnsupported(f"{type(module).__name__} passes {', '.join(unsupported)} to its attention")
     plan = rollq_cascade
     b, heads, _, d = query.shape  # one query token per row
     kv_heads = key.shape[1]
     rep = heads // kv_heads
     scale = scaling if scaling is not None else d**-0.5
+    window = plan.window(sliding_window, key.shape[2]) if sliding_window else None
+    suffix_bias = window.suffix if window is not None else plan.suffix_bias
+    prefix_bias = window.prefix if window is not None else plan.prefix_bias
     q = query.reshape(b, kv_heads, rep, d)  # head h reads kv head h // rep, as repeat_kv: the rep heads as queries
-    out, lse = _partial_attention(q, key, value, plan.suffix_bias, scale)  # every row has its new token
+    out, lse = _partial_attention(q, key, value, suffix_bias, scale)  # every row has its new token
     pk, pv = plan.prefix[module.layer_idx]  # type: ignore[index]
     g, n = plan.groups, plan.width
+    if prefix_bias is not None and prefix_bias.dim() == 5:  # per-row window bounds: [G, 1, n, 1 -> rep, Pmax]
+        prefix_bias = prefix_bias.expand(-1, -1, -1, rep, -1).reshape(g, 1, n * rep, -1)
     if plan.order is not None:  # every slot of every group taken: a gather
         qp = q.index_select(0, plan.order)
     else:
         qp = q.new_zeros(g * n, kv_heads, rep, d)
         qp[plan.slots] = q[plan.rows]
     qp = qp.view(g, n, kv_heads, rep, d).transpose(1, 2).reshape(g, kv_heads, n * rep, d)
-    op, lse_p = _partial_attention(qp, pk, pv, plan.prefix_bias, scale)  # all groups' queries at once
+    op, lse_p = _partial_attention(qp, pk, pv, prefix_bias, scale)  # all groups' queries at once
 
     def per_row(t: torch.Tensor) -> torch.Tensor:  # [G, kv_heads, n * rep, x] -> [shared rows, kv_heads, rep, x]
         x = t.shape[-1]
         return t.view(g, kv_heads, n, rep, x).transpose(1, 2).reshape(g * n, kv_heads, rep, x)[plan.slots]
 
     op, lse_p = per_row(op).float(), per_row(lse_p)
+    if window is not None and window.dead is not None:  # rows past their whole prefix: no weight, whatever the op
+        op.masked_fill_(window.dead, 0.0)
+        lse_p = lse_p.masked_fill(window.dead, float("-inf"))
     every = plan.rows.shape[0] == b  # every row shares a prefix: no row indexing
     ls = lse if every else lse[plan.rows]
     m = torch.maximum(ls, lse_p)
@@ -149,6 +235,14 @@ def cascade_attention(
         out[plan.rows] = merged
     return (merged if every else out).to(query.dtype).reshape(b, 1, heads, d), None
 
+
+class CascadeUnsupported(RuntimeError):
+    """The model's attention does something the cascade does not compute; the message names it."""
+
+
+# Arguments a model's attention may pass that change its result and that the cascade does not compute: Gemma 2's
+# attention logit softcapping, gpt-oss's attention sinks
+UNSUPPORTED_ATTENTION = ("softcap", "s_aux")
 
 _flash_cpu = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
@@ -170,7 +264,20 @@ def _partial_attention(
 
 AttentionInterface.register(CASCADE, cascade_attention)
 AttentionMaskInterface.register(CASCADE, sdpa_mask)
-_NO_MASKS: collections.defaultdict[str, None] = collections.defaultdict(lambda: None)  # cascade steps mask themselves
+
+
+@functools.cache
+def cache_argument(model_class: type) -> str:
+    """The name under which `model_class.forward` takes its KV cache: `cache` since transformers 5.x renamed it
+    (`past_key_values` is deprecated for removal in 5.40: modeling_layers.py's deprecate_kwarg), `past_key_values`
+    before. A fact of the class, looked up once."""
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
+
+
+def _cache_kwargs(model: Any, cache: Cache) -> dict[str, Cache]:
+    """The model's forward argument for `cache`; peft's wrapper passes its keyword arguments to the base model."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return {cache_argument(type(base)): cache}
 
 
 class _BufferLayer(DynamicLayer):
@@ -320,7 +427,7 @@ def prefill(
         layers = [_BufferLayer(reserve=length) for _ in range(n_layers)]
     out = model(
         input_ids=torch.tensor([_tokens(x[start:]) for x in ids], device=model.device),
-        past_key_values=_BufferCache(layers),
+        **_cache_kwargs(model, _BufferCache(layers)),
         use_cache=True,
         logits_to_keep=1,
         **_adapter_kwargs(adapters),
@@ -356,7 +463,7 @@ def prefill_vision(
         pixel_values=torch.cat(list(pixel_values)).to(device, model.dtype),
         image_grid_thw=grid,
         position_ids=positions,
-        past_key_values=_BufferCache(layers),
+        **_cache_kwargs(model, _BufferCache(layers)),
         use_cache=True,
         logits_to_keep=1,
     )
@@ -379,13 +486,15 @@ def prefill_last(
         raise ValueError("a cascade prefill computes the one token after each sequence's shared prefix")
     groups = list({id(p): p for p in shared}.values())
     plan = _CascadePlan(groups, list(shared), device)
+    positions = torch.tensor([p.length for p in shared], device=device)
+    plan.step(positions, None)
     n_layers = model.config.get_text_config().num_hidden_layers
     layers = [_BufferLayer(reserve=1) for _ in range(n_layers)]
     out = model(
         input_ids=torch.tensor([[x[-1] % ADAPTER_KEY_SPACE] for x in ids], device=device),
-        attention_mask=_NO_MASKS,
-        position_ids=torch.tensor([[p.length] for p in shared], device=device),
-        past_key_values=_BufferCache(layers),
+        attention_mask=plan.mask,
+        position_ids=positions[:, None],
+        **_cache_kwargs(model, _BufferCache(layers)),
         use_cache=True,
         logits_to_keep=1,
         rollq_cascade=plan,
@@ -565,15 +674,17 @@ class KVBatch:
                 self._plan = _CascadePlan(groups, self._shared, self._mask_buf.device)
                 # rows all as long as the buffers (e.g. a group admitted at once) stay so: no padding to mask
                 self._plan.padded = bool((self._lengths - self._offsets != w).any())
+            bias = None
             if self._plan.padded:
                 bias = torch.zeros(mask.shape, dtype=self._layers[0].dtype, device=mask.device)
-                self._plan.suffix_bias = bias.masked_fill_(mask == 0, float("-inf"))[:, None, None, :]
-            extra["rollq_cascade"], mask = self._plan, _NO_MASKS
+                bias = bias.masked_fill_(mask == 0, float("-inf"))[:, None, None, :]
+            self._plan.step(self._lengths, bias)
+            extra["rollq_cascade"], mask = self._plan, self._plan.mask
         out = model(
             input_ids=torch.tensor(list(tokens), device=self._mask_buf.device)[:, None],
             attention_mask=mask,
             position_ids=(self._lengths + self._deltas)[:, None],
-            past_key_values=self._cache,
+            **_cache_kwargs(model, self._cache),
             use_cache=True,
             logits_to_keep=1,
             **extra,
