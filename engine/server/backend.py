@@ -32,6 +32,10 @@ from rollq.engine.types import FinishReason, PauseMode, SamplingParams
 from rollq.protocol.media import ImageFile
 
 
+class ModelRefused(ValueError):
+    """A backend cannot serve its model right, found when it starts; the message says what is missing."""
+
+
 class GenState:
     """One sample being generated. Mutable; shared by the server and the backend (same event loop)."""
 

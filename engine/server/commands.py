@@ -11,7 +11,7 @@ import tempfile
 from pathlib import Path
 
 from rollq.engine.server.app import EngineServerConfig, serve
-from rollq.engine.server.backend import Backend
+from rollq.engine.server.backend import Backend, ModelRefused
 from rollq.engine.server.config import EngineConfig
 from rollq.engine.server.media import MediaPolicy
 
@@ -69,6 +69,7 @@ def build_backend(args: EngineConfig) -> Backend:
             "dtype": args.dtype,
             "seed": args.seed,
             "max_loras_per_batch": args.max_loras_per_batch,
+            "attn_implementation": args.attn_implementation,
         }
         if args.max_running:
             fields["max_running"] = args.max_running
@@ -258,4 +259,8 @@ def engine(args: EngineConfig) -> int:
             media_root=args.media_root, url_hosts=list(args.image_url_hosts), max_image_bytes=args.max_image_bytes
         ),
     )
-    return _run(_serve(backend, config, args))
+    try:
+        return _run(_serve(backend, config, args))
+    except ModelRefused as exc:  # found by the backend's start-up check: one line that says why, no traceback
+        print(f"rollq engine: {exc}", file=sys.stderr)
+        return 2

@@ -106,6 +106,14 @@ class EngineConfig(RunSettings, kw_only=True):
     radix_cache: Annotated[
         bool, setting("reference backend: reuse the KV of cached prompt prefixes (--no-radix-cache to disable)")
     ] = True
+    attn_implementation: Annotated[
+        Literal["auto", "sdpa", "eager"],
+        setting(
+            "reference backend: the model's attention (auto: SDPA, with shared-prefix decode when the radix cache is "
+            "on, where the model supports it, else eager, e.g. Gemma 2's softcapping; a model the one named cannot "
+            "serve is refused at start)"
+        ),
+    ] = "auto"
     device: Annotated[str, setting("torch device of the reference backend")] = "cpu"
     dtype: Annotated[
         Literal["float32", "bfloat16", "float16"],

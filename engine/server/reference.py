@@ -35,7 +35,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageText
 
 from rollq.engine.images import DEFAULT_MAX_PIXELS, vision_token_ids
 from rollq.engine.models import model_dir
-from rollq.engine.server.backend import Backend, GenState, stop_check
+from rollq.engine.server.backend import Backend, GenState, ModelRefused, stop_check
 from rollq.engine.server.kv_batch import (
     ADAPTER_KEY_SPACE,
     CASCADE,
@@ -50,6 +50,13 @@ from rollq.engine.server.lora_registry import AdapterRef
 from rollq.engine.server.lora_slots import AdapterSlots
 from rollq.engine.server.prefix_cache import PrefixCache, common_prefix
 from rollq.engine.server.sampler import RowSpec, request_key, sample
+from rollq.engine.server.self_check import (
+    check_cascade,
+    check_plain,
+    probe_ids,
+    sliding_window,
+    tolerance,
+)
 from rollq.engine.server.vision import ImageInputs, ImageRequestError, PreparedImages
 from rollq.engine.server.weights import copy_into, load_into
 from rollq.engine.types import FinishReason, PauseMode
@@ -74,7 +81,9 @@ class ReferenceConfig(msgspec.Struct, kw_only=True, frozen=True):
     context_length: int = 0  # 0: the model config's max_position_embeddings
     seed: int = 0  # sampling seed, combined with each rid
     torch_threads: int = 0  # 0: leave one core to the event loop when there are few cores
-    attn_implementation: str = "sdpa"
+    # "auto": SDPA where the model supports it (with shared-prefix decode when the prefix cache is on), else eager;
+    # "sdpa" / "eager": that one (a model it cannot serve is refused at start)
+    attn_implementation: str = "auto"
     prefix_cache_tokens: int = 32768  # KV of this many tokens kept for prefix reuse (LRU); 0 disables the cache
     max_loras_per_batch: int = 8  # distinct LoRA adapters in the running batch, the base model counting as one
     max_image_pixels: int = DEFAULT_MAX_PIXELS  # a vision model's largest image (read from its header first)
@@ -110,11 +119,12 @@ class ReferenceBackend(Backend):
         self._generated: collections.deque[tuple[float, int]] = collections.deque()
         self._cache = PrefixCache(self.config.prefix_cache_tokens)
         self._prefix_window: collections.deque[tuple[float, int, int]] = collections.deque()  # (t, prompt, cached)
-        self._totals = {"prompt_tokens": 0, "cached_tokens": 0, "prefill_tokens": 0}
+        self._totals = {"prompt_tokens": 0, "cached_tokens": 0, "prefill_tokens": 0, "generated_tokens": 0}
         self.base: Any = None  # the transformers model; `model` is it, or peft's wrapper once adapters were loaded
         self._slots: Any = None  # the LoRA adapters (engine/server/lora_slots.py), set up with the model
         self._images: ImageInputs | None = None  # a vision-language model's image inputs
         self._never_sampled: torch.Tensor | None = None  # token ids no row may sample (vision_token_ids)
+        self.attention = ""  # the attention it serves with, once loaded: CASCADE, "sdpa", "eager", ...
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
 
@@ -127,9 +137,6 @@ class ReferenceBackend(Backend):
         threads = cfg.torch_threads or max(1, min(8, (os.cpu_count() or 2) - 1))
         torch.set_num_threads(threads)
         path = model_dir(cfg.model)
-        # With the prefix cache, SDPA becomes the cascade attention: rows sharing a cached prefix decode against one
-        # copy of its KV (engine/server/kv_batch.py). Without the cache nothing is shared, not even equal prompts.
-        cascade = cfg.attn_implementation == "sdpa" and cfg.prefix_cache_tokens > 0
         self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         model_config = AutoConfig.from_pretrained(path, local_files_only=True)
         vision = getattr(model_config, "vision_config", None) is not None
@@ -140,22 +147,13 @@ class ReferenceBackend(Backend):
             self.supports_images = True
             self._never_sampled = torch.tensor(vision_token_ids(model_config))
         model_class = AutoModelForImageTextToText if vision else AutoModelForCausalLM
-        self.model = (
-            model_class.from_pretrained(
-                path,
-                dtype=getattr(torch, cfg.dtype),
-                local_files_only=True,
-                attn_implementation=CASCADE if cascade else cfg.attn_implementation,
-            )
-            .to(cfg.device)
-            .eval()
-        )
+        self.model = self._load_model(model_class, path)
         self.model.requires_grad_(False)
         self.base = self.model
         self._slots = AdapterSlots(self.model, cfg.device, getattr(torch, cfg.dtype))
         self.model_path = str(path)
         self.vocab_size = int(self.model.config.get_text_config().vocab_size)
-        self.context_length = cfg.context_length or int(self.model.config.get_text_config().max_position_embeddings)
+        self.context_length = self._context(self.model)
         eos: set[int] = set()
         for source in (self.model.config.get_text_config(), self._generation_config(path)):
             ids = getattr(source, "eos_token_id", None)
@@ -163,7 +161,59 @@ class ReferenceBackend(Backend):
         if not eos and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
-        self._batch = KVBatch(cascade=cascade)
+        self._batch = KVBatch(cascade=self.attention == CASCADE)
+
+    def _load_model(self, model_class: Any, path: Path) -> Any:
+        """The model, with the attention that serves it right (`attn_implementation`), checked (self_check.py).
+
+        "auto" takes what transformers picks for the model (SDPA where the model supports it, else eager: Gemma 2's
+        softcapping), and with the prefix cache on turns SDPA into the cascade, rows sharing a cached prefix
+        decoding against one copy of its KV; a model the cascade does not serve right (its attention does what the
+        cascade does not, or the check disagrees) keeps plain SDPA, with a warning that says why. A model whose
+        plain paths disagree with its own forward pass is refused."""
+        cfg = self.config
+        wanted = None if cfg.attn_implementation == "auto" else cfg.attn_implementation
+        try:
+            model = model_class.from_pretrained(
+                path, dtype=getattr(torch, cfg.dtype), local_files_only=True, attn_implementation=wanted
+            )
+        except ValueError as exc:
+            if wanted is None or "does not support" not in str(exc):
+                raise
+            reason = str(exc).split(". ")[0]  # transformers' first sentence names the model and what it lacks
+            raise ModelRefused(
+                f"attn_implementation {wanted!r} cannot serve {path}: {reason} (auto picks one that can)"
+            ) from None
+        model = model.to(cfg.device).eval()
+        name = type(model).__name__
+        self.attention = model.config._attn_implementation
+        vocab = int(model.config.get_text_config().vocab_size)
+        avoid = self._never_sampled.tolist() if self._never_sampled is not None else ()
+        ids = probe_ids(vocab, self._context(model), sliding_window(model), avoid)
+        tol = tolerance(getattr(torch, cfg.dtype))
+        with torch.inference_mode():
+            wrong = check_plain(model, ids, tol)
+            if wrong is not None:
+                raise ModelRefused(f"{name} cannot be served by the reference engine with {self.attention}: {wrong}")
+            if self.attention == "sdpa" and cfg.prefix_cache_tokens > 0:
+                model.set_attn_implementation(CASCADE)
+                wrong = check_cascade(model, ids, tol)
+                if wrong is None:
+                    self.attention = CASCADE
+                else:
+                    model.set_attn_implementation("sdpa")
+                    log.warning("%s is served without shared-prefix decode: %s", name, wrong)
+        if self.attention != CASCADE and cfg.prefix_cache_tokens > 0:
+            log.info("%s: %s attention, prefix cache without shared-prefix decode", name, self.attention)
+        return model
+
+    def _context(self, model: Any) -> int:
+        if self.config.context_length:
+            return self.config.context_length
+        context = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+        if context is None:  # e.g. a recurrent model
+            raise ModelRefused(f"{type(model).__name__} names no context length (max_position_embeddings)")
+        return int(context)
 
     @staticmethod
     def _generation_config(path: Path) -> GenerationConfig | None:
@@ -323,6 +373,7 @@ class ReferenceBackend(Backend):
             "prompt_tokens_total": float(self._totals["prompt_tokens"]),
             "cached_tokens_total": float(self._totals["cached_tokens"]),
             "prefill_tokens_total": float(self._totals["prefill_tokens"]),  # tokens actually computed by prefills
+            "generated_tokens_total": float(self._totals["generated_tokens"]),  # tokens sampled into outputs
         }
 
     # ---- scheduler -------------------------------------------------------------------------------------------
@@ -629,6 +680,7 @@ class ReferenceBackend(Backend):
             if state.finish is not None:  # finished (aborted) while the step ran: keep what it had
                 continue
             state.output_ids.append(token)
+            self._totals["generated_tokens"] += 1
             if state.return_logprob:
                 state.output_logprobs.append(logprob)
             if state.first_token_at is None:
