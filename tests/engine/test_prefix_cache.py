@@ -21,6 +21,7 @@ from rollq.engine.server.prefix_cache import PrefixCache  # noqa: E402
 from rollq.engine.server.reference import ReferenceBackend, ReferenceConfig  # noqa: E402
 from rollq.engine.server.synthetic import SyntheticBackend, SyntheticConfig  # noqa: E402
 from rollq.engine.types import SamplingParams  # noqa: E402
+from tests.engine.sharing import watch_sharing  # noqa: E402
 
 TEXTS = [
     "Solve for x: 3x + 5 = 20. Subtract 5 from both sides, then divide by three.",
@@ -307,20 +308,6 @@ async def test_batched_prefills_match_one_at_a_time(start_backend, prompts: list
 # ---- shared-prefix (cascade) decode --------------------------------------------------------------------------------
 
 
-def _watch_sharing(b: ReferenceBackend) -> list[tuple[int, int]]:
-    """Record (rows, rows decoding against a shared prefix) at every decode step of `b`."""
-    seen: list[tuple[int, int]] = []
-    batch = b._batch
-    decode = batch.decode
-
-    def watched(model, tokens, adapters=None):
-        seen.append((batch.size, sum(p is not None for p in batch._shared)))
-        return decode(model, tokens, adapters)
-
-    batch.decode = watched
-    return seen
-
-
 async def _queue_all(b: ReferenceBackend, states: list[GenState]) -> list[asyncio.Task[None]]:
     await b.pause("in_place")  # queue everything, so one iteration admits it all
     tasks = [asyncio.create_task(b.run(s)) for s in states]
@@ -349,7 +336,7 @@ async def test_cascade_rows_mixed_with_unshared_ones_and_leaving_mid_group(
     ref = states()
     for s in ref:
         await alone.run(s)
-    seen = _watch_sharing(cached)
+    seen = watch_sharing(cached)
     got = states()
     tasks = await _queue_all(cached, got)
     await until(lambda: len(got[0].output_ids) >= 2)
@@ -373,7 +360,7 @@ async def test_cascade_rows_aborted_and_retracted_resume_to_the_same_tokens(
     prompt = [*prompts[2], *prompts[1]]
     ref = GenState("r-ref", prompt, greedy(24), return_logprob=True)
     await alone.run(ref)
-    seen = _watch_sharing(cached)
+    seen = watch_sharing(cached)
     group = [GenState(f"r-{i}", prompt, greedy(24), return_logprob=True) for i in range(5)]
     tasks = await _queue_all(cached, group)
     await until(lambda: len(group[0].output_ids) >= 4)
@@ -392,7 +379,7 @@ async def test_cascade_rows_aborted_and_retracted_resume_to_the_same_tokens(
 
 async def test_no_cache_shares_nothing_even_for_equal_prompts(start_backend, prompts: list[list[int]]) -> None:
     plain = await start_backend(max_running=8, prefix_cache_tokens=0)
-    seen = _watch_sharing(plain)
+    seen = watch_sharing(plain)
     prompt = [*prompts[2], *prompts[0]]
     tasks = await _queue_all(plain, [GenState(f"n-{i}", prompt, greedy(6)) for i in range(4)])
     await asyncio.wait_for(asyncio.gather(*tasks), 20)
