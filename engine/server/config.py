@@ -112,6 +112,15 @@ class EngineConfig(RunSettings, kw_only=True):
         setting("reference backend: dtype of the served weights (bfloat16 on a GPU)"),
     ] = "float32"
     max_running: Annotated[int, setting("batch slots (0 = the backend's default)", metavar="N", ge=0)] = 0
+    fault: Annotated[
+        str,
+        setting(
+            "fault injection for tests and drills (synthetic and reference backends): `step_error` fails every "
+            "generation as a model forward that raises does (an ERROR traceback, an abort with status_code 500), "
+            "`step_error:N` only those whose prompt holds at least N tokens; empty: none",
+            metavar="SPEC",
+        ),
+    ] = ""
     tp_size: Annotated[int, setting("sglang backend: tensor parallel size", metavar="N", ge=1)] = 1
     ready_timeout: Annotated[float, setting("sglang backend: seconds to wait for start-up", metavar="S", gt=0)] = 1800.0
     register: Annotated[
