@@ -234,7 +234,11 @@ class EngineServer:
         if final and finish is not None and finish.type == "abort" and state.first_token_at is None:
             # Aborted in the waiting queue (or held at the gate at shutdown): no prompt_tokens; 0.5.23 sends text,
             # weight_version and completion_tokens (tokenizer_manager.py:3596-3636), 0.5.5 only id and finish_reason.
-            meta["finish_reason"] = {"type": "abort", "message": WAITING_ABORT}
+            # The finish reason is "Abort in waiting queue" unless the scheduler gave one: an engine error's, with
+            # its message, status_code and err_type, is kept (0.5.23 tokenizer_manager.py:3596-3602, 0.5.5
+            # :1950-1956), so a client sees an engine that failed, not a pause.
+            if finish.status_code is None:
+                meta["finish_reason"] = {"type": "abort", "message": WAITING_ABORT}
             if old:
                 return {"meta_info": meta}
             meta.update(weight_version=self.weight_version, e2e_latency=time.monotonic() - state.created)
@@ -364,12 +368,31 @@ class EngineServer:
                 for req, _ in items:
                     self._abort(req, "generation failed")
                 return _engine_error(f"Internal server error: {type(exc).__name__}: {exc}", 500)
+            failure = next((f for req, _ in items if (f := self._abort_failure(req.state.finish)) is not None), None)
+            if failure is not None:
+                return failure
             outs = [self.output(req, call, lp, final=True) for req, lp in items]
         finally:
             for req, _ in items:
                 self.states.pop(req.state.rid, None)
                 self.adapters.release(req.state.adapter)
         return _json(outs if call.batched else outs[0])
+
+    def _abort_failure(self, finish: FinishReason | None) -> web.Response | None:
+        """The HTTP error a non-streamed request answers when one of its samples ended in an abort carrying an error
+        status, as SGLang's tokenizer manager raises it (0.5.23 tokenizer_manager.py:1891-1921: 400 as a ValueError,
+        any other 4xx or 5xx as an HTTPException; 0.5.5 tokenizer_manager.py:1017-1048: 400, 500 and 503 only). A
+        streamed request gets the abort chunk itself, with its status_code and err_type (same lines)."""
+        if finish is None or finish.type != "abort" or finish.status_code is None:
+            return None
+        code = finish.status_code
+        if not (code in (400, 500, 503) if self.config.compat == "0.5.5" else 400 <= code < 600):
+            return None
+        message = finish.message or "aborted"
+        if code == 400:  # a ValueError: http_server.py:988-990 and _create_error_response, 2246-2250
+            return _engine_error(message)
+        # an HTTPException on /generate: SGLang's handler answers an ErrorResponse (http_server.py:578-631)
+        return _json({"object": "error", "message": message, "type": str(code), "param": None, "code": code}, code)
 
     async def _stream_error(self, request: web.Request, message: str) -> web.StreamResponse:
         """A ValueError of a streamed request: HTTP 200, one error event, then [DONE] (http_server.py:951-975)."""
