@@ -261,6 +261,8 @@ def engine(args: EngineConfig) -> int:
         weight_version=args.weight_version,
         skip_tokenizer_init=args.skip_tokenizer_init,
         health_timeout_s=args.health_timeout,
+        unhealthy_after_errors=args.unhealthy_after_errors,
+        unhealthy_for_s=args.unhealthy_for,
         header_timeout_s=args.header_timeout,
         body_timeout_s=args.body_timeout,
         max_body_bytes=args.max_body_bytes,

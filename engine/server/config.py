@@ -88,6 +88,23 @@ class EngineConfig(RunSettings, kw_only=True):
             gt=0,
         ),
     ] = 20.0
+    unhealthy_after_errors: Annotated[
+        int,
+        setting(
+            "generations in a row that fail with engine errors (status 5xx aborts, none succeeding between) after "
+            "which /health, /health_generate and /ready answer 503; 0: never",
+            metavar="N",
+            ge=0,
+        ),
+    ] = 4
+    unhealthy_for: Annotated[
+        float,
+        setting(
+            "seconds those routes keep answering 503 after the last engine error (then the health probe decides)",
+            metavar="S",
+            gt=0,
+        ),
+    ] = 30.0
     header_timeout: Annotated[
         float,
         setting(

@@ -1,6 +1,6 @@
 """An engine whose generations fail says so (issue 42, "failure is loud"): an abort caused by an engine error reaches
-the client as that error with its status, and the client and the pool treat it as an engine that failed (fail over,
-evict).
+the client as that error with its status, the client and the pool treat it as an engine that failed (fail over,
+evict), and the health routes answer 503 while generations fail, but not for aborts by a pause.
 
 The engine fails for real through `rollq engine --fault` (engine/server/faults.py): each generation it hits fails
 the way a model forward that raises does in the reference engine, an ERROR traceback and an abort with status_code
@@ -12,16 +12,20 @@ import asyncio
 import json
 import logging
 
+import httpx
 import pytest
 
 from rollq.engine.client import EngineUnavailable
 from rollq.engine.pool import EnginePool, PoolConfig
+from rollq.engine.server.app import ServerHandle
 from rollq.engine.server.faults import FaultyBackend, StepFault
 from rollq.engine.server.synthetic import SyntheticBackend, SyntheticConfig
 from rollq.engine.types import ModelRequest, SamplingParams
+from tests.helpers import wait_until
 
 PROMPT = [5, 6, 7, 8]
 ENGINE_ERROR = "engine error: InjectedStepError('injected step failure (fault step_error:{n})')"
+HEALTH_ROUTES = ("/health", "/health_generate", "/ready")
 
 
 def body(prompt: list[int] | None = None, **extra) -> dict:
@@ -32,6 +36,10 @@ async def faulty_engine(start_engine, min_prompt_tokens: int = 0, server: dict |
     fault = StepFault(min_prompt_tokens=min_prompt_tokens)
     backend = FaultyBackend(SyntheticBackend(SyntheticConfig(**synthetic)), fault)
     return await start_engine(server=server, backend=backend)
+
+
+async def statuses(http: httpx.AsyncClient, handle: ServerHandle) -> list[int]:
+    return [(await http.get(handle.url + route, timeout=10)).status_code for route in HEALTH_ROUTES]
 
 
 async def test_every_request_aborted_by_an_engine_error_carries_it_with_its_status(start_engine, http, caplog):
@@ -79,3 +87,50 @@ async def test_the_client_and_the_pool_treat_an_engine_error_abort_as_a_failed_e
         response = await pool.agenerate(req)
         assert response.engine == good.url and len(response.output_tokens) == 8 and response.stop_reason == "length"
         assert response.resubmissions == 1 and not pool.members[bad.url].healthy and pool.members[good.url].healthy
+
+
+async def test_an_engine_whose_generations_fail_answers_503_until_one_succeeds(start_engine, http):
+    """Prompts of 2 tokens or more fail; the one-token health probe does not (a failure of long prompts only, as a
+    shared-prefix bug makes). Healthy before any traffic; 503 on every health route once 4 generations in a row
+    failed with engine errors (unhealthy_after_errors); healthy again once one succeeds."""
+    handle = await faulty_engine(start_engine, min_prompt_tokens=2)
+    assert await statuses(http, handle) == [200, 200, 200]
+    for i in range(3):
+        assert (await http.post(handle.url + "/generate", json=body(rid=f"f{i}"))).status_code == 500
+    assert await statuses(http, handle) == [200, 200, 200]  # 3 in a row: not yet
+    assert (await http.post(handle.url + "/generate", json=body(rid="f3"))).status_code == 500
+    assert await statuses(http, handle) == [503, 503, 503]
+    ok = await http.post(handle.url + "/generate", json=body([9], rid="short"))
+    assert ok.status_code == 200 and ok.json()["meta_info"]["finish_reason"]["type"] == "length"
+    assert await statuses(http, handle) == [200, 200, 200]
+
+
+async def test_an_engine_failing_every_generation_is_unhealthy_from_its_probe_and_for_a_while_after(start_engine, http):
+    """The probe's own generation failing with an engine error is a 503 without any traffic. After unhealthy_for_s
+    with no new engine error the probe decides again: an engine that only fails long prompts comes back."""
+    always = await faulty_engine(start_engine)
+    assert await statuses(http, always) == [503, 503, 503]
+
+    server = {"unhealthy_after_errors": 2, "unhealthy_for_s": 0.5}
+    handle = await faulty_engine(start_engine, min_prompt_tokens=2, server=server)
+    for i in range(2):
+        await http.post(handle.url + "/generate", json=body(rid=f"f{i}"))
+    assert await statuses(http, handle) == [503, 503, 503]
+    await wait_until(lambda: not handle.server.generation_health.failing, 10, what="the engine errors to age out")
+    assert await statuses(http, handle) == [200, 200, 200]
+
+
+async def test_aborts_by_a_pause_keep_an_engine_healthy(start_engine, http):
+    """SGLang's rule, which readiness probes rely on: requests aborted by a pause (running, or waiting in the
+    queue) are neither failures nor errors; once generation continues the engine is healthy."""
+    handle = await start_engine(per_token_latency_s=0.005, max_running_requests=2)
+    running = [asyncio.create_task(http.post(handle.url + "/generate", json=body(rid=f"p{i}"))) for i in range(6)]
+    await wait_until(lambda: len(handle.server.states) == 6 and handle.server.running == 6, what="6 requests in")
+    assert (await http.post(handle.url + "/pause_generation", json={"mode": "abort"})).status_code == 200
+    answers = [(await r).json()["meta_info"]["finish_reason"] for r in running]
+    assert all(a["type"] == "abort" and "status_code" not in a for a in answers), answers
+    assert any(a == {"type": "abort", "message": "Abort in waiting queue"} for a in answers)  # SGLang's shape
+    assert (await http.get(handle.url + "/ready")).status_code == 503  # paused: not ready, as SGLang
+    await http.post(handle.url + "/continue_generation")
+    assert await statuses(http, handle) == [200, 200, 200]
+    assert handle.server.generation_health.streak == 0
