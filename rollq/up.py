@@ -315,6 +315,7 @@ def up(stack: UpConfig, cfg: TrainConfig) -> int:
     import uvloop
 
     from rollq.trainer.commands import quiet_libraries, run_summary
+    from rollq.trainer.nothing_trains import NothingTrains
 
     if cfg.run == "default":  # a fresh run: repeated `up`s never share keys
         cfg = msgspec.structs.replace(cfg, run=f"up-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -328,7 +329,10 @@ def up(stack: UpConfig, cfg: TrainConfig) -> int:
     quiet_libraries()
     try:
         records = uvloop.run(run_stack(cfg, stack))
-    except (RuntimeError, ValueError) as exc:  # a part died or did not start (LocalError), nothing trains, ...
+    except NothingTrains as exc:  # samples keep failing or coming back empty: the run would train nothing
+        print(f"rollq up: {exc} (the children's logs: {Path(cfg.directory) / 'logs'})", file=sys.stderr)
+        return NothingTrains.exit_code
+    except (RuntimeError, ValueError) as exc:  # a part died or did not start (LocalError), ...
         print(f"rollq up: {exc}", file=sys.stderr)
         return 2
     except (KeyboardInterrupt, asyncio.CancelledError):  # Ctrl-C / SIGTERM: the stack was stopped on the way out
