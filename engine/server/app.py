@@ -56,7 +56,8 @@ class EngineServerConfig(msgspec.Struct, kw_only=True):
     tokenizer_path: str | None = None
     health_timeout_s: float = 20.0
     # Engine errors in a row (no generation succeeding between) that make /health, /health_generate and /ready
-    # answer 503, for unhealthy_for_s after the last one (engine/server/health.py); 0: never
+    # answer 503, for unhealthy_for_s after the last one, doubled each time it fails again before any success
+    # (engine/server/health.py); 0: never
     unhealthy_after_errors: int = 4
     unhealthy_for_s: float = 30.0
     stream_poll_s: float = 0.01  # how often a stream looks for new tokens (the contract has no token callback)

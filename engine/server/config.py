@@ -100,7 +100,8 @@ class EngineConfig(RunSettings, kw_only=True):
     unhealthy_for: Annotated[
         float,
         setting(
-            "seconds those routes keep answering 503 after the last engine error (then the health probe decides)",
+            "seconds those routes keep answering 503 after the last engine error, then the health probe decides "
+            "(doubled each time the engine fails again before any success, up to 10 minutes)",
             metavar="S",
             gt=0,
         ),

@@ -13,7 +13,9 @@ paused engine stays healthy, as SGLang's readiness rule expects. The health prob
 fails (a 503 at once) but ends no streak when it passes: one prompt token says little of what real requests meet (a
 shared-prefix failure spares it). So after `hold_s` with no new engine error the routes answer 200 again while the
 probe passes, and the engine takes requests again; the first one that fails puts it back out at once, the first one
-that succeeds ends the streak.
+that succeeds ends the streak. Each failing period that follows another with no success between holds twice as
+long (30, 60, 120 s ... up to 10 minutes), so an engine that keeps failing is out of routing longer and longer,
+as a crashed SGLang is until someone restarts it, while one that failed once is back after `hold_s`.
 """
 
 from __future__ import annotations
@@ -34,17 +36,21 @@ def is_engine_error(finish: FinishReason | None) -> bool:
     return finish.status_code >= 500
 
 
+MAX_HOLD_S = 600.0  # the longest a hold grows to (unless the configured one is longer)
+
+
 class GenerationHealth:
     """The engine-error streak of one engine server (see the module docstring)."""
 
     def __init__(self, errors: int, hold_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.errors = errors
-        self.hold_s = hold_s
+        self.base_hold_s = hold_s
+        self.hold_s = hold_s  # of the current failing period: doubled each time it fails again with no success
         self.clock = clock
         self.streak = 0  # engine errors in a row, none succeeding since
         self.last_error_at = -float("inf")
         self.last_error = ""
-        self._said = False  # the turn to failing was logged (once per streak)
+        self.trips = 0  # failing periods since the last success
         # The last health probe failed: /ready says unhealthy until one passes, as SGLang's server_status (set
         # UnHealthy by a failed /health_generate, Up by a passing one: 0.5.23 http_server.py:784 and 798; is_ready
         # reads it)
@@ -71,24 +77,28 @@ class GenerationHealth:
             assert finish is not None
             self.failed(finish.message or "engine error")
         elif finish is not None and finish.type in ("stop", "length"):
-            if self._said:
+            if self.trips:
                 log.info("a generation succeeded again after %d engine errors: healthy", self.streak)
-            self.streak = 0
-            self._said = False
+            self.streak = self.trips = 0
+            self.hold_s = self.base_hold_s
 
     def failed(self, message: str) -> None:
+        was_failing = self.failing
         self.streak += 1
         self.last_error_at = self.clock()
         self.last_error = message
-        if self.failing and not self._said:
-            self._said = True
-            log.error(
-                "%d generations in a row failed with engine errors (the last: %s): /health answers 503 until one "
-                "succeeds, or for %g s after the last engine error",
-                self.streak,
-                message,
-                self.hold_s,
-            )
+        if was_failing or not self.failing:
+            return
+        if self.trips:  # back from a failing period, failing again before any success: hold it out longer
+            self.hold_s = min(self.hold_s * 2, max(MAX_HOLD_S, self.base_hold_s))
+        self.trips += 1
+        log.error(
+            "%d generations in a row failed with engine errors (the last: %s): /health answers 503 until one "
+            "succeeds, or for %g s after the last engine error",
+            self.streak,
+            message,
+            self.hold_s,
+        )
 
 
 __all__ = ["GenerationHealth", "is_engine_error"]

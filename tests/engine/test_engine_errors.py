@@ -108,17 +108,24 @@ async def test_an_engine_whose_generations_fail_answers_503_until_one_succeeds(s
 
 async def test_an_engine_failing_every_generation_is_unhealthy_from_its_probe_and_for_a_while_after(start_engine, http):
     """The probe's own generation failing with an engine error is a 503 without any traffic. After unhealthy_for_s
-    with no new engine error the probe decides again: an engine that only fails long prompts comes back."""
+    with no new engine error the probe decides again: an engine that only fails long prompts comes back, goes out
+    again at its next failure, for twice as long, and is itself again once a generation succeeds."""
     always = await faulty_engine(start_engine)
     assert await statuses(http, always) == [503, 503, 503]
 
     server = {"unhealthy_after_errors": 2, "unhealthy_for_s": 0.5}
     handle = await faulty_engine(start_engine, min_prompt_tokens=2, server=server)
+    health = handle.server.generation_health
     for i in range(2):
         await http.post(handle.url + "/generate", json=body(rid=f"f{i}"))
-    assert await statuses(http, handle) == [503, 503, 503]
-    await wait_until(lambda: not handle.server.generation_health.failing, 10, what="the engine errors to age out")
+    assert await statuses(http, handle) == [503, 503, 503] and health.hold_s == 0.5
+    await wait_until(lambda: not health.failing, 10, what="the engine errors to age out")
     assert await statuses(http, handle) == [200, 200, 200]
+    await http.post(handle.url + "/generate", json=body(rid="f2"))  # still broken: out again at once
+    assert await statuses(http, handle) == [503, 503, 503] and health.hold_s == 1.0
+    await wait_until(lambda: not health.failing, 10, what="the engine errors to age out again")
+    assert (await http.post(handle.url + "/generate", json=body([9], rid="ok"))).status_code == 200
+    assert health.hold_s == 0.5 and health.streak == 0 and await statuses(http, handle) == [200, 200, 200]
 
 
 async def test_aborts_by_a_pause_keep_an_engine_healthy(start_engine, http):
