@@ -156,8 +156,14 @@ class _Reply:
         return self.text.strip()[:SNIPPET_CHARS] or self.reason or "(empty body)"
 
     def status_text(self) -> str:
-        """`HTTP 503: <body or phrase>`: what an EngineUnavailable says of a 5xx."""
-        return f"HTTP {self.status}: {self.snippet}"
+        """`HTTP 503: <the message of a JSON error body, or the body, or the phrase>`: what an EngineUnavailable says
+        of a 5xx (an engine error's message, as SGLang and rollq's engines answer it, rather than its JSON)."""
+        try:
+            body = self.json()
+        except ValueError:
+            body = None
+        said = error_message(body) if isinstance(body, dict) and ("message" in body or "error" in body) else ""
+        return f"HTTP {self.status}: {said[:SNIPPET_CHARS] or self.snippet}"
 
 
 def _refusal(url: str, reply: _Reply, route: str, body: Any = None) -> EngineError:

@@ -154,6 +154,8 @@ class EngineMember:
         "hold_epoch",
         "facts",
         "_facts_task",
+        "out_because",
+        "last_error",
     )
 
     def __init__(self, url: str, client: SGLangClient) -> None:
@@ -169,6 +171,16 @@ class EngineMember:
         self.hold_epoch = 0  # bumped when a pause or load ends: a health check that straddled it saw it held
         self.facts: EngineFacts | None = None
         self._facts_task: asyncio.Task[EngineFacts] | None = None
+        self.out_because = ""  # why it last left routing
+        self.last_error = ""  # the last engine failure a request met on it (EngineUnavailable)
+
+    def why_out(self) -> str:
+        """Why it is out of routing, with the last failure a request met on it (an engine error of a generation:
+        what a health check's 503 does not say)."""
+        why = "stale (failed a weight update)" if self.stale and self.healthy else self.out_because
+        if not self.last_error or self.last_error == why:
+            return why
+        return f"{why}; a request's last failure there: {self.last_error}"
 
     @property
     def routable(self) -> bool:
@@ -370,6 +382,7 @@ class EnginePool:
                 if not member.healthy:
                     log.info("engine %s is healthy again", member.url)
                     member.healthy = True
+                    member.last_error = ""
                     self._signal()
                 member.failures = 0
             elif status == "busy" and (held or member.held or member.hold_epoch != epoch):
@@ -413,6 +426,7 @@ class EnginePool:
     def _evict(self, member: EngineMember, why: str) -> None:
         if member.healthy:
             log.warning("engine %s leaves routing: %s", member.url, why)
+            member.out_because = why
         member.healthy = False
         member.facts = None  # it may come back as another process, started with other flags
         for key in [k for k, url in self._affinity.items() if url == member.url]:
@@ -477,8 +491,10 @@ class EnginePool:
                 return member
             left = deadline - time.monotonic()
             if left <= 0:
+                out = "; ".join(f"{m.url}: {m.why_out()}" for m in self.members.values() if not m.routable)
                 raise NoEngineAvailable(
                     f"no healthy engine among {len(self.members)} for {self.config.no_engine_timeout_s}s"
+                    + (f" ({out})" if out else "")
                 )
             try:
                 await asyncio.wait_for(self._changed.wait(), min(left, self.config.health_interval_s))
@@ -578,6 +594,7 @@ class EnginePool:
                         return self._response(req, rid, tokens, logprobs, versions, "length", member, segments, started)
                 failed.add(member.url)
                 failovers += 1
+                member.last_error = exc.reason
                 self._evict(member, exc.reason)
                 if failovers > self.config.max_failovers:
                     raise

@@ -156,6 +156,10 @@ class Processes:
         self._children.append(_Child(name, proc, log))
         return proc
 
+    def logs(self) -> dict[str, Path]:
+        """Each child's log by its name (a child started again under a name appends to the same log)."""
+        return {c.name: c.log for c in self._children}
+
     def _child(self, proc: subprocess.Popen[bytes]) -> _Child:
         return next(c for c in self._children if c.proc is proc)
 

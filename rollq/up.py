@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Annotated
 import msgspec
 
 import rollq.tracing as tracing
+from rollq.child_errors import ChildErrors
 from rollq.config import DEFAULT_REDIS_URL, Settings, setting
 from rollq.local import LocalError, Processes, RedisServer, free_port
 from rollq.redis_client import TRANSIENT_ERRORS, redis_client, safe_url
@@ -188,11 +189,17 @@ async def run_stack(cfg: TrainConfig, stack_cfg: UpConfig) -> list[StepRecord]:
     run_dir = Path(cfg.directory)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     procs = Processes(run_dir / "logs", env=QUIET_CHILD_ENV, die_with_parent=True)
+    errors = ChildErrors()
+    echo = asyncio.create_task(_echo_errors(procs, errors), name="child-errors")
     try:
         with tempfile.TemporaryDirectory(prefix="rollq-up-redis-") as redis_dir:
             return await _run(cfg, stack_cfg, procs, Path(redis_dir))
     finally:
+        echo.cancel()
+        await asyncio.gather(echo, return_exceptions=True)
         procs.stop_all()  # (the private Redis's directory goes after it stopped)
+        for line in [*errors.poll(procs.logs()), *errors.poll(procs.logs()), *errors.summary()]:
+            log.error("%s", line)  # what the children said last (the second poll ends their last records)
 
 
 async def _run(cfg: TrainConfig, stack_cfg: UpConfig, procs: Processes, redis_dir: Path) -> list[StepRecord]:
@@ -303,6 +310,15 @@ async def supervise_ranks(cfg: TrainConfig, procs: Processes) -> list[StepRecord
     )
 
 
+async def _echo_errors(procs: Processes, errors: ChildErrors, interval_s: float = 0.5) -> None:
+    """The children's ERROR lines on this console while the run goes (rollq/child_errors.py): an engine whose steps
+    fail is seen here, not only in its log."""
+    while True:
+        for line in errors.poll(procs.logs()):
+            log.error("%s", line)
+        await asyncio.sleep(interval_s)
+
+
 async def _watch(procs: Processes) -> None:
     """A child that dies ends the run with its log, rather than a silent stall."""
     while True:
@@ -315,6 +331,7 @@ def up(stack: UpConfig, cfg: TrainConfig) -> int:
     import uvloop
 
     from rollq.trainer.commands import quiet_libraries, run_summary
+    from rollq.trainer.nothing_trains import NothingTrains
 
     if cfg.run == "default":  # a fresh run: repeated `up`s never share keys
         cfg = msgspec.structs.replace(cfg, run=f"up-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -328,7 +345,10 @@ def up(stack: UpConfig, cfg: TrainConfig) -> int:
     quiet_libraries()
     try:
         records = uvloop.run(run_stack(cfg, stack))
-    except (RuntimeError, ValueError) as exc:  # a part died or did not start (LocalError), nothing trains, ...
+    except NothingTrains as exc:  # samples keep failing or coming back empty: the run would train nothing
+        print(f"rollq up: {exc} (the children's logs: {Path(cfg.directory) / 'logs'})", file=sys.stderr)
+        return NothingTrains.exit_code
+    except (RuntimeError, ValueError) as exc:  # a part died or did not start (LocalError), ...
         print(f"rollq up: {exc}", file=sys.stderr)
         return 2
     except (KeyboardInterrupt, asyncio.CancelledError):  # Ctrl-C / SIGTERM: the stack was stopped on the way out

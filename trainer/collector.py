@@ -37,6 +37,7 @@ from rollq.protocol.messages import ErrorRecord, Trajectory, VisionRef
 from rollq.tracing import Tracing, sample_attributes
 from rollq.trainer.batch import Group, model_tokens
 from rollq.trainer.ledger import Ride, StalenessLedger, direct
+from rollq.trainer.nothing_trains import FruitlessStreak, NothingTrains
 from rollq.trainer.settled import SettledGroups, TrainedPart
 
 log = logging.getLogger("rollq.trainer")
@@ -80,10 +81,6 @@ class _Ready(msgspec.Struct):
     span: tuple[int, int] | None  # (oldest, newest); None: nothing to train on
 
 
-class NothingTrains(RuntimeError):
-    """Every group so far failed: a bad workflow, reward function, dataset or engine, not bad luck."""
-
-
 class GroupCollector:
     """Reads a results stream, assembles groups by job id and hands out the ones fit to train."""
 
@@ -100,7 +97,7 @@ class GroupCollector:
         split_groups: int = 0,
         on_release: Callable[[], None] = lambda: None,
         on_settled: Callable[[str], None] = lambda job_id: None,
-        give_up_after_failed: int = 0,
+        give_up_after: int = 0,
         filter_groups: float = 0,
         ride: Ride | None = None,
         takes_images: bool = False,
@@ -147,10 +144,8 @@ class GroupCollector:
         self.skip: set[str] = set()  # trained before a restart, awaiting their ack
         self._partial: dict[str, list[Delivered]] = {}
         self._complete: dict[str, _Ready] = {}  # complete groups not trained yet (their versions checked each step)
-        self.give_up_after_failed = give_up_after_failed  # failed samples, with no good group yet, that stop the run
-        self.failed_samples = 0
-        self.good_groups = 0
-        self.first_error = ""
+        # samples in a row that failed or generated no token that stop the run (trainer/nothing_trains.py; 0: never)
+        self.fruitless = FruitlessStreak(give_up_after)
         self._last_report = time.monotonic()
         self.samples_read = 0  # every trajectory of this run read so far (trained, waiting or dropped)
         self.settled_copies = 0  # samples of groups already trained or dropped, read again (acked, not trained)
@@ -166,7 +161,6 @@ class GroupCollector:
         """Why a group can never train, whatever the version (checked once, when it completes)."""
         if not group.ok:
             return "failed"
-        self.good_groups += 1
         why = group.invalid(self.vocab_size, self.takes_images, self.image_token_id)
         if why is not None:
             log.warning("group %s can't be trained: %s", group.job_id, why)
@@ -227,7 +221,6 @@ class GroupCollector:
         failed = [t for t in group.samples if t not in survivors.samples]
         dropped["failed"] += len(failed)
         self.dropped_tokens += sum(model_tokens(t) for t in failed)
-        self.good_groups += 1
         await self.ride(lambda: self.ledger.release_part(job_id, len(failed), "failed"), "giving failed samples back")
         self.on_release()
         self._partial_ids.add(job_id)
@@ -268,13 +261,9 @@ class GroupCollector:
                 if t.status != "ok"
             ]
             detail = f" ({errors[0]})" if errors else ""
-            self.failed_samples += len(items)
-            self.first_error = self.first_error or detail.strip(" ()")
         # filtered groups are routine (a batch's worth each step once the task is learnt): not a line each
         level = logging.DEBUG if reason == "filtered" else logging.INFO
         log.log(level, "dropped group %s (%d samples): %s%s", job_id, len(items), reason, detail)
-        if self.give_up_after_failed and not self.good_groups and self.failed_samples >= self.give_up_after_failed:
-            raise NothingTrains(f"the first {self.failed_samples} samples all failed, e.g. {self.first_error}")
 
     def _held_already(self, job_id: str, sample_index: int) -> bool:
         """A second copy of a sample this collector holds and has not committed (a worker that lost its lease
@@ -430,8 +419,10 @@ class GroupCollector:
                     self.settled_copies += 1
                 continue
             await self._read_images(traj)
+            generated = model_tokens(traj)
             self.samples_read += 1
-            self.model_tokens_read += model_tokens(traj)
+            self.model_tokens_read += generated
+            self.fruitless.read(traj, generated)  # NothingTrains: samples that train nothing, one after another
             items = self._partial.setdefault(traj.job_id, [])
             items.append(d)
             if len(items) + (len(part.samples) if part else 0) >= traj.n:

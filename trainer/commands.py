@@ -12,6 +12,7 @@ import msgspec
 
 from rollq.trainer.config import TrainConfig
 from rollq.trainer.metrics import EvalRecord, MetricsLog, StepRecord
+from rollq.trainer.nothing_trains import NothingTrains
 
 if TYPE_CHECKING:
     from rollq.trainer.policy import Policy
@@ -85,6 +86,9 @@ def train(cfg: TrainConfig) -> int:
             return 0
         try:
             records = uvloop.run(run_trainer(cfg, policy))
+        except NothingTrains as exc:  # samples keep failing or coming back empty
+            _fail("train", str(exc))
+            return NothingTrains.exit_code
         except (ValueError, RuntimeError) as exc:  # a dataset that can't be read, no engine to update, ...
             return _fail("train", str(exc))
         summary = run_summary(cfg, records)

@@ -444,7 +444,7 @@ class Trainer:
             split_groups=cfg.split_groups,
             on_release=self.feeder.notify,
             on_settled=self.feeder.settled,
-            give_up_after_failed=0 if resumed else 2 * cfg.batch_samples,
+            give_up_after=2 * cfg.batch_samples,  # two steps' worth (trainer/nothing_trains.py)
             filter_groups=cfg.dynamic_sampling_budget * cfg.groups_per_step if cfg.dynamic_sampling else 0,
             ride=self.ride,
             takes_images=bool(getattr(self.policy, "takes_images", False)),  # a policy of the seam may have none

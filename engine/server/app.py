@@ -20,6 +20,7 @@ from aiohttp import web
 
 from rollq.engine.server.backend import Backend, GenState
 from rollq.engine.server.distributed_routes import add_distributed_routes
+from rollq.engine.server.health import GenerationHealth, is_engine_error
 from rollq.engine.server.lora_registry import NOT_ENABLED, AdapterError, AdapterRegistry
 from rollq.engine.server.lora_routes import ROUTES_KEY as LORA_ROUTES_KEY
 from rollq.engine.server.lora_routes import add_lora_routes
@@ -54,6 +55,11 @@ class EngineServerConfig(msgspec.Struct, kw_only=True):
     served_model_name: str | None = None
     tokenizer_path: str | None = None
     health_timeout_s: float = 20.0
+    # Engine errors in a row (no generation succeeding between) that make /health, /health_generate and /ready
+    # answer 503, for unhealthy_for_s after the last one, doubled each time it fails again before any success
+    # (engine/server/health.py); 0: never
+    unhealthy_after_errors: int = 4
+    unhealthy_for_s: float = 30.0
     stream_poll_s: float = 0.01  # how often a stream looks for new tokens (the contract has no token callback)
     shutdown_timeout_s: float = 5.0
     # Read timeouts (rollq/http_server.py). The head timeout is also the idle keep-alive timeout: above the engine
@@ -131,6 +137,7 @@ class EngineServer:
         self.control_calls: collections.Counter[str] = collections.Counter()
         self.cache_flushes = 0  # prefix-cache flushes done (tests read it: rollq's choice of when to flush)
         self.last_load_seconds = 0.0
+        self.generation_health = GenerationHealth(config.unhealthy_after_errors, config.unhealthy_for_s)
 
     # --- gate, aborts, waiting ---
 
@@ -210,6 +217,11 @@ class EngineServer:
                 await self.backend.run(state)
                 if state.finish is None:  # a backend bug must not leave the client without an answer
                     state.finish = FinishReason(type="abort", message="backend returned without finishing")
+        except Exception as exc:
+            self.generation_health.failed(f"{type(exc).__name__}: {exc}")
+            raise
+        else:
+            self.generation_health.finished(state.finish)
         finally:
             self.running -= 1
             self.counters["generation_tokens"] += len(state.output_ids)
@@ -234,7 +246,11 @@ class EngineServer:
         if final and finish is not None and finish.type == "abort" and state.first_token_at is None:
             # Aborted in the waiting queue (or held at the gate at shutdown): no prompt_tokens; 0.5.23 sends text,
             # weight_version and completion_tokens (tokenizer_manager.py:3596-3636), 0.5.5 only id and finish_reason.
-            meta["finish_reason"] = {"type": "abort", "message": WAITING_ABORT}
+            # The finish reason is "Abort in waiting queue" unless the scheduler gave one: an engine error's, with
+            # its message, status_code and err_type, is kept (0.5.23 tokenizer_manager.py:3596-3602, 0.5.5
+            # :1950-1956), so a client sees an engine that failed, not a pause.
+            if finish.status_code is None:
+                meta["finish_reason"] = {"type": "abort", "message": WAITING_ABORT}
             if old:
                 return {"meta_info": meta}
             meta.update(weight_version=self.weight_version, e2e_latency=time.monotonic() - state.created)
@@ -364,12 +380,31 @@ class EngineServer:
                 for req, _ in items:
                     self._abort(req, "generation failed")
                 return _engine_error(f"Internal server error: {type(exc).__name__}: {exc}", 500)
+            failure = next((f for req, _ in items if (f := self._abort_failure(req.state.finish)) is not None), None)
+            if failure is not None:
+                return failure
             outs = [self.output(req, call, lp, final=True) for req, lp in items]
         finally:
             for req, _ in items:
                 self.states.pop(req.state.rid, None)
                 self.adapters.release(req.state.adapter)
         return _json(outs if call.batched else outs[0])
+
+    def _abort_failure(self, finish: FinishReason | None) -> web.Response | None:
+        """The HTTP error a non-streamed request answers when one of its samples ended in an abort carrying an error
+        status, as SGLang's tokenizer manager raises it (0.5.23 tokenizer_manager.py:1891-1921: 400 as a ValueError,
+        any other 4xx or 5xx as an HTTPException; 0.5.5 tokenizer_manager.py:1017-1048: 400, 500 and 503 only). A
+        streamed request gets the abort chunk itself, with its status_code and err_type (same lines)."""
+        if finish is None or finish.type != "abort" or finish.status_code is None:
+            return None
+        code = finish.status_code
+        if not (code in (400, 500, 503) if self.config.compat == "0.5.5" else 400 <= code < 600):
+            return None
+        message = finish.message or "aborted"
+        if code == 400:  # a ValueError: http_server.py:988-990 and _create_error_response, 2246-2250
+            return _engine_error(message)
+        # an HTTPException on /generate: SGLang's handler answers an ErrorResponse (http_server.py:578-631)
+        return _json({"object": "error", "message": message, "type": str(code), "param": None, "code": code}, code)
 
     async def _stream_error(self, request: web.Request, message: str) -> web.StreamResponse:
         """A ValueError of a streamed request: HTTP 200, one error event, then [DONE] (http_server.py:951-975)."""
@@ -600,8 +635,12 @@ class EngineServer:
         """/health and /health_generate: 200 once a one-token generation answers. The probe waits at the pause gate and
         behind a weight update like any request (tokenizer_manager.py:938-941), and the handler gives up after
         SGLANG_HEALTH_CHECK_TIMEOUT (20 s; http_server.py:218, 722-799): a paused or updating server answers 503
-        after that long. `health_timeout_s` sets it (tests run it short)."""
-        if self.phase != "ready":
+        after that long. `health_timeout_s` sets it (tests run it short).
+
+        An engine whose generations fail with engine errors answers 503 (engine/server/health.py): at once while
+        its recent generations do, and when the probe's own generation ends in an engine error. Any other answer
+        counts, an abort by a pause included (SGLang looks only at last_receive_tstamp)."""
+        if self.phase != "ready" or self.generation_health.failing:
             return web.Response(status=503)
         deadline = time.monotonic() + self.config.health_timeout_s
         try:
@@ -613,17 +652,24 @@ class EngineServer:
             return web.Response(status=503)
         state = GenState(f"HEALTH_CHECK_{uuid.uuid4().hex}", [1], SamplingParams(max_new_tokens=1, temperature=0.0))
         task = asyncio.create_task(self.backend.run(state))
-        # Any answer counts, an abort by a pause included (SGLang looks only at last_receive_tstamp).
         await asyncio.wait([task], timeout=max(0.0, deadline - time.monotonic()))
         if not task.done():
             state.abort_message = "health check timed out"
             await asyncio.wait([task], timeout=1.0)
             return web.Response(status=503)
-        return web.Response(status=503 if task.exception() is not None else 200)
+        exc = task.exception()
+        error = f"{type(exc).__name__}: {exc}" if exc is not None else None
+        if error is None and is_engine_error(state.finish):
+            assert state.finish is not None
+            error = state.finish.message or "engine error"
+        self.generation_health.probed(error)
+        return web.Response(status=503 if error is not None else 200)
 
     async def ready(self, request: web.Request) -> web.Response:
-        # is_ready = not paused and healthy (tokenizer_manager.py:728-734, http_server.py:714-719)
-        return web.Response(status=200 if self.phase == "ready" and not self.paused else 503)
+        # is_ready = not paused and healthy (tokenizer_manager.py:728-734, http_server.py:714-719); healthy includes
+        # generations not failing with engine errors (what /health says, engine/server/health.py)
+        healthy = self.phase == "ready" and self.generation_health.ready
+        return web.Response(status=200 if healthy and not self.paused else 503)
 
     def model_name(self) -> str:
         return self.config.served_model_name or self.backend.model_path

@@ -19,7 +19,19 @@ log = logging.getLogger("rollq.engine")
 
 
 def build_backend(args: EngineConfig) -> Backend:
-    """Raises SystemExit(2) with a one-line message when the backend is unavailable."""
+    """Raises SystemExit(2) with a one-line message when the backend is unavailable or the fault is not one."""
+    if not args.fault:
+        return _plain_backend(args)
+    from rollq.engine.server.faults import FaultyBackend, StepFault
+
+    try:
+        fault = StepFault.parse(args.fault)  # before a model loads: a typo costs no start-up
+    except ValueError as exc:
+        raise _usage_exit(str(exc)) from None
+    return FaultyBackend(_plain_backend(args), fault)
+
+
+def _plain_backend(args: EngineConfig) -> Backend:
     if args.backend == "synthetic":
         from rollq.engine.server.synthetic import LengthDist, SyntheticBackend, SyntheticConfig
 
@@ -214,6 +226,9 @@ def engine(args: EngineConfig) -> int:
         print(f"rollq engine: {refusal}", file=sys.stderr)
         return 2
     if args.backend == "sglang":
+        if args.fault:  # SGLang runs its own scheduler: nothing of rollq's sits between it and the model
+            print("rollq engine: --fault needs the synthetic or reference backend", file=sys.stderr)
+            return 2
         from rollq.engine.server.sglang_launcher import sglang_installed
 
         if not sglang_installed():
@@ -247,6 +262,8 @@ def engine(args: EngineConfig) -> int:
         weight_version=args.weight_version,
         skip_tokenizer_init=args.skip_tokenizer_init,
         health_timeout_s=args.health_timeout,
+        unhealthy_after_errors=args.unhealthy_after_errors,
+        unhealthy_for_s=args.unhealthy_for,
         header_timeout_s=args.header_timeout,
         body_timeout_s=args.body_timeout,
         max_body_bytes=args.max_body_bytes,

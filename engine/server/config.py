@@ -88,6 +88,24 @@ class EngineConfig(RunSettings, kw_only=True):
             gt=0,
         ),
     ] = 20.0
+    unhealthy_after_errors: Annotated[
+        int,
+        setting(
+            "generations in a row that fail with engine errors (status 5xx aborts, none succeeding between) after "
+            "which /health, /health_generate and /ready answer 503; 0: never",
+            metavar="N",
+            ge=0,
+        ),
+    ] = 4
+    unhealthy_for: Annotated[
+        float,
+        setting(
+            "seconds those routes keep answering 503 after the last engine error, then the health probe decides "
+            "(doubled each time the engine fails again before any success, up to 10 minutes)",
+            metavar="S",
+            gt=0,
+        ),
+    ] = 30.0
     header_timeout: Annotated[
         float,
         setting(
@@ -120,6 +138,15 @@ class EngineConfig(RunSettings, kw_only=True):
         setting("reference backend: dtype of the served weights (bfloat16 on a GPU)"),
     ] = "float32"
     max_running: Annotated[int, setting("batch slots (0 = the backend's default)", metavar="N", ge=0)] = 0
+    fault: Annotated[
+        str,
+        setting(
+            "fault injection for tests and drills (synthetic and reference backends): `step_error` fails every "
+            "generation as a model forward that raises does (an ERROR traceback, an abort with status_code 500), "
+            "`step_error:N` only those whose prompt holds at least N tokens; empty: none",
+            metavar="SPEC",
+        ),
+    ] = ""
     tp_size: Annotated[int, setting("sglang backend: tensor parallel size", metavar="N", ge=1)] = 1
     ready_timeout: Annotated[float, setting("sglang backend: seconds to wait for start-up", metavar="S", gt=0)] = 1800.0
     register: Annotated[

@@ -113,13 +113,43 @@ async def test_a_run_where_everything_fails_stops_with_the_first_error(redis, ru
     from rollq.trainer.collector import NothingTrains
 
     ledger, consumer, collector = await setup(redis, run_name)
-    collector.give_up_after_failed = 4
+    collector.fruitless.limit = 4
     failed = [sample(f"{PREFIX}{g}", i, [], status="error") for g in range(2) for i in range(2)]
     for t in failed:
         t.error = ErrorRecord(type="KeyError", message="'prompt'")
     await publish(redis, run_name, *failed)
-    with pytest.raises(NothingTrains, match="the first 4 samples all failed, e.g. KeyError: 'prompt'"):
+    with pytest.raises(NothingTrains, match=r"the first 4 samples all failed .*: nothing trains; e.g. KeyError: 'p"):
         await asyncio.wait_for(collector.collect(1, version=0, block_ms=50), 10)
+
+
+async def test_samples_that_train_nothing_in_a_row_stop_the_run_even_after_some_trained(redis, run_name):
+    """Issue 42: an engine that aborts every request leaves samples with no generated token, which trained 0 tokens
+    a step for as long as the run went. They count with failed samples; one sample with a token ends the streak."""
+    from rollq.protocol.messages import ErrorRecord
+    from rollq.trainer.collector import NothingTrains
+
+    ledger, consumer, collector = await setup(redis, run_name)
+    collector.fruitless.limit = 4
+    for g in range(4):
+        assert (await ledger.admit(f"{PREFIX}{g}", 2)).admitted
+    failed = sample(f"{PREFIX}1", 1, [], status="error")
+    failed.error = ErrorRecord(type="EngineUnavailable", message="HTTP 500: engine error")
+    await publish(redis, run_name, sample(f"{PREFIX}0", 0, [0]), sample(f"{PREFIX}0", 1, []))  # one token, none
+    await publish(redis, run_name, sample(f"{PREFIX}1", 0, []), failed, sample(f"{PREFIX}2", 0, []))  # 4 in a row
+    with pytest.raises(NothingTrains) as stopped:
+        await asyncio.wait_for(collector.collect(3, version=0, block_ms=50), 10)
+    assert str(stopped.value) == (
+        "the last 4 samples all failed or generated no token (1 failed, 3 with no generated token): nothing trains; "
+        "e.g. EngineUnavailable: HTTP 500: engine error"
+    )
+    assert NothingTrains.exit_code == 4
+
+    ledger, consumer, collector = await setup(redis, run_name + "-b")
+    collector.fruitless.limit = 4
+    empty = [sample(f"{PREFIX}{g}", i, []) for g in range(2) for i in range(2)]
+    await publish(redis, run_name + "-b", *empty[:3], sample(f"{PREFIX}2", 0, [0]), empty[3])  # a token between
+    got = await asyncio.wait_for(collector.collect(2, version=0, block_ms=50), 10)
+    assert sorted(g.job_id for g in got.groups) == [f"{PREFIX}0", f"{PREFIX}1"] and collector.fruitless.count == 1
 
 
 async def test_under_mask_a_group_trains_while_any_token_is_within_the_bound(redis, run_name):

@@ -123,3 +123,53 @@ async def test_sigterm_stops_rollq_up_and_everything_it_started(tmp_path):
         assert not redis_pings(int(url.group(2)))
     engine_log = (tmp_path / "run" / "logs" / "engine-0.log").read_text()
     assert "shutting down" in engine_log  # the engine was told to stop (SIGTERM), not orphaned
+
+
+@pytest.mark.slow
+async def test_an_engine_whose_steps_fail_is_an_error_line_on_the_console_of_rollq_up(tmp_path):
+    """Issue 42: the engine's tracebacks sat only in runs/RUN/logs/engine-0.log while the console looked fine. The
+    engine fails every real prompt for real (ROLLQ_ENGINE_FAULT=step_error:2, engine/server/faults.py: the one-token
+    health probe still passes, as with a shared-prefix failure): its error is an ERROR line on the console, once, then
+    a count at 10, 100, ... failures, never a line each; stopping the run sums up each child's errors."""
+    from rollq.local import WaitTimeout
+    from tests.helpers import wait_until
+
+    run = tmp_path / "run"
+    log, engine_log = tmp_path / "up.log", run / "logs" / "engine-0.log"
+    failed = "engine step failed; aborting the running batch"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "rollq", "up", "steps=2", f"run_dir={run}"],
+            cwd=REPO_ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            # the engine stays in routing between failures (no 503 hold): 10 of them come in seconds, not minutes
+            env={**clean_env(), "ROLLQ_ENGINE_FAULT": "step_error:2", "ROLLQ_ENGINE_UNHEALTHY_AFTER_ERRORS": "0"},
+        )
+    try:
+
+        def engine_failed_10_times() -> bool:
+            return proc.poll() is not None or (engine_log.exists() and engine_log.read_text().count(failed) >= 10)
+
+        await wait_until(engine_failed_10_times, 240, what="the engine's first 10 failed steps")
+        try:  # the console catches up within a poll or two (0.5 s each)
+            await wait_until(lambda: "came 10 times so far" in log.read_text(), 10, what="the count on the console")
+        except WaitTimeout:
+            pass  # (8676c82: no such line; the assertions below say what is missing)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text()
+    failures = engine_log.read_text().count(failed)
+    assert proc.returncode == 130 and failures >= 10, text[-3000:]
+    shown = [line for line in text.splitlines() if failed in line]
+    first = [line for line in shown if f" ERROR rollq.up: engine-0: {failed}: " in line]
+    assert len(first) == 1, text[-3000:]
+    assert "InjectedStepError: injected step failure (fault step_error:2)" in first[0]
+    assert first[0].endswith(f"(rollq.engine; {engine_log})")
+    assert any("came 10 times so far" in line for line in shown), text[-3000:]
+    assert len(shown) <= 1 + len(str(failures))  # the first, then 10, 100, ...: never a line per failure
+    summary = rf" ERROR rollq.up: engine-0 logged \d+ ERROR lines \(\d+ distinct\): {re.escape(str(engine_log))}"
+    assert re.search(summary, text), text[-3000:]
