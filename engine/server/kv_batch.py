@@ -267,7 +267,7 @@ AttentionMaskInterface.register(CASCADE, sdpa_mask)
 
 
 @functools.cache
-def cache_argument(model_class: type) -> str:
+def cache_argument(model_class: Any) -> str:
     """The name under which `model_class.forward` takes its KV cache: `cache` since transformers 5.x renamed it
     (`past_key_values` is deprecated for removal in 5.40: modeling_layers.py's deprecate_kwarg), `past_key_values`
     before. A fact of the class, looked up once."""
@@ -276,8 +276,8 @@ def cache_argument(model_class: type) -> str:
 
 def _cache_kwargs(model: Any, cache: Cache) -> dict[str, Cache]:
     """The model's forward argument for `cache`; peft's wrapper passes its keyword arguments to the base model."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return {cache_argument(type(base)): cache}
+    base: Any = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return {cache_argument(base.__class__): cache}
 
 
 class _BufferLayer(DynamicLayer):
