@@ -89,10 +89,12 @@ def make_adapter(model_dir: Path, directory: Path) -> Path:
 
 
 def greedy_reference(model_dir: Path, prompt_ids: list[int], new: int, adapter: Path | None = None) -> list[int]:
-    """transformers' own greedy generate (eos suppressed, as ignore_eos), through peft with an adapter."""
+    """transformers' own greedy generate, through peft with an adapter. No EOS (ignore_eos: an EOS is sampled like
+    any token and does not stop; min_new_tokens would mask it instead)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.generation_config.eos_token_id = None  # generate's defaults come from here, whatever a call passes
     if adapter is not None:
         from peft import PeftModel
 
@@ -100,9 +102,8 @@ def greedy_reference(model_dir: Path, prompt_ids: list[int], new: int, adapter: 
     model.eval()
     ids = torch.tensor([prompt_ids])
     with torch.no_grad():
-        out = model.generate(
-            input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new, do_sample=False
-        )
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False)
+    assert out.shape[1] == len(prompt_ids) + new
     return out[0, len(prompt_ids) :].tolist()
 
 
