@@ -40,13 +40,18 @@ def mixed_batch_blockers(config: Any, base: torch.nn.Module) -> list[str]:
       355-373 and 402-481, called from tuners/tuners_utils.py:833-849), so the conversion is run here on a copy of
       the config, as the load would run it.
     - DoRA, which peft's mixed batches refuse for every layer (tuners/lora/layer.py:845-851)."""
-    from peft.import_utils import is_transformers_ge_v5
+    from peft import import_utils
 
     probe = copy.deepcopy(config)
-    if is_transformers_ge_v5:  # peft's own condition (tuners_utils.py:833); the module imports only on 5
-        from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
-
-        convert_peft_config_for_transformers(probe, model=base, conversions=None)
+    # peft's own condition (tuners_utils.py:833; the module imports only on transformers 5); a peft without the
+    # conversion converts nothing
+    if getattr(import_utils, "is_transformers_ge_v5", False):
+        try:
+            from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
+        except ImportError:
+            pass
+        else:
+            convert_peft_config_for_transformers(probe, model=base, conversions=None)
     blockers = []
     direct = sorted(getattr(probe, "target_parameters", None) or [])
     if direct:
@@ -81,8 +86,8 @@ class AdapterSlots:
         blockers = mixed_batch_blockers(config, self.base)
         if blockers:
             raise UnservableAdapter(
-                f"{path} holds {' and '.join(blockers)}, which peft cannot run in mixed-adapter batches: this engine "
-                "serves adapters on linear layers only (a rollq trainer's all-linear)"
+                f"{path} holds {' and '.join(blockers)}, which peft cannot run in mixed-adapter batches, the only "
+                "batches this engine runs (plain LoRA on linear layers can: a rollq trainer's all-linear)"
             )
         sig = signature(config)
         spare = next((i for i, (s, _) in enumerate(self._spare) if s == sig), None)
