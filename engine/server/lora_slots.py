@@ -6,10 +6,14 @@ adapter of the same shape (rank, alpha, target modules) takes it: its weights ar
 tensors, nothing else changes. SGLang keeps adapters in a memory pool of slots for the same reason
 (srt/lora/mem_pool.py). Only a new shape, or no spare slot, goes through peft's load. Callers serialize calls (the
 backend's lock) and run them off the event loop.
+
+An adapter peft cannot run in a mixed-adapter batch is refused before it touches the model (`mixed_batch_blockers`):
+every batch here passes `adapter_names`, so once loaded it would fail every step, every row, until unloaded.
 """
 
 from __future__ import annotations
 
+import copy
 import itertools
 import warnings
 from collections.abc import Sequence
@@ -19,6 +23,45 @@ import torch
 
 BASE = "__base__"  # peft's name for a row of a mixed batch that runs the base model
 SPARE_SLOTS = 4  # unloaded adapters' slots kept for reuse; beyond that peft deletes them
+
+
+class UnservableAdapter(ValueError):
+    """An adapter this engine cannot serve in mixed batches; the load is refused (a 400 naming why)."""
+
+
+def mixed_batch_blockers(config: Any, base: torch.nn.Module) -> list[str]:
+    """What of the adapter `config` (peft's LoraConfig as read from its adapter_config.json) peft cannot run in a
+    mixed-adapter batch on `base`, each said in words; [] when it can run all of it.
+
+    - Parameters adapted directly (`target_parameters`, peft's lora.ParamWrapper: a MoE's router weight and fused
+      experts), whose forward refuses `adapter_names` (peft 0.21.2, tuners/lora/layer.py:2680-2684). On
+      transformers 5 peft itself adds them at load time to an adapter whose `target_modules` name the router or
+      the experts by their transformers-4 names, or are `all-linear` (utils/transformers_weight_conversion.py:
+      355-373 and 402-481, called from tuners/tuners_utils.py:833-849), so the conversion is run here on a copy of
+      the config, as the load would run it.
+    - DoRA, which peft's mixed batches refuse for every layer (tuners/lora/layer.py:845-851)."""
+    from peft import import_utils
+
+    probe = copy.deepcopy(config)
+    # peft's own condition (tuners_utils.py:833; the module imports only on transformers 5); a peft without the
+    # conversion converts nothing
+    if getattr(import_utils, "is_transformers_ge_v5", False):
+        try:
+            from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
+        except ImportError:
+            pass
+        else:
+            convert_peft_config_for_transformers(probe, model=base, conversions=None)
+    blockers = []
+    direct = sorted(getattr(probe, "target_parameters", None) or [])
+    if direct:
+        blockers.append(
+            f"Parameters adapted directly (target_parameters {direct}: peft's lora.ParamWrapper, a MoE router or "
+            "fused experts)"
+        )
+    if getattr(probe, "use_dora", False):
+        blockers.append("DoRA (use_dora)")
+    return blockers
 
 
 def signature(config: Any) -> tuple[Any, ...]:
@@ -40,6 +83,12 @@ class AdapterSlots:
         self.reused = 0  # loads that took a spare slot (tests and the bench read it)
 
     def load(self, adapter_id: int, path: str, config: Any) -> None:
+        blockers = mixed_batch_blockers(config, self.base)
+        if blockers:
+            raise UnservableAdapter(
+                f"{path} holds {' and '.join(blockers)}, which peft cannot run in mixed-adapter batches, the only "
+                "batches this engine runs (plain LoRA on linear layers can: a rollq trainer's all-linear)"
+            )
         sig = signature(config)
         spare = next((i for i, (s, _) in enumerate(self._spare) if s == sig), None)
         if spare is not None and self._copy_into(self._spare[spare][1], path):
@@ -105,4 +154,4 @@ class AdapterSlots:
         return [self._slot_of[i] if i is not None else BASE for i in adapter_ids]
 
 
-__all__ = ["BASE", "SPARE_SLOTS", "AdapterSlots", "signature"]
+__all__ = ["BASE", "SPARE_SLOTS", "AdapterSlots", "UnservableAdapter", "mixed_batch_blockers", "signature"]

@@ -4,6 +4,10 @@ shards look like. Every rank runs this file; rank 0 drives the policy and the ot
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 tests/trainer/rank_script.py \\
         --model DIR --out DIR [--steps N] [--save-after K --save CKPT] [--load CKPT] [--lora-rank R]
+
+`--runs '[{"model": DIR, "out": DIR, "lora_rank": R}, ...]'` trains more models after that one (or instead of it,
+without `--model`), one after the other in the same process group, each for `--steps` steps without checkpoints:
+one torchrun start for several models (tests/trainer/test_ranks.py, the architecture families).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from rollq.trainer.batch import Batch, Group, build_batch
 from rollq.trainer.config import TrainConfig
 from rollq.trainer.follower import follow
 from rollq.trainer.policy import Policy
-from rollq.trainer.ranks import join_ranks
+from rollq.trainer.ranks import RankGroup, join_ranks
 from tests.trainer.test_batch import traj
 
 ANSWERS = [  # (answer token ids, reward): two groups of different lengths, so the ranks get unequal rows
@@ -78,8 +82,9 @@ def resume(policy: Policy, batch: Batch, checkpoint: Path, out: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--model")
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--runs", type=json.loads, default=None)
     parser.add_argument("--steps", type=int, default=1)
     parser.add_argument("--save", type=Path)
     parser.add_argument("--save-after", type=int, default=1)
@@ -90,35 +95,43 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--then-load", type=Path)
     parser.add_argument("--then-out", type=Path)
     args = parser.parse_args(argv)
+    jobs = [(args.model, args.out, args.lora_rank, args)] if args.model else []
+    steps_only = argparse.Namespace(**{**vars(args), "save": None, "load": None, "then_load": None})
+    jobs += [(r["model"], Path(r["out"]), int(r.get("lora_rank", 0)), steps_only) for r in args.runs or []]
     ranks = join_ranks("cpu", 120)
-    policy = Policy(config(args.model, args.lora_rank), ranks)
+    for model_dir, out, lora_rank, job in jobs:
+        train(ranks, model_dir, out, lora_rank, job)
+    ranks.close()
+
+
+def train(ranks: RankGroup, model_dir: str, out: Path, lora_rank: int, args: argparse.Namespace) -> None:
+    """One model on these ranks, as `main`'s arguments say: rank 0 drives, the others follow until it stops them;
+    each rank writes its facts into `out`."""
+    policy = Policy(config(model_dir, lora_rank), ranks)
     if not ranks.leader:
         follow(policy)
         facts = {"rank": ranks.rank, "local_bytes": local_bytes(policy)}
-        (args.out / f"rank-{ranks.rank}.json").write_text(json.dumps(facts))
-        ranks.close()
+        (out / f"rank-{ranks.rank}.json").write_text(json.dumps(facts))
         return
-    args.out.mkdir(parents=True, exist_ok=True)
-    batch = fixed_batch(args.model)
+    out.mkdir(parents=True, exist_ok=True)
+    batch = fixed_batch(model_dir)
     if args.load:  # a resume in a fresh process group
-        resume(policy, batch, args.load, args.out)
+        resume(policy, batch, args.load, out)
         policy.stop_followers()
-        ranks.close()
         return
     model = policy.model
     tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
     losses = []
     for step in range(1, args.steps + 1):
         losses.append(policy.train_step(batch).loss)
-        policy.save_weights(args.out / f"step-{step}")
+        policy.save_weights(out / f"step-{step}")
         if args.save and step == args.save_after:
             policy.save_checkpoint(args.save)
     if args.then_load:
         resume(policy, batch, args.then_load, args.then_out)
     policy.stop_followers()
     facts = {"rank": 0, "world": ranks.world_size, "tied": tied, "losses": losses, "local_bytes": local_bytes(policy)}
-    (args.out / "rank-0.json").write_text(json.dumps(facts))
-    ranks.close()
+    (out / "rank-0.json").write_text(json.dumps(facts))
 
 
 if __name__ == "__main__":
