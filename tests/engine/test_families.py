@@ -80,10 +80,10 @@ def make_adapter(model_dir: Path, directory: Path) -> Path:
 
     from rollq.trainer.lora import lora_config
 
-    config = lora_config(TrainConfig(model=str(model_dir), lora_rank=4), model_dir)
-    config.init_lora_weights = False
     torch.manual_seed(7)
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    config = lora_config(TrainConfig(model=str(model_dir), lora_rank=4), base, model_dir)
+    config.init_lora_weights = False
     get_peft_model(base, config).save_pretrained(str(directory))
     return directory
 
