@@ -227,10 +227,11 @@ def cascade_attention(
         lse_p = lse_p.masked_fill(window.dead, float("-inf"))
     every = plan.rows.shape[0] == b  # every row shares a prefix: no row indexing
     ls = lse if every else lse[plan.rows]
-    m = torch.maximum(ls, lse_p)
-    ws, wp = (ls - m).exp_(), (lse_p - m).exp_()
+    # The suffix part's share of the whole softmax is exp(ls) / (exp(ls) + exp(lse_p)) = sigmoid(ls - lse_p): one
+    # stable op where a max, two exps and a division would take five (a dead prefix, lse_p -inf, gives 1)
+    share = (ls - lse_p).sigmoid_()
     out = out.float()
-    merged = (out if every else out[plan.rows]).mul_(ws).add_(op.mul_(wp)).div_(ws.add_(wp))
+    merged = (out if every else out[plan.rows]).sub(op).mul_(share).add_(op)
     if not every:
         out[plan.rows] = merged
     return (merged if every else out).to(query.dtype).reshape(b, 1, heads, d), None
