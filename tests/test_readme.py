@@ -1,5 +1,5 @@
-"""The README is the front page: at most 12 KB, opening with the two commands CI runs (set-up, then the tests),
-its links pointing at files that exist, and the benchmark headline block bench/report.py fills."""
+"""The README is the front page: at most 12 KB, opening with the two commands CI runs (set-up from the lock, then
+the tests), its links pointing at files that exist, and the benchmark headline block bench/report.py fills."""
 
 import re
 
@@ -24,6 +24,16 @@ def test_the_readme_opens_with_the_two_commands_ci_runs():
     assert first == setup
     assert second == ".venv/bin/python -m pytest"
     assert any(line.startswith(f"tests=0 && {second} ") for line in ci)
+
+
+def test_the_set_up_installs_from_the_lock_and_the_docs_repeat_it():
+    """The set-up installs uv.lock as it is (`uv sync --locked`: no new resolution), and the pages that show the
+    set-up show this very command."""
+    ci = CI_RUN.read_text().splitlines()
+    setup = ci[ci.index("# 1. set-up") + 1]
+    assert "/uv sync -q --locked " in setup and "uv pip install" not in setup
+    for page in ("CONTRIBUTING.md", "docs/getting-started.md"):
+        assert setup in (REPO_ROOT / page).read_text().splitlines(), page
 
 
 def test_the_readme_links_point_at_files_that_exist():
