@@ -121,14 +121,16 @@ async def test_a_family_is_served_as_transformers_serves_it(family, start_engine
     (out,) = await generate(http, engine.url, {"input_ids": a, "sampling_params": params(temperature=0.0)})
     assert out["output_ids"] == greedy_reference(model_dir, a, NEW)
 
-    # the GRPO-shaped burst, paused (retract) and resumed midway
+    # the GRPO-shaped burst, held at the pause gate until all of it has arrived (so it is admitted at once, as a
+    # group's samples are, whatever the machine's load), then paused with retract and resumed midway
     seen = watch_sharing(backend)
+    assert (await http.post(engine.url + "/pause_generation", json={"mode": "in_place"})).status_code == 200
     calls = [{"input_ids": PROMPTS[k], "sampling_params": params()} for k in ("a", "b") for _ in range(GROUP)]
     calls.append({"input_ids": PROMPTS["c"], "sampling_params": params(n=GROUP)})
     burst = [asyncio.create_task(generate(http, engine.url, c)) for c in calls]
-    await wait_until(
-        lambda: backend.stats()["num_running_reqs"] >= 3 * GROUP and seen, 30, interval_s=0.001, what="the burst"
-    )
+    await wait_until(lambda: len(engine.server.states) == 3 * GROUP, 30, what="the burst at the gate")
+    assert (await http.post(engine.url + "/continue_generation", json={})).status_code == 200
+    await wait_until(lambda: seen, 30, interval_s=0.001, what="the burst's first decode step")
     assert (await http.post(engine.url + "/pause_generation", json={"mode": "retract"})).status_code == 200
     assert (await http.post(engine.url + "/continue_generation", json={})).status_code == 200
     results = [o for outs in await asyncio.gather(*burst) for o in outs]
