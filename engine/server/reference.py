@@ -203,8 +203,9 @@ class ReferenceBackend(Backend):
                 else:
                     model.set_attn_implementation("sdpa")
                     log.warning("%s is served without shared-prefix decode: %s", name, wrong)
-        if self.attention != CASCADE and cfg.prefix_cache_tokens > 0:
-            log.info("%s: %s attention, prefix cache without shared-prefix decode", name, self.attention)
+        sharing = "with shared-prefix decode" if self.attention == CASCADE else "without shared-prefix decode"
+        cache = sharing if cfg.prefix_cache_tokens > 0 else "no prefix cache"
+        log.info("%s passed the start-up check: %s attention, %s", name, model.config._attn_implementation, cache)
         return model
 
     def _context(self, model: Any) -> int:
