@@ -54,6 +54,7 @@ from rollq.engine.server.self_check import (
     check_cascade,
     check_plain,
     probe_ids,
+    reference_logprobs,
     sliding_window,
     tolerance,
 )
@@ -192,12 +193,14 @@ class ReferenceBackend(Backend):
         ids = probe_ids(vocab, self._context(model), sliding_window(model), avoid)
         tol = tolerance(getattr(torch, cfg.dtype))
         with torch.inference_mode():
-            wrong = check_plain(model, ids, tol)
+            reference, wrong = reference_logprobs(model, ids)  # one plain forward, with the model's own attention
+            if wrong is None:
+                wrong = check_plain(model, ids, reference, tol)
             if wrong is not None:
                 raise ModelRefused(f"{name} cannot be served by the reference engine with {self.attention}: {wrong}")
             if self.attention == "sdpa" and cfg.prefix_cache_tokens > 0:
                 model.set_attn_implementation(CASCADE)
-                wrong = check_cascade(model, ids, tol)
+                wrong = check_cascade(model, ids, reference, tol)
                 if wrong is None:
                     self.attention = CASCADE
                 else:

@@ -45,10 +45,14 @@ def sliding_window(model: Any) -> int | None:
     return int(window) if window else None
 
 
-def _reference(model: Any, ids: list[int]) -> torch.Tensor:
-    """Log-probs of every position from one plain forward pass: [len(ids), vocab]."""
-    logits = model(input_ids=torch.tensor([ids], device=model.device)).logits[0]
-    return torch.log_softmax(logits.float(), dim=-1)
+def reference_logprobs(model: Any, ids: list[int]) -> tuple[torch.Tensor, str | None]:
+    """Log-probs of every position from one plain forward pass ([len(ids), vocab]: what each check compares with),
+    or what is wrong when the forward itself fails."""
+    try:
+        logits = model(input_ids=torch.tensor([ids], device=model.device)).logits[0]
+    except Exception as exc:  # a model class a causal LM's plain call does not run
+        return torch.empty(0), _failed("the check", exc)
+    return torch.log_softmax(logits.float(), dim=-1), None
 
 
 class _Comparison:
@@ -80,17 +84,21 @@ def _decode(batch: KVBatch, model: Any, ids: list[int], ends: list[int], cmp: _C
             cmp.check(logits[r], end + step, path)
 
 
-def check_plain(model: Any, ids: list[int], tolerance: float) -> str | None:
+def _failed(what: str, exc: Exception) -> str:
+    first = str(exc).splitlines()[0] if str(exc) else ""
+    return f"{what} fails ({type(exc).__name__}: {first})"
+
+
+def check_plain(model: Any, ids: list[int], reference: torch.Tensor, tolerance: float) -> str | None:
     """What is wrong with the plain paths (prefill, prefill on a cached prefix, batched left-padded decode), or
-    None."""
+    None. `reference`: reference_logprobs(model, ids)."""
     try:
-        return _check_plain(model, ids, tolerance)
+        return _check_plain(model, ids, _Comparison(reference, tolerance))
     except Exception as exc:  # e.g. a recurrent model's cache: nothing here can serve it
-        return f"the check fails ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+        return _failed("the check", exc)
 
 
-def _check_plain(model: Any, ids: list[int], tolerance: float) -> str | None:
-    cmp = _Comparison(_reference(model, ids), tolerance)
+def _check_plain(model: Any, ids: list[int], cmp: _Comparison) -> str | None:
     long_end, short_end = len(ids) - DECODE_STEPS, len(ids) - DECODE_STEPS - 3
     cached = short_end // 2
     (long,) = prefill(model, [ids[:long_end]])
@@ -104,11 +112,11 @@ def _check_plain(model: Any, ids: list[int], tolerance: float) -> str | None:
     return cmp.failure()
 
 
-def check_cascade(model: Any, ids: list[int], tolerance: float) -> str | None:
+def check_cascade(model: Any, ids: list[int], reference: torch.Tensor, tolerance: float) -> str | None:
     """What is wrong with shared-prefix decode (model loaded with CASCADE), or None: two rows on one prefix, one
     prefilled against it (`prefill_last`), one with a suffix of its own, decoding side by side with a third row
-    that shares nothing."""
-    cmp = _Comparison(_reference(model, ids), tolerance)
+    that shares nothing. `reference`: reference_logprobs(model, ids), of the model's own attention."""
+    cmp = _Comparison(reference, tolerance)
     shared_end = len(ids) - DECODE_STEPS - 4
     (whole,) = prefill(model, [ids[: len(ids) - DECODE_STEPS]])
     layers = [(k[:, :, :shared_end].clone(), v[:, :, :shared_end].clone()) for k, v in whole.layers]
@@ -124,7 +132,7 @@ def check_cascade(model: Any, ids: list[int], tolerance: float) -> str | None:
     except CascadeUnsupported as exc:
         return str(exc)
     except Exception as exc:  # the model's attention or cache works another way: served without the cascade
-        return f"shared-prefix decode fails ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+        return _failed("shared-prefix decode", exc)
     return cmp.failure()
 
 
