@@ -55,11 +55,12 @@ from rollq.tracing import INVALID_SPAN, Span, SpanKind, Tracing, traceparent
 from rollq.workers.batcher import WriteBatcher
 from rollq.workers.blobs import BlobError, BlobReader
 from rollq.workers.config import WorkerConfig
-from rollq.workers.construct import KwargConverter, ModelNames
+from rollq.workers.construct import KwargConverter
 from rollq.workers.context import ContextConfig, EpisodeContext, RecordingEngine, WorkflowContext, episode_scope
 from rollq.workers.fair_share import FairShare
 from rollq.workers.loader import WorkflowCache, workflow_path
 from rollq.workers.media import MediaError, prepare_images
+from rollq.workers.model_names import ModelNames, serving
 from rollq.workers.outputs import to_sequences
 from rollq.workers.proxy.server import ProxyConfig
 from rollq.workers.resolver import Allowlist, WorkflowLoadError, enforcing
@@ -163,9 +164,9 @@ class Worker:
         self._episode_engine = RecordingEngine.wrap(engine)  # keeps each episode's responses (outputs.py uses them)
         self.codec = Codec()
         self.blobs = BlobReader(self.redis, max_bytes=config.max_job_bytes)  # jobs' data stored by reference
-        self.workflows = WorkflowCache(
-            KwargConverter(ModelNames(worker_tokenizer=config.tokenizer, models_root=config.models_root))
-        )
+        # The models jobs may name (tokenizers, processors): for the converter, and for the names built-in loops load.
+        self.models = ModelNames(worker_tokenizer=config.tokenizer, models_root=config.models_root)
+        self.workflows = WorkflowCache(KwargConverter(self.models))
         # Shared by this worker's workflows (HTTP clients, the agents' recording proxy); closed when it stops.
         self.context = WorkflowContext(
             ContextConfig(
@@ -246,8 +247,9 @@ class Worker:
         ]
         log.info("worker %s serving run %r (concurrency %d)", self.name, self.cfg.run, self.cfg.concurrency)
         try:
-            # Job tasks started below inherit both: workflow_context() finds the context, resolve() the allowlist.
-            with enforcing(self.allowlist), self.tracing.installed():
+            # Job tasks started below inherit these: workflow_context() finds the context, resolve() the allowlist,
+            # load_tokenizer() the models jobs may name.
+            with enforcing(self.allowlist), serving(self.models), self.tracing.installed():
                 async with self.context:
                     try:
                         await self._consume_loop()
