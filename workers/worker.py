@@ -25,7 +25,6 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 from redis.typing import StreamIdT
 
-import rollq.tracing as tracing
 from rollq.engine.types import InferenceEngine
 from rollq.protocol import scripts
 from rollq.protocol.codec import Codec, CodecError
@@ -683,7 +682,7 @@ class Worker:
                     enforcing(allowlist),
                     episode_scope(episode) as responses,  # workflow_context.get() in it
                     self.tracing.within(attempt),
-                    self.tracing.span("episode", attributes={"rollq.workflow": job.workflow}),
+                    self.tracing.span("episode", attributes={"rollq.workflow": self.tracing.workflow(job.workflow)}),
                 ):
                     output = await workflow.arun_episode(self._episode_engine, data)
                 sequences = to_sequences(output, responses)
@@ -702,7 +701,7 @@ class Worker:
                         error.message,
                     )
                     retry = msgspec.structs.replace(job, attempt=runs)
-                    tracing.error(attempt, error.type, f"retried: {error.message}")
+                    self.tracing.error(attempt, error.type, error.message, retried=True)
                     await self._writes.script(self._requeue, [jobs], [WORKER_GROUP, eid, self.codec.encode(retry)])
                     self.stats.requeued += 1
                     self._observe(job, "failed", started)
@@ -753,7 +752,7 @@ class Worker:
             failed = job or fatal.job
             if failed is not None and self.tracing.enabled and not attempt.get_span_context().is_valid:
                 attempt = self._attempt_span(failed, eid, deliveries)  # refused before its run began
-            tracing.error(attempt, fatal.error.type, fatal.error.message)
+            self.tracing.error(attempt, fatal.error.type, fatal.error.message)
             attempt.set_attribute("rollq.outcome", "dead_lettered")
             await self._dead_letter(
                 eid, payload, job or fatal.job, fatal.error, deliveries, started, decoded=job is not None, stream=jobs
@@ -774,7 +773,7 @@ class Worker:
                 "rollq.sample_id": f"{job.job_id}#{job.sample_index}",
                 "rollq.attempt": job.attempt + deliveries,
                 "rollq.worker": self.name,
-                "rollq.workflow": job.workflow,
+                "rollq.workflow": self.tracing.workflow(job.workflow),
                 "rollq.entry_id": eid,
             },
         )

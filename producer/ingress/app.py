@@ -35,7 +35,6 @@ import redis.asyncio as aioredis
 from aiohttp import web
 from redis.exceptions import ResponseError
 
-import rollq.tracing as tracing
 from rollq.config import ConfigError
 from rollq.http_server import BAD_JSON, read_body
 from rollq.producer.ingress.config import IngressConfig
@@ -217,7 +216,8 @@ class Ingress:
         self.redis = redis or redis_client(cfg.redis_url)
         self.stats = IngressStats()
         self.codec = Codec()
-        # Each job's submit span, a child of the request's `traceparent` header when it has one (rollq/tracing.py).
+        # Each job's submit span: a trace of its own linked to the request's `traceparent` header, or its child with
+        # trace_client_parent (rollq/tracing.py).
         self.tracing = Tracing.from_settings(cfg, "ingress")
         self._submit = self.redis.register_script(scripts.INGRESS_SUBMIT)
         self._cancel = self.redis.register_script(scripts.CANCEL_JOB)
@@ -415,9 +415,13 @@ class Ingress:
             partition = partition_of(job_id, partitions)
             span: Span = INVALID_SPAN
             if self.tracing.enabled:
+                # A caller's traceparent is its parent only where the operator trusts callers with it (its sampled
+                # flag would override trace_sample_rate, its trace id join any trace); else a link to it.
+                joined = self.cfg.trace_client_parent
                 span = self.tracing.start(
                     "submit",
-                    parent=parent or None,
+                    parent=parent if joined and parent else None,
+                    links=() if joined else (parent,),
                     kind=SpanKind.SERVER,
                     attributes={
                         "rollq.run": self.cfg.run,
@@ -425,7 +429,7 @@ class Ingress:
                         "rollq.client_job_id": client_id,
                         "rollq.tenant": tenant,
                         "rollq.n": spec.n,
-                        "rollq.workflow": spec.workflow,
+                        "rollq.workflow": self.tracing.workflow(spec.workflow),
                     },
                 )
                 spans.append(span)
@@ -487,7 +491,7 @@ class Ingress:
             return await self._admit_prepared(prepared, count, tenant)
         except BaseException as exc:
             for span in spans:
-                tracing.error(span, type(exc).__name__, str(exc))
+                self.tracing.error(span, type(exc).__name__, str(exc))
             raise
         finally:
             for span in spans:
