@@ -28,7 +28,6 @@ from rollq.protocol.limits import MAX_JOB_BYTES, describe_bytes
 from rollq.protocol.messages import AgentOptions, Job, JobClass, Trajectory, class_bound, job_classes
 from rollq.redis_client import ensure_group, run_partitions
 from rollq.tracing import INVALID_SPAN, Span, SpanKind, Tracing, traceparent
-from rollq.tracing import error as span_failed
 
 DEFAULT_SEEN_TTL_S = DEFAULT_BLOB_TTL_S
 
@@ -232,7 +231,7 @@ class Producer:
             return await self._submit_all(reqs, ids, classes, count, spans, atomic=atomic, wait=wait)
         except BaseException as exc:
             for span in spans:  # those not admitted (the others were ended and replaced by INVALID_SPAN)
-                span_failed(span, type(exc).__name__, str(exc))
+                self.tracing.error(span, type(exc).__name__, str(exc))
                 span.end()
             raise
 
@@ -418,7 +417,7 @@ class Producer:
                 "rollq.run": self.keys.run,
                 "rollq.job_id": job_id,
                 "rollq.n": req.n,
-                "rollq.workflow": req.workflow,
+                "rollq.workflow": self.tracing.workflow(req.workflow),
                 "rollq.job_class": req.job_class,
                 "rollq.is_eval": req.is_eval,
             },

@@ -149,8 +149,8 @@ class RunSettings(Settings, kw_only=True):
     trace_text: Annotated[
         bool,
         setting(
-            "record prompt and completion text (and token ids) in spans; off by default: traces leave the trust "
-            "boundary",
+            "record text in spans: prompts, completions (and token ids), error messages, agents' output and "
+            "commands' arguments; off by default (errors by their type alone): traces leave the trust boundary",
             shared=True,
         ),
     ] = False

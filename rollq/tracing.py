@@ -9,9 +9,12 @@ so one trace spans processes and machines; a caller in any language may pass its
 `traceparent` header too).
 
 Closed by default: nothing is exported unless an endpoint is set (`trace_endpoint`, else the standard
-OTEL_EXPORTER_OTLP_TRACES_ENDPOINT / OTEL_EXPORTER_OTLP_ENDPOINT), and prompt or completion text (or token ids) is
-recorded only with `trace_text` on, cut to `trace_text_chars`, because traces leave the trust boundary. The standard
-OTEL_* variables are honoured (headers, sampler, service name, batch processor); a rollq setting wins over them.
+OTEL_EXPORTER_OTLP_TRACES_ENDPOINT / OTEL_EXPORTER_OTLP_ENDPOINT), and text is recorded only with `trace_text` on,
+cut to `trace_text_chars`, because traces leave the trust boundary: prompts, completions and token ids, but also
+error messages (an agent's error quotes its stdout, a refusal what the job named) and a command agent's arguments.
+Without it an error is recorded by its type alone (`Tracing.error`; spans never record exceptions themselves).
+The standard OTEL_* variables are honoured (headers, sampler, service name, batch processor); a rollq setting wins
+over them.
 
 A process holds one Tracing (its tracer, or none). Code deep in a call (an engine call, a reward) reaches it through
 the `current` context variable, set by the worker for its tasks; without one, or with tracing off, a span is a
@@ -22,11 +25,11 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
-from collections.abc import Awaitable, Iterator, Mapping
+from collections.abc import Awaitable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from opentelemetry import trace
-from opentelemetry.trace import INVALID_SPAN, Span, SpanKind, Status, StatusCode, use_span
+from opentelemetry.trace import INVALID_SPAN, Link, Span, SpanKind, Status, StatusCode, use_span
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 if TYPE_CHECKING:
@@ -137,7 +140,22 @@ class Tracing:
         recorded on it and marks it an error."""
         if self.tracer is None or _unsampled(trace.get_current_span()):
             return _NOOP  # off, or in a trace not sampled: what the SDK would make records nothing, for more CPU
-        return self.tracer.start_as_current_span(name, kind=kind, attributes=attributes)
+        return self._errors_recorded(
+            self.tracer.start_as_current_span(
+                name, kind=kind, attributes=attributes, record_exception=False, set_status_on_exception=False
+            )
+        )
+
+    @contextlib.contextmanager
+    def _errors_recorded(self, block: contextlib.AbstractContextManager[Span]) -> Iterator[Span]:
+        """`block`'s span, marked failed by an exception leaving it: its type, its message only with text on (the
+        SDK's own recording would export the message and the stack whatever the setting)."""
+        with block as span:
+            try:
+                yield span
+            except BaseException as exc:
+                self.error(span, type(exc).__name__, str(exc) or repr(exc))
+                raise
 
     def start(
         self,
@@ -147,23 +165,37 @@ class Tracing:
         attributes: Mapping[str, Any] | None = None,
         kind: SpanKind = SpanKind.INTERNAL,
         start_time: int | None = None,
+        links: Sequence[str] = (),
     ) -> Span:
         """A span that is not made current (end it with `.end()`; `within` makes it current for a block): a child
         of `parent`, a traceparent string from a stream entry, else of the current span; INVALID_SPAN when off.
-        `start_time`: ns since the epoch, when it began before now."""
+        `start_time`: ns since the epoch, when it began before now. `links`: traceparent strings of related spans
+        that are not its parent (a caller's context the ingress does not join); invalid ones are left out."""
         if self.tracer is None:
             return INVALID_SPAN
         context = extract(parent) if parent else None
         above = trace.get_current_span(context)
         if _unsampled(above):  # the SDK's sampler (parent-based) would record nothing: the parent, handed on as is
             return above
-        return self.tracer.start_span(name, context=context, kind=kind, attributes=attributes, start_time=start_time)
+        linked = [trace.get_current_span(extract(link)).get_span_context() for link in links if link]
+        return self.tracer.start_span(
+            name,
+            context=context,
+            kind=kind,
+            attributes=attributes,
+            start_time=start_time,
+            links=[Link(c) for c in linked if c.is_valid] or None,
+        )
 
     def within(self, span: Span) -> contextlib.AbstractContextManager[Any]:
         """`span` (from `start`) as the current span in the block, without ending it there. A span not sampled is
         current too (when tracing is on), so the spans begun in the block follow its decision instead of starting
-        traces of their own."""
-        return use_span(span, end_on_exit=False) if span.get_span_context().is_valid else _NOOP
+        traces of their own. An exception leaving the block marks it failed (`error`)."""
+        if not span.get_span_context().is_valid:
+            return _NOOP
+        return self._errors_recorded(
+            use_span(span, end_on_exit=False, record_exception=False, set_status_on_exception=False)
+        )
 
     def text(self, value: Any) -> str | None:
         """`value` as recordable text (cut to text_chars, the cut said), or None when text is not recorded."""
@@ -173,6 +205,28 @@ class Tracing:
         if len(text) <= self.text_chars:
             return text
         return f"{text[: self.text_chars]}... [{len(text) - self.text_chars} more characters]"
+
+    def error(self, span: Span, kind: str, message: str, *, retried: bool = False) -> None:
+        """Marks `span` failed: the error's type always, its message only with text on (an error's message quotes
+        what it met: an agent's stdout, the job's names, a tenant's patterns). `retried`: the try failed and is
+        run again."""
+        if not span.is_recording():
+            return
+        text = self.text(message) if message else None
+        status = f"{kind}: {text}" if text else kind
+        span.set_status(Status(StatusCode.ERROR, (f"retried: {status}" if retried else status)[:1024]))
+        span.set_attribute("rollq.error.type", kind)
+        event = {"exception.type": kind}
+        if text:
+            event["exception.message"] = text
+        span.add_event("exception", event)
+
+    def workflow(self, name: str) -> str:
+        """A job's workflow as a span records it: a command agent (`exec:PROGRAM ARGS...`) by its program alone
+        unless text is on (its arguments may hold what the job passes it)."""
+        if self.text_chars or not name.startswith("exec:"):
+            return name
+        return name.split(maxsplit=1)[0]
 
     def set_text(self, span: Span, key: str, value: Any) -> None:
         """span[key] = value's text, when text is recorded and the span is."""
@@ -302,14 +356,6 @@ def record_generation(traced: Tracing, span: Span, req: Any, resp: Any) -> None:
         traced.set_text(span, "rollq.completion", completion)
 
 
-def error(span: Span, kind: str, message: str) -> None:
-    """Marks `span` failed with an error that was handled (a dead letter), not raised through it."""
-    if span.is_recording():
-        span.set_status(Status(StatusCode.ERROR, f"{kind}: {message}"[:1024]))
-        span.set_attribute("rollq.error.type", kind)
-        span.add_event("exception", {"exception.type": kind, "exception.message": message[:4096]})
-
-
 __all__ = [
     "INVALID_SPAN",
     "NO_SPAN",
@@ -321,7 +367,6 @@ __all__ = [
     "active",
     "child_env",
     "current",
-    "error",
     "extract",
     "generation",
     "parse_headers",

@@ -139,3 +139,24 @@ class Closable:
 
     async def aclose(self) -> None:
         self.marker.write_text(str(int(self.marker.read_text() or 0) + 1) if self.marker.exists() else "1")
+
+
+class HubOffline:
+    """Reward 1.0 when the Hugging Face Hub is offline in this worker and in a process it starts (HF_HUB_OFFLINE),
+    as huggingface_hub reads it; 0.0 otherwise."""
+
+    async def arun_episode(self, engine, data):
+        import subprocess
+        import sys
+
+        import huggingface_hub.constants
+
+        child = subprocess.run(
+            [sys.executable, "-c", "import os; print(os.environ.get('HF_HUB_OFFLINE', ''))"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout.strip()
+        offline = os.environ.get("HF_HUB_OFFLINE") == "1" and huggingface_hub.constants.HF_HUB_OFFLINE and child == "1"
+        return trajectory(4, 1.0 if offline else 0.0)

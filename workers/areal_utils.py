@@ -58,13 +58,15 @@ def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]], *, token
 
 
 def load_hf_tokenizer(model_name_or_path: str, fast_tokenizer: bool = True, padding_side: str | None = None) -> Any:
-    """A tokenizer by rollq's model names (`tiny`, `smollm2`) or from a directory; never downloads."""
+    """A tokenizer by rollq's model names (`tiny`, `smollm2`) or from a directory, in a worker only what its jobs
+    may name (rollq.workers.model_names); never downloads."""
     from transformers import AutoTokenizer  # heavy: only when a workflow asks
 
-    from rollq.engine.models import model_dir
+    from rollq.workers.model_names import job_model_dir
 
     kwargs = {} if padding_side is None else {"padding_side": padding_side}
-    tokenizer = AutoTokenizer.from_pretrained(model_dir(model_name_or_path), use_fast=fast_tokenizer, **kwargs)
+    path = job_model_dir(model_name_or_path, "model_name_or_path")
+    tokenizer = AutoTokenizer.from_pretrained(path, use_fast=fast_tokenizer, **kwargs)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token_id = tokenizer.eos_token_id
     return tokenizer

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from rollq.engine.eos import model_eos_ids
+from rollq.workers.model_names import check_job_model, job_model_dir
 
 # A stand-in conversation: the template's rendering of new turns after an assistant turn is the difference between
 # rendering it with and without them (the template renders turns independently of their neighbours' content).
@@ -20,12 +21,11 @@ _ANCHOR = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a
 
 def load_tokenizer(name: str) -> Any:
     """ "tiny" (the offline test model) or "smollm2" (both built into the cache on first use), or an HF tokenizer
-    directory."""
+    directory; in a worker, only what its jobs may name (rollq.workers.model_names): the names built-in workflows
+    get from a job's kwargs come through here."""
     from transformers import AutoTokenizer  # heavy import: only when a workflow or the proxy needs it
 
-    from rollq.engine.models import model_dir
-
-    return AutoTokenizer.from_pretrained(model_dir(name))
+    return AutoTokenizer.from_pretrained(job_model_dir(name))
 
 
 class StopTextDecoder:
@@ -47,9 +47,12 @@ class StopTextDecoder:
 
 class LazyTokenizer:
     """Loads once per workflow instance (the worker builds one instance per process), off the event loop; `loader`
-    (default load_tokenizer) may load another thing by the model's name, e.g. its processor."""
+    (default load_tokenizer) may load another thing by the model's name, e.g. its processor. The name is checked
+    as it is given (`field`: the workflow kwarg it came from), so a job naming a model it may not is refused while
+    its workflow is built (dead-lettered at once), not at its first episode."""
 
-    def __init__(self, name: str, loader: Callable[[str], Any] | None = None) -> None:
+    def __init__(self, name: str, loader: Callable[[str], Any] | None = None, field: str = "tokenizer") -> None:
+        check_job_model(name, field)
         self.name = name
         self._loader = loader or load_tokenizer
         self._tokenizer: Any = None

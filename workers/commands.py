@@ -17,6 +17,7 @@ from rollq.workers.agents.environment import drop_worker_secrets
 from rollq.workers.chat_template import StopTextDecoder
 from rollq.workers.config import WorkerConfig
 from rollq.workers.metrics import WorkerMetrics
+from rollq.workers.model_names import hub_offline
 from rollq.workers.run_share import RunShare
 from rollq.workers.worker import Worker
 
@@ -80,6 +81,7 @@ def worker(cfg: WorkerConfig) -> int:
     # (the allowlist still decides what may be imported).
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
+    hub_offline(os.environ)  # before anything imports huggingface_hub; inherited by every process it starts
     shield_secrets()
     return uvloop.run(serve(cfg))
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import collections.abc
 import dataclasses
 import inspect
-import os
 import types
 import typing
 from pathlib import Path
@@ -30,18 +29,11 @@ from typing import Any
 
 import msgspec
 
+from rollq.workers.model_names import ModelNames
 from rollq.workers.resolver import WorkflowLoadError, resolve
 
 _TOKENIZER_HINTS = ("Tokenizer",)
 _PROCESSOR_HINTS = ("Processor",)
-_BUILT_IN_MODELS = ("tiny", "smollm2", "tiny-vl")
-
-
-class ModelNames(msgspec.Struct, frozen=True, kw_only=True):
-    """Which model names a job's kwargs may give for a tokenizer or processor."""
-
-    worker_tokenizer: str = "tiny"  # the worker's own --tokenizer (an operator's choice: always allowed)
-    models_root: str = ""  # a directory whose model folders jobs may name (relative to it); "" = none
 
 
 class KwargConverter:
@@ -104,27 +96,8 @@ class KwargConverter:
         return self._loaded[key]
 
     def model_path(self, value: str, name: str) -> Path:
-        """The directory a model name stands for, if a job may name it."""
-        from rollq.engine.models import model_dir
-
-        if value in _BUILT_IN_MODELS or value == self.models.worker_tokenizer:
-            return model_dir(value)
-        root = self.models.models_root
-        if not root:
-            raise WorkflowLoadError(
-                f"workflow kwarg {name!r}={value!r}: a job may name the models `tiny`, `smollm2` or the worker's "
-                f"tokenizer ({self.models.worker_tokenizer!r}); other model directories need the worker's "
-                "models_root (--models-root DIR) and are named relative to it"
-            )
-        base = Path(root).resolve()
-        path = (base / value).resolve()
-        if os.path.isabs(value) or not path.is_relative_to(base) or path == base:
-            raise WorkflowLoadError(
-                f"workflow kwarg {name!r}={value!r}: not a model folder inside the worker's models_root ({root})"
-            )
-        if not path.is_dir():
-            raise WorkflowLoadError(f"workflow kwarg {name!r}={value!r}: no such model folder in {root}")
-        return path
+        """The directory a model name stands for, if a job may name it (rollq.workers.model_names)."""
+        return self.models.path(value, name)
 
 
 def _hints(cls: Any) -> dict[str, Any]:

@@ -15,8 +15,10 @@ import, the walk from the module to the object follows these rules:
   `mod:OBJ.attr` is not: an object's attributes are whatever it holds, from anywhere (`allowed_pkg:HELPER.scan_once`
   would hand out a C scanner of the json module);
 - every class and routine on the way, the object itself included, must be defined in an allowed module (a
-  re-export such as `from os import system` is not a way around the list). Other objects have no module of their
-  own: they are allowed as attributes of an allowed module or class;
+  re-export such as `from os import system` is not a way around the list). A callable that is neither (a
+  `functools.partial(os.system, ...)`, an instance with `__call__`) is refused: nothing says where what it calls
+  comes from. Other objects have no module of their own: they are allowed as attributes of an allowed module or
+  class;
 - attributes starting with `_` are never followed, and a path must not name a module.
 
 Commands (`exec:PROGRAM ARGS...`, rollq.workers.agents.command) are listed as `command:NAME` patterns and checked by
@@ -217,8 +219,17 @@ def resolve(path: str, *, allowlist: Allowlist | None = None) -> Any:
 
 
 def _check_home(obj: Any, path: str, allowlist: Allowlist) -> None:
-    """A class or routine on a job's path must be defined in an allowed module (other objects have no home)."""
+    """A class or routine on a job's path must be defined in an allowed module. Other callables are refused: what
+    they call is not theirs to say (a `functools.partial(os.system, ...)` has the module `functools`, an instance's
+    `__call__` may be anything), so no module of theirs could be checked. Other objects (data, registries) have no
+    home: allowed as attributes of an allowed module or class."""
     if not (inspect.isclass(obj) or inspect.isroutine(obj)):
+        if callable(obj):
+            raise ImportNotAllowed(
+                f"import path {path!r} names a callable {type(obj).__name__} object, neither a class nor a function: "
+                "what it calls can't be checked against the allowlist, so a path may name a callable only as a "
+                "class, a function or a method (define a function that calls it)"
+            )
         return
     home = getattr(obj, "__module__", None) or ""
     defined = f"{home}.{getattr(obj, '__qualname__', '')}"

@@ -25,7 +25,6 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 from redis.typing import StreamIdT
 
-import rollq.tracing as tracing
 from rollq.engine.types import InferenceEngine
 from rollq.protocol import scripts
 from rollq.protocol.codec import Codec, CodecError
@@ -55,11 +54,12 @@ from rollq.tracing import INVALID_SPAN, Span, SpanKind, Tracing, traceparent
 from rollq.workers.batcher import WriteBatcher
 from rollq.workers.blobs import BlobError, BlobReader
 from rollq.workers.config import WorkerConfig
-from rollq.workers.construct import KwargConverter, ModelNames
+from rollq.workers.construct import KwargConverter
 from rollq.workers.context import ContextConfig, EpisodeContext, RecordingEngine, WorkflowContext, episode_scope
 from rollq.workers.fair_share import FairShare
 from rollq.workers.loader import WorkflowCache, workflow_path
 from rollq.workers.media import MediaError, prepare_images
+from rollq.workers.model_names import ModelNames, serving
 from rollq.workers.outputs import to_sequences
 from rollq.workers.proxy.server import ProxyConfig
 from rollq.workers.resolver import Allowlist, WorkflowLoadError, enforcing
@@ -163,9 +163,9 @@ class Worker:
         self._episode_engine = RecordingEngine.wrap(engine)  # keeps each episode's responses (outputs.py uses them)
         self.codec = Codec()
         self.blobs = BlobReader(self.redis, max_bytes=config.max_job_bytes)  # jobs' data stored by reference
-        self.workflows = WorkflowCache(
-            KwargConverter(ModelNames(worker_tokenizer=config.tokenizer, models_root=config.models_root))
-        )
+        # The models jobs may name (tokenizers, processors): for the converter, and for the names built-in loops load.
+        self.models = ModelNames(worker_tokenizer=config.tokenizer, models_root=config.models_root)
+        self.workflows = WorkflowCache(KwargConverter(self.models))
         # Shared by this worker's workflows (HTTP clients, the agents' recording proxy); closed when it stops.
         self.context = WorkflowContext(
             ContextConfig(
@@ -246,8 +246,9 @@ class Worker:
         ]
         log.info("worker %s serving run %r (concurrency %d)", self.name, self.cfg.run, self.cfg.concurrency)
         try:
-            # Job tasks started below inherit both: workflow_context() finds the context, resolve() the allowlist.
-            with enforcing(self.allowlist), self.tracing.installed():
+            # Job tasks started below inherit these: workflow_context() finds the context, resolve() the allowlist,
+            # load_tokenizer() the models jobs may name.
+            with enforcing(self.allowlist), serving(self.models), self.tracing.installed():
                 async with self.context:
                     try:
                         await self._consume_loop()
@@ -681,7 +682,7 @@ class Worker:
                     enforcing(allowlist),
                     episode_scope(episode) as responses,  # workflow_context.get() in it
                     self.tracing.within(attempt),
-                    self.tracing.span("episode", attributes={"rollq.workflow": job.workflow}),
+                    self.tracing.span("episode", attributes={"rollq.workflow": self.tracing.workflow(job.workflow)}),
                 ):
                     output = await workflow.arun_episode(self._episode_engine, data)
                 sequences = to_sequences(output, responses)
@@ -700,7 +701,7 @@ class Worker:
                         error.message,
                     )
                     retry = msgspec.structs.replace(job, attempt=runs)
-                    tracing.error(attempt, error.type, f"retried: {error.message}")
+                    self.tracing.error(attempt, error.type, error.message, retried=True)
                     await self._writes.script(self._requeue, [jobs], [WORKER_GROUP, eid, self.codec.encode(retry)])
                     self.stats.requeued += 1
                     self._observe(job, "failed", started)
@@ -751,7 +752,7 @@ class Worker:
             failed = job or fatal.job
             if failed is not None and self.tracing.enabled and not attempt.get_span_context().is_valid:
                 attempt = self._attempt_span(failed, eid, deliveries)  # refused before its run began
-            tracing.error(attempt, fatal.error.type, fatal.error.message)
+            self.tracing.error(attempt, fatal.error.type, fatal.error.message)
             attempt.set_attribute("rollq.outcome", "dead_lettered")
             await self._dead_letter(
                 eid, payload, job or fatal.job, fatal.error, deliveries, started, decoded=job is not None, stream=jobs
@@ -772,7 +773,7 @@ class Worker:
                 "rollq.sample_id": f"{job.job_id}#{job.sample_index}",
                 "rollq.attempt": job.attempt + deliveries,
                 "rollq.worker": self.name,
-                "rollq.workflow": job.workflow,
+                "rollq.workflow": self.tracing.workflow(job.workflow),
                 "rollq.entry_id": eid,
             },
         )

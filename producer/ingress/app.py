@@ -28,13 +28,13 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import redis.asyncio as aioredis
 from aiohttp import web
+from redis.exceptions import ResponseError
 
-import rollq.tracing as tracing
 from rollq.config import ConfigError
 from rollq.http_server import BAD_JSON, read_body
 from rollq.producer.ingress.config import IngressConfig
@@ -73,6 +73,7 @@ _AT = re.compile(r"^(.*) - at `(\$[^`]*)`$")
 # A string of a job's workflow_kwargs that names an import path (`pkg.mod:attr`): checked against the tenant's
 # patterns up front (the workers enforce them on everything the episode imports, dotted names too: Job.allow).
 _IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+_T = TypeVar("_T")
 QUOTA_RETRY_AFTER_S = 5  # a tenant over its quota waits for workers to start its samples: longer than a busy retry
 
 
@@ -215,7 +216,8 @@ class Ingress:
         self.redis = redis or redis_client(cfg.redis_url)
         self.stats = IngressStats()
         self.codec = Codec()
-        # Each job's submit span, a child of the request's `traceparent` header when it has one (rollq/tracing.py).
+        # Each job's submit span: a trace of its own linked to the request's `traceparent` header, or its child with
+        # trace_client_parent (rollq/tracing.py).
         self.tracing = Tracing.from_settings(cfg, "ingress")
         self._submit = self.redis.register_script(scripts.INGRESS_SUBMIT)
         self._cancel = self.redis.register_script(scripts.CANCEL_JOB)
@@ -265,6 +267,9 @@ class Ingress:
             err = HttpError(exc.status, exc.reason.lower().replace(" ", "_"), exc.reason)
         except TRANSIENT_ERRORS as exc:
             err = HttpError(503, "unavailable", f"Redis is not answering ({type(exc).__name__}); try again")
+        except ResponseError as exc:  # a key of another type than rollq writes (planted or damaged), out of memory...
+            log.error("%s %s: Redis refused a command: %s", request.method, request.path, exc)
+            err = HttpError(503, "unavailable", f"Redis refused a command ({str(exc)[:200]})")
         counter = "refused_quota" if err.kind == "quota" else _REFUSALS.get(err.status)
         if counter:
             setattr(self.stats, counter, getattr(self.stats, counter) + 1)
@@ -410,9 +415,13 @@ class Ingress:
             partition = partition_of(job_id, partitions)
             span: Span = INVALID_SPAN
             if self.tracing.enabled:
+                # A caller's traceparent is its parent only where the operator trusts callers with it (its sampled
+                # flag would override trace_sample_rate, its trace id join any trace); else a link to it.
+                joined = self.cfg.trace_client_parent
                 span = self.tracing.start(
                     "submit",
-                    parent=parent or None,
+                    parent=parent if joined and parent else None,
+                    links=() if joined else (parent,),
                     kind=SpanKind.SERVER,
                     attributes={
                         "rollq.run": self.cfg.run,
@@ -420,7 +429,7 @@ class Ingress:
                         "rollq.client_job_id": client_id,
                         "rollq.tenant": tenant,
                         "rollq.n": spec.n,
-                        "rollq.workflow": spec.workflow,
+                        "rollq.workflow": self.tracing.workflow(spec.workflow),
                     },
                 )
                 spans.append(span)
@@ -482,7 +491,7 @@ class Ingress:
             return await self._admit_prepared(prepared, count, tenant)
         except BaseException as exc:
             for span in spans:
-                tracing.error(span, type(exc).__name__, str(exc))
+                self.tracing.error(span, type(exc).__name__, str(exc))
             raise
         finally:
             for span in spans:
@@ -583,7 +592,11 @@ class Ingress:
         """The job's control record and its n. A record that does not read as one the ingress wrote (n not an
         integer in [1, max_n]: written by someone else, or damaged) is a 404 like a missing one, never a 500."""
         keys = await self.keys_of(job_id)
-        record: dict[bytes, bytes] = await self.redis.hgetall(keys.job_control(job_id))  # type: ignore[misc]
+        record: dict[bytes, bytes] = await self._job_read(
+            job_id,
+            client_id,
+            self.redis.hgetall(keys.job_control(job_id)),  # type: ignore[arg-type]
+        )
         if not record:
             raise HttpError(404, "not_found", f"no job {client_id!r} (never submitted, or past its retention)")
         raw = record.get(b"n", b"")
@@ -592,6 +605,17 @@ class Ingress:
             log.error("job %r: its control record is unreadable (n=%r); answered as not found", job_id, raw[:32])
             raise HttpError(404, "not_found", f"no job {client_id!r} (its record in Redis is unreadable)")
         return record, n
+
+    async def _job_read(self, job_id: str, client_id: str, read: Awaitable[_T]) -> _T:
+        """`read` of one job's keys. A key of another type than the ingress writes (WRONGTYPE: planted by a Redis
+        writer, or damaged) is a 404 like a missing job, never a 500."""
+        try:
+            return await read
+        except ResponseError as exc:
+            if "WRONGTYPE" not in str(exc):
+                raise
+            log.error("job %r: one of its keys holds another type than rollq writes (%s): not found", job_id, exc)
+            raise HttpError(404, "not_found", f"no job {client_id!r} (its record in Redis is unreadable)") from None
 
     def _decode(self, fields: dict[bytes, bytes] | None) -> Trajectory | None:
         try:
@@ -604,7 +628,8 @@ class Ingress:
         want = request.query.get("trajectories", "true").lower() not in ("false", "0", "no")
         record, n = await self._record(client_id, job_id)
         firsts: dict[int, Trajectory] = {}
-        for _, fields in await self.redis.xrange((await self.keys_of(job_id)).job_results(job_id)):
+        results = self.redis.xrange((await self.keys_of(job_id)).job_results(job_id))
+        for _, fields in await self._job_read(job_id, client_id, results):
             traj = self._decode(fields)
             if traj is not None and 0 <= traj.sample_index < n:
                 firsts.setdefault(traj.sample_index, traj)
@@ -649,8 +674,12 @@ class Ingress:
             for i in range(n)
         ]
         keys = await self.keys_of(job_id)
-        reply = await self._cancel(
-            keys=[keys.job_control(job_id), keys.job_results(job_id), keys.tenant_queued(tenant)], args=payloads
+        reply = await self._job_read(
+            job_id,
+            client_id,
+            self._cancel(
+                keys=[keys.job_control(job_id), keys.job_results(job_id), keys.tenant_queued(tenant)], args=payloads
+            ),
         )
         if int(reply[0]) == -1:
             raise HttpError(404, "not_found", f"no job {client_id!r} (never submitted, or past its retention)")
@@ -715,9 +744,10 @@ class Ingress:
             setattr(counts, traj.status, getattr(counts, traj.status) + 1)
             return True
 
-        if last != "0-0":  # what the client already has: its samples are not sent again
-            for _, fields in await self.redis.xrange(stream, "-", last):
-                count(self._decode(fields))
+        # What the client already has (none for 0-0): its samples are not sent again. Read before the response
+        # begins, so a results key of another type is a 404 here, not a broken stream.
+        for _, fields in await self._job_read(job_id, client_id, self.redis.xrange(stream, "-", last)):
+            count(self._decode(fields))
         self._open_stream(tenant)
         reader = self._reader(keys.partition)
         sub = await reader.subscribe(stream, last)

@@ -103,6 +103,14 @@ class IngressConfig(RunSettings, kw_only=True):
     metrics_port: Annotated[
         int, setting("serve Prometheus /metrics on this port (0 = off)", metavar="PORT", ge=0, le=65535)
     ] = 0
+    trace_client_parent: Annotated[
+        bool,
+        setting(
+            "make each job's submit span a child of the request's traceparent header, following its sampled flag; "
+            "off: a trace of its own (sampled by trace_sample_rate) linked to the caller's span, as tenants are not "
+            "trusted with the operator's sampling or with joining other traces"
+        ),
+    ] = False
 
 
 __all__ = ["IngressConfig"]

@@ -65,7 +65,7 @@ def test_profiles_pick_the_services(compose_secrets):
     assert not default & {"sglang", "sglang-register", "prometheus", "grafana"}
     assert set(resolved("sglang", secrets=compose_secrets)["services"]) - default == {"sglang", "sglang-register"}
     assert set(resolved("metrics", secrets=compose_secrets)["services"]) - default == {"prometheus", "grafana"}
-    assert set(resolved("tracing", secrets=compose_secrets)["services"]) - default == {"mlflow"}
+    assert set(resolved("tracing", secrets=compose_secrets)["services"]) - default == {"mlflow", "trace-relay"}
     nodes = {f"redis-node-{i}" for i in range(1, 7)}
     assert set(resolved("cluster", secrets=compose_secrets)["services"]) - default == nodes | {"redis-cluster-init"}
 
@@ -232,6 +232,7 @@ REDIS_USERS = {
     "ingress": ("producer", None),
     "trainer": ("trainer", None),
     "sglang-register": ("engine", None),
+    "trace-relay": (None, None),  # no Redis: it relays spans to MLflow
 }
 
 
@@ -240,7 +241,7 @@ def test_each_rollq_service_logs_in_to_redis_as_its_own_user(compose_secrets):
     services = resolved("*", secrets=compose_secrets)["services"]
     assert {n for n, s in services.items() if is_rollq_service(s)} == set(REDIS_USERS)
     for name, (user, rewards_user) in REDIS_USERS.items():
-        env = services[name]["environment"]
+        env = services[name].get("environment") or {}
         for var, expected in (("ROLLQ_REDIS_URL", user), ("ROLLQ_REWARD_REDIS_URL", rewards_user)):
             if expected is None:
                 assert var not in env, (name, var)
@@ -343,6 +344,35 @@ def test_prometheus_and_grafana_on_loopback_with_a_required_admin_password(compo
     grafana = services["grafana"]["environment"]
     assert grafana["GF_SECURITY_ADMIN_PASSWORD"] == compose_secrets.values["ROLLQ_GRAFANA_ADMIN_PASSWORD"]
     assert grafana["GF_AUTH_ANONYMOUS_ENABLED"] == "false"
+
+
+def networks(service: dict) -> set[str]:
+    return set(service.get("networks") or ["default"])
+
+
+@needs_compose
+def test_mlflow_is_reachable_by_the_trace_relay_alone(compose_secrets):
+    """Security round 2, N9: MLflow (no login) was on the compose network, where worker containers run agents, which
+    could read and change every run's traces. Now it is on a network of its own with the trace relay alone, which
+    takes spans in and forwards them; its UI stays on the host's loopback."""
+    from rollq.trace_relay import parser
+    from rollq.tracing import parse_headers
+
+    services = resolved("*", secrets=compose_secrets)["services"]
+    assert networks(services["mlflow"]) == {"traces"}
+    assert {name for name, svc in services.items() if "traces" in networks(svc)} == {"mlflow", "trace-relay"}
+    relay = services["trace-relay"]
+    assert networks(relay) == {"default", "traces"}  # where the rollq services export to it
+    assert relay["command"][:3] == ["python", "-m", "rollq.trace_relay"]
+    args = parser().parse_args(relay["command"][3:])
+    assert (args.host, str(args.port), args.to) == ("0.0.0.0", relay["expose"][0], "http://mlflow:5000/v1/traces")
+    assert parse_headers(args.header) == {"x-mlflow-experiment-id": "0"}
+    [allowed] = [
+        a.split("=", 1)[1].split(",") for a in services["mlflow"]["command"] if a.startswith("--allowed-hosts=")
+    ]
+    assert "mlflow:5000" in allowed  # MLflow's Host guard lets the relay's requests in
+    assert [p["host_ip"] for p in services["mlflow"]["ports"]] == ["127.0.0.1"]
+    assert "ROLLQ_TRACE_ENDPOINT=http://trace-relay:4318/v1/traces" in COMPOSE_FILE.read_text()  # as documented
 
 
 @needs_compose

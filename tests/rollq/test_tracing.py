@@ -242,9 +242,10 @@ async def test_an_agents_completions_are_children_of_its_episode(redis, redis_ur
 
 
 async def test_the_ingress_continues_the_callers_trace(redis, redis_url, run_name, monkeypatch):
-    """A job submitted over HTTP with a W3C `traceparent` header: its submit span is a child of the caller's span,
-    and the queued job carries the submit's context to the worker. A request refused halfway (413 at its second job)
-    ends the spans it began, failed."""
+    """A job submitted over HTTP with a W3C `traceparent` header, where the operator trusts callers with it
+    (trace_client_parent): its submit span is a child of the caller's span, and the queued job carries the submit's
+    context to the worker (without the setting, a trace of its own linked to the caller's: test_tracing_privacy.py).
+    A request refused halfway (413 at its second job) ends the spans it began, failed."""
     import httpx
 
     from rollq.protocol.keys import PAYLOAD_FIELD, RunKeys
@@ -253,7 +254,9 @@ async def test_the_ingress_continues_the_callers_trace(redis, redis_url, run_nam
     monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")  # the SDK's own variable: export every 50 ms
     async with (
         TraceSink() as sink,
-        running_ingress(redis_url, run_name, trace_endpoint=sink.endpoint, max_request_bytes=1024) as (_, url),
+        running_ingress(
+            redis_url, run_name, trace_endpoint=sink.endpoint, max_request_bytes=1024, trace_client_parent=True
+        ) as (_, url),
     ):
         caller = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
         async with httpx.AsyncClient(timeout=10) as http:

@@ -111,8 +111,10 @@ async def test_a_trained_samples_trace_spans_submit_to_train_across_processes(
 
 
 async def test_a_dead_lettered_samples_trace_carries_its_error(redis, redis_url, run_name, spawn_worker):
+    """With trace_text on, its message too (off, its type alone: test_tracing_privacy.py)."""
     async with TraceSink() as sink:
-        env = {"ROLLQ_TRACE_ENDPOINT": sink.endpoint, "ROLLQ_WORKER_MAX_ATTEMPTS": "2", **FAST_EXPORT}
+        env = {"ROLLQ_TRACE_ENDPOINT": sink.endpoint, "ROLLQ_WORKER_MAX_ATTEMPTS": "2", "ROLLQ_TRACE_TEXT": "true"}
+        env.update(FAST_EXPORT)
         spawn_worker(redis_url, run_name, env=env)
         # batched: exported from its own thread (the receiver runs on this event loop)
         tracing = Tracing.exporting(exporter_to(sink.endpoint), service="a-caller")
@@ -131,7 +133,7 @@ async def test_a_dead_lettered_samples_trace_carries_its_error(redis, redis_url,
     attempts = sorted((s for s in spans if s.name == "attempt"), key=lambda s: s.start_ns)
     assert [a.parent_id for a in attempts] == [submit.span_id] * len(attempts) and len(attempts) == 2
     retried, last = attempts
-    assert retried.status == "ERROR" and "retried: boom on 7" in retried.status_message
+    assert retried.status == "ERROR" and retried.status_message == "retried: RuntimeError: boom on 7"
     assert last.status == "ERROR" and last.status_message == "RuntimeError: boom on 7"
     assert last.attributes["rollq.error.type"] == "RuntimeError" and "exception" in last.events
     [episode] = children(spans, last, "episode")

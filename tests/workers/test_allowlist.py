@@ -107,14 +107,24 @@ def two_modules(tmp_path, monkeypatch):
     )
     (tmp_path / "allowed_pkg.py").write_text(
         textwrap.dedent("""
+        import functools
         import json
+        import os
         from foreign_mod import Foreign
 
         HELPER = json.JSONDecoder()  # an object the module built: its attributes come from anywhere
         TOOLS = [len]
+        run = functools.partial(os.system, "touch RAN")  # a callable that is neither a class nor a routine
+
+        class Caller:
+            def __call__(self):
+                return "called"
+
+        CALLER = Caller()  # an instance with __call__
 
         class Wf:
             LIMIT = 3
+            helper = functools.partial(os.system, "touch RAN")
 
             def method(self):
                 return "method"
@@ -146,6 +156,18 @@ def test_a_path_walks_only_through_modules_and_classes_defined_in_allowed_module
     assert resolve("allowed_pkg:Wf.method", allowlist=allowed)(None) == "method"
     assert resolve("allowed_pkg:Wf.Inner.NAME", allowlist=allowed) == "inner"
     assert resolve("rollq.workers.builtin.rlvr:RLVRWorkflow.arun_episode", allowlist=Allowlist()) is not None
+
+
+def test_a_callable_that_is_neither_a_class_nor_a_routine_is_refused(two_modules):
+    """F12 residual (a): `functools.partial(os.system, ...)` held by an allowed module (or class) had no module of
+    its own to check, so it resolved and a job could call os.system through it."""
+    allowed = two_modules
+    for path in ("allowed_pkg:run", "allowed_pkg:Wf.helper", "allowed_pkg:CALLER"):
+        with pytest.raises(ImportNotAllowed, match=r"names a callable (partial|Caller) object, neither a class nor"):
+            resolve(path, allowlist=allowed)
+    # The class itself and plain data still resolve.
+    assert resolve("allowed_pkg:Caller", allowlist=allowed)()() == "called"
+    assert resolve("allowed_pkg:Wf.LIMIT", allowlist=allowed) == 3
 
 
 @pytest.fixture

@@ -21,10 +21,10 @@ from rollq.workers.rewards.call import RewardedWorkflow
 
 
 def _load_processor(name: str) -> Any:
-    from rollq.engine.models import model_dir
     from rollq.engine.tiny_vlm import load_processor
+    from rollq.workers.model_names import job_model_dir
 
-    return load_processor(model_dir(name))
+    return load_processor(job_model_dir(name, "processor"))
 
 
 class VisionRLVRWorkflow(RewardedWorkflow):
@@ -37,7 +37,7 @@ class VisionRLVRWorkflow(RewardedWorkflow):
         **reward_options: Any,
     ) -> None:
         super().__init__(reward_fn, **reward_options)  # reward_mode, reward_timeout, ...: see RewardedWorkflow
-        self.processor = LazyTokenizer(processor, _load_processor)  # the model's processor, loaded once
+        self.processor = LazyTokenizer(processor, _load_processor, "processor")  # the model's processor, loaded once
         self.generation = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature)
 
     async def arun_episode(self, engine: InferenceEngine, data: dict[str, Any]) -> dict[str, Any] | None:

@@ -258,7 +258,8 @@ class RecordingProxy:
                 traced.set_text(span, "rollq.messages", msgspec.json.encode(prompt.messages).decode())
                 traced.set_text(span, "rollq.completion", [c.raw_text for c in choices])
         except BaseException as exc:
-            span.record_exception(exc)
+            if traced is not None:  # its type; its message only with trace_text (it may quote the agent's request)
+                traced.error(span, type(exc).__name__, str(exc) or repr(exc))
             raise
         finally:
             span.end()
