@@ -13,6 +13,7 @@ import logging
 import os
 import secrets
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -249,14 +250,14 @@ def start_child(
     document: dict[str, Any],
     inherited: Mapping[str, str],
     env: Mapping[str, str] | None = None,
-) -> None:
+) -> subprocess.Popen[bytes]:
     """Start a rollq child (`argv` runs `rollq SECTION`) with `document` handed over in a pipe (`--config
     /dev/fd/N`: no key or password on its command line or in its environment) and its share of the inherited
     ROLLQ_* variables (for_section)."""
     section = argv[argv.index("rollq") + 1]
     child_env = {**for_section(inherited, section, document), **(env or {})}
     with HandedConfig(document) as config:
-        procs.start(name, [*argv, *config.argv()], env=child_env, pass_fds=[config.fd])
+        return procs.start(name, [*argv, *config.argv()], env=child_env, pass_fds=[config.fd])
 
 
 async def _run(
