@@ -45,7 +45,7 @@ class EngineRegistry:
         self.key = fleet_engines_key(fleet) if fleet else RunKeys(run).engines
         self.ttl_s = ttl_s
         self._signing_key = key.encode() if key else None
-        self._entry: str | None = None  # this engine's entry in Redis (each renewal writes a new one)
+        self._entries: dict[str, str] = {}  # each URL registered here: its entry in Redis (renewals write new ones)
         self._refusals_said: set[str] = set()
 
     def signature(self, url: str, expires: str) -> str:
@@ -67,14 +67,17 @@ class EngineRegistry:
         if self._signing_key is None:
             return url  # no key to give away
         if len(signed) != 2:
-            return self._refuse(entry, url, "unsigned")
+            self._refuse(entry, url, "unsigned")
+            return None
         stamp, signature = signed
-        if not hmac.compare_digest(signature, self.signature(url, stamp)):
-            return self._refuse(entry, url, "signed with another key than this process's engine keys")
+        if not hmac.compare_digest(signature.encode(), self.signature(url, stamp).encode()):  # any bytes: no raise
+            self._refuse(entry, url, "signed with another key than this process's engine keys")
+            return None
         try:
             expired = float(stamp) <= now
         except ValueError:
-            return self._refuse(entry, url, "its expiry is not a number")
+            self._refuse(entry, url, "its expiry is not a number")
+            return None
         return None if expired else url
 
     def _refuse(self, entry: str, url: str, why: str) -> None:
@@ -86,20 +89,20 @@ class EngineRegistry:
                 url[:200],
                 why,
             )
-        return None
 
     async def register(self, url: str) -> None:
+        url = url.rstrip("/")
         expires = time.time() + self.ttl_s
         entry = self.entry(url, expires)
         await self.redis.zadd(self.key, {entry: expires})
-        previous, self._entry = self._entry, entry
+        previous, self._entries[url] = self._entries.get(url), entry
         if previous is not None and previous != entry:  # after the new one is in: the URL is never missing
             await self.redis.zrem(self.key, previous)
 
     async def deregister(self, url: str) -> None:
-        entries = {url.rstrip("/"), *([self._entry] if self._entry else [])}
-        await self.redis.zrem(self.key, *entries)
-        self._entry = None
+        url = url.rstrip("/")
+        previous = self._entries.pop(url, None)
+        await self.redis.zrem(self.key, *{url, *([previous] if previous else [])})
 
     async def live(self) -> list[str]:
         """The registered engines this process may call with its keys."""

@@ -399,6 +399,7 @@ async def test_a_url_planted_in_the_registry_gets_nothing_from_workers_or_the_tr
     )
     trajectories = [t async for t in producer.wait_for({f"g{i}": 1 for i in range(n)}, timeout_s=90, consumer=consumer)]
     assert len(trajectories) == n and all(t.status == "ok" for t in trajectories), [t.error for t in trajectories]
+    assert sink.requests == [], sink.requests  # the worker's health checks, generations and aborts: none there
     assert "engine registry entry" in worker.output()  # it saw the planted entries and said why it ignored them
 
     # The trainer: its pool follows the registry as `rollq train` builds it, then pauses and resumes the fleet.
@@ -433,11 +434,12 @@ async def test_registry_entries_are_checked_against_the_pools_keys(redis, run_na
     good_entry = engine.entry("http://good:1", now + 60)
     moved = "http://moved:1 " + " ".join(good_entry.split(" ")[1:])
     far = now + 3600
-    await redis.zadd(RunKeys(run_name).engines, {stale: far, moved: far, "http://unsigned:1": far})
+    odd = "http://odd:1 1.0 sig\u00e9\u2603".encode() + b"\xff"  # not ASCII, not UTF-8: ignored, never an error
+    await redis.zadd(RunKeys(run_name).engines, {stale: far, moved: far, "http://unsigned:1": far, odd: far})
     assert await EngineRegistry(redis, run_name, key=key).live() == ["http://good:1"]
     keyless = await EngineRegistry(redis, run_name).live()
     assert sorted(keyless) == sorted(
-        ["http://good:1", "http://other-key:1", "http://stale:1", "http://moved:1", "http://unsigned:1"]
+        ["http://good:1", "http://other-key:1", "http://stale:1", "http://moved:1", "http://unsigned:1", "http://odd:1"]
     )
     await engine.deregister("http://good:1")
     assert await EngineRegistry(redis, run_name, key=key).live() == []
