@@ -162,6 +162,7 @@ async def _serve(backend: Backend, config: EngineServerConfig, args: EngineConfi
     stop = _stop_event()
     handle = await serve(backend, config)
     log.info("engine (%s) serving on %s, weight version %s", type(backend).__name__, handle.url, config.weight_version)
+    _say_if_control_closed(args)
     registration = await _register(args, handle.url)
     await stop.wait()
     log.info("shutting down: aborting requests in flight")
@@ -174,6 +175,14 @@ def control_closed(args: EngineConfig) -> bool:
     """No key and no insecure_no_auth: the control routes are refused (an engine on loopback is reachable by every
     process of the machine, agents under training included)."""
     return not (args.api_key or args.admin_api_key or args.insecure_no_auth)
+
+
+def _say_if_control_closed(args: EngineConfig) -> None:
+    if control_closed(args):
+        log.warning(
+            "no keys: control routes (pause, weights, abort, flush, LoRA) are refused; set admin_api_key "
+            "(--admin-api-key, ROLLQ_ENGINE_ADMIN_API_KEY) and give it to the trainer, or insecure_no_auth: true"
+        )
 
 
 async def _run_sglang(args: EngineConfig, model_path: str) -> int:
@@ -208,6 +217,7 @@ async def _run_sglang(args: EngineConfig, model_path: str) -> int:
         finally:  # SGLang reads its config file while parsing its arguments: the keys need not stay on disk
             shutil.rmtree(keys_dir, ignore_errors=True)
         log.info("sglang ready at %s", url)
+        _say_if_control_closed(args)
         registration = await _register(args, url)
         exited = asyncio.create_task(proc.wait())
         stopped = asyncio.create_task(stop.wait())
@@ -239,11 +249,6 @@ def engine(args: EngineConfig) -> int:
         print(f"rollq engine: {refusal}", file=sys.stderr)
         return 2
     shield_secrets()  # its keys and Redis URL, out of reach of the machine's other processes (rollq/shield.py)
-    if control_closed(args):
-        log.warning(
-            "no keys: control routes (pause, weights, abort, flush, LoRA) are refused; set admin_api_key "
-            "(--admin-api-key, ROLLQ_ENGINE_ADMIN_API_KEY) and give it to the trainer, or insecure_no_auth: true"
-        )
     if args.backend == "sglang":
         if args.fault:  # SGLang runs its own scheduler: nothing of rollq's sits between it and the model
             print("rollq engine: --fault needs the synthetic or reference backend", file=sys.stderr)
