@@ -97,6 +97,7 @@ async def start_engines(procs: Processes, args: argparse.Namespace) -> list[str]
                 str(procs.log_dir),
                 "--log-level",
                 "WARNING",
+                "--insecure-no-auth",  # keyless on loopback: the benchmark's trainer pauses and updates them
             ],
             env=bench_env(),
         )

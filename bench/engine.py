@@ -78,7 +78,7 @@ async def bench_pool_overhead(requests: int, concurrency: int, rounds: int, rate
     port = free_port()
     logs = tempfile.TemporaryDirectory(prefix="rollq-bench-engine-")
     procs = Processes(Path(logs.name))
-    argv = [sys.executable, "-m", "rollq.engine", "--backend", "synthetic", "--port", str(port)]
+    argv = [sys.executable, "-m", "rollq.engine", "--backend", "synthetic", "--port", str(port), "--insecure-no-auth"]
     engine = procs.start("engine", argv)
     url = f"http://127.0.0.1:{port}"
     http = shared_http_session()

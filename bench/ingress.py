@@ -196,7 +196,8 @@ async def amain(args: argparse.Namespace, url: str, procs: Processes) -> dict[st
         engine_port = free_port()
         engine = procs.start(
             "rollq-engine",
-            [*rollq_argv(), "engine", "--backend", "synthetic", "--port", str(engine_port), "--log-level", "WARNING"],
+            [*rollq_argv(), "engine", "--backend", "synthetic", "--port", str(engine_port), "--log-level", "WARNING"]
+            + ["--insecure-no-auth"],  # keyless on loopback: the workers' aborts go through as before
             env=bench_env(),
         )
         engine_url = f"http://127.0.0.1:{engine_port}"

@@ -183,6 +183,7 @@ async def learn(steps: int, work: Path) -> dict[str, Any]:
         engine = f"http://127.0.0.1:{port}"
         env = {**bench_env(), "ROLLQ_ENGINE_WEIGHTS_ROOT": str(work / "weights")}
         argv = [*rollq_argv(), "engine", "--backend", "reference", "--model", "tiny", "--port", str(port)]
+        argv.append("--insecure-no-auth")  # keyless on loopback: the bench loads adapters through control routes
         argv += ["--weight-version", "0", "--enable-lora", "--register", "--redis", url, "--fleet", "bench"]
         procs.start("engine", argv, env=env)
         await procs.wait_until(lambda: engine_healthy(engine), 300, "the engine", interval_s=0.1)

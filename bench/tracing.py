@@ -165,6 +165,7 @@ async def bench(procs: Processes, tmp: Path, args: argparse.Namespace) -> dict[s
     engine = f"http://127.0.0.1:{port}"
     argv = [sys.executable, "-m", "rollq.engine", "--backend", "synthetic", "--port", str(port), "--tokenizer", "tiny"]
     argv += ["--token-latency", str(args.token_latency), "--length-dist", f"fixed:{args.tokens}"]
+    argv.append("--insecure-no-auth")  # keyless on loopback: the workers' aborts go through as before
     engine_proc = procs.start("engine", argv, env=bench_env())
     sink_proc = procs.start(
         "sink", [sys.executable, "-m", "rollq.trace_sink", "--port", str(sink_port), "--count-only"], env=bench_env()

@@ -1,8 +1,19 @@
-"""Engine membership through Redis: engines register with a TTL and renew it; pools follow the live set."""
+"""Engine membership through Redis: engines register with a TTL and renew it; pools follow the live set.
+
+Registrations are signed. A pool sends every member its engine keys (the api key on generation, the admin key on
+aborts and weight updates), so a URL planted in the registry by anyone who can write Redis would harvest them. An
+entry is `URL EXPIRES SIGNATURE`, the signature an HMAC-SHA256 of the registry's key, the URL and the expiry under the
+engines' control key (their admin key, else their api key): only a holder of that key can make an entry a pool
+accepts, and what the pool then sends it, it holds already. The expiry is signed too, so a copied entry dies with it
+(a planted URL can't reuse a stopped engine's entry for longer than its TTL). A pool without keys sends no secret and
+accepts every entry (a Redis writer is trusted with the run's data: docs/security.md).
+"""
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import logging
 import time
 
@@ -13,24 +24,93 @@ from rollq.redis_client import TRANSIENT_ERRORS
 
 log = logging.getLogger("rollq.engine")
 
+_CONTEXT = b"rollq engine registry v1"  # keeps these signatures from meaning anything elsewhere
+_MAX_REFUSALS_SAID = 1024  # refused entries are logged once each, up to this many
+
+
+def control_key(api_key: str | None, admin_api_key: str | None) -> str | None:
+    """The key registrations are signed and checked with: the one that opens the engines' control routes (the admin
+    key when there is one, else the api key, SGLang's rule); None without keys."""
+    return admin_api_key or api_key or None
+
 
 class EngineRegistry:
-    def __init__(self, redis: aioredis.Redis, run: str, *, ttl_s: float = 10.0, fleet: str = "") -> None:
-        """The engines of `run`, or with `fleet` those of the fleet several runs share (protocol.keys)."""
+    def __init__(
+        self, redis: aioredis.Redis, run: str, *, ttl_s: float = 10.0, fleet: str = "", key: str | None = None
+    ) -> None:
+        """The engines of `run`, or with `fleet` those of the fleet several runs share (protocol.keys). `key`: the
+        engines' control key (`control_key`): an engine signs its entry with it, a pool accepts only entries signed
+        with it; None: entries are unsigned, and a pool accepts any."""
         self.redis = redis
         self.key = fleet_engines_key(fleet) if fleet else RunKeys(run).engines
         self.ttl_s = ttl_s
+        self._signing_key = key.encode() if key else None
+        self._entries: dict[str, str] = {}  # each URL registered here: its entry in Redis (renewals write new ones)
+        self._refusals_said: set[str] = set()
+
+    def signature(self, url: str, expires: str) -> str:
+        assert self._signing_key is not None
+        message = b"\n".join([_CONTEXT, self.key.encode(), url.encode(), expires.encode()])
+        return hmac.new(self._signing_key, message, hashlib.sha256).hexdigest()
+
+    def entry(self, url: str, expires: float) -> str:
+        """What registers `url` until `expires` (epoch seconds): signed when this registry has a key."""
+        url = url.rstrip("/")
+        if self._signing_key is None:
+            return url
+        stamp = f"{expires:.3f}"
+        return f"{url} {stamp} {self.signature(url, stamp)}"
+
+    def accepted(self, entry: str, now: float) -> str | None:
+        """The URL of `entry` when this pool may send it its keys, else None (said once per entry)."""
+        url, *signed = entry.split(" ")
+        if self._signing_key is None:
+            return url  # no key to give away
+        if len(signed) != 2:
+            self._refuse(entry, url, "unsigned")
+            return None
+        stamp, signature = signed
+        if not hmac.compare_digest(signature.encode(), self.signature(url, stamp).encode()):  # any bytes: no raise
+            self._refuse(entry, url, "signed with another key than this process's engine keys")
+            return None
+        try:
+            expired = float(stamp) <= now
+        except ValueError:
+            self._refuse(entry, url, "its expiry is not a number")
+            return None
+        return None if expired else url
+
+    def _refuse(self, entry: str, url: str, why: str) -> None:
+        if entry not in self._refusals_said and len(self._refusals_said) < _MAX_REFUSALS_SAID:
+            self._refusals_said.add(entry)
+            log.warning(
+                "engine registry entry %r ignored: %s (an engine registers with its own keys; a URL written there "
+                "by anyone else gets no request)",
+                url[:200],
+                why,
+            )
 
     async def register(self, url: str) -> None:
-        await self.redis.zadd(self.key, {url.rstrip("/"): time.time() + self.ttl_s})
+        url = url.rstrip("/")
+        expires = time.time() + self.ttl_s
+        entry = self.entry(url, expires)
+        await self.redis.zadd(self.key, {entry: expires})
+        previous, self._entries[url] = self._entries.get(url), entry
+        if previous is not None and previous != entry:  # after the new one is in: the URL is never missing
+            await self.redis.zrem(self.key, previous)
 
     async def deregister(self, url: str) -> None:
-        await self.redis.zrem(self.key, url.rstrip("/"))
+        url = url.rstrip("/")
+        previous = self._entries.pop(url, None)
+        await self.redis.zrem(self.key, *{url, *([previous] if previous else [])})
 
     async def live(self) -> list[str]:
+        """The registered engines this process may call with its keys."""
         now = time.time()
         await self.redis.zremrangebyscore(self.key, "-inf", now)
-        return [u.decode() for u in await self.redis.zrangebyscore(self.key, now, "+inf")]
+        entries = [e.decode(errors="replace") for e in await self.redis.zrangebyscore(self.key, now, "+inf")]
+        urls = (self.accepted(entry, now) for entry in entries)
+        return list(dict.fromkeys(u for u in urls if u))
 
     async def keep_registered(self, url: str) -> None:
         """Engine side: renew the registration every ttl/3 until cancelled, then deregister."""
@@ -46,3 +126,6 @@ class EngineRegistry:
                 await asyncio.shield(self.deregister(url))
             except TRANSIENT_ERRORS:
                 pass
+
+
+__all__ = ["EngineRegistry", "control_key"]

@@ -135,11 +135,18 @@ class Processes:
         self._stopped: set[int] = set()  # pids stopped on purpose: not an error for check()
 
     def start(
-        self, name: str, argv: Sequence[str], *, env: Mapping[str, str] | None = None, cwd: Path | None = None
+        self,
+        name: str,
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: Path | None = None,
+        pass_fds: Sequence[int] = (),
     ) -> subprocess.Popen[bytes]:
-        """Start `argv` with this process's environment plus the common `env` plus this `env` (secrets go there, not
-        in argv, which every local user can read). In a session of its own: a terminal's Ctrl-C reaches only us,
-        and we stop the children in order."""
+        """Start `argv` with this process's environment plus the common `env` plus this `env` (never secrets in
+        argv, which every local user can read; `rollq up` hands them over in a pipe among `pass_fds`,
+        rollq/handover.py). In a session of its own: a terminal's Ctrl-C reaches only us, and we stop the children
+        in order."""
         log = self.log_dir / f"{name}.log"
         mode = "ab" if any(c.name == name for c in self._children) else "wb"
         with open(log, mode) as out:
@@ -152,6 +159,7 @@ class Processes:
                 cwd=cwd or self.cwd,
                 start_new_session=True,
                 preexec_fn=_die_with_parent if self.die_with_parent else None,
+                pass_fds=tuple(pass_fds),
             )
         self._children.append(_Child(name, proc, log))
         return proc
@@ -258,9 +266,11 @@ class RedisArgs(msgspec.Struct, frozen=True, kw_only=True):
     cluster_port: int | None = None
     node_timeout_ms: int = 1000
     extra: tuple[str, ...] = ()
+    config_file: str | None = None  # read first (redis-server's rule): what must not be on its command line
 
     def argv(self, exe: str) -> list[str]:
-        args = [exe, "--port", str(self.port), "--bind", HOST, "--dir", self.directory, "--save", ""]
+        args = [exe, *([self.config_file] if self.config_file else [])]
+        args += ["--port", str(self.port), "--bind", HOST, "--dir", self.directory, "--save", ""]
         args += ["--appendonly", "yes", "--appendfsync", self.appendfsync] if self.aof else ["--appendonly", "no"]
         if self.cluster_port is not None:
             args += [
@@ -280,15 +290,30 @@ def redis_binary(name: str = "redis-server") -> str:
     return exe
 
 
-def redis_pings(port: int) -> bool:
+def redis_pings(port: int, password: str | None = None) -> bool:
     """Whether a Redis on loopback `port` answers PING (stdlib only: no client, no pool, for tight polls). A server
-    still loading its AOF answers -LOADING: not yet."""
+    still loading its AOF answers -LOADING: not yet. With `password`: AUTH first (a wrong one: False)."""
     try:
         with socket.create_connection((HOST, port), timeout=0.2) as s:
+            if password is not None:
+                s.sendall(f"AUTH {password}\r\n".encode())
+                if not _reply_line(s).startswith(b"+OK"):
+                    return False
             s.sendall(b"PING\r\n")
-            return s.recv(64).startswith(b"+PONG")
+            return _reply_line(s).startswith(b"+PONG")
     except OSError:
         return False
+
+
+def _reply_line(s: socket.socket, limit: int = 256) -> bytes:
+    """One reply line (a simple reply or an error), read until CRLF within the socket's timeout."""
+    data = b""
+    while not data.endswith(b"\r\n") and len(data) < limit:
+        chunk = s.recv(limit - len(data))
+        if not chunk:
+            break
+        data += chunk
+    return data
 
 
 class RedisServer:
@@ -305,23 +330,43 @@ class RedisServer:
         processes: Processes | None = None,
         name: str = "redis",
         extra_args: Sequence[str] = (),
+        password: str | None = None,
     ) -> None:
         """`processes`: the supervisor to start it under (its log there, stopped with the others); by default one of
-        its own with the log in `directory`. A `port` given is kept; one picked here is picked again when taken."""
+        its own with the log in `directory`. A `port` given is kept; one picked here is picked again when taken.
+        `password`: every client must AUTH (`requirepass`, in a config file of mode 0600 in `directory`, not on
+        the command line every local user can read); `url` carries it."""
         self._own_dir = directory is None
         self.dir = Path(directory) if directory is not None else Path(tempfile.mkdtemp(prefix="rollq-redis-"))
         self._fixed_port = port is not None
         self.port = port or free_port()
+        self.password = password
+        config_file = None if password is None else str(self._write_config(password))
         self.args = RedisArgs(
-            port=self.port, directory=str(self.dir), aof=aof, appendfsync=appendfsync, extra=tuple(extra_args)
+            port=self.port,
+            directory=str(self.dir),
+            aof=aof,
+            appendfsync=appendfsync,
+            extra=tuple(extra_args),
+            config_file=config_file,
         )
         self.processes = processes or Processes(self.dir)
         self.name = name
         self.proc: subprocess.Popen[bytes] | None = None
 
+    def _write_config(self, password: str) -> Path:
+        if not password or any(c.isspace() or c in "\"'\\" for c in password):
+            raise ValueError("a redis-server password must be non-empty, without spaces, quotes or backslashes")
+        path = self.dir / "redis-auth.conf"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(f"requirepass {password}\n")
+        return path
+
     @property
     def url(self) -> str:
-        return f"redis://{HOST}:{self.port}/0"
+        auth = "" if self.password is None else f":{self.password}@"
+        return f"redis://{auth}{HOST}:{self.port}/0"
 
     @property
     def alive(self) -> bool:
@@ -331,7 +376,7 @@ class RedisServer:
         return self.args.argv(redis_binary())
 
     def _ready(self) -> bool:
-        return redis_pings(self.port)
+        return redis_pings(self.port, self.password)
 
     def _settled(self, proc: subprocess.Popen[bytes]) -> bool:
         """It answers, or it exited (start() tells which)."""

@@ -10,21 +10,26 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
 import secrets
 import signal
+import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
 
 import rollq.tracing as tracing
 from rollq.child_errors import ChildErrors
-from rollq.config import DEFAULT_REDIS_URL, Settings, setting
+from rollq.config import DEFAULT_REDIS_URL, ENV_PREFIX, RunSettings, Settings, fields_of, setting
+from rollq.handover import HandedConfig
 from rollq.local import LocalError, Processes, RedisServer, free_port
 from rollq.redis_client import TRANSIENT_ERRORS, redis_client, safe_url
+from rollq.shield import shield_secrets
 from rollq.trainer.config import TrainConfig
 
 if TYPE_CHECKING:
@@ -78,18 +83,44 @@ class EngineKeys(msgspec.Struct, frozen=True):
             admin_api_key=cfg.engine_admin_api_key or secrets.token_urlsafe(32),
         )
 
-    def engine_env(self, weights_root: str) -> dict[str, str]:
-        """What a spawned `rollq engine` gets: its keys and where it may load weights from. In the environment, not
-        on the command line, which every local user can read (ps)."""
-        return {
-            "ROLLQ_ENGINE_API_KEY": self.api_key,
-            "ROLLQ_ENGINE_ADMIN_API_KEY": self.admin_api_key,
-            "ROLLQ_ENGINE_WEIGHTS_ROOT": weights_root,
-        }
+    def engine_config(self, weights_root: str) -> dict[str, Any]:
+        """What a spawned `rollq engine` is handed (HandedConfig: a pipe, never its command line or environment):
+        its keys and where it may load weights from."""
+        return {"engine": {"api_key": self.api_key, "admin_api_key": self.admin_api_key, "weights_root": weights_root}}
 
-    def worker_env(self) -> dict[str, str]:
-        """What a spawned `rollq worker` gets: both keys (workers abort requests, a control route)."""
-        return {"ROLLQ_WORKER_ENGINE_API_KEY": self.api_key, "ROLLQ_WORKER_ENGINE_ADMIN_API_KEY": self.admin_api_key}
+    def worker_config(self, redis_url: str) -> dict[str, Any]:
+        """What a spawned `rollq worker` is handed: the Redis URL (its password in it) and both keys (workers abort
+        requests, a control route)."""
+        keys = {"engine_api_key": self.api_key, "engine_admin_api_key": self.admin_api_key}
+        return {"redis_url": redis_url, "worker": keys}
+
+
+def handed_names(document: dict[str, Any]) -> set[str]:
+    """The ROLLQ_* variables that would override `document`'s settings in a child (the environment is read over the
+    config file): never passed on to it, so what rollq up hands over is what the child uses."""
+    names = set()
+    for key, value in document.items():
+        if isinstance(value, dict):
+            names |= {f"{ENV_PREFIX}{key}_{name}".upper() for name in value}
+        else:
+            names.add(f"{ENV_PREFIX}{key}".upper())
+    return names
+
+
+def settings_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """The ROLLQ_* variables `rollq up` was started with (taken before it sheds them): each engine and worker gets
+    those of its own section and the shared ones (for_section), reads them as settings and sheds them in turn."""
+    return {name: value for name, value in environ.items() if name.startswith(ENV_PREFIX)}
+
+
+def for_section(inherited: Mapping[str, str], section: str, document: dict[str, Any]) -> dict[str, str]:
+    """What of `inherited` a child of `section` is given: its section's variables, the shared settings' and
+    ROLLQ_CACHE, but none that would override what is handed to it in `document` (the environment is read over the
+    config file). Never the trainer's (its keys among them)."""
+    shared = {f.env(section) for f in fields_of(RunSettings) if f.shared} | {f"{ENV_PREFIX}CACHE"}
+    own = f"{ENV_PREFIX}{section.upper()}_"
+    handed = handed_names(document)
+    return {k: v for k, v in inherited.items() if (k.startswith(own) or k in shared) and k not in handed}
 
 
 class StackError(LocalError):
@@ -124,14 +155,20 @@ async def engine_healthy(url: str, timeout_s: float = 2.0) -> bool:
 
 async def start_redis(procs: Processes, url: str | None, directory: Path) -> str:
     """`url` if given (it must answer); else the default Redis if one answers; else a private redis-server on a
-    free port in `directory` (temporary, no persistence), a child of `procs`."""
+    free port in `directory` (temporary, no persistence), a child of `procs`, with a fresh password (every local
+    process can reach a loopback port: without the password, none can use it)."""
     if url is not None:
         if not await redis_answers(url):
-            raise StackError(f"no Redis answers at {url} (leave --redis/ROLLQ_REDIS_URL unset to start one)")
+            raise StackError(f"no Redis answers at {safe_url(url)} (leave --redis/ROLLQ_REDIS_URL unset to start one)")
         return url
     if await redis_answers(DEFAULT_REDIS_URL):
+        log.warning(
+            "using the Redis that answers at %s: whoever can reach it (every local process, when it has no "
+            "password) can read and write this run; leave none there for a private one with a password",
+            DEFAULT_REDIS_URL,
+        )
         return DEFAULT_REDIS_URL
-    server = RedisServer(directory=directory, processes=procs)
+    server = RedisServer(directory=directory, processes=procs, password=secrets.token_urlsafe(32))
     await asyncio.to_thread(server.start, 30)
     return server.url
 
@@ -146,7 +183,7 @@ def worker_allowlist(cfg: TrainConfig, stack: UpConfig) -> list[str]:
 
 
 def engine_argv(cfg: TrainConfig, port: int) -> list[str]:
-    """`rollq engine` as `rollq up` runs it (keys and weights root come through EngineKeys.engine_env)."""
+    """`rollq engine` as `rollq up` runs it (keys and weights root are handed over: EngineKeys.engine_config)."""
     return [
         sys.executable,
         "-m",
@@ -168,11 +205,12 @@ def engine_argv(cfg: TrainConfig, port: int) -> list[str]:
     ]
 
 
-def worker_argv(cfg: TrainConfig, stack_cfg: UpConfig, redis_url: str, engines: list[str]) -> list[str]:
-    """`rollq worker` as `rollq up` runs it (the engines' keys come through EngineKeys.worker_env)."""
+def worker_argv(cfg: TrainConfig, stack_cfg: UpConfig, engines: list[str]) -> list[str]:
+    """`rollq worker` as `rollq up` runs it (the Redis URL and the engines' keys are handed over:
+    EngineKeys.worker_config)."""
     allow = [a for p in worker_allowlist(cfg, stack_cfg) for a in ("--allow", p)]
     return [
-        *[sys.executable, "-m", "rollq", "worker", "--redis", redis_url, "--run", cfg.run],
+        *[sys.executable, "-m", "rollq", "worker", "--run", cfg.run],
         *["--concurrency", str(stack_cfg.concurrency), "--wait-redis", "30"],
         *["--tokenizer", cfg.model],  # the agents' proxy renders and tokenizes as the served model does
         *allow,
@@ -180,8 +218,11 @@ def worker_argv(cfg: TrainConfig, stack_cfg: UpConfig, redis_url: str, engines: 
     ]
 
 
-async def run_stack(cfg: TrainConfig, stack_cfg: UpConfig) -> list[StepRecord]:
-    """Start the stack, train `cfg`, stop everything. Returns the metrics records."""
+async def run_stack(
+    cfg: TrainConfig, stack_cfg: UpConfig, inherited: Mapping[str, str] | None = None
+) -> list[StepRecord]:
+    """Start the stack, train `cfg`, stop everything. Returns the metrics records. `inherited`: the ROLLQ_*
+    variables to pass on to the engines and workers (settings_environment; default: none)."""
     # SIGTERM (docker stop, kill) ends the run like Ctrl-C: cancelled, so every child is stopped below.
     this_task = asyncio.current_task()
     assert this_task is not None  # a coroutine run by the event loop always runs in a task
@@ -193,7 +234,7 @@ async def run_stack(cfg: TrainConfig, stack_cfg: UpConfig) -> list[StepRecord]:
     echo = asyncio.create_task(_echo_errors(procs, errors), name="child-errors")
     try:
         with tempfile.TemporaryDirectory(prefix="rollq-up-redis-") as redis_dir:
-            return await _run(cfg, stack_cfg, procs, Path(redis_dir))
+            return await _run(cfg, stack_cfg, procs, Path(redis_dir), dict(inherited or {}))
     finally:
         echo.cancel()
         await asyncio.gather(echo, return_exceptions=True)
@@ -202,7 +243,26 @@ async def run_stack(cfg: TrainConfig, stack_cfg: UpConfig) -> list[StepRecord]:
             log.error("%s", line)  # what the children said last (the second poll ends their last records)
 
 
-async def _run(cfg: TrainConfig, stack_cfg: UpConfig, procs: Processes, redis_dir: Path) -> list[StepRecord]:
+def start_child(
+    procs: Processes,
+    name: str,
+    argv: list[str],
+    document: dict[str, Any],
+    inherited: Mapping[str, str],
+    env: Mapping[str, str] | None = None,
+) -> subprocess.Popen[bytes]:
+    """Start a rollq child (`argv` runs `rollq SECTION`) with `document` handed over in a pipe (`--config
+    /dev/fd/N`: no key or password on its command line or in its environment) and its share of the inherited
+    ROLLQ_* variables (for_section)."""
+    section = argv[argv.index("rollq") + 1]
+    child_env = {**for_section(inherited, section, document), **(env or {})}
+    with HandedConfig(document) as config:
+        return procs.start(name, [*argv, *config.argv()], env=child_env, pass_fds=[config.fd])
+
+
+async def _run(
+    cfg: TrainConfig, stack_cfg: UpConfig, procs: Processes, redis_dir: Path, inherited: dict[str, str]
+) -> list[StepRecord]:
     from rollq.trainer.engines import engine_pool
     from rollq.trainer.loop import Trainer
     from rollq.trainer.policy import Policy
@@ -224,10 +284,10 @@ async def _run(cfg: TrainConfig, stack_cfg: UpConfig, procs: Processes, redis_di
     for i in range(stack_cfg.engines):
         port = free_port()
         urls.append(f"http://127.0.0.1:{port}")
-        procs.start(f"engine-{i}", engine_argv(cfg, port), env=keys.engine_env(str(weights_root)))
+        start_child(procs, f"engine-{i}", engine_argv(cfg, port), keys.engine_config(str(weights_root)), inherited)
     for i in range(stack_cfg.workers):
-        env = {**keys.worker_env(), **tracing.child_env(cfg)}  # its spans join the trainer's traces
-        procs.start(f"worker-{i}", worker_argv(cfg, stack_cfg, url, urls), env=env)
+        env = tracing.child_env(cfg)  # its spans join the trainer's traces
+        start_child(procs, f"worker-{i}", worker_argv(cfg, stack_cfg, urls), keys.worker_config(url), inherited, env)
     # The trainer's model loads while the engines start (seconds each, on other cores): neither waits for the other.
     policy = asyncio.create_task(asyncio.to_thread(Policy, cfg)) if cfg.nproc == 1 else None
     try:
@@ -343,8 +403,10 @@ def up(stack: UpConfig, cfg: TrainConfig) -> int:
     )
     started = time.monotonic()
     quiet_libraries()
+    inherited = settings_environment(os.environ)  # for the children, which shed them too
+    shield_secrets()  # it holds every key and the Redis password (rollq/shield.py)
     try:
-        records = uvloop.run(run_stack(cfg, stack))
+        records = uvloop.run(run_stack(cfg, stack, inherited))
     except NothingTrains as exc:  # samples keep failing or coming back empty: the run would train nothing
         print(f"rollq up: {exc} (the children's logs: {Path(cfg.directory) / 'logs'})", file=sys.stderr)
         return NothingTrains.exit_code
@@ -377,7 +439,10 @@ __all__ = [
     "UpConfig",
     "engine_argv",
     "engine_healthy",
+    "for_section",
+    "handed_names",
     "run_stack",
+    "settings_environment",
     "start_redis",
     "up",
     "worker_allowlist",

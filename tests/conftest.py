@@ -126,7 +126,9 @@ async def engine_process(tmp_path, tiny_dir):  # tiny_dir: built once, before en
     async def spawn(*args: str) -> tuple[subprocess.Popen, str]:
         port = free_port()
         # weights load from under the test's tmp_path (a trainer's run_dir there); *args may name another root
+        # keyless with its control routes open (insecure_no_auth): the tests' trainers pause and update it
         argv = [sys.executable, "-m", "rollq.engine", "--backend", "synthetic", "--port", str(port)]
+        argv.append("--insecure-no-auth")
         proc = procs.start(f"engine-{port}", [*argv, "--weights-root", str(tmp_path), *args])
         url = f"http://127.0.0.1:{port}"
         # a hang guard, not a speed check: four test processes share two cores in CI

@@ -14,6 +14,7 @@ from tests.helpers import REPO_ROOT
 LEAVES = {
     "rollq.config",
     "rollq.redis_client",
+    "rollq.shield",
     "rollq.http_server",
     "rollq.metrics_server",
     "rollq.tasks",

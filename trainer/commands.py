@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from rollq.shield import shield_secrets
 from rollq.trainer.config import TrainConfig
 from rollq.trainer.metrics import EvalRecord, MetricsLog, StepRecord
 from rollq.trainer.nothing_trains import NothingTrains
@@ -75,6 +76,7 @@ def train(cfg: TrainConfig) -> int:
     from rollq.trainer.policy import Policy
     from rollq.trainer.ranks import join_ranks, torchrun_env
 
+    shield_secrets()  # its engine admin key and Redis URL (rollq/shield.py); ranks read their config file
     if cfg.nproc > 1 and torchrun_env() is None:
         return launch(cfg)
     quiet_libraries()
@@ -102,7 +104,7 @@ async def run_trainer(cfg: TrainConfig, policy: Policy | None = None) -> list[St
     """The trainer against an existing stack: engines from the config and the run's registry. On N ranks, rank 0
     runs it with its `policy` and stops the other ranks when the run ends (when it fails they stop with it: their
     process group closes)."""
-    from rollq.engine.registry import EngineRegistry
+    from rollq.engine.registry import EngineRegistry, control_key
     from rollq.redis_client import redis_client
     from rollq.trainer.engines import engine_pool
     from rollq.trainer.loop import Trainer
@@ -111,7 +113,9 @@ async def run_trainer(cfg: TrainConfig, policy: Policy | None = None) -> list[St
     await redis.ping()  # fail now, in one line, when Redis is unreachable
     registry_client = redis_client(cfg.redis_url)
     pool = engine_pool(cfg)
-    pool.follow(EngineRegistry(registry_client, cfg.run, fleet=cfg.fleet))
+    # Only engines that registered with the trainer's keys join: a URL planted in Redis never gets them.
+    key = control_key(cfg.engine_api_key, cfg.engine_admin_api_key)
+    pool.follow(EngineRegistry(registry_client, cfg.run, fleet=cfg.fleet, key=key))
     try:
         records = await Trainer(cfg, redis, pool, policy=policy).run()
         if policy is not None:

@@ -33,7 +33,7 @@ from typing import Any, TextIO, TypeAlias, TypeVar
 import msgspec
 import torch
 
-from rollq.engine.registry import EngineRegistry
+from rollq.engine.registry import EngineRegistry, control_key
 from rollq.redis_client import redis_client
 from rollq.trainer.batch import Batch
 from rollq.trainer.checkpoint import TrainerState
@@ -282,7 +282,8 @@ class RolloutSession:
             self._stack.push_async_callback(registry.aclose)
             pool = engine_pool(cfg)
             self._stack.push_async_callback(pool.close)
-            pool.follow(EngineRegistry(registry, cfg.run))
+            key = control_key(cfg.engine_api_key, cfg.engine_admin_api_key)  # registered with these keys only
+            pool.follow(EngineRegistry(registry, cfg.run, key=key))
             self._policy = _SessionPolicy(self, pad_id, vocab_size, config_json)
             self._trainer = Trainer(cfg, redis, pool, progress=self._progress, policy=self._policy)
             self._trainer.metrics.observers.append(self._on_record)

@@ -11,9 +11,9 @@ import msgspec
 import uvloop
 
 from rollq.engine.pool import EnginePool, PoolConfig
-from rollq.engine.registry import EngineRegistry
+from rollq.engine.registry import EngineRegistry, control_key
 from rollq.redis_client import redis_client, wait_for_redis
-from rollq.workers.agents.environment import drop_worker_secrets
+from rollq.shield import shield_secrets
 from rollq.workers.chat_template import StopTextDecoder
 from rollq.workers.config import WorkerConfig
 from rollq.workers.metrics import WorkerMetrics
@@ -34,7 +34,9 @@ async def serve(cfg: WorkerConfig) -> int:
     pool = engine_pool(cfg)
     await pool.start()
     registry_client = redis_client(cfg.redis_url)
-    pool.follow(EngineRegistry(registry_client, cfg.run, fleet=cfg.fleet))
+    # Only engines that registered with this worker's keys join: a URL planted in Redis never gets them.
+    key = control_key(cfg.engine_api_key, cfg.engine_admin_api_key)
+    pool.follow(EngineRegistry(registry_client, cfg.run, fleet=cfg.fleet, key=key))
     # One Worker per served run over the one pool; several share the concurrency (workers/run_share.py).
     share = RunShare(cfg.concurrency, cfg.weights()) if len(cfg.runs) > 1 else None
     per_run = [msgspec.structs.replace(cfg, run=run, also_serve=[], run_weight=[]) for run in cfg.runs]
@@ -61,28 +63,13 @@ async def serve(cfg: WorkerConfig) -> int:
     return 0
 
 
-def shield_secrets() -> None:
-    """Keep what the worker holds out of reach of the agents it runs (as its own user). Its settings are read by now,
-    so its secrets (ROLLQ_*, REDIS*) leave its environment: every process it starts from here on (agent hosts,
-    subproc pools, command agents, reward processes) begins without them, /proc/<pid>/environ included. And on
-    Linux it becomes non-dumpable: processes of the same user, agents among them, can no longer read its
-    /proc/<pid>/environ (the environment it started with), its memory or its file descriptors, nor trace it (root
-    still can; so can't py-spy without root)."""
-    drop_worker_secrets(os.environ)
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        PR_SET_DUMPABLE = 4
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
-
-
 def worker(cfg: WorkerConfig) -> int:
     # Workflows named by import path are looked up from the directory the worker was started in, like arq/celery
     # (the allowlist still decides what may be imported).
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     hub_offline(os.environ)  # before anything imports huggingface_hub; inherited by every process it starts
-    shield_secrets()
+    shield_secrets()  # keeps the settings' secrets from the agents it runs (rollq/shield.py)
     return uvloop.run(serve(cfg))
 
 

@@ -47,6 +47,9 @@ class EngineServerConfig(msgspec.Struct, kw_only=True):
     port: int = 30000  # 0: any free port (see ServerHandle.url)
     api_key: str | None = None
     admin_api_key: str | None = None  # guards the control routes (utils/auth.py:76-150 in 0.5.23)
+    # No key at all: control routes answer 403 (`rollq engine` sets it unless insecure_no_auth), so any process of the
+    # machine can't pause the engine, load weights or adapters; False (embedded servers, tests): they are open.
+    control_closed: bool = False
     # /update_weights_from_disk reads only from under this directory; None: no disk load at all (weights_root.py)
     weights_root: str | None = None
     compat: Compat = "0.5.23"  # "0.5.5": pause takes no mode and always aborts at once; streamed output_ids deltas
@@ -843,6 +846,26 @@ def _auth_middleware(api_key: str | None, admin_api_key: str | None):
     return auth
 
 
+CONTROL_CLOSED = (
+    "this engine was started without keys: its control routes are closed (start it with admin_api_key, "
+    "--admin-api-key or ROLLQ_ENGINE_ADMIN_API_KEY, and give the trainer that key as engine_admin_api_key; or "
+    "insecure_no_auth: true to open them to every process that reaches it)"
+)
+
+
+def _closed_control():
+    """An engine without keys, not opened with insecure_no_auth: every control route answers 403 naming the settings
+    (generation stays open, as SGLang's without keys)."""
+
+    @web.middleware
+    async def closed(request: web.Request, handler):
+        if request.path in ADMIN_ROUTES and request.method != "OPTIONS":
+            return _json({"error": CONTROL_CLOSED}, 403)
+        return await handler(request)
+
+    return closed
+
+
 def _control_counter(server: EngineServer):
     @web.middleware
     async def count(request: web.Request, handler):
@@ -859,9 +882,13 @@ SERVER_KEY = web.AppKey("engine_server", EngineServer)
 def build_app(backend: Backend, config: EngineServerConfig) -> web.Application:
     server = EngineServer(backend, config)
     keyed = config.api_key or config.admin_api_key
-    counting = [_control_counter(server)]
+    middlewares = [_control_counter(server)]
+    if keyed:
+        middlewares.append(_auth_middleware(config.api_key, config.admin_api_key))
+    elif config.control_closed:
+        middlewares.append(_closed_control())
     app = web.Application(
-        middlewares=[*counting, _auth_middleware(config.api_key, config.admin_api_key)] if keyed else counting,
+        middlewares=middlewares,
         client_max_size=config.max_body_bytes,
     )
     app[SERVER_KEY] = server

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import shutil
 import signal
 import sys
@@ -14,6 +15,7 @@ from rollq.engine.server.app import EngineServerConfig, serve
 from rollq.engine.server.backend import Backend, ModelRefused
 from rollq.engine.server.config import EngineConfig
 from rollq.engine.server.media import MediaPolicy
+from rollq.shield import shield_secrets
 
 log = logging.getLogger("rollq.engine")
 
@@ -130,14 +132,16 @@ async def _register(args: EngineConfig, url: str) -> asyncio.Task | None:
     """With --register: keep `url` in the run's engine registry until the returned task is cancelled."""
     if not args.register:
         return None
-    from rollq.engine.registry import EngineRegistry
+    from rollq.engine.registry import EngineRegistry, control_key
     from rollq.redis_client import redis_client
 
     redis = redis_client(args.redis_url)
     await redis.ping()  # fail now, in one clear line, if Redis is unreachable
     url = args.advertise_url or url
     log.info("registered as %s in run %r", url, args.run)
-    return asyncio.create_task(EngineRegistry(redis, args.run, fleet=args.fleet).keep_registered(url))
+    # Signed with its control key: pools holding the same keys accept it, and nothing a Redis writer plants there.
+    registry = EngineRegistry(redis, args.run, fleet=args.fleet, key=control_key(args.api_key, args.admin_api_key))
+    return asyncio.create_task(registry.keep_registered(url))
 
 
 async def _unregister(task: asyncio.Task | None) -> None:
@@ -158,6 +162,7 @@ async def _serve(backend: Backend, config: EngineServerConfig, args: EngineConfi
     stop = _stop_event()
     handle = await serve(backend, config)
     log.info("engine (%s) serving on %s, weight version %s", type(backend).__name__, handle.url, config.weight_version)
+    _say_if_control_closed(args)
     registration = await _register(args, handle.url)
     await stop.wait()
     log.info("shutting down: aborting requests in flight")
@@ -166,9 +171,26 @@ async def _serve(backend: Backend, config: EngineServerConfig, args: EngineConfi
     return 0
 
 
+def control_closed(args: EngineConfig) -> bool:
+    """No key and no insecure_no_auth: the control routes are refused (an engine on loopback is reachable by every
+    process of the machine, agents under training included)."""
+    return not (args.api_key or args.admin_api_key or args.insecure_no_auth)
+
+
+def _say_if_control_closed(args: EngineConfig) -> None:
+    if control_closed(args):
+        log.warning(
+            "no keys: control routes (pause, weights, abort, flush, LoRA) are refused; set admin_api_key "
+            "(--admin-api-key, ROLLQ_ENGINE_ADMIN_API_KEY) and give it to the trainer, or insecure_no_auth: true"
+        )
+
+
 async def _run_sglang(args: EngineConfig, model_path: str) -> int:
     from rollq.engine.server.sglang_launcher import SGLangLaunch, wait_ready
 
+    admin_api_key = args.admin_api_key
+    if control_closed(args):  # SGLang has no such setting: an admin key nobody knows closes its control routes
+        admin_api_key = secrets.token_urlsafe(32)
     launch = SGLangLaunch(
         model_path=model_path,
         host=args.host,
@@ -176,7 +198,7 @@ async def _run_sglang(args: EngineConfig, model_path: str) -> int:
         tp_size=args.tp_size,
         weight_version=args.weight_version,
         api_key=args.api_key,
-        admin_api_key=args.admin_api_key,
+        admin_api_key=admin_api_key,
         skip_tokenizer_init=args.skip_tokenizer_init,
         extra_args=lora_flags(args),
     )
@@ -195,6 +217,7 @@ async def _run_sglang(args: EngineConfig, model_path: str) -> int:
         finally:  # SGLang reads its config file while parsing its arguments: the keys need not stay on disk
             shutil.rmtree(keys_dir, ignore_errors=True)
         log.info("sglang ready at %s", url)
+        _say_if_control_closed(args)
         registration = await _register(args, url)
         exited = asyncio.create_task(proc.wait())
         stopped = asyncio.create_task(stop.wait())
@@ -225,6 +248,7 @@ def engine(args: EngineConfig) -> int:
     if refusal is not None:  # defaults closed: an engine reachable from the network has keys, or says it may not
         print(f"rollq engine: {refusal}", file=sys.stderr)
         return 2
+    shield_secrets()  # its keys and Redis URL, out of reach of the machine's other processes (rollq/shield.py)
     if args.backend == "sglang":
         if args.fault:  # SGLang runs its own scheduler: nothing of rollq's sits between it and the model
             print("rollq engine: --fault needs the synthetic or reference backend", file=sys.stderr)
@@ -258,6 +282,7 @@ def engine(args: EngineConfig) -> int:
         port=args.port,
         api_key=args.api_key,
         admin_api_key=args.admin_api_key,
+        control_closed=control_closed(args),
         compat=args.compat,
         weight_version=args.weight_version,
         skip_tokenizer_init=args.skip_tokenizer_init,

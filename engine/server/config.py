@@ -37,8 +37,9 @@ class EngineConfig(RunSettings, kw_only=True):
     insecure_no_auth: Annotated[
         bool,
         setting(
-            "serve without keys on a non-loopback address (anyone who reaches it can pause it, abort requests and "
-            "load weights)"
+            "serve without keys with the control routes open, on any address (anyone who reaches it can pause it, "
+            "abort requests and load weights); without keys and without this, control routes answer 403 and a "
+            "non-loopback address is refused"
         ),
     ] = False
     weights_root: Annotated[

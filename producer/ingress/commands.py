@@ -13,6 +13,7 @@ from rollq.metrics_server import MetricsServer
 from rollq.producer.ingress.app import Ingress
 from rollq.producer.ingress.config import IngressConfig
 from rollq.producer.metrics import ingress_registry
+from rollq.shield import shield_secrets
 
 log = logging.getLogger("rollq.ingress")
 
@@ -48,6 +49,7 @@ async def serve(cfg: IngressConfig, *, started: asyncio.Event | None = None) -> 
 
 
 def ingress(cfg: IngressConfig) -> int:
+    shield_secrets()  # its Redis URL and the tenants' tokens (rollq/shield.py)
     return uvloop.run(serve(cfg))
 
 

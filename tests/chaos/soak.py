@@ -237,6 +237,7 @@ class Stack:
     async def start_engine(self, index: int, port: int | None = None) -> Child:
         port = port or free_port()
         argv = [*rollq_argv(), "engine", "--backend", "synthetic", "--port", str(port), "--seed", str(index)]
+        argv.append("--insecure-no-auth")  # keyless on loopback, its control routes open to the soak's trainer
         argv += [*ENGINE_ARGS, "--token-latency", str(self.cfg.token_latency_s), "--weights-root", str(self.run_dir)]
         if self.cfg.length_dist != "fixed":
             argv += ["--length-dist", self.cfg.length_dist]

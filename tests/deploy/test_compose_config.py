@@ -198,7 +198,8 @@ def test_every_secret_is_required_with_the_message(compose_secrets):
 def test_no_secret_in_a_command_and_each_service_gets_only_its_own(compose_secrets):
     """Secrets reach rollq services through their environment, never their command or healthcheck (both show in
     `ps`). Only the engine, the trainer and the workers (they abort their own requests, a control route in
-    SGLang) hold the engines' admin key."""
+    SGLang) hold the engines' admin key, and SGLang's registration sidecar (it signs the engine's registry entry
+    with it: engine/registry.py)."""
     model = resolved("*", secrets=compose_secrets)
     values = compose_secrets.values
     by_value = {v: k for k, v in values.items()}
@@ -211,7 +212,7 @@ def test_no_secret_in_a_command_and_each_service_gets_only_its_own(compose_secre
     env = {name: svc.get("environment") or {} for name, svc in model["services"].items()}
     admin_key = values["ROLLQ_ENGINE_ADMIN_API_KEY"]
     holders = {name for name, e in env.items() if admin_key in " ".join(str(v) for v in e.values())}
-    assert holders == {"engine", "trainer", "worker"}, holders
+    assert holders == {"engine", "trainer", "worker", "sglang-register"}, holders
     assert env["worker"]["ROLLQ_WORKER_ENGINE_API_KEY"] == values["ROLLQ_ENGINE_API_KEY"]
     assert env["worker"]["ROLLQ_WORKER_ENGINE_ADMIN_API_KEY"] == admin_key
     assert env["engine"]["ROLLQ_ENGINE_API_KEY"] == values["ROLLQ_ENGINE_API_KEY"]

@@ -149,7 +149,7 @@ async def test_a_killed_engine_fails_alone_and_a_late_one_catches_up(start_ref, 
     port = free_port()
     log = open(tmp_path / "engine.log", "w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "rollq", "engine", "--backend", "reference", "--port", str(port)],
+        [sys.executable, "-m", "rollq", "engine", "--backend", "reference", "--port", str(port), "--insecure-no-auth"],
         cwd=REPO_ROOT,
         stdout=log,
         stderr=subprocess.STDOUT,

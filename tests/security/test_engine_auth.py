@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import shutil
 import subprocess
 import sys
@@ -28,11 +27,12 @@ from rollq.engine.server.sglang_launcher import SGLangLaunch
 from rollq.engine.server.synthetic import SyntheticBackend, SyntheticConfig
 from rollq.engine.server.weights_root import NO_ROOT, OUTSIDE
 from rollq.engine.types import ADMIN_ROUTES, ModelRequest, SamplingParams
-from rollq.local import free_port
+from rollq.handover import HandedConfig
+from rollq.local import Processes, free_port
 from rollq.producer import JobRequest, Producer
 from rollq.trainer.config import TrainConfig
 from rollq.trainer.engines import engine_pool as trainer_pool
-from rollq.up import EngineKeys, engine_argv
+from rollq.up import EngineKeys, engine_argv, start_child
 from rollq.workers import commands as worker_commands
 from rollq.workers.config import WorkerConfig
 from rollq.workers.worker import Worker
@@ -198,10 +198,10 @@ def test_every_control_route_the_engine_serves_is_an_admin_route():
     assert served - normal - open_ == ADMIN_ROUTES - {"/update_weights_from_tensor"}  # rollq serves no CUDA IPC
 
 
-# --- (b) `rollq up`'s engines and workers get keys, through the environment -----------------------------------------
+# --- (b) `rollq up`'s engines and workers get keys, handed over in a pipe -------------------------------------------
 
 
-def test_up_makes_fresh_keys_per_run_and_passes_them_in_the_environment(tmp_path: Path):
+def test_up_makes_fresh_keys_per_run_and_hands_them_over_in_a_pipe(tmp_path: Path):
     cfg = TrainConfig()
     first, second = EngineKeys.for_run(cfg), EngineKeys.for_run(cfg)
     assert len({first.api_key, first.admin_api_key, second.api_key, second.admin_api_key}) == 4
@@ -211,14 +211,17 @@ def test_up_makes_fresh_keys_per_run_and_passes_them_in_the_environment(tmp_path
 
     argv = engine_argv(cfg, 12345)
     assert first.api_key not in " ".join(argv) and "--api-key" not in argv and "--admin-api-key" not in argv
-    engine = load(EngineConfig, "engine", env=first.engine_env(str(tmp_path)))
+    with HandedConfig(first.engine_config(str(tmp_path))) as handed:
+        engine = load(EngineConfig, "engine", handed.argv()[1], env={})
     assert (engine.api_key, engine.admin_api_key, engine.weights_root) == (
         first.api_key,
         first.admin_api_key,
         str(tmp_path),
     )
-    worker = load(WorkerConfig, "worker", env=first.worker_env())
+    with HandedConfig(first.worker_config("redis://:pw@127.0.0.1:1/0")) as handed:
+        worker = load(WorkerConfig, "worker", handed.argv()[1], env={})
     assert (worker.engine_api_key, worker.engine_admin_api_key) == (first.api_key, first.admin_api_key)
+    assert worker.redis_url == "redis://:pw@127.0.0.1:1/0"
 
 
 async def test_an_engine_started_as_up_starts_it_refuses_keyless_calls(tmp_path: Path):
@@ -226,12 +229,10 @@ async def test_an_engine_started_as_up_starts_it_refuses_keyless_calls(tmp_path:
     root = tmp_path / "weights"
     (root / "v1").mkdir(parents=True)
     port = free_port()
-    # up's own argv and environment; only the backend is the synthetic one (no model to load: a fast start)
+    # up's own argv and hand-over; only the backend is the synthetic one (no model to load: a fast start)
     argv = [*engine_argv(TrainConfig(), port), "--backend", "synthetic"]
-    log = open(tmp_path / "engine.log", "w")
-    proc = subprocess.Popen(
-        argv, cwd=REPO_ROOT, env={**os.environ, **keys.engine_env(str(root))}, stdout=log, stderr=subprocess.STDOUT
-    )
+    procs = Processes(tmp_path, cwd=REPO_ROOT)
+    proc = start_child(procs, "engine", argv, keys.engine_config(str(root)), {})
     url = f"http://127.0.0.1:{port}"
     try:
         await wait_until(lambda: proc.poll() is not None or engine_healthy(url), 90, what="the engine up")
@@ -251,9 +252,7 @@ async def test_an_engine_started_as_up_starts_it_refuses_keyless_calls(tmp_path:
             resp = await http.post(url + "/update_weights_from_disk", json={"model_path": "/etc"}, headers=admin)
             assert resp.status_code == 400 and resp.json()["message"] == OUTSIDE
     finally:
-        proc.kill()
-        proc.wait(10)
-        log.close()
+        procs.stop_all(grace_s=0)
 
 
 def test_the_sglang_launcher_passes_the_keys_in_a_private_file_not_on_the_command_line(tmp_path: Path):

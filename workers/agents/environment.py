@@ -24,10 +24,11 @@ from collections.abc import Mapping, MutableMapping
 
 import msgspec
 
+from rollq.shield import SECRET_PREFIXES, drop_secrets, is_secret
 from rollq.workers.resolver import Allowlist, ImportNotAllowed, WorkflowLoadError
 
 # Names of the worker's own credentials and settings: its Redis URL and password, engine keys, every ROLLQ_ setting.
-WORKER_SECRET_PREFIXES = ("ROLLQ_", "REDIS")
+WORKER_SECRET_PREFIXES = SECRET_PREFIXES
 PROXY_VARIABLES = ("OPENAI_BASE_URL", "OPENAI_API_KEY", "ANTHROPIC_BASE_URL", "ANTHROPIC_API_KEY")
 DEFAULT_LANG = "C.UTF-8"
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
@@ -86,13 +87,12 @@ def command_environment(
 
 
 def is_worker_secret(name: str) -> bool:
-    return name.upper().startswith(WORKER_SECRET_PREFIXES)
+    return is_secret(name)
 
 
 def drop_worker_secrets(environ: MutableMapping[str, str] = os.environ) -> None:
     """Removes the worker's secrets from `environ` (os.environ: this process's, and what it starts from now on)."""
-    for name in [name for name in environ if is_worker_secret(name)]:
-        del environ[name]
+    drop_secrets(environ, keep=frozenset())
 
 
 __all__ = [

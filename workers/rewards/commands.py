@@ -6,6 +6,7 @@ import asyncio
 import os
 import sys
 
+from rollq.shield import shield_secrets
 from rollq.workers.rewards.config import RewardWorkerConfig
 from rollq.workers.rewards.worker import serve
 
@@ -15,6 +16,7 @@ def reward_worker(cfg: RewardWorkerConfig) -> int:
     # allowlist still decides what may be imported).
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
+    shield_secrets()  # its Redis URL, out of reach of the reward functions' processes and the agents
     return asyncio.run(serve(cfg))
 
 
