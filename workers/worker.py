@@ -30,6 +30,7 @@ from rollq.engine.types import InferenceEngine
 from rollq.protocol import scripts
 from rollq.protocol.codec import Codec, CodecError
 from rollq.protocol.keys import DEFAULT_CLASS, PAYLOAD_FIELD, WORKER_GROUP, RunKeys
+from rollq.protocol.image_limits import ImageLimits
 from rollq.protocol.limits import describe_bytes
 from rollq.protocol.messages import (
     SCHEMA_VERSION,
@@ -59,7 +60,8 @@ from rollq.workers.construct import KwargConverter, ModelNames
 from rollq.workers.context import ContextConfig, EpisodeContext, RecordingEngine, WorkflowContext, episode_scope
 from rollq.workers.fair_share import FairShare
 from rollq.workers.loader import WorkflowCache, workflow_path
-from rollq.workers.media import MediaError, prepare_images
+from rollq.workers.agents.command import is_command
+from rollq.workers.media import JobImages, MediaError
 from rollq.workers.outputs import to_sequences
 from rollq.workers.proxy.server import ProxyConfig
 from rollq.workers.resolver import Allowlist, WorkflowLoadError, enforcing
@@ -163,6 +165,15 @@ class Worker:
         self._episode_engine = RecordingEngine.wrap(engine)  # keeps each episode's responses (outputs.py uses them)
         self.codec = Codec()
         self.blobs = BlobReader(self.redis, max_bytes=config.max_job_bytes)  # jobs' data stored by reference
+        # Each job's images: bounded from their headers, decoded once and shared by its samples running here.
+        self.images = JobImages(
+            config.max_image_pixels,
+            ImageLimits(
+                max_images=config.max_job_images,
+                max_bytes=config.max_job_image_bytes,
+                max_pixels=config.max_job_image_pixels,
+            ),
+        )
         self.workflows = WorkflowCache(
             KwargConverter(ModelNames(worker_tokenizer=config.tokenizer, models_root=config.models_root))
         )
@@ -619,6 +630,7 @@ class Worker:
         keys = self._keys_of.get(jobs, self.keys)  # its partition's keys: everything one step writes is in its slot
         job: Job | None = None
         attempt: Span = INVALID_SPAN  # this run's span (tracing on): a child of the job's submit
+        held: str | None = None  # the key of the job's decoded images this sample holds (self.images)
         try:
             job = self._decode(eid, payload, fields, keys)
             if self.tracing.enabled:
@@ -655,7 +667,16 @@ class Worker:
                         runs - 1,
                     )
                 )
-            data = await self._data(job, keys, runs)
+            if job.agent is not None and job.agent.timeout_seconds > self.cfg.max_agent_timeout:
+                raise _Fatal(
+                    self._error(
+                        "AgentTimeoutTooLong",
+                        f"job {job.job_id}#{job.sample_index}: agent.timeout_seconds={job.agent.timeout_seconds:g} "
+                        f"is over the worker's max_agent_timeout={self.cfg.max_agent_timeout:g}",
+                        runs,
+                    )
+                )
+            data, held = await self._data(job, keys, runs)
             # A tenant's job may use only what its tenant's patterns allow too, for everything it imports.
             allowlist = self.allowlist.narrowed(job.allow)
             try:
@@ -758,6 +779,8 @@ class Worker:
             )
             self._observe(job, "dead_lettered", started)
         finally:
+            if held is not None:
+                self.images.release(held)
             attempt.end()
 
     def _attempt_span(self, job: Job, eid: str, deliveries: int) -> Span:
@@ -795,12 +818,15 @@ class Worker:
         for observe in self.episode_observers:
             observe(job.job_class if job else DEFAULT_CLASS, outcome, time.time() - started, sequences)
 
-    async def _data(self, job: Job, keys: RunKeys, runs: int) -> object:
+    async def _data(self, job: Job, keys: RunKeys, runs: int) -> tuple[object, str | None]:
         """The job's data: its own, or what its `data_ref` names in the blob store (a sample's own decoded copy),
-        with its images made ready for the workflow (workers/media.py)."""
+        with its images made ready for the workflow (workers/media.py: checked against the job's image limits
+        before any is decoded; a command agent gets them as data URIs); and the key of the job's decoded images
+        this sample now holds (self.images.release once it is done), or None."""
         try:
             data = job.data if not job.data_ref else self.codec.decode_data(await self.blobs.get(keys, job.data_ref))
-            return prepare_images(data, self.cfg.max_image_pixels)
+            raw = is_command(job.workflow) and not (isinstance(data, dict) and data.get("agent_name"))
+            return await self.images.acquire(job.data_ref or None, data, raw=raw)
         except BlobError as exc:
             raise _Fatal(self._error(exc.kind, f"job {job.job_id}#{job.sample_index}: {exc}", runs)) from None
         except CodecError as exc:
