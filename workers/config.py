@@ -6,8 +6,8 @@ from typing import Annotated, Literal
 
 from rollq.config import RunSettings, setting
 from rollq.protocol.blobs import DEFAULT_BLOB_TTL_S, VISION_INLINE_BYTES
-from rollq.protocol.keys import validate_run_name
 from rollq.protocol.image_limits import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGES, DEFAULT_MAX_TOTAL_PIXELS
+from rollq.protocol.keys import validate_run_name
 from rollq.protocol.limits import MAX_JOB_BYTES, MAX_TRAJECTORY_BYTES
 from rollq.workers.media import DEFAULT_MAX_PIXELS
 

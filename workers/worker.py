@@ -29,8 +29,8 @@ import rollq.tracing as tracing
 from rollq.engine.types import InferenceEngine
 from rollq.protocol import scripts
 from rollq.protocol.codec import Codec, CodecError
-from rollq.protocol.keys import DEFAULT_CLASS, PAYLOAD_FIELD, WORKER_GROUP, RunKeys
 from rollq.protocol.image_limits import ImageLimits
+from rollq.protocol.keys import DEFAULT_CLASS, PAYLOAD_FIELD, WORKER_GROUP, RunKeys
 from rollq.protocol.limits import describe_bytes
 from rollq.protocol.messages import (
     SCHEMA_VERSION,
@@ -53,6 +53,7 @@ from rollq.redis_client import (
     run_partitions,
 )
 from rollq.tracing import INVALID_SPAN, Span, SpanKind, Tracing, traceparent
+from rollq.workers.agents.command import is_command
 from rollq.workers.batcher import WriteBatcher
 from rollq.workers.blobs import BlobError, BlobReader
 from rollq.workers.config import WorkerConfig
@@ -60,7 +61,6 @@ from rollq.workers.construct import KwargConverter, ModelNames
 from rollq.workers.context import ContextConfig, EpisodeContext, RecordingEngine, WorkflowContext, episode_scope
 from rollq.workers.fair_share import FairShare
 from rollq.workers.loader import WorkflowCache, workflow_path
-from rollq.workers.agents.command import is_command
 from rollq.workers.media import JobImages, MediaError
 from rollq.workers.outputs import to_sequences
 from rollq.workers.proxy.server import ProxyConfig
