@@ -169,8 +169,10 @@ class RunKeys(msgspec.Struct, frozen=True):
 
     def job_control(self, job_id: str) -> str:
         """Hash: a cancellable job's record (`Job.cancellable`, e.g. the ingress's jobs): `n`, `cancelled` once
-        cancelled, `s<i>` once sample i started, `c<i>` once its `cancelled` result was published. Expires with the
-        job's retention; the ingress's idempotency marker."""
+        cancelled, `s<i>` once sample i started, `c<i>` once its `cancelled` result was published; for the byte
+        quota, `live` (samples not finished), `f<i>` once sample i finished or was cancelled unstarted, `bytes`
+        (the job's charge) and `ref` (its data's blob digest). Expires with the job's retention; the ingress's
+        idempotency marker."""
         return f"{self.prefix}:ctl:{job_id}"
 
     def blob(self, digest: str) -> str:
@@ -180,6 +182,25 @@ class RunKeys(msgspec.Struct, frozen=True):
         if not _DIGEST.match(digest):
             raise ValueError(f"blob digest {digest!r} is not a SHA-256 hex digest")
         return f"{self.prefix}:blob:{digest}"
+
+    def blob_refs(self, digest: str) -> str:
+        """Set: who still needs the blob `digest` (RunKeys.blob): the ingress's jobs that reference it and have a
+        sample not finished, by job id, and "*" once a producer or a worker stored it (STORE_BLOBS: their jobs are
+        not tracked, so the blob lives its TTL). The last job to finish (or be cancelled) deletes the blob with it;
+        expires with the blob."""
+        return self.blob(digest).replace(":blob:", ":blobrefs:", 1)
+
+    def tenant_charges(self, tenant: str) -> str:
+        """Sorted set: an ingress tenant's jobs on this partition that still hold bytes in Redis (its byte quota,
+        `max_tenant_queued_bytes`), as `<bytes>:<job id>` scored by when the job's retention ends. A job leaves it
+        when its last sample finishes or it is cancelled, or, at the latest, once its retention is over."""
+        validate_run_name(tenant)
+        return f"{self.prefix}:tenant:{tenant}:charges"
+
+    def tenant_bytes(self, tenant: str) -> str:
+        """Counter: the bytes of an ingress tenant's jobs in `tenant_charges`, together."""
+        validate_run_name(tenant)
+        return f"{self.prefix}:tenant:{tenant}:bytes"
 
     def tenant_queued(self, tenant: str) -> str:
         """Counter: an ingress tenant's samples queued on this partition and not started yet (its quota,

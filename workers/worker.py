@@ -19,6 +19,7 @@ import time
 import traceback
 import uuid
 from collections.abc import Callable
+from typing import Any
 
 import msgspec
 import redis.asyncio as aioredis
@@ -650,7 +651,7 @@ class Worker:
                 )
                 start_keys = [keys.job_control(job.job_id), jobs, reply_to]
                 if job.tenant:  # the sample leaves its tenant's queued-sample count (quota) as it starts
-                    start_keys.append(keys.tenant_queued(job.tenant))
+                    start_keys += [keys.tenant_queued(job.tenant), *self._charge_keys(job, keys)]
                 if not await self._writes.script(
                     self._start_sample,
                     start_keys,
@@ -757,11 +758,19 @@ class Worker:
                         runs,
                     )
                 )
-            published = await self._writes.publish(
-                jobs, WORKER_GROUP, eid, reply_to, encoded, private=reply_to != keys.results
-            )
+            if job.cancellable and job.tenant:  # an ingress job: the sample's end also ends its charge (FINISH)
+                done = await self._writes.script(
+                    self._finish,
+                    [jobs, reply_to, keys.dead, keys.dropped, *self._charge_keys(job, keys, control=True)],
+                    [WORKER_GROUP, eid, encoded, "", 1 if reply_to != keys.results else 0, job.sample_index],
+                )
+                published = None if done == 0 else 0 if done == 2 else 1  # 2: its stream is gone (counted there)
+            else:
+                published = await self._writes.publish(
+                    jobs, WORKER_GROUP, eid, reply_to, encoded, private=reply_to != keys.results
+                )
             if published == 0:  # its private reply stream is gone (its caller left): dropped, not recreated
-                await self._result_dropped(job, eid, keys)
+                await self._result_dropped(job, eid, keys, counted=job.cancellable and bool(job.tenant))
             elif published:
                 if sequences is None:
                     self.stats.rejected += 1
@@ -808,7 +817,9 @@ class Worker:
             return
         blobs = {s.vision.digest: s.vision.inline for s in large if s.vision}
         await self._writes.script(
-            self._store_blobs, [keys.blob(d) for d in blobs], [self.cfg.blob_ttl_s, *blobs.values()]
+            self._store_blobs,
+            [*(keys.blob(d) for d in blobs), *(keys.blob_refs(d) for d in blobs)],
+            [self.cfg.blob_ttl_s, *blobs.values()],
         )
         for s in large:
             assert s.vision is not None
@@ -914,17 +925,33 @@ class Worker:
                     finished_at=time.time(),
                 )
             )
-        done = await self._writes.script(
-            self._finish,
-            [stream, reply_to, keys.dead, keys.dropped],
-            [WORKER_GROUP, eid, traj_payload, self.codec.encode(letter), 1 if reply_to != keys.results else 0],
-        )
+        finish_keys = [stream, reply_to, keys.dead, keys.dropped]
+        finish_args: list[Any] = [
+            WORKER_GROUP, eid, traj_payload, self.codec.encode(letter), 1 if reply_to != keys.results else 0
+        ]  # fmt: skip
+        if decoded and job is not None and job.cancellable and job.tenant:
+            finish_keys += self._charge_keys(job, keys, control=True)  # its sample is done: its charge may end
+            finish_args.append(job.sample_index)
+        done = await self._writes.script(self._finish, finish_keys, finish_args)
         if done:
             self.stats.dead_lettered += 1
         if done == 2:
             self.stats.results_dropped += 1
 
-    async def _result_dropped(self, job: Job, eid: str, keys: RunKeys) -> None:
+    def _charge_keys(self, job: Job, keys: RunKeys, *, control: bool = False) -> list[str]:
+        """An ingress job's keys of its tenant's byte quota and of its data's blob (SAMPLE_DONE in
+        protocol/scripts.py), after its control hash when `control`."""
+        out = [keys.job_control(job.job_id)] if control else []
+        out += [keys.tenant_charges(job.tenant), keys.tenant_bytes(job.tenant)]
+        if job.data_ref:
+            try:
+                out += [keys.blob_refs(job.data_ref), keys.blob(job.data_ref)]
+            except ValueError:  # not a digest: its data read refuses it (MalformedJob); its blob is not touched
+                pass
+        return out
+
+    async def _result_dropped(self, job: Job, eid: str, keys: RunKeys, *, counted: bool = False) -> None:
+        """`counted`: FINISH already counted it in the run's dropped hash."""
         self.stats.results_dropped += 1
         log.warning(
             "job %s sample %d (entry %s): reply stream %s is gone; result dropped",
@@ -933,6 +960,8 @@ class Worker:
             eid,
             job.reply_to,
         )
+        if counted:
+            return
         try:
             await self.redis.hincrby(keys.dropped, "reply_gone", 1)  # type: ignore[misc]  # stub: sync|async
         except TRANSIENT_ERRORS:
