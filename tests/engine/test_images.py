@@ -16,8 +16,8 @@ from PIL import Image
 from rollq.engine.server.media import MediaPolicy, allowed_host
 from rollq.http_server import start_site
 from rollq.local import free_port
-from tests.helpers import rss_kib
 from tests.engine.test_server_conformance import generate
+from tests.helpers import rss_kib
 
 PROMPT = [5, 6, 7, 8]
 

@@ -93,8 +93,9 @@ async def test_cancelling_frees_a_jobs_blob_but_never_one_another_job_still_need
     keys = RunKeys(run_name)
     async with running_ingress(redis_url, run_name) as (_, url):
         for job_id, tag in (("a", "shared"), ("b", "shared"), ("c", "own")):
-            r = await http.post(f"{url}/v1/jobs", json={"workflow": ECHO, "job_id": job_id, "n": 3, "data": data(tag)},
-                                headers=auth())  # fmt: skip
+            r = await http.post(
+                f"{url}/v1/jobs", json={"workflow": ECHO, "job_id": job_id, "n": 3, "data": data(tag)}, headers=auth()
+            )
             assert r.status_code == 202, r.text
         shared, own = [await redis.hget(keys.job_control(f"acme:{j}"), "ref") for j in ("a", "c")]
         assert shared != own and len(await blobs(redis, run_name)) == 2
@@ -108,8 +109,9 @@ async def test_cancelling_frees_a_jobs_blob_but_never_one_another_job_still_need
         assert (await redis.info("memory"))["used_memory"] < used - 150_000  # the bytes themselves are gone
         # a producer's job with the same data: the blob is its too, and an ingress job's cancel leaves it
         await Producer(redis, run_name).submit(ECHO, data("shared"), job_id="trainer")
-        r = await http.post(f"{url}/v1/jobs", json={"workflow": ECHO, "job_id": "d", "data": data("shared")},
-                            headers=auth())  # fmt: skip
+        r = await http.post(
+            f"{url}/v1/jobs", json={"workflow": ECHO, "job_id": "d", "data": data("shared")}, headers=auth()
+        )
         assert r.status_code == 202, r.text
         await http.delete(f"{url}/v1/jobs/d", headers=auth())
         assert await redis.exists(keys.blob(shared.decode())) == 1
@@ -120,8 +122,9 @@ async def test_a_running_sample_keeps_its_blob_past_its_jobs_cancel(redis_url, r
     worker's, after a crash, reads the data again); its end frees it."""
     keys = RunKeys(run_name)
     async with running_ingress(redis_url, run_name) as (_, url), running_worker(redis_url, run_name, concurrency=1):
-        r = await http.post(f"{url}/v1/jobs", json={"workflow": GATE_WF, "job_id": "g", "n": 3, "data": data("gated")},
-                            headers=auth())  # fmt: skip
+        r = await http.post(
+            f"{url}/v1/jobs", json={"workflow": GATE_WF, "job_id": "g", "n": 3, "data": data("gated")}, headers=auth()
+        )
         assert r.status_code == 202, r.text
         async with gate.started:
             await asyncio.wait_for(gate.started.wait_for(lambda: len(gate.runs) == 1), 10)
@@ -154,12 +157,14 @@ async def test_the_ingress_refuses_a_jobs_images_past_its_limits_from_their_head
     many. Refused with 413 naming the limit, nothing queued, nothing decoded."""
     bomb, small = png_uri(4096, 4096), png_uri(8, 8)
     async with running_ingress(redis_url, run_name) as (_, url):
-        r = await http.post(f"{url}/v1/jobs", json={"workflow": ECHO, "data": {"images": [bomb] * 16}, "n": 2},
-                            headers=auth())  # fmt: skip
+        r = await http.post(
+            f"{url}/v1/jobs", json={"workflow": ECHO, "data": {"images": [bomb] * 16}, "n": 2}, headers=auth()
+        )
         assert r.status_code == 413 and "max_job_image_pixels=67,108,864" in r.text, r.text
         assert r.json()["field"] == "$.data"
-        r = await http.post(f"{url}/v1/jobs", json={"jobs": [{"workflow": ECHO, "data": {"m": [{"u": small}] * 100}}]},
-                            headers=auth())  # fmt: skip
+        r = await http.post(
+            f"{url}/v1/jobs", json={"jobs": [{"workflow": ECHO, "data": {"m": [{"u": small}] * 100}}]}, headers=auth()
+        )
         assert r.status_code == 413 and "$.jobs[0].data has 100 images, over max_job_images=64" in r.text, r.text
         # written with JSON's escapes ("\/"), still images
         uri = b'"' + bomb.replace("/", "\\/").encode() + b'"'
@@ -169,8 +174,8 @@ async def test_the_ingress_refuses_a_jobs_images_past_its_limits_from_their_head
             headers={**auth(), "Content-Type": "application/json"},
         )
         assert r.status_code == 413 and "max_job_image_pixels" in r.text, r.text
-        r = await http.post(f"{url}/v1/jobs", json={"workflow": ECHO, "data": {"images": ["data:image/png;base64,AAAA"]}},
-                            headers=auth())  # fmt: skip
+        not_png = {"workflow": ECHO, "data": {"images": ["data:image/png;base64,AAAA"]}}
+        r = await http.post(f"{url}/v1/jobs", json=not_png, headers=auth())
         assert r.status_code == 400 and "not an image file" in r.text, r.text
         r = await http.post(f"{url}/v1/jobs", json={"workflow": ECHO, "data": {"images": [bomb] * 3}}, headers=auth())
         assert r.status_code == 202, r.text  # 50 M pixels: within

@@ -19,7 +19,8 @@ from rollq.protocol.media import ImageFile
 from rollq.protocol.messages import AgentOptions
 from rollq.workers.media import DEFAULT_MAX_PIXELS, JobImages, MediaError, open_image, prepare_images
 from tests.helpers import rss_kib, running_worker
-from tests.workers.agents.test_command_agent import exec_spec, run_jobs, script, stack  # noqa: F401  (a fixture)
+from tests.workers.agents.test_command_agent import exec_spec, run_jobs, script
+from tests.workers.agents.test_command_agent import stack as stack  # a fixture: the command agents' engine
 
 
 def png_claiming(width: int, height: int) -> bytes:
@@ -125,8 +126,9 @@ async def test_an_image_bomb_dead_letters_its_job_in_a_worker_process_without_de
     await producer.submit("tests.workflows:SeeImages", {"images": [bomb] * 16}, job_id="pixels", n=2)
     await producer.submit("tests.workflows:SeeImages", {"images": [ImageFile(png_claiming(8, 8))] * 100}, job_id="many")
     trajs = [t async for t in producer.wait_for({"pixels": 2, "many": 1}, timeout_s=60)]
-    errors = {(t.job_id, t.sample_index): (t.status, t.error.type if t.error else "", t.error.message if t.error else "")
-              for t in trajs}  # fmt: skip
+    errors = {
+        (t.job_id, t.sample_index): (t.status, t.error and t.error.type, t.error and t.error.message) for t in trajs
+    }
     for i in (0, 1):
         status, kind, message = errors["pixels", i]
         assert status == "error" and kind == "BadImage" and "max_job_image_pixels=67,108,864" in message, message
