@@ -178,7 +178,8 @@ class RunKeys(msgspec.Struct, frozen=True):
     def blob(self, digest: str) -> str:
         """String: a content-addressed payload on this partition (a job's data, msgpack), named by the SHA-256 hex
         digest of its bytes (`Job.data_ref`). Written with the jobs that reference it, in the same atomic step, and
-        expiring with the retention of the longest-lived submission that referenced it."""
+        expiring with the retention of the longest-lived submission that referenced it; an ingress job's is deleted
+        sooner, once no job that references it has a sample left (blob_refs)."""
         if not _DIGEST.match(digest):
             raise ValueError(f"blob digest {digest!r} is not a SHA-256 hex digest")
         return f"{self.prefix}:blob:{digest}"

@@ -119,13 +119,16 @@ end
 # KEYS: the entry's job stream (its class's), reply stream, dead-letter stream, and (optional) the run's dropped-
 # results hash; for an ingress job (cancellable), then its control hash, its tenant's charges and bytes keys, and
 # (when its data is a blob) the blob's refs and blob keys. ARGV: group, entry id, trajectory payload or "",
-# dead-letter payload or "", "1" when the reply stream is a private one that must already exist (optional unless
-# more follow), and for an ingress job its sample index: its sample is done (SAMPLE_DONE). Publishes and acks in one step; returns 0 (and writes
-# nothing) when the entry was already acked, e.g. by another worker that reclaimed it, else 1, or 2 when the private
-# reply stream is gone (expired or deleted: its caller left): the trajectory is not published (a stream nobody reads
-# is not recreated) and counted under `reply_gone` in the dropped hash. (Successful trajectories, the hot path, are
-# published with XACK+XDEL+XADD in MULTI/EXEC instead: no Lua copy of the payload; consumers drop the rare duplicate.)
-FINISH = SAMPLE_DONE + """
+# dead-letter payload or "", "1" when the reply stream is a private one that must already exist (optional unless more
+# follow), and for an ingress job its sample index: its sample is done (SAMPLE_DONE). Publishes and acks in one step;
+# returns 0 (and writes nothing) when the entry was already acked, e.g. by another worker that reclaimed it, else 1,
+# or 2 when the private reply stream is gone (expired or deleted: its caller left): the trajectory is not published (a
+# stream nobody reads is not recreated) and counted under `reply_gone` in the dropped hash. (Successful trajectories,
+# the hot path, are published with XACK+XDEL+XADD in MULTI/EXEC instead: no Lua copy of the payload; consumers drop
+# the rare duplicate.)
+FINISH = (
+    SAMPLE_DONE
+    + """
 if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
 redis.call('XDEL', KEYS[1], ARGV[2])
 if KEYS[7] then sample_done(KEYS[5], ARGV[6], {KEYS[6], KEYS[7], KEYS[8], KEYS[9]}) end
@@ -141,6 +144,7 @@ end
 if ARGV[4] ~= '' then redis.call('XADD', KEYS[3], '*', 'd', ARGV[4]) end
 return out
 """
+)
 
 # KEYS: the entry's job stream, the reply stream. ARGV: group, entry id, trajectory payload, "1" when the reply stream
 # is a private one that must already exist. The hot path's publish as one script, for Redis Cluster (no MULTI there
@@ -375,7 +379,9 @@ return out
 # cancelled, its "cancelled" result is published unless the cancel already did; when the control hash has expired,
 # nobody can read the result: nothing is published). A sample leaves the tenant's count once: when it first starts,
 # or when it is skipped without having started or been cancelled (CANCEL_JOB takes off the ones it cancels).
-START_SAMPLE = SAMPLE_DONE + """
+START_SAMPLE = (
+    SAMPLE_DONE
+    + """
 local function release()
   if KEYS[4] and redis.call('DECR', KEYS[4]) < 0 then redis.call('SET', KEYS[4], 0) end
 end
@@ -398,6 +404,7 @@ if redis.call('XACK', KEYS[2], ARGV[1], ARGV[2]) == 1 then
 end
 return 0
 """
+)
 
 # KEYS: control hash, results stream, and (a tenant's job) the tenant's queued-sample counter, then its charges and
 # bytes keys and (data in a blob) the blob's refs and blob keys. ARGV: one "cancelled" trajectory payload per sample
@@ -407,7 +414,9 @@ return 0
 # gives those samples back to the tenant's count; a worker that later takes such a sample acks it without running
 # it (START_SAMPLE). Returns {-1} when the job is unknown (or expired), else {1 if it was cancelled before, 0 if
 # not, then the indices of the samples that had started}.
-CANCEL_JOB = SAMPLE_DONE + """
+CANCEL_JOB = (
+    SAMPLE_DONE
+    + """
 if redis.call('EXISTS', KEYS[1]) == 0 then return {-1} end
 local rk = KEYS[5] and {KEYS[4], KEYS[5], KEYS[6], KEYS[7]}
 local before = redis.call('HSETNX', KEYS[1], 'cancelled', 1) == 0 and 1 or 0
@@ -426,3 +435,4 @@ end
 if KEYS[3] and released > 0 and redis.call('DECRBY', KEYS[3], released) < 0 then redis.call('SET', KEYS[3], 0) end
 return out
 """
+)

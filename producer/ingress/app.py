@@ -10,10 +10,12 @@ so any number of ingress replicas serve the same jobs and SSE resumes from any o
 - Cancellation: CANCEL_JOB marks the job cancelled and publishes a `cancelled` result for every sample not started;
   a worker marks a sample started (START_SAMPLE) in the same record before running it, so each sample either runs
   or is cancelled, never both.
-- What one request may cost: its body (max_body_bytes), what its jobs take in Redis (max_request_bytes: a job's
-  data is stored once, in the blob store, however many samples it asks for), the tenant's samples waiting
-  (max_tenant_queued), and its SSE streams (max_event_streams, per tenant too), which share one Redis reader per
-  partition (producer/ingress/events.py) instead of a connection each.
+- What one request may cost: its body (max_body_bytes), what its jobs take in Redis (max_request_bytes: a job's data
+  is stored once, in the blob store, however many samples it asks for), the tenant's samples waiting
+  (max_tenant_queued) and the bytes its unfinished jobs hold (max_tenant_queued_bytes: a job's blob is freed with it,
+  protocol/scripts.py SAMPLE_DONE), its images (max_job_images, max_job_image_bytes, max_job_image_pixels: from their
+  headers, nothing decoded here), its agent's timeout (max_agent_timeout), and its SSE streams (max_event_streams, per
+  tenant too), which share one Redis reader per partition (producer/ingress/events.py) instead of a connection each.
 """
 
 from __future__ import annotations

@@ -85,8 +85,9 @@ class IngressConfig(RunSettings, kw_only=True):
     ] = 1 << 30
     max_job_images: Annotated[
         int,
-        setting("most images in one job's data (413 beyond; counted before any is read)", metavar="N", ge=1,
-                group=LIMITS),
+        setting(
+            "most images in one job's data (413 beyond; counted before any is read)", metavar="N", ge=1, group=LIMITS
+        ),
     ] = DEFAULT_MAX_IMAGES
     max_job_image_bytes: Annotated[
         int,
