@@ -170,9 +170,9 @@ class RunKeys(msgspec.Struct, frozen=True):
     def job_control(self, job_id: str) -> str:
         """Hash: a cancellable job's record (`Job.cancellable`, e.g. the ingress's jobs): `n`, `cancelled` once
         cancelled, `s<i>` once sample i started, `c<i>` once its `cancelled` result was published; for the byte
-        quota, `live` (samples not finished), `f<i>` once sample i finished or was cancelled unstarted, `bytes`
-        (the job's charge) and `ref` (its data's blob digest). Expires with the job's retention; the ingress's
-        idempotency marker."""
+        quota, `charge` ("<bytes>:<call>": what it holds, and the admitting call), `f<i>` once sample i is done for
+        good (published, dead-lettered, or cancelled unstarted), `d` (how many are) and `ref` (its data's blob
+        digest). Expires with the job's retention; the ingress's idempotency marker."""
         return f"{self.prefix}:ctl:{job_id}"
 
     def blob(self, digest: str) -> str:
@@ -192,14 +192,16 @@ class RunKeys(msgspec.Struct, frozen=True):
         return self.blob(digest).replace(":blob:", ":blobrefs:", 1)
 
     def tenant_charges(self, tenant: str) -> str:
-        """Sorted set: an ingress tenant's jobs on this partition that still hold bytes in Redis (its byte quota,
-        `max_tenant_queued_bytes`), as `<bytes>:<job id>` scored by when the job's retention ends. A job leaves it
-        when its last sample finishes or it is cancelled, or, at the latest, once its retention is over."""
+        """Sorted set: the ingress calls (one admission each, by a unique id) whose jobs on this partition still hold
+        bytes in Redis for an ingress tenant (its byte quota, `max_tenant_queued_bytes`), scored by when their
+        retention ends. A call leaves it when its last job is done (its last sample finished, or it was cancelled)
+        or, at the latest, once its retention is over."""
         validate_run_name(tenant)
         return f"{self.prefix}:tenant:{tenant}:charges"
 
     def tenant_bytes(self, tenant: str) -> str:
-        """Counter: the bytes of an ingress tenant's jobs in `tenant_charges`, together."""
+        """Hash: the bytes an ingress tenant's unfinished jobs on this partition hold in Redis: `total`, and per call
+        in `tenant_charges` what its jobs still hold."""
         validate_run_name(tenant)
         return f"{self.prefix}:tenant:{tenant}:bytes"
 

@@ -89,19 +89,25 @@ return n
 """
 
 # -- the ingress's byte quota and its blobs (a Lua prelude of FINISH, START_SAMPLE and CANCEL_JOB) -------------------
-# An ingress job is charged to its tenant (RunKeys.tenant_charges / tenant_bytes) and holds its data's blob
-# (RunKeys.blob_refs) from its admission until its last sample is done for good: published or dead-lettered
-# (FINISH), or cancelled before it started (CANCEL_JOB, or START_SAMPLE for a started sample met again after the
-# cancel). Each sample is counted once (`f<i>` in the control hash, `live` counting down), in the same atomic step
-# as the ack or the cancel that ends it; so a blob is deleted only once no job that references it has a sample
-# queued or running. A job written before this (no `live`), or past its retention (no control hash), counts
-# nothing: its charge ends with its retention (INGRESS_SUBMIT forgets it) and its blob with its TTL.
+# An ingress job is charged to its tenant and holds its data's blob (RunKeys.blob_refs) from its admission until its
+# last sample is done for good: published or dead-lettered (FINISH), or cancelled before it started (CANCEL_JOB, or
+# START_SAMPLE for a started sample met again after the cancel). Each sample is counted once (`f<i>` in the control
+# hash, `d` counting up to `n`), in the same atomic step as the ack or the cancel that ends it; so a blob is deleted
+# only once no job that references it has a sample queued or running. The charge (`charge` = "<bytes>:<call>") is
+# kept per admitting call: the tenant's bytes hash (RunKeys.tenant_bytes) holds `total` and what each call's jobs
+# still hold, its charges zset (RunKeys.tenant_charges) each call by when its retention ends. A job written before
+# this (no `charge`), or past its retention (no control hash), counts nothing: its call is forgotten once its
+# retention is over (INGRESS_SUBMIT) and its blob expires with its TTL.
 # rk: {charges key, bytes key, refs key or nil, blob key or nil}; ctl: the job's control hash key, its identity.
 SAMPLE_DONE = """
-local function job_done(ctl, rk)
-  local bytes = redis.call('HGET', ctl, 'bytes')
-  if bytes and redis.call('ZREM', rk[1], bytes .. ':' .. ctl) == 1 then
-    if redis.call('DECRBY', rk[2], bytes) < 0 then redis.call('SET', rk[2], 0) end
+local function job_done(ctl, charge, rk)
+  local bytes, call = string.match(charge, '^(%d+):(.+)$')
+  if bytes and redis.call('HEXISTS', rk[2], call) == 1 then
+    if redis.call('HINCRBY', rk[2], call, -tonumber(bytes)) <= 0 then
+      redis.call('HDEL', rk[2], call)
+      redis.call('ZREM', rk[1], call)
+    end
+    if redis.call('HINCRBY', rk[2], 'total', -tonumber(bytes)) < 0 then redis.call('HSET', rk[2], 'total', 0) end
   end
   local ref = redis.call('HGET', ctl, 'ref')
   if ref and rk[4] and string.sub(rk[3], -#ref) == ref and string.sub(rk[4], -#ref) == ref
@@ -110,9 +116,10 @@ local function job_done(ctl, rk)
   end
 end
 local function sample_done(ctl, idx, rk)
-  if not redis.call('HGET', ctl, 'live') then return end
+  local charge = redis.call('HGET', ctl, 'charge')
+  if not charge then return end
   if redis.call('HSETNX', ctl, 'f' .. idx, 1) == 0 then return end
-  if redis.call('HINCRBY', ctl, 'live', -1) <= 0 then job_done(ctl, rk) end
+  if redis.call('HINCRBY', ctl, 'd', 1) == tonumber(redis.call('HGET', ctl, 'n')) then job_done(ctl, charge, rk) end
 end
 """
 
@@ -272,62 +279,70 @@ return out
 # (RunKeys.tenant_queued), its charges and its bytes (RunKeys.tenant_charges, tenant_bytes), then per job its
 # control hash (RunKeys.job_control) and its results stream (RunKeys.job_results), all on one partition. ARGV:
 # number of job streams, number of blobs, max_queued (0 = no bound), retention_s, the tenant's sample quota on this
-# partition (0 = none), its byte quota there (0 = none), now (unix seconds), then per stream its class and its
-# class's bound (`max_inflight` on this partition, 0 = none, -1 = no such class: the caller reads the run-wide classes
-# hash), then per blob its payload, then per job: the index (1-based) of its stream, of its blob (0 = none), n, the
-# bytes it takes in Redis (its n entries and its blob: its charge), and its n payloads.
-# All or nothing: a job whose control hash exists is a duplicate (nothing queued for it); when the new samples would
-# push the tenant past its quota the reply is {-3, 0, its queued samples, the quota}; past its byte quota (charges
-# whose retention is over forgotten first: their jobs expired unfinished) {-4, 0, its bytes, the quota}; past
-# max_queued or its class's bound on a stream (as SUBMIT: a stream's length is what is queued or running, workers
-# delete what they ack) {-1, stream index, its length, the bound}; an unknown class: {-2, stream index}; nothing is
-# queued then. Otherwise the blobs are stored (expiring after retention_s, never shortening a longer TTL), each new
-# job is added to its blob's refs and charged to its tenant (until SAMPLE_DONE ends it), the tenant's counters grow,
-# each new job gets its control hash (n, live, bytes, ref) and an empty results stream (group "ingress", so it exists
-# to carry a TTL), both expiring after retention_s, and its n entries; the reply is {1, then per job 1 (admitted) or
-# 0 (duplicate)}.
+# partition (0 = none), its byte quota there (0 = none), now (unix seconds), this call's id (unique), then per stream
+# its class and its class's bound (`max_inflight` on this partition, 0 = none, -1 = no such class: the caller reads
+# the run-wide classes hash), then per blob its payload, then per job: the index (1-based) of its stream plus 65536
+# times that of its blob (0 = none), n, and its n payloads.
+# A job's charge is what it takes in Redis: n entries (each as long as its first, plus 4 bytes for a longer sample
+# index) and its blob. All or nothing: a job whose control hash exists is a duplicate (nothing queued for it); when
+# the new samples would push the tenant past its quota the reply is {-3, 0, its queued samples, the quota}; past its
+# byte quota (calls whose retention is over forgotten first: their jobs expired unfinished) {-4, 0, its bytes, the
+# quota}; past max_queued or its class's bound on a stream (as SUBMIT: a stream's length is what is queued or
+# running, workers delete what they ack) {-1, stream index, its length, the bound}; an unknown class: {-2, stream
+# index}; nothing is queued then. Otherwise the blobs are stored (expiring after retention_s, never shortening a
+# longer TTL), each new job is added to its blob's refs and charged to its tenant under this call (until SAMPLE_DONE
+# ends it), the tenant's counters grow, each new job gets its control hash (n, charge, ref) and an empty results
+# stream (group "ingress", so it exists to carry a TTL), both expiring after retention_s, and its n entries; the
+# reply is {1, then per job 1 (admitted) or 0 (duplicate)}.
 INGRESS_SUBMIT = """
 local nstreams, nblobs = tonumber(ARGV[1]), tonumber(ARGV[2])
 local max_queued, ttl, quota = tonumber(ARGV[3]), ARGV[4], tonumber(ARGV[5])
-local max_bytes, now = tonumber(ARGV[6]), tonumber(ARGV[7])
+local max_bytes, now, call = tonumber(ARGV[6]), tonumber(ARGV[7]), ARGV[8]
 local quota_key = KEYS[nstreams + 2 * nblobs + 1]
 local charges_key, bytes_key = KEYS[nstreams + 2 * nblobs + 2], KEYS[nstreams + 2 * nblobs + 3]
 local base = nstreams + 2 * nblobs + 3
 local njobs = (#KEYS - base) / 2
+local blob_at = 8 + 2 * nstreams
 local out = {1}
-local adding = {}
+local adding, charges = {}, {}
 for s = 1, nstreams do adding[s] = 0 end
 local total, total_bytes = 0, 0
-local first = 8 + 2 * nstreams + nblobs
+local first = 9 + 2 * nstreams + nblobs
 local a = first
 for j = 1, njobs do
-  local s, n = tonumber(ARGV[a]), tonumber(ARGV[a + 2])
+  local code, n = tonumber(ARGV[a]), tonumber(ARGV[a + 1])
   if redis.call('EXISTS', KEYS[base + 2 * j - 1]) == 1 then
     out[j + 1] = 0
   else
     out[j + 1] = 1
+    local s, blob = code % 65536, math.floor(code / 65536)
     adding[s] = adding[s] + n
     total = total + n
-    total_bytes = total_bytes + tonumber(ARGV[a + 3])
+    local charge = n * (#ARGV[a + 2] + 4)
+    if blob > 0 then charge = charge + #ARGV[blob_at + blob] end
+    charges[j] = charge
+    total_bytes = total_bytes + charge
   end
-  a = a + n + 4
+  a = a + n + 2
 end
 if total == 0 then return out end
 if quota > 0 then
   local queued = tonumber(redis.call('GET', quota_key) or '0')
   if queued + total > quota then return {-3, 0, queued, quota} end
 end
-for _, m in ipairs(redis.call('ZRANGEBYSCORE', charges_key, '-inf', now, 'LIMIT', 0, 128)) do
-  redis.call('ZREM', charges_key, m)
-  if redis.call('DECRBY', bytes_key, tonumber(string.match(m, '^(%d+):'))) < 0 then redis.call('SET', bytes_key, 0) end
+for _, old in ipairs(redis.call('ZRANGEBYSCORE', charges_key, '-inf', now, 'LIMIT', 0, 64)) do
+  local left = tonumber(redis.call('HGET', bytes_key, old) or '0')
+  redis.call('HDEL', bytes_key, old)
+  redis.call('ZREM', charges_key, old)
+  if redis.call('HINCRBY', bytes_key, 'total', -left) < 0 then redis.call('HSET', bytes_key, 'total', 0) end
 end
 if max_bytes > 0 then
-  local held = tonumber(redis.call('GET', bytes_key) or '0')
+  local held = tonumber(redis.call('HGET', bytes_key, 'total') or '0')
   if held + total_bytes > max_bytes then return {-4, 0, held, max_bytes} end
 end
 for s = 1, nstreams do
   if adding[s] > 0 then
-    local b = tonumber(ARGV[7 + 2 * s])
+    local b = tonumber(ARGV[8 + 2 * s])
     if b < 0 then return {-2, s} end
     local bound = max_queued
     if b > 0 and (bound == 0 or b < bound) then bound = b end
@@ -339,30 +354,32 @@ for s = 1, nstreams do
 end
 for b = 1, nblobs do
   local key = KEYS[nstreams + b]
-  if redis.call('TTL', key) < tonumber(ttl) then redis.call('SET', key, ARGV[7 + 2 * nstreams + b], 'EX', ttl) end
+  if redis.call('TTL', key) < tonumber(ttl) then redis.call('SET', key, ARGV[blob_at + b], 'EX', ttl) end
 end
 redis.call('INCRBY', quota_key, total)
-if total_bytes > 0 then redis.call('INCRBY', bytes_key, total_bytes) end
-local until_ts = now + tonumber(ttl)
+redis.call('HINCRBY', bytes_key, 'total', total_bytes)
+redis.call('HSET', bytes_key, call, total_bytes)
+redis.call('ZADD', charges_key, now + tonumber(ttl), call)
 a = first
 for j = 1, njobs do
-  local s, blob, n, charge = tonumber(ARGV[a]), tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), ARGV[a + 3]
+  local code, n = tonumber(ARGV[a]), tonumber(ARGV[a + 1])
   if out[j + 1] == 1 then
+    local s, blob = code % 65536, math.floor(code / 65536)
     local ctl, res = KEYS[base + 2 * j - 1], KEYS[base + 2 * j]
-    redis.call('HSET', ctl, 'n', n, 'live', n, 'bytes', charge)
     if blob > 0 then
-      local refs = KEYS[nstreams + nblobs + blob]
-      redis.call('HSET', ctl, 'ref', string.match(KEYS[nstreams + blob], ':blob:(%x+)$'))
-      redis.call('SADD', refs, ctl)
+      local key = KEYS[nstreams + blob]
+      redis.call('HSET', ctl, 'n', n, 'charge', charges[j] .. ':' .. call, 'ref', string.sub(key, -64))
+      redis.call('SADD', KEYS[nstreams + nblobs + blob], ctl)
+    else
+      redis.call('HSET', ctl, 'n', n, 'charge', charges[j] .. ':' .. call)
     end
     redis.call('EXPIRE', ctl, ttl)
-    redis.call('ZADD', charges_key, until_ts, charge .. ':' .. ctl)
     redis.call('DEL', res)
     redis.call('XGROUP', 'CREATE', res, 'ingress', '$', 'MKSTREAM')
     redis.call('EXPIRE', res, ttl)
-    for i = 1, n do redis.call('XADD', KEYS[s], '*', 'd', ARGV[a + 3 + i]) end
+    for i = 1, n do redis.call('XADD', KEYS[s], '*', 'd', ARGV[a + 1 + i]) end
   end
-  a = a + n + 4
+  a = a + n + 2
 end
 for b = 1, nblobs do
   local refs = KEYS[nstreams + nblobs + b]

@@ -204,7 +204,6 @@ class _Prepared(msgspec.Struct):
     job: Job
     first: bytes  # the sample-0 entry's payload
     blob: DataBlob | None
-    charge: int  # the bytes it takes in Redis (n entries, its blob): what the tenant's byte quota counts
     span: Span = INVALID_SPAN  # its submit span (tracing on), ended once it is admitted or refused
 
 
@@ -488,13 +487,10 @@ class Ingress:
                     blob = DataBlob(encoded)
                     job = msgspec.structs.replace(job, data=None, data_ref=blob.digest)
                     first = self.codec.encode(job)
-            charge = spec.n * (len(first) + 4)  # + a longer sample index, at most
-            total += charge
-            if blob is not None:
-                charge += len(blob.payload)  # each job holds its data's blob in full (it keeps it alive)
-                if blob.digest not in blobs:
-                    blobs.add(blob.digest)
-                    total += len(blob.payload)
+            total += spec.n * (len(first) + 4)  # + a longer sample index, at most
+            if blob is not None and blob.digest not in blobs:
+                blobs.add(blob.digest)
+                total += len(blob.payload)
             if total > self.cfg.max_request_bytes:
                 raise HttpError(
                     413,
@@ -504,7 +500,7 @@ class Ingress:
                     f"{self.cfg.max_request_bytes:,}: fewer samples or jobs per request",
                     where.format(i),
                 )
-            out.append(_Prepared(spec, client_id, partition, job, first, blob, charge, span))
+            out.append(_Prepared(spec, client_id, partition, job, first, blob, span))
         return out
 
     async def _admit(
@@ -583,7 +579,7 @@ class Ingress:
                 blobs.setdefault(prepared.blob.digest, prepared.blob.payload)
                 blob_index = blob_indices.setdefault(prepared.blob.digest, len(blob_indices) + 1)
             job_keys += (keys.job_control(job.job_id), keys.job_results(job.job_id))
-            args += (index, blob_index, job.n, prepared.charge)
+            args += (index + 65536 * blob_index, job.n)
             args.append(prepared.first)
             args += [encode(msgspec.structs.replace(job, sample_index=i)) for i in range(1, job.n)]
         for stream in streams:
@@ -596,7 +592,7 @@ class Ingress:
         reply = await self._submit(
             keys=[*streams, *map(keys.blob, blobs), *map(keys.blob_refs, blobs), *tenant_keys, *job_keys],
             args=[len(streams), len(blobs), partition_share(self.cfg.max_queued, count), int(self.cfg.retention)]
-            + [quota, byte_quota, int(time.time()), *stream_args, *blobs.values(), *args],
+            + [quota, byte_quota, int(time.time()), uuid.uuid4().hex, *stream_args, *blobs.values(), *args],
         )
         where = f" on partition {partition}" if count > 1 else ""
         if int(reply[0]) == -4:

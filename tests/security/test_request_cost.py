@@ -49,7 +49,7 @@ async def blobs(redis, run: str) -> list[bytes]:
 
 
 async def held(redis, run: str, tenant: str = "acme") -> int:
-    return int(await redis.get(RunKeys(run).tenant_bytes(tenant)) or 0)
+    return int(await redis.hget(RunKeys(run).tenant_bytes(tenant), "total") or 0)
 
 
 async def test_a_tenant_past_its_byte_quota_gets_429_until_its_jobs_are_done_or_cancelled(
@@ -135,7 +135,7 @@ async def test_a_running_sample_keeps_its_blob_past_its_jobs_cancel(redis_url, r
         gate.release.set()
         await wait_until(lambda: _gone(redis, blob), 10, what="the blob to go with the job's last sample")
         assert await held(redis, run_name) == 0
-        assert await redis.hget(keys.job_control("acme:g"), "live") == b"0"
+        assert await redis.hget(keys.job_control("acme:g"), "d") == b"3"  # each sample counted once
 
 
 async def _none_queued(redis, run: str) -> bool:
