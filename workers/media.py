@@ -17,7 +17,7 @@ import asyncio
 from typing import Any
 
 from rollq.engine.images import DEFAULT_MAX_PIXELS, MediaError, decode_image, open_header, open_image
-from rollq.protocol.image_limits import ImageLimits, check_images, images_in
+from rollq.protocol.image_limits import ImageLimits, check_images
 from rollq.protocol.media import DATA_URI_PREFIX, ImageError, ImageFile
 
 
@@ -25,14 +25,21 @@ def prepare_images(
     data: Any, max_pixels: int = DEFAULT_MAX_PIXELS, limits: ImageLimits | None = None, *, raw: bool = False
 ) -> Any:
     """`data` with its images made ready for a workflow (module doc). Data without images comes back as it is."""
-    check_job_images(data, limits or ImageLimits(), max_pixels)
-    return with_images(data, None if raw else decode_images(data, max_pixels))
+    found: list[ImageFile | str] = []
+    converted = _walk(data, found)
+    if not found:
+        return converted
+    check_job_images(found, limits or ImageLimits(), max_pixels)
+    return with_images(data, None if raw else decode_images(data, max_pixels, limits))
 
 
-def check_job_images(data: Any, limits: ImageLimits, max_pixels: int = DEFAULT_MAX_PIXELS) -> None:
-    """Refuses (MediaError, naming the limit) a job whose images pass `limits`, from their headers alone."""
+def check_job_images(
+    images: list[ImageFile | str], limits: ImageLimits, max_pixels: int = DEFAULT_MAX_PIXELS
+) -> None:
+    """Refuses (MediaError, naming the limit) a job whose images (`images_in` its data) pass `limits`, from their
+    headers alone."""
     try:
-        check_images(list(images_in(data)), limits)
+        check_images(images, limits)
     except ImageError as exc:
         raise MediaError(str(exc)) from None
 
@@ -81,9 +88,13 @@ class JobImages:
     async def acquire(self, key: str | None, data: Any, *, raw: bool = False) -> tuple[Any, str | None]:
         """(`data` ready for its workflow (prepare_images), the key now held or None). A held key is released with
         release(key) when the sample is done; on an error nothing is held."""
-        check_job_images(data, self.limits, self.max_pixels)
+        found: list[ImageFile | str] = []
+        converted = _walk(data, found)  # the common case, no image: one pass over the data, as before
+        if not found:
+            return converted, None
+        check_job_images(found, self.limits, self.max_pixels)
         if raw or not _has_images(data):
-            return with_images(data, None if raw else []), None
+            return converted, None
         if key is None:
             return with_images(data, await asyncio.to_thread(decode_images, data, self.max_pixels, self.limits)), None
         entry = self._shared.get(key)
@@ -113,6 +124,22 @@ def _has_images(data: Any) -> bool:
 
 def _is_image(value: Any) -> bool:
     return isinstance(value, ImageFile) or (isinstance(value, str) and value.startswith(DATA_URI_PREFIX))
+
+
+def _walk(value: Any, found: list[ImageFile | str]) -> Any:
+    """`value` with every ImageFile as a data URI (new containers), collecting its images (images_in's) in `found`."""
+    if isinstance(value, str):
+        if value.startswith(DATA_URI_PREFIX):
+            found.append(value)
+        return value
+    if isinstance(value, dict):
+        return {k: _walk(v, found) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_walk(v, found) for v in value]
+    if isinstance(value, ImageFile):
+        found.append(value)
+        return value.data_uri()
+    return value
 
 
 def _as_uris(value: Any) -> Any:
