@@ -33,9 +33,7 @@ def prepare_images(
     return with_images(data, None if raw else decode_images(data, max_pixels, limits))
 
 
-def check_job_images(
-    images: list[ImageFile | str], limits: ImageLimits, max_pixels: int = DEFAULT_MAX_PIXELS
-) -> None:
+def check_job_images(images: list[ImageFile | str], limits: ImageLimits, max_pixels: int = DEFAULT_MAX_PIXELS) -> None:
     """Refuses (MediaError, naming the limit) a job whose images (`images_in` its data) pass `limits`, from their
     headers alone."""
     try:
