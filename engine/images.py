@@ -20,6 +20,12 @@ class MediaError(Exception):
 
 def open_image(image: ImageFile | str, max_pixels: int = DEFAULT_MAX_PIXELS) -> Any:
     """A PIL image (RGB) from an ImageFile or an image string, within `max_pixels`. Raises MediaError."""
+    return decode_image(open_header(image, max_pixels))
+
+
+def open_header(image: ImageFile | str, max_pixels: int = DEFAULT_MAX_PIXELS) -> Any:
+    """A PIL image opened from its header only (no pixel decoded yet: `.size` is known), within `max_pixels`; its
+    pixels come with decode_image. Raises MediaError."""
     from PIL import Image, UnidentifiedImageError
 
     try:
@@ -28,14 +34,28 @@ def open_image(image: ImageFile | str, max_pixels: int = DEFAULT_MAX_PIXELS) -> 
         raise MediaError(str(exc)) from None
     try:
         opened = Image.open(io.BytesIO(raw), formats=PIL_FORMATS)
-        width, height = opened.size
-        if width * height > max_pixels:
-            raise MediaError(f"an image of {width}x{height} pixels is over the worker's max_image_pixels={max_pixels}")
-        return opened.convert("RGB")  # decodes the pixels (and fails on a truncated file)
     except Image.DecompressionBombError as exc:  # PIL's own bound (far above ours), raised while opening
         raise MediaError(f"an image is over the worker's max_image_pixels={max_pixels}: {exc}") from None
     except (UnidentifiedImageError, OSError, ValueError) as exc:
         raise MediaError(f"an image ({raw.media_type}, {len(raw)} bytes) does not decode: {exc}") from None
+    width, height = opened.size
+    if width * height > max_pixels:
+        raise MediaError(f"an image of {width}x{height} pixels is over the worker's max_image_pixels={max_pixels}")
+    return opened
+
+
+def decode_image(opened: Any) -> Any:
+    """The pixels of an image open_header opened, as RGB. Raises MediaError (a truncated or damaged file)."""
+    from PIL import Image
+
+    try:
+        return opened.convert("RGB")  # decodes the pixels (and fails on a truncated file)
+    except Image.DecompressionBombError as exc:
+        raise MediaError(f"an image is over PIL's pixel bound: {exc}") from None
+    except (OSError, ValueError) as exc:
+        raise MediaError(
+            f"an image ({opened.format}, {opened.size[0]}x{opened.size[1]}) does not decode: {exc}"
+        ) from None
 
 
 def vision_token_ids(config: Any) -> list[int]:
@@ -46,4 +66,12 @@ def vision_token_ids(config: Any) -> list[int]:
     return sorted({int(v) for n in names if (v := getattr(config, n, None)) is not None})
 
 
-__all__ = ["DEFAULT_MAX_PIXELS", "PIL_FORMATS", "MediaError", "open_image", "vision_token_ids"]
+__all__ = [
+    "DEFAULT_MAX_PIXELS",
+    "PIL_FORMATS",
+    "MediaError",
+    "decode_image",
+    "open_header",
+    "open_image",
+    "vision_token_ids",
+]

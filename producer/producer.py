@@ -400,7 +400,8 @@ class Producer:
             job_args.extend(self.codec.encode(self._job(req, job_id, i, now, reply_to, blob)) for i in range(req.n))
         if blobs:  # stored first: an entry is never read before the data it references (SUBMIT keeps its layout)
             await self._store_blobs(
-                keys=[keys.blob(digest) for digest in blobs], args=[self.seen_ttl_s, *blobs.values()]
+                keys=[*(keys.blob(d) for d in blobs), *(keys.blob_refs(d) for d in blobs)],
+                args=[self.seen_ttl_s, *blobs.values()],
             )
         script_keys = [inflight_key(reply_to), *job_keys]
         args: list[Any] = [self.seen_ttl_s, partition_share(self.max_inflight, count), reply_to, 1 if atomic else 0]

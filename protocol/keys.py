@@ -169,17 +169,41 @@ class RunKeys(msgspec.Struct, frozen=True):
 
     def job_control(self, job_id: str) -> str:
         """Hash: a cancellable job's record (`Job.cancellable`, e.g. the ingress's jobs): `n`, `cancelled` once
-        cancelled, `s<i>` once sample i started, `c<i>` once its `cancelled` result was published. Expires with the
-        job's retention; the ingress's idempotency marker."""
+        cancelled, `s<i>` once sample i started, `c<i>` once its `cancelled` result was published; for the byte
+        quota, `charge` ("<bytes>:<call>": what it holds, and the admitting call), `f<i>` once sample i is done for
+        good (published, dead-lettered, or cancelled unstarted), `d` (how many are) and `ref` (its data's blob
+        digest). Expires with the job's retention; the ingress's idempotency marker."""
         return f"{self.prefix}:ctl:{job_id}"
 
     def blob(self, digest: str) -> str:
         """String: a content-addressed payload on this partition (a job's data, msgpack), named by the SHA-256 hex
         digest of its bytes (`Job.data_ref`). Written with the jobs that reference it, in the same atomic step, and
-        expiring with the retention of the longest-lived submission that referenced it."""
+        expiring with the retention of the longest-lived submission that referenced it; an ingress job's is deleted
+        sooner, once no job that references it has a sample left (blob_refs)."""
         if not _DIGEST.match(digest):
             raise ValueError(f"blob digest {digest!r} is not a SHA-256 hex digest")
         return f"{self.prefix}:blob:{digest}"
+
+    def blob_refs(self, digest: str) -> str:
+        """Set: who still needs the blob `digest` (RunKeys.blob): the ingress's jobs that reference it and have a
+        sample not finished, by job id, and "*" once a producer or a worker stored it (STORE_BLOBS: their jobs are
+        not tracked, so the blob lives its TTL). The last job to finish (or be cancelled) deletes the blob with it;
+        expires with the blob."""
+        return self.blob(digest).replace(":blob:", ":blobrefs:", 1)
+
+    def tenant_charges(self, tenant: str) -> str:
+        """Sorted set: the ingress calls (one admission each, by a unique id) whose jobs on this partition still hold
+        bytes in Redis for an ingress tenant (its byte quota, `max_tenant_queued_bytes`), scored by when their
+        retention ends. A call leaves it when its last job is done (its last sample finished, or it was cancelled)
+        or, at the latest, once its retention is over."""
+        validate_run_name(tenant)
+        return f"{self.prefix}:tenant:{tenant}:charges"
+
+    def tenant_bytes(self, tenant: str) -> str:
+        """Hash: the bytes an ingress tenant's unfinished jobs on this partition hold in Redis: `total`, and per call
+        in `tenant_charges` what its jobs still hold."""
+        validate_run_name(tenant)
+        return f"{self.prefix}:tenant:{tenant}:bytes"
 
     def tenant_queued(self, tenant: str) -> str:
         """Counter: an ingress tenant's samples queued on this partition and not started yet (its quota,

@@ -48,7 +48,8 @@ class ImageFile(bytes):
     def __new__(cls, data: bytes | memoryview) -> ImageFile:
         media_type = media_type_of(data)
         if media_type is None:
-            raise ImageError(f"not an image file rollq carries ({', '.join(MEDIA_TYPES)}): starts {bytes(data[:8])!r}")
+            # Never the bytes themselves: the file may be one the sender may not read (an engine's media_root).
+            raise ImageError(f"not an image file rollq carries ({', '.join(MEDIA_TYPES)})")
         out = super().__new__(cls, data)
         out.media_type = media_type
         return out

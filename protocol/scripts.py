@@ -70,28 +70,75 @@ if write and added > 0 then redis.call('INCRBY', KEYS[1], added) end
 return out
 """
 
-# KEYS: blob keys (RunKeys.blob, one partition). ARGV: ttl_s, then each blob's payload. Stores each payload under its
-# key with the TTL, unless the key already lives at least that long (a blob is content-addressed: the same key always
-# holds the same bytes, so only its lifetime can change, and never shortens). A producer runs it before the SUBMIT
-# call whose jobs reference the blobs (`Job.data_ref`); a blob whose jobs were then refused expires on its own.
+# KEYS: blob keys (RunKeys.blob, one partition), then the same number of their refs keys (RunKeys.blob_refs). ARGV:
+# ttl_s, then each blob's payload. Stores each payload under its key with the TTL, unless the key already lives at
+# least that long (a blob is content-addressed: the same key always holds the same bytes, so only its lifetime can
+# change, and never shortens), and marks it needed by "*" in its refs set for as long: the jobs of producers and the
+# trajectories of workers are not tracked job by job, so an ingress job that references the same blob and finishes
+# never deletes it (INGRESS_SUBMIT). A producer runs it before the SUBMIT call whose jobs reference the blobs
+# (`Job.data_ref`); a blob whose jobs were then refused expires on its own.
 STORE_BLOBS = """
 local ttl = tonumber(ARGV[1])
-for i = 1, #KEYS do
+local n = #KEYS / 2
+for i = 1, n do
   if redis.call('TTL', KEYS[i]) < ttl then redis.call('SET', KEYS[i], ARGV[i + 1], 'EX', ttl) end
+  redis.call('SADD', KEYS[n + i], '*')
+  if redis.call('TTL', KEYS[n + i]) < ttl then redis.call('EXPIRE', KEYS[n + i], ttl) end
 end
-return #KEYS
+return n
+"""
+
+# -- the ingress's byte quota and its blobs (a Lua prelude of FINISH, START_SAMPLE and CANCEL_JOB) -------------------
+# An ingress job is charged to its tenant and holds its data's blob (RunKeys.blob_refs) from its admission until its
+# last sample is done for good: published or dead-lettered (FINISH), or cancelled before it started (CANCEL_JOB, or
+# START_SAMPLE for a started sample met again after the cancel). Each sample is counted once (`f<i>` in the control
+# hash, `d` counting up to `n`), in the same atomic step as the ack or the cancel that ends it; so a blob is deleted
+# only once no job that references it has a sample queued or running. The charge (`charge` = "<bytes>:<call>") is
+# kept per admitting call: the tenant's bytes hash (RunKeys.tenant_bytes) holds `total` and what each call's jobs
+# still hold, its charges zset (RunKeys.tenant_charges) each call by when its retention ends. A job written before
+# this (no `charge`), or past its retention (no control hash), counts nothing: its call is forgotten once its
+# retention is over (INGRESS_SUBMIT) and its blob expires with its TTL.
+# rk: {charges key, bytes key, refs key or nil, blob key or nil}; ctl: the job's control hash key, its identity.
+SAMPLE_DONE = """
+local function job_done(ctl, charge, rk)
+  local bytes, call = string.match(charge, '^(%d+):(.+)$')
+  if bytes and redis.call('HEXISTS', rk[2], call) == 1 then
+    if redis.call('HINCRBY', rk[2], call, -tonumber(bytes)) <= 0 then
+      redis.call('HDEL', rk[2], call)
+      redis.call('ZREM', rk[1], call)
+    end
+    if redis.call('HINCRBY', rk[2], 'total', -tonumber(bytes)) < 0 then redis.call('HSET', rk[2], 'total', 0) end
+  end
+  local ref = redis.call('HGET', ctl, 'ref')
+  if ref and rk[4] and string.sub(rk[3], -#ref) == ref and string.sub(rk[4], -#ref) == ref
+      and redis.call('SREM', rk[3], ctl) == 1 then
+    if redis.call('SCARD', rk[3]) == 0 then redis.call('DEL', rk[4]) end
+  end
+end
+local function sample_done(ctl, idx, rk)
+  local charge = redis.call('HGET', ctl, 'charge')
+  if not charge then return end
+  if redis.call('HSETNX', ctl, 'f' .. idx, 1) == 0 then return end
+  if redis.call('HINCRBY', ctl, 'd', 1) == tonumber(redis.call('HGET', ctl, 'n')) then job_done(ctl, charge, rk) end
+end
 """
 
 # KEYS: the entry's job stream (its class's), reply stream, dead-letter stream, and (optional) the run's dropped-
-# results hash. ARGV: group, entry id, trajectory payload or "", dead-letter payload or "", and (optional) "1" when
-# the reply stream is a private one that must already exist. Publishes and acks in one step; returns 0 (and writes
-# nothing) when the entry was already acked, e.g. by another worker that reclaimed it, else 1, or 2 when the private
-# reply stream is gone (expired or deleted: its caller left): the trajectory is not published (a stream nobody reads
-# is not recreated) and counted under `reply_gone` in the dropped hash. (Successful trajectories, the hot path, are
-# published with XACK+XDEL+XADD in MULTI/EXEC instead: no Lua copy of the payload; consumers drop the rare duplicate.)
-FINISH = """
+# results hash; for an ingress job (cancellable), then its control hash, its tenant's charges and bytes keys, and
+# (when its data is a blob) the blob's refs and blob keys. ARGV: group, entry id, trajectory payload or "",
+# dead-letter payload or "", "1" when the reply stream is a private one that must already exist (optional unless more
+# follow), and for an ingress job its sample index: its sample is done (SAMPLE_DONE). Publishes and acks in one step;
+# returns 0 (and writes nothing) when the entry was already acked, e.g. by another worker that reclaimed it, else 1,
+# or 2 when the private reply stream is gone (expired or deleted: its caller left): the trajectory is not published (a
+# stream nobody reads is not recreated) and counted under `reply_gone` in the dropped hash. (Successful trajectories,
+# the hot path, are published with XACK+XDEL+XADD in MULTI/EXEC instead: no Lua copy of the payload; consumers drop
+# the rare duplicate.)
+FINISH = (
+    SAMPLE_DONE
+    + """
 if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
 redis.call('XDEL', KEYS[1], ARGV[2])
+if KEYS[7] then sample_done(KEYS[5], ARGV[6], {KEYS[6], KEYS[7], KEYS[8], KEYS[9]}) end
 local out = 1
 if ARGV[3] ~= '' then
   if ARGV[5] == '1' and redis.call('EXISTS', KEYS[2]) == 0 then
@@ -104,6 +151,7 @@ end
 if ARGV[4] ~= '' then redis.call('XADD', KEYS[3], '*', 'd', ARGV[4]) end
 return out
 """
+)
 
 # KEYS: the entry's job stream, the reply stream. ARGV: group, entry id, trajectory payload, "1" when the reply stream
 # is a private one that must already exist. The hot path's publish as one script, for Redis Cluster (no MULTI there
@@ -227,40 +275,53 @@ return out
 # -- cancellable jobs (the ingress) --------------------------------------------------------------------------------
 
 # KEYS: the job streams the batch uses, then its blob keys (RunKeys.blob: data the jobs reference by digest), then
-# the tenant's queued-sample counter (RunKeys.tenant_queued), then per job its control hash (RunKeys.job_control) and
-# its results stream (RunKeys.job_results), all on one partition. ARGV: number of job streams, number of blobs,
-# max_queued (0 = no bound), retention_s, the tenant's quota on this partition (0 = none), then per stream its class
-# and its class's bound (`max_inflight` on this partition, 0 = none, -1 = no such class: the caller reads the
-# run-wide classes hash), then per blob its payload, then per job: the index (1-based) of its stream, n, and its n
-# payloads.
-# All or nothing: a job whose control hash exists is a duplicate (nothing queued for it); when the new samples would
-# push the tenant past its quota the reply is {-3, 0, its queued samples, the quota}; past max_queued or its class's
-# bound on a stream (as SUBMIT: a stream's length is what is queued or running, workers delete what they ack)
-# {-1, stream index, its length, the bound}; an unknown class: {-2, stream index}; nothing is queued then. Otherwise
-# the blobs are stored (expiring after retention_s, never shortening a longer TTL), the tenant's counter grows by
-# the new samples, each new job gets its control hash (n) and an empty results stream (group "ingress", so it exists
-# to carry a TTL), both expiring after retention_s, and its n entries; the reply is {1, then per job 1 (admitted) or
-# 0 (duplicate)}.
+# their refs keys (RunKeys.blob_refs, in the same order), then the tenant's queued-sample counter
+# (RunKeys.tenant_queued), its charges and its bytes (RunKeys.tenant_charges, tenant_bytes), then per job its
+# control hash (RunKeys.job_control) and its results stream (RunKeys.job_results), all on one partition. ARGV:
+# number of job streams, number of blobs, max_queued (0 = no bound), retention_s, the tenant's sample quota on this
+# partition (0 = none), its byte quota there (0 = none), now (unix seconds), this call's id (unique), then per stream
+# its class and its class's bound (`max_inflight` on this partition, 0 = none, -1 = no such class: the caller reads
+# the run-wide classes hash), then per blob its payload, then per job: the index (1-based) of its stream plus 65536
+# times that of its blob (0 = none), n, and its n payloads.
+# A job's charge is what it takes in Redis: n entries (each as long as its first, plus 4 bytes for a longer sample
+# index) and its blob. All or nothing: a job whose control hash exists is a duplicate (nothing queued for it); when
+# the new samples would push the tenant past its quota the reply is {-3, 0, its queued samples, the quota}; past its
+# byte quota (calls whose retention is over forgotten first: their jobs expired unfinished) {-4, 0, its bytes, the
+# quota}; past max_queued or its class's bound on a stream (as SUBMIT: a stream's length is what is queued or
+# running, workers delete what they ack) {-1, stream index, its length, the bound}; an unknown class: {-2, stream
+# index}; nothing is queued then. Otherwise the blobs are stored (expiring after retention_s, never shortening a
+# longer TTL), each new job is added to its blob's refs and charged to its tenant under this call (until SAMPLE_DONE
+# ends it), the tenant's counters grow, each new job gets its control hash (n, charge, ref) and an empty results
+# stream (group "ingress", so it exists to carry a TTL), both expiring after retention_s, and its n entries; the
+# reply is {1, then per job 1 (admitted) or 0 (duplicate)}.
 INGRESS_SUBMIT = """
 local nstreams, nblobs = tonumber(ARGV[1]), tonumber(ARGV[2])
 local max_queued, ttl, quota = tonumber(ARGV[3]), ARGV[4], tonumber(ARGV[5])
-local quota_key = KEYS[nstreams + nblobs + 1]
-local base = nstreams + nblobs + 1
+local max_bytes, now, call = tonumber(ARGV[6]), tonumber(ARGV[7]), ARGV[8]
+local quota_key = KEYS[nstreams + 2 * nblobs + 1]
+local charges_key, bytes_key = KEYS[nstreams + 2 * nblobs + 2], KEYS[nstreams + 2 * nblobs + 3]
+local base = nstreams + 2 * nblobs + 3
 local njobs = (#KEYS - base) / 2
+local blob_at = 8 + 2 * nstreams
 local out = {1}
-local adding = {}
+local adding, charges = {}, {}
 for s = 1, nstreams do adding[s] = 0 end
-local total = 0
-local first = 6 + 2 * nstreams + nblobs
+local total, total_bytes = 0, 0
+local first = 9 + 2 * nstreams + nblobs
 local a = first
 for j = 1, njobs do
-  local s, n = tonumber(ARGV[a]), tonumber(ARGV[a + 1])
+  local code, n = tonumber(ARGV[a]), tonumber(ARGV[a + 1])
   if redis.call('EXISTS', KEYS[base + 2 * j - 1]) == 1 then
     out[j + 1] = 0
   else
     out[j + 1] = 1
+    local s, blob = code % 65536, math.floor(code / 65536)
     adding[s] = adding[s] + n
     total = total + n
+    local charge = n * (#ARGV[a + 2] + 4)
+    if blob > 0 then charge = charge + #ARGV[blob_at + blob] end
+    charges[j] = charge
+    total_bytes = total_bytes + charge
   end
   a = a + n + 2
 end
@@ -269,9 +330,19 @@ if quota > 0 then
   local queued = tonumber(redis.call('GET', quota_key) or '0')
   if queued + total > quota then return {-3, 0, queued, quota} end
 end
+for _, old in ipairs(redis.call('ZRANGEBYSCORE', charges_key, '-inf', now, 'LIMIT', 0, 64)) do
+  local left = tonumber(redis.call('HGET', bytes_key, old) or '0')
+  redis.call('HDEL', bytes_key, old)
+  redis.call('ZREM', charges_key, old)
+  if redis.call('HINCRBY', bytes_key, 'total', -left) < 0 then redis.call('HSET', bytes_key, 'total', 0) end
+end
+if max_bytes > 0 then
+  local held = tonumber(redis.call('HGET', bytes_key, 'total') or '0')
+  if held + total_bytes > max_bytes then return {-4, 0, held, max_bytes} end
+end
 for s = 1, nstreams do
   if adding[s] > 0 then
-    local b = tonumber(ARGV[5 + 2 * s])
+    local b = tonumber(ARGV[8 + 2 * s])
     if b < 0 then return {-2, s} end
     local bound = max_queued
     if b > 0 and (bound == 0 or b < bound) then bound = b end
@@ -283,15 +354,25 @@ for s = 1, nstreams do
 end
 for b = 1, nblobs do
   local key = KEYS[nstreams + b]
-  if redis.call('TTL', key) < tonumber(ttl) then redis.call('SET', key, ARGV[5 + 2 * nstreams + b], 'EX', ttl) end
+  if redis.call('TTL', key) < tonumber(ttl) then redis.call('SET', key, ARGV[blob_at + b], 'EX', ttl) end
 end
 redis.call('INCRBY', quota_key, total)
+redis.call('HINCRBY', bytes_key, 'total', total_bytes)
+redis.call('HSET', bytes_key, call, total_bytes)
+redis.call('ZADD', charges_key, now + tonumber(ttl), call)
 a = first
 for j = 1, njobs do
-  local s, n = tonumber(ARGV[a]), tonumber(ARGV[a + 1])
+  local code, n = tonumber(ARGV[a]), tonumber(ARGV[a + 1])
   if out[j + 1] == 1 then
+    local s, blob = code % 65536, math.floor(code / 65536)
     local ctl, res = KEYS[base + 2 * j - 1], KEYS[base + 2 * j]
-    redis.call('HSET', ctl, 'n', n)
+    if blob > 0 then
+      local key = KEYS[nstreams + blob]
+      redis.call('HSET', ctl, 'n', n, 'charge', charges[j] .. ':' .. call, 'ref', string.sub(key, -64))
+      redis.call('SADD', KEYS[nstreams + nblobs + blob], ctl)
+    else
+      redis.call('HSET', ctl, 'n', n, 'charge', charges[j] .. ':' .. call)
+    end
     redis.call('EXPIRE', ctl, ttl)
     redis.call('DEL', res)
     redis.call('XGROUP', 'CREATE', res, 'ingress', '$', 'MKSTREAM')
@@ -300,16 +381,24 @@ for j = 1, njobs do
   end
   a = a + n + 2
 end
+for b = 1, nblobs do
+  local refs = KEYS[nstreams + nblobs + b]
+  if redis.call('TTL', refs) < tonumber(ttl) then redis.call('EXPIRE', refs, ttl) end
+end
 return out
 """
 
-# KEYS: control hash, job stream, reply stream, and (a tenant's job) the tenant's queued-sample counter. ARGV: group,
-# entry id, sample index, a "cancelled" trajectory payload. Run by a worker before it runs a sample of a cancellable
+# KEYS: control hash, job stream, reply stream, and (a tenant's job) the tenant's queued-sample counter, then its
+# charges and bytes keys and (data in a blob) the blob's refs and blob keys. ARGV: group, entry id, sample index, a
+# "cancelled" trajectory payload. A sample acked here after the cancel missed it (it had started) is done
+# (SAMPLE_DONE). Run by a worker before it runs a sample of a cancellable
 # job. Returns 1 (go: sample marked started) or 0 (don't run it: the entry is acked and deleted; when the job was
 # cancelled, its "cancelled" result is published unless the cancel already did; when the control hash has expired,
 # nobody can read the result: nothing is published). A sample leaves the tenant's count once: when it first starts,
 # or when it is skipped without having started or been cancelled (CANCEL_JOB takes off the ones it cancels).
-START_SAMPLE = """
+START_SAMPLE = (
+    SAMPLE_DONE
+    + """
 local function release()
   if KEYS[4] and redis.call('DECR', KEYS[4]) < 0 then redis.call('SET', KEYS[4], 0) end
 end
@@ -327,19 +416,26 @@ if redis.call('XACK', KEYS[2], ARGV[1], ARGV[2]) == 1 then
   elseif redis.call('HSETNX', KEYS[1], 'c' .. ARGV[3], 1) == 1 then
     redis.call('XADD', KEYS[3], '*', 'd', ARGV[4])
     if redis.call('HEXISTS', KEYS[1], started) == 0 then release() end
+    if KEYS[6] then sample_done(KEYS[1], ARGV[3], {KEYS[5], KEYS[6], KEYS[7], KEYS[8]}) end
   end
 end
 return 0
 """
+)
 
-# KEYS: control hash, results stream, and (a tenant's job) the tenant's queued-sample counter. ARGV: one "cancelled"
-# trajectory payload per sample index 0..n-1. Marks the job cancelled and publishes the result of every sample that
+# KEYS: control hash, results stream, and (a tenant's job) the tenant's queued-sample counter, then its charges and
+# bytes keys and (data in a blob) the blob's refs and blob keys. ARGV: one "cancelled" trajectory payload per sample
+# index 0..n-1. Each sample it cancels is done (SAMPLE_DONE): once no started one is left running, the job's charge
+# and its hold on its blob end here. Marks the job cancelled and publishes the result of every sample that
 # has not started (and has no result of this kind yet), so waiters see all n samples accounted for at once, and
 # gives those samples back to the tenant's count; a worker that later takes such a sample acks it without running
 # it (START_SAMPLE). Returns {-1} when the job is unknown (or expired), else {1 if it was cancelled before, 0 if
 # not, then the indices of the samples that had started}.
-CANCEL_JOB = """
+CANCEL_JOB = (
+    SAMPLE_DONE
+    + """
 if redis.call('EXISTS', KEYS[1]) == 0 then return {-1} end
+local rk = KEYS[5] and {KEYS[4], KEYS[5], KEYS[6], KEYS[7]}
 local before = redis.call('HSETNX', KEYS[1], 'cancelled', 1) == 0 and 1 or 0
 local out = {before}
 local released = 0
@@ -350,8 +446,10 @@ for i = 1, #ARGV do
   elseif redis.call('HSETNX', KEYS[1], 'c' .. idx, 1) == 1 then
     redis.call('XADD', KEYS[2], '*', 'd', ARGV[i])
     released = released + 1
+    if rk then sample_done(KEYS[1], idx, rk) end
   end
 end
 if KEYS[3] and released > 0 and redis.call('DECRBY', KEYS[3], released) < 0 then redis.call('SET', KEYS[3], 0) end
 return out
 """
+)

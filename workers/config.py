@@ -6,6 +6,7 @@ from typing import Annotated, Literal
 
 from rollq.config import RunSettings, setting
 from rollq.protocol.blobs import DEFAULT_BLOB_TTL_S, VISION_INLINE_BYTES
+from rollq.protocol.image_limits import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGES, DEFAULT_MAX_TOTAL_PIXELS
 from rollq.protocol.keys import validate_run_name
 from rollq.protocol.limits import MAX_JOB_BYTES, MAX_TRAJECTORY_BYTES
 from rollq.workers.media import DEFAULT_MAX_PIXELS
@@ -119,6 +120,41 @@ class WorkerConfig(RunSettings, kw_only=True):
             ge=1,
         ),
     ] = DEFAULT_MAX_PIXELS
+    max_job_images: Annotated[
+        int,
+        setting(
+            "a job whose data holds more images than this is dead-lettered (BadImage) before any is decoded",
+            metavar="N",
+            ge=1,
+        ),
+    ] = DEFAULT_MAX_IMAGES
+    max_job_image_bytes: Annotated[
+        int,
+        setting(
+            "a job whose images take more encoded bytes than this together is dead-lettered (BadImage)",
+            metavar="N",
+            ge=1,
+        ),
+    ] = DEFAULT_MAX_IMAGE_BYTES
+    max_job_image_pixels: Annotated[
+        int,
+        setting(
+            "a job whose images have more pixels than this together (read from their headers, before decoding; "
+            "decoded once per job, shared by its samples) is dead-lettered (BadImage)",
+            metavar="N",
+            ge=1,
+        ),
+    ] = DEFAULT_MAX_TOTAL_PIXELS
+    max_agent_timeout: Annotated[
+        float,
+        setting(
+            "a job whose agent.timeout_seconds is longer than this is dead-lettered (AgentTimeoutTooLong) before it "
+            "runs: what one episode may hold a slot for",
+            metavar="S",
+            gt=0,
+            group=AGENTS,
+        ),
+    ] = 3600.0
     vision_inline_bytes: Annotated[
         int,
         setting(

@@ -19,6 +19,7 @@ import time
 import traceback
 import uuid
 from collections.abc import Callable
+from typing import Any
 
 import msgspec
 import redis.asyncio as aioredis
@@ -28,6 +29,7 @@ from redis.typing import StreamIdT
 from rollq.engine.types import InferenceEngine
 from rollq.protocol import scripts
 from rollq.protocol.codec import Codec, CodecError
+from rollq.protocol.image_limits import ImageLimits
 from rollq.protocol.keys import DEFAULT_CLASS, PAYLOAD_FIELD, WORKER_GROUP, RunKeys
 from rollq.protocol.limits import describe_bytes
 from rollq.protocol.messages import (
@@ -51,6 +53,7 @@ from rollq.redis_client import (
     run_partitions,
 )
 from rollq.tracing import INVALID_SPAN, Span, SpanKind, Tracing, traceparent
+from rollq.workers.agents.command import is_command
 from rollq.workers.batcher import WriteBatcher
 from rollq.workers.blobs import BlobError, BlobReader
 from rollq.workers.config import WorkerConfig
@@ -58,7 +61,7 @@ from rollq.workers.construct import KwargConverter
 from rollq.workers.context import ContextConfig, EpisodeContext, RecordingEngine, WorkflowContext, episode_scope
 from rollq.workers.fair_share import FairShare
 from rollq.workers.loader import WorkflowCache, workflow_path
-from rollq.workers.media import MediaError, prepare_images
+from rollq.workers.media import JobImages, MediaError
 from rollq.workers.model_names import ModelNames, serving
 from rollq.workers.outputs import to_sequences
 from rollq.workers.proxy.server import ProxyConfig
@@ -163,6 +166,15 @@ class Worker:
         self._episode_engine = RecordingEngine.wrap(engine)  # keeps each episode's responses (outputs.py uses them)
         self.codec = Codec()
         self.blobs = BlobReader(self.redis, max_bytes=config.max_job_bytes)  # jobs' data stored by reference
+        # Each job's images: bounded from their headers, decoded once and shared by its samples running here.
+        self.images = JobImages(
+            config.max_image_pixels,
+            ImageLimits(
+                max_images=config.max_job_images,
+                max_bytes=config.max_job_image_bytes,
+                max_pixels=config.max_job_image_pixels,
+            ),
+        )
         # The models jobs may name (tokenizers, processors): for the converter, and for the names built-in loops load.
         self.models = ModelNames(worker_tokenizer=config.tokenizer, models_root=config.models_root)
         self.workflows = WorkflowCache(KwargConverter(self.models))
@@ -620,6 +632,7 @@ class Worker:
         keys = self._keys_of.get(jobs, self.keys)  # its partition's keys: everything one step writes is in its slot
         job: Job | None = None
         attempt: Span = INVALID_SPAN  # this run's span (tracing on): a child of the job's submit
+        held: str | None = None  # the key of the job's decoded images this sample holds (self.images)
         try:
             job = self._decode(eid, payload, fields, keys)
             if self.tracing.enabled:
@@ -639,7 +652,7 @@ class Worker:
                 )
                 start_keys = [keys.job_control(job.job_id), jobs, reply_to]
                 if job.tenant:  # the sample leaves its tenant's queued-sample count (quota) as it starts
-                    start_keys.append(keys.tenant_queued(job.tenant))
+                    start_keys += [keys.tenant_queued(job.tenant), *self._charge_keys(job, keys)]
                 if not await self._writes.script(
                     self._start_sample,
                     start_keys,
@@ -656,7 +669,16 @@ class Worker:
                         runs - 1,
                     )
                 )
-            data = await self._data(job, keys, runs)
+            if job.agent is not None and job.agent.timeout_seconds > self.cfg.max_agent_timeout:
+                raise _Fatal(
+                    self._error(
+                        "AgentTimeoutTooLong",
+                        f"job {job.job_id}#{job.sample_index}: agent.timeout_seconds={job.agent.timeout_seconds:g} "
+                        f"is over the worker's max_agent_timeout={self.cfg.max_agent_timeout:g}",
+                        runs,
+                    )
+                )
+            data, held = await self._data(job, keys, runs)
             # A tenant's job may use only what its tenant's patterns allow too, for everything it imports.
             allowlist = self.allowlist.narrowed(job.allow)
             try:
@@ -737,11 +759,19 @@ class Worker:
                         runs,
                     )
                 )
-            published = await self._writes.publish(
-                jobs, WORKER_GROUP, eid, reply_to, encoded, private=reply_to != keys.results
-            )
+            if job.cancellable and job.tenant:  # an ingress job: the sample's end also ends its charge (FINISH)
+                done = await self._writes.script(
+                    self._finish,
+                    [jobs, reply_to, keys.dead, keys.dropped, *self._charge_keys(job, keys, control=True)],
+                    [WORKER_GROUP, eid, encoded, "", 1 if reply_to != keys.results else 0, job.sample_index],
+                )
+                published = None if done == 0 else 0 if done == 2 else 1  # 2: its stream is gone (counted there)
+            else:
+                published = await self._writes.publish(
+                    jobs, WORKER_GROUP, eid, reply_to, encoded, private=reply_to != keys.results
+                )
             if published == 0:  # its private reply stream is gone (its caller left): dropped, not recreated
-                await self._result_dropped(job, eid, keys)
+                await self._result_dropped(job, eid, keys, counted=job.cancellable and bool(job.tenant))
             elif published:
                 if sequences is None:
                     self.stats.rejected += 1
@@ -759,6 +789,8 @@ class Worker:
             )
             self._observe(job, "dead_lettered", started)
         finally:
+            if held is not None:
+                self.images.release(held)
             attempt.end()
 
     def _attempt_span(self, job: Job, eid: str, deliveries: int) -> Span:
@@ -786,7 +818,9 @@ class Worker:
             return
         blobs = {s.vision.digest: s.vision.inline for s in large if s.vision}
         await self._writes.script(
-            self._store_blobs, [keys.blob(d) for d in blobs], [self.cfg.blob_ttl_s, *blobs.values()]
+            self._store_blobs,
+            [*(keys.blob(d) for d in blobs), *(keys.blob_refs(d) for d in blobs)],
+            [self.cfg.blob_ttl_s, *blobs.values()],
         )
         for s in large:
             assert s.vision is not None
@@ -796,12 +830,15 @@ class Worker:
         for observe in self.episode_observers:
             observe(job.job_class if job else DEFAULT_CLASS, outcome, time.time() - started, sequences)
 
-    async def _data(self, job: Job, keys: RunKeys, runs: int) -> object:
+    async def _data(self, job: Job, keys: RunKeys, runs: int) -> tuple[object, str | None]:
         """The job's data: its own, or what its `data_ref` names in the blob store (a sample's own decoded copy),
-        with its images made ready for the workflow (workers/media.py)."""
+        with its images made ready for the workflow (workers/media.py: checked against the job's image limits
+        before any is decoded; a command agent gets them as data URIs); and the key of the job's decoded images
+        this sample now holds (self.images.release once it is done), or None."""
         try:
             data = job.data if not job.data_ref else self.codec.decode_data(await self.blobs.get(keys, job.data_ref))
-            return prepare_images(data, self.cfg.max_image_pixels)
+            raw = is_command(job.workflow) and not (isinstance(data, dict) and data.get("agent_name"))
+            return await self.images.acquire(job.data_ref or None, data, raw=raw)
         except BlobError as exc:
             raise _Fatal(self._error(exc.kind, f"job {job.job_id}#{job.sample_index}: {exc}", runs)) from None
         except CodecError as exc:
@@ -889,17 +926,33 @@ class Worker:
                     finished_at=time.time(),
                 )
             )
-        done = await self._writes.script(
-            self._finish,
-            [stream, reply_to, keys.dead, keys.dropped],
-            [WORKER_GROUP, eid, traj_payload, self.codec.encode(letter), 1 if reply_to != keys.results else 0],
-        )
+        finish_keys = [stream, reply_to, keys.dead, keys.dropped]
+        finish_args: list[Any] = [
+            WORKER_GROUP, eid, traj_payload, self.codec.encode(letter), 1 if reply_to != keys.results else 0
+        ]  # fmt: skip
+        if decoded and job is not None and job.cancellable and job.tenant:
+            finish_keys += self._charge_keys(job, keys, control=True)  # its sample is done: its charge may end
+            finish_args.append(job.sample_index)
+        done = await self._writes.script(self._finish, finish_keys, finish_args)
         if done:
             self.stats.dead_lettered += 1
         if done == 2:
             self.stats.results_dropped += 1
 
-    async def _result_dropped(self, job: Job, eid: str, keys: RunKeys) -> None:
+    def _charge_keys(self, job: Job, keys: RunKeys, *, control: bool = False) -> list[str]:
+        """An ingress job's keys of its tenant's byte quota and of its data's blob (SAMPLE_DONE in
+        protocol/scripts.py), after its control hash when `control`."""
+        out = [keys.job_control(job.job_id)] if control else []
+        out += [keys.tenant_charges(job.tenant), keys.tenant_bytes(job.tenant)]
+        if job.data_ref:
+            try:
+                out += [keys.blob_refs(job.data_ref), keys.blob(job.data_ref)]
+            except ValueError:  # not a digest: its data read refuses it (MalformedJob); its blob is not touched
+                pass
+        return out
+
+    async def _result_dropped(self, job: Job, eid: str, keys: RunKeys, *, counted: bool = False) -> None:
+        """`counted`: FINISH already counted it in the run's dropped hash."""
         self.stats.results_dropped += 1
         log.warning(
             "job %s sample %d (entry %s): reply stream %s is gone; result dropped",
@@ -908,6 +961,8 @@ class Worker:
             eid,
             job.reply_to,
         )
+        if counted:
+            return
         try:
             await self.redis.hincrby(keys.dropped, "reply_gone", 1)  # type: ignore[misc]  # stub: sync|async
         except TRANSIENT_ERRORS:

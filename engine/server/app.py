@@ -30,6 +30,7 @@ from rollq.engine.server.vision import ImageRequestError
 from rollq.engine.server.weights_root import WeightsPathRefused, resolve_under
 from rollq.engine.types import ADMIN_ROUTES, FinishReason, PauseMode, SamplingParams
 from rollq.http_server import BAD_JSON, read_body, start_site
+from rollq.protocol.image_limits import ImageLimitError, ImageTally
 from rollq.protocol.media import ImageFile
 
 log = logging.getLogger("rollq.engine")
@@ -779,7 +780,15 @@ class EngineServer:
             raise EngineValueError(f"this engine's model ({self.backend.model_path}) takes no image input")
         if self._media_http is None and self.config.media.url_hosts:
             self._media_http = aiohttp.ClientSession()
-        return [await load_images(p.image_data, self.config.media, self._media_http) for p in call.prompts]
+        # One tally for the whole call: its images counted before any is read, then their bytes and pixels.
+        media = self.config.media
+        tally = ImageTally(media.limits(), "the request")
+        try:
+            tally.count(sum(len(p.image_data) for p in call.prompts))
+        except ImageLimitError as exc:
+            raise MediaRefused(f"image_data: {exc}") from None
+        tally.images = 0  # counted again prompt by prompt below
+        return [await load_images(p.image_data, media, self._media_http, tally) for p in call.prompts]
 
     # --- lifecycle ---
 

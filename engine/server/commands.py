@@ -277,6 +277,18 @@ def engine(args: EngineConfig) -> int:
         backend = build_backend(args)
     except SystemExit as exc:
         return int(exc.code or 2)
+    try:
+        media = MediaPolicy(
+            media_root=args.media_root,
+            url_hosts=list(args.image_url_hosts),
+            max_image_bytes=args.max_image_bytes,
+            max_images=args.max_request_images,
+            max_total_bytes=args.max_request_image_bytes,
+            max_total_pixels=args.max_request_image_pixels,
+        )
+    except ValueError as exc:  # an image_url_hosts entry that is no HOST[:PORT]
+        print(f"rollq engine: {exc}", file=sys.stderr)
+        return 2
     config = EngineServerConfig(
         host=args.host,
         port=args.port,
@@ -297,9 +309,7 @@ def engine(args: EngineConfig) -> int:
         max_loras_per_batch=args.max_loras_per_batch,
         max_loaded_loras=args.max_loaded_loras or None,
         lora_paths=list(args.lora_paths),
-        media=MediaPolicy(
-            media_root=args.media_root, url_hosts=list(args.image_url_hosts), max_image_bytes=args.max_image_bytes
-        ),
+        media=media,
     )
     try:
         return _run(_serve(backend, config, args))

@@ -6,6 +6,7 @@ import ipaddress
 from typing import Annotated, Literal
 
 from rollq.config import RunSettings, setting
+from rollq.protocol.image_limits import DEFAULT_MAX_IMAGES, DEFAULT_MAX_TOTAL_PIXELS
 
 SYNTHETIC = "synthetic backend"
 LORA = "LoRA"
@@ -62,13 +63,40 @@ class EngineConfig(RunSettings, kw_only=True):
     image_url_hosts: Annotated[
         list[str],
         setting(
-            "hosts whose http(s) image URLs the engine fetches for image_data (repeatable); none by default",
-            metavar="HOST",
+            "hosts whose http(s) image URLs the engine fetches for image_data (repeatable), on ports 80 and 443; "
+            "HOST:PORT allows that port instead; none by default",
+            metavar="HOST[:PORT]",
         ),
     ] = []
     max_image_bytes: Annotated[int, setting("largest image file a request may carry or name", metavar="N", ge=1)] = (
         16 << 20
     )
+    max_request_images: Annotated[
+        int,
+        setting(
+            "most image_data entries one /generate request may have, all its prompts together (400 beyond)",
+            metavar="N",
+            ge=1,
+        ),
+    ] = DEFAULT_MAX_IMAGES
+    max_request_image_bytes: Annotated[
+        int,
+        setting(
+            "most bytes one request's images may take together, counted as they are read (400 beyond): what paths "
+            "and URLs may make the engine hold",
+            metavar="N",
+            ge=1,
+        ),
+    ] = 32 << 20
+    max_request_image_pixels: Annotated[
+        int,
+        setting(
+            "most pixels one request's images may have together, read from their headers before any is decoded "
+            "(400 beyond)",
+            metavar="N",
+            ge=1,
+        ),
+    ] = DEFAULT_MAX_TOTAL_PIXELS
     weight_version: Annotated[str, setting("the weight version reported until the first update")] = "default"
     skip_tokenizer_init: Annotated[
         bool,

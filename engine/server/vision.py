@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from rollq.engine.images import MediaError, open_image
+from rollq.engine.images import MediaError, decode_image, open_header
 from rollq.protocol.media import ImageFile
 
 if TYPE_CHECKING:  # the server imports this module for its error; only the reference backend needs torch
@@ -48,14 +48,21 @@ class ImageInputs:
 
     def prepare(self, input_ids: list[int], images: list[ImageFile]) -> tuple[list[int], PreparedImages]:
         """(the prompt with each image's placeholder sized to it, the images as model inputs)."""
+        runs = self._runs(input_ids)
+        if len(runs) != len(images):  # before any image is decoded: a mismatch costs the request nothing
+            raise ImageRequestError(
+                f"image_data has {len(images)} image(s) but the prompt has {len(runs)} image placeholder(s) "
+                f"(runs of token {self.image_token_id})"
+            )
         try:
-            opened = [open_image(image, self.max_pixels) for image in images]
+            headers = [open_header(image, self.max_pixels) for image in images]  # every size known first
+            opened = [decode_image(header) for header in headers]
         except MediaError as exc:
             raise ImageRequestError(f"image_data: {exc}") from None
         out = self.image_processor(images=opened, return_tensors="pt")
         grid = out["image_grid_thw"]
         sizes = [int(n) for n in (grid.prod(-1) // (self.merge**2)).tolist()]
-        ids = self._sized(input_ids, sizes)
+        ids = self._sized(input_ids, runs, sizes)
         types = [int(t == self.image_token_id) for t in ids]
         return ids, PreparedImages(out["pixel_values"], grid, types)
 
@@ -66,8 +73,9 @@ class ImageInputs:
                 f"the prompt has image placeholders (token {self.image_token_id}) but the request has no image_data"
             )
 
-    def _sized(self, ids: list[int], sizes: list[int]) -> list[int]:
-        runs: list[tuple[int, int]] = []  # (start, length) of each run of image tokens
+    def _runs(self, ids: list[int]) -> list[tuple[int, int]]:
+        """(start, length) of each run of image tokens in `ids`."""
+        runs: list[tuple[int, int]] = []
         i = 0
         while i < len(ids):
             if ids[i] == self.image_token_id:
@@ -78,11 +86,9 @@ class ImageInputs:
                 i = j
             else:
                 i += 1
-        if len(runs) != len(sizes):
-            raise ImageRequestError(
-                f"image_data has {len(sizes)} image(s) but the prompt has {len(runs)} image placeholder(s) "
-                f"(runs of token {self.image_token_id})"
-            )
+        return runs
+
+    def _sized(self, ids: list[int], runs: list[tuple[int, int]], sizes: list[int]) -> list[int]:
         out: list[int] = []
         last = 0
         for (start, length), size in zip(runs, sizes, strict=True):

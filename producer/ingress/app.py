@@ -10,10 +10,12 @@ so any number of ingress replicas serve the same jobs and SSE resumes from any o
 - Cancellation: CANCEL_JOB marks the job cancelled and publishes a `cancelled` result for every sample not started;
   a worker marks a sample started (START_SAMPLE) in the same record before running it, so each sample either runs
   or is cancelled, never both.
-- What one request may cost: its body (max_body_bytes), what its jobs take in Redis (max_request_bytes: a job's
-  data is stored once, in the blob store, however many samples it asks for), the tenant's samples waiting
-  (max_tenant_queued), and its SSE streams (max_event_streams, per tenant too), which share one Redis reader per
-  partition (producer/ingress/events.py) instead of a connection each.
+- What one request may cost: its body (max_body_bytes), what its jobs take in Redis (max_request_bytes: a job's data
+  is stored once, in the blob store, however many samples it asks for), the tenant's samples waiting
+  (max_tenant_queued) and the bytes its unfinished jobs hold (max_tenant_queued_bytes: a job's blob is freed with it,
+  protocol/scripts.py SAMPLE_DONE), its images (max_job_images, max_job_image_bytes, max_job_image_pixels: from their
+  headers, nothing decoded here), its agent's timeout (max_agent_timeout), and its SSE streams (max_event_streams, per
+  tenant too), which share one Redis reader per partition (producer/ingress/events.py) instead of a connection each.
 """
 
 from __future__ import annotations
@@ -59,7 +61,9 @@ from rollq.producer.ingress.models import (
 from rollq.protocol import scripts
 from rollq.protocol.blobs import BLOB_MIN_BYTES, DataBlob
 from rollq.protocol.codec import Codec, CodecError
+from rollq.protocol.image_limits import ImageLimitError, ImageLimits, check_images, images_in
 from rollq.protocol.keys import DEFAULT_CLASS, PAYLOAD_FIELD, WORKER_GROUP, RunKeys, partition_of, partition_share
+from rollq.protocol.media import ImageError
 from rollq.protocol.messages import Job, JobClass, Trajectory, class_bound, job_classes
 from rollq.redis_client import TRANSIENT_ERRORS, ensure_group, redis_client, run_partitions
 from rollq.tracing import INVALID_SPAN, TRACEPARENT, Span, SpanKind, Tracing, traceparent
@@ -219,6 +223,9 @@ class Ingress:
         # Each job's submit span: a trace of its own linked to the request's `traceparent` header, or its child with
         # trace_client_parent (rollq/tracing.py).
         self.tracing = Tracing.from_settings(cfg, "ingress")
+        self._image_limits = ImageLimits(
+            max_images=cfg.max_job_images, max_bytes=cfg.max_job_image_bytes, max_pixels=cfg.max_job_image_pixels
+        )
         self._submit = self.redis.register_script(scripts.INGRESS_SUBMIT)
         self._cancel = self.redis.register_script(scripts.CANCEL_JOB)
         self._groups: set[str] = set()
@@ -345,8 +352,12 @@ class Ingress:
 
     async def submit(self, request: web.Request) -> web.Response:
         tenant = self.tenant(request)
-        specs, where = self._parse(await self._body(request))
+        body = await self._body(request)
+        specs, where = self._parse(body)
         cfg = self.cfg
+        # Images are looked for only in a body that can hold one: a data URI written out, or any escape (a JSON
+        # string whose decoded text is a data URI shows `\` in the body); the common text-only job pays nothing.
+        maybe_images = b"data:image/" in body or b"\\" in body
         if not specs:
             raise HttpError(400, "invalid", "$.jobs: a batch needs at least one job", "$.jobs")
         if len(specs) > cfg.max_batch:
@@ -358,6 +369,16 @@ class Ingress:
             at = where.format(i)
             if spec.n > cfg.max_n:
                 raise HttpError(400, "invalid", f"{at}.n: {spec.n} samples exceed max_n={cfg.max_n}", f"{at}.n")
+            if spec.agent is not None and spec.agent.timeout_seconds > cfg.max_agent_timeout:
+                raise HttpError(
+                    400,
+                    "invalid",
+                    f"{at}.agent.timeout_seconds: {spec.agent.timeout_seconds:g} is over max_agent_timeout="
+                    f"{cfg.max_agent_timeout:g}",
+                    f"{at}.agent.timeout_seconds",
+                )
+            if maybe_images and spec.data is not None:
+                self._check_images(spec.data, f"{at}.data")
             if spec.job_id is not None:
                 if spec.job_id in seen_ids:
                     raise HttpError(
@@ -388,6 +409,19 @@ class Ingress:
                     )
         admitted = await self._admit(tenant, specs, patterns, where, request.headers.get(TRACEPARENT, ""))
         return _json(SubmitResponse(admitted), 202)
+
+    def _check_images(self, data: Any, field: str) -> None:
+        """Refuses a job whose images pass the job limits (413) or do not read as images (400), from their headers:
+        nothing is decoded here (the workers check again, and decode)."""
+        images = list(images_in(data))
+        if not images:
+            return
+        try:
+            check_images(images, self._image_limits, field)
+        except ImageLimitError as exc:
+            raise HttpError(413, "too_large", str(exc), field) from None
+        except ImageError as exc:
+            raise HttpError(400, "invalid", f"{field}: {exc}", field) from None
 
     async def _classes(self) -> dict[str, JobClass]:
         return job_classes(await self.redis.hgetall(self.keys.classes))  # type: ignore[misc]  # stub: sync|async
@@ -537,6 +571,7 @@ class Ingress:
         stream_args: list[Any] = []
         stream_classes: list[str] = []
         blobs: dict[str, bytes] = {}
+        blob_indices: dict[str, int] = {}  # digest -> its 1-based place in blobs
         job_keys: list[str] = []
         args: list[Any] = []
         encode = self.codec.encode
@@ -548,10 +583,12 @@ class Ingress:
                 index = streams[stream] = len(streams) + 1
                 stream_classes.append(job.job_class)
                 stream_args += (job.job_class, class_bound(classes, job.job_class, count))
+            blob_index = 0
             if prepared.blob is not None:
                 blobs.setdefault(prepared.blob.digest, prepared.blob.payload)
+                blob_index = blob_indices.setdefault(prepared.blob.digest, len(blob_indices) + 1)
             job_keys += (keys.job_control(job.job_id), keys.job_results(job.job_id))
-            args += (index, job.n)
+            args += (index + 65536 * blob_index, job.n)
             args.append(prepared.first)
             args += [encode(msgspec.structs.replace(job, sample_index=i)) for i in range(1, job.n)]
         for stream in streams:
@@ -559,12 +596,23 @@ class Ingress:
                 await ensure_group(self.redis, stream, WORKER_GROUP)
                 self._groups.add(stream)
         quota = partition_share(self.cfg.max_tenant_queued, count)
+        byte_quota = partition_share(self.cfg.max_tenant_queued_bytes, count)
+        tenant_keys = [keys.tenant_queued(tenant), keys.tenant_charges(tenant), keys.tenant_bytes(tenant)]
         reply = await self._submit(
-            keys=[*streams, *(keys.blob(digest) for digest in blobs), keys.tenant_queued(tenant), *job_keys],
+            keys=[*streams, *map(keys.blob, blobs), *map(keys.blob_refs, blobs), *tenant_keys, *job_keys],
             args=[len(streams), len(blobs), partition_share(self.cfg.max_queued, count), int(self.cfg.retention)]
-            + [quota, *stream_args, *blobs.values(), *args],
+            + [quota, byte_quota, int(time.time()), uuid.uuid4().hex, *stream_args, *blobs.values(), *args],
         )
         where = f" on partition {partition}" if count > 1 else ""
+        if int(reply[0]) == -4:
+            raise HttpError(
+                429,
+                "quota",
+                f"tenant {tenant!r} has jobs holding {int(reply[2]):,} bytes in Redis{where}; this request's would "
+                f"pass its quota of {int(reply[3]):,} (max_tenant_queued_bytes): nothing was queued, retry when "
+                "some of its jobs are done (or cancel some)",
+                retry_after=QUOTA_RETRY_AFTER_S,
+            )
         if int(reply[0]) == -3:
             raise HttpError(
                 429,
@@ -657,7 +705,7 @@ class Ingress:
     async def cancel(self, request: web.Request) -> web.Response:
         client_id, job_id = self._job_ref(request)
         tenant = job_id.partition(":")[0]
-        _, n = await self._record(client_id, job_id)
+        record, n = await self._record(client_id, job_id)
         now = time.time()
         payloads = [
             self.codec.encode(
@@ -674,13 +722,15 @@ class Ingress:
             for i in range(n)
         ]
         keys = await self.keys_of(job_id)
-        reply = await self._job_read(
-            job_id,
-            client_id,
-            self._cancel(
-                keys=[keys.job_control(job_id), keys.job_results(job_id), keys.tenant_queued(tenant)], args=payloads
-            ),
-        )
+        cancel_keys = [keys.job_control(job_id), keys.job_results(job_id), keys.tenant_queued(tenant)]
+        cancel_keys += [keys.tenant_charges(tenant), keys.tenant_bytes(tenant)]  # its samples cancelled: its bytes
+        ref = record.get(b"ref", b"").decode(errors="replace")
+        if ref:
+            try:
+                cancel_keys += [keys.blob_refs(ref), keys.blob(ref)]
+            except ValueError:  # not a digest the ingress wrote: the blob is left to its TTL
+                pass
+        reply = await self._job_read(job_id, client_id, self._cancel(keys=cancel_keys, args=payloads))
         if int(reply[0]) == -1:
             raise HttpError(404, "not_found", f"no job {client_id!r} (never submitted, or past its retention)")
         started = sorted(int(i) for i in reply[1:])

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Annotated
 
 from rollq.config import RunSettings, setting
+from rollq.protocol.image_limits import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGES, DEFAULT_MAX_TOTAL_PIXELS
 
 AUTH = "authentication and tenants"
 LIMITS = "limits"
@@ -71,6 +72,46 @@ class IngressConfig(RunSettings, kw_only=True):
             group=LIMITS,
         ),
     ] = 100_000
+    max_tenant_queued_bytes: Annotated[
+        int,
+        setting(
+            "byte quota: what a tenant's unfinished jobs take in Redis (every sample's entry and their data, as "
+            "max_request_bytes counts them), at most; a job's bytes are freed with it once its last sample is done "
+            "or it is cancelled (429 with Retry-After beyond; 0 = none)",
+            metavar="BYTES",
+            ge=0,
+            group=LIMITS,
+        ),
+    ] = 1 << 30
+    max_job_images: Annotated[
+        int,
+        setting(
+            "most images in one job's data (413 beyond; counted before any is read)", metavar="N", ge=1, group=LIMITS
+        ),
+    ] = DEFAULT_MAX_IMAGES
+    max_job_image_bytes: Annotated[
+        int,
+        setting("most bytes of one job's images together, encoded (413 beyond)", metavar="BYTES", ge=1, group=LIMITS),
+    ] = DEFAULT_MAX_IMAGE_BYTES
+    max_job_image_pixels: Annotated[
+        int,
+        setting(
+            "most pixels of one job's images together, read from their headers; nothing is decoded here (413 beyond)",
+            metavar="N",
+            ge=1,
+            group=LIMITS,
+        ),
+    ] = DEFAULT_MAX_TOTAL_PIXELS
+    max_agent_timeout: Annotated[
+        float,
+        setting(
+            "longest agent.timeout_seconds a job may ask for (400 beyond): how long one episode may hold a worker's "
+            "slot (the workers refuse past their own max_agent_timeout too)",
+            metavar="S",
+            gt=0,
+            group=LIMITS,
+        ),
+    ] = 3600.0
     max_event_streams: Annotated[
         int,
         setting(

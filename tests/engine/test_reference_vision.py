@@ -120,3 +120,20 @@ async def test_a_paused_row_with_images_resumes_where_it_was(hf, mode):
         assert state.output_ids == want
     finally:
         await backend.close()
+
+
+def test_the_placeholder_count_is_checked_before_any_image_is_decoded(hf):
+    """N3: the reference backend decoded every image to RGB before it counted the prompt's placeholders. Images that
+    would fail to decode (headers of a huge canvas, no pixel data) now meet the count first."""
+    from rollq.engine.server.vision import ImageInputs, ImageRequestError
+    from rollq.protocol.media import ImageFile
+    from tests.workers.test_media import png_claiming
+
+    _, processor = hf
+    inputs = ImageInputs(processor, processor.tokenizer.image_token_id, max_pixels=4096 * 4096)
+    ids = processor.tokenizer(prompt(processor, "Which colour?", 1))["input_ids"]
+    bombs = [ImageFile(png_claiming(4000, 4000))] * 2
+    with pytest.raises(ImageRequestError, match=r"2 image\(s\) but the prompt has 1 image placeholder\(s\)"):
+        inputs.prepare(ids, bombs)
+    with pytest.raises(ImageRequestError, match="does not decode"):  # the count fits: decoded, and refused
+        inputs.prepare(ids, bombs[:1])

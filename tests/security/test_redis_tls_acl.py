@@ -8,6 +8,8 @@ from redis.exceptions import AuthenticationError, ConnectionError, NoPermissionE
 
 from rollq.config import RunSettings
 from rollq.producer import Producer
+from rollq.protocol.blobs import digest_of
+from rollq.protocol.codec import Codec
 from rollq.protocol.keys import RunKeys
 from rollq.redis_client import arq_settings, redis_client
 from tests.helpers import running_worker
@@ -163,7 +165,13 @@ async def test_a_training_run_and_the_ingress_work_as_their_role_users(tls_redis
                 httpx.AsyncClient(timeout=10) as http,
             ):
                 auth = {"Authorization": "Bearer tok-acme"}
-                job = {"workflow": "tests.workflows:Echo", "data": {"i": 1}, "n": 2, "job_id": "acl-1"}
+                # data of 300 bytes: a blob, which the job's end frees (the byte quota's commands, as each role)
+                job = {
+                    "workflow": "tests.workflows:Echo",
+                    "data": {"i": 1, "pad": "x" * 300},
+                    "n": 2,
+                    "job_id": "acl-1",
+                }
                 assert (await http.post(f"{base}/v1/jobs", json=job, headers=auth)).status_code == 202
 
                 async def done() -> bool:
@@ -171,6 +179,8 @@ async def test_a_training_run_and_the_ingress_work_as_their_role_users(tls_redis
 
                 await wait_until(done, 20, what="the ingress job done")
                 assert (await http.delete(f"{base}/v1/jobs/acl-1", headers=auth)).status_code == 200
+                blob = RunKeys(tls_redis.run).blob(digest_of(Codec().encode(job["data"])))
+                assert await trainer_redis.exists(blob) == 0  # freed with the job, by the worker's FINISH
     finally:
         await pool.close()
         await trainer_redis.aclose()
