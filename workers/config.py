@@ -164,9 +164,9 @@ class WorkerConfig(RunSettings, kw_only=True):
         str,
         setting(
             "run agents (command agents, subproc-mode agents, agent hosts) as this user: UID:GID or a user name "
-            "(the worker must be root or hold CAP_SETUID and CAP_SETGID); it must not be able to write an allowed "
-            "command folder or any sys.path entry, else the worker refuses to start. Empty: agents run as the "
-            "worker's own user, which is no boundary",
+            "(the worker needs CAP_SETUID, CAP_SETGID and CAP_KILL, as root has). The worker refuses to start when "
+            "it can write an allowed command folder or a sys.path entry. Empty: agents run as the worker's own "
+            "user, which is no boundary",
             metavar="USER",
             group=AGENTS,
         ),

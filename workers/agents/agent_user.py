@@ -4,8 +4,9 @@ Agents run the code under training. As the worker's own user they can write what
 code, its user modules, the folders its allowed commands live in. With `agent_user` they run as another user, which
 the worker's files are read-only to (rollq.workers.agents.writable refuses to start a worker where they are not):
 command agents are started as that user, subproc-mode agent processes and agent hosts switch to it before any
-agent code runs. The worker needs the right to switch users: root, or CAP_SETUID and CAP_SETGID (compose.yaml's
-worker has those two capabilities and nothing else).
+agent code runs. The worker needs the right to switch users and to kill another user's processes (an agent past its
+timeout): CAP_SETUID, CAP_SETGID and CAP_KILL, which root has (compose.yaml's worker is root with those three
+capabilities and no other).
 
 Every agent works in a fresh folder of its own, removed after it (a command agent: its episode HOME; a subproc agent:
 one per episode; an agent host: one per host, whose episodes share the process and so its working directory), never
@@ -26,6 +27,7 @@ import tempfile
 
 import msgspec
 
+CAP_KILL = 5  # to kill the agents' processes (another user's) at their timeout
 CAP_SETGID = 6
 CAP_SETUID = 7
 REMOVE_TIMEOUT_S = 60.0  # a folder left by an agent is removed within this (a very large tree may take long)
@@ -83,9 +85,9 @@ def cannot_switch(user: AgentUser) -> str | None:
     except (OSError, StopIteration):
         return None if os.geteuid() == 0 else "the worker is not root"
     effective = int(line.split()[1], 16)
-    if effective >> CAP_SETUID & 1 and effective >> CAP_SETGID & 1:
+    if all(effective >> cap & 1 for cap in (CAP_SETUID, CAP_SETGID, CAP_KILL)):
         return None
-    return "the worker holds neither root's rights nor CAP_SETUID and CAP_SETGID"
+    return "the worker lacks CAP_SETUID, CAP_SETGID or CAP_KILL (to start agents as that user and kill them)"
 
 
 def become(user: AgentUser | None) -> None:
