@@ -7,6 +7,8 @@ The contract, for the program:
   and ANTHROPIC_API_KEY (the same key), and what the job passes as `workflow_kwargs: {"env": {NAME: value}}` (names
   the operator allowed with `env:NAME` patterns). The official SDKs read these, so an unmodified agent talks to the
   proxy and every completion is recorded token-exactly;
+- working directory: its HOME, never the worker's (whose folders agents must not write to); as the worker's
+  agent_user when set (rollq.workers.agents.agent_user);
 - stdin: the job's data as one JSON document, then end of file;
 - stdout: the LAST non-empty line is the result, as JSON: a number (the reward of the last completion), an object
   `{completion_id: reward}`, or `null` (the agent rejects the sample). Anything before that line is logged at debug
