@@ -109,6 +109,7 @@ def start_worker(procs: Processes, name: str, argv: list[str], cwd: Path) -> sub
 # -- (i) an agent's planted module never runs in the worker --------------------------------------------------------
 
 
+@pytest.mark.slow  # a real worker process
 async def test_a_module_an_agent_plants_is_not_imported_by_the_worker(redis, redis_url, run_name, tmp_path, tiny_dir):
     """The probe's attack: a command agent writes a module into its working directory (which used to be the
     worker's, and so its sys.path[0]) and into the worker's folder by its absolute path; the next job's workflow
@@ -156,6 +157,7 @@ async def test_a_module_an_agent_plants_is_not_imported_by_the_worker(redis, red
     assert "WARNING" in warning and str(agents) in warning and str(modules) in warning and str(worker_dir) in warning
 
 
+@pytest.mark.slow  # a real worker process
 async def test_a_worker_imports_user_modules_from_module_paths_never_its_working_directory(
     redis, redis_url, run_name, tmp_path, tiny_dir
 ):
@@ -211,6 +213,7 @@ def test_an_allowed_package_on_sys_path_the_agents_user_can_write_stops_the_work
 
 
 @needs_root
+@pytest.mark.slow  # a real worker process
 async def test_agents_as_another_user_cannot_put_a_program_into_an_allowed_folder(
     redis, redis_url, run_name, shared_dir, tiny_dir
 ):
