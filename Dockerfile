@@ -14,7 +14,8 @@
 # (versions and hashes, the set the README's set-up installs and CI tests; from pyproject.toml and uv.lock only, so
 # editing the source does not reinstall them); then rollq itself, installed as a wheel (not editable). The lock
 # leaves torch out, so that each image picks its build (TORCH_INDEX_URL) at the version the set-up pins. The
-# services run as the unprivileged user `rollq` in /srv/rollq, outside any source tree.
+# services run as the unprivileged user `rollq` in /srv/rollq, outside any source tree (compose.yaml's worker as
+# root with only the capabilities to run agents as `rollq-agent`, docs/deployment.md).
 
 ARG BASE_IMAGE=python:3.11-slim-bookworm
 ARG NODE_IMAGE=node:22-bookworm-slim
@@ -63,8 +64,13 @@ RUN ln -s ../lib/node_modules/npm/bin/npm-cli.js /usr/local/bin/npm \
 
 # The unprivileged user the services run as, and the directories it writes. /var/lib/rollq/runs and
 # /var/lib/rollq/weights exist owned by it, so the named volumes compose mounts there start with that ownership.
+# rollq-agent (10002): the user the worker runs agents as (compose.yaml's agent_user). It owns nothing here: rollq's
+# code and every package are installed by root below, /srv/rollq is rollq's; both are read-only to it.
 RUN groupadd --system --gid 10001 rollq \
     && useradd --system --uid 10001 --gid 10001 --create-home --home-dir /home/rollq rollq \
+    && groupadd --system --gid 10002 rollq-agent \
+    && useradd --system --uid 10002 --gid 10002 --no-create-home --home-dir /nonexistent \
+        --shell /usr/sbin/nologin rollq-agent \
     && mkdir -p /srv/rollq /var/lib/rollq/runs /var/lib/rollq/weights /var/cache/rollq \
     && chown -R rollq:rollq /srv/rollq /var/lib/rollq /var/cache/rollq
 
@@ -88,7 +94,8 @@ RUN --mount=type=cache,target=/root/.cache/uv \
 RUN --mount=type=bind,from=wheel,source=/wheels,target=/wheels \
     python -m pip install --no-cache-dir --no-deps /wheels/rollq-*.whl
 
-# numeric, so `runAsNonRoot`-style checks can verify it without the image's /etc/passwd
+# numeric, so `runAsNonRoot`-style checks can verify it without the image's /etc/passwd. Everything above ran as
+# root, so the code belongs to root: neither this user nor the agents' can change it.
 USER 10001:10001
 WORKDIR /srv/rollq
 # The tiny offline model, built once here instead of in every container on first use.

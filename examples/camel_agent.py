@@ -7,7 +7,7 @@ mcp 2 removed `mcp.server.FastMCP`, so with mcp 2 `from camel.agents import Chat
 
 Run it with this folder on the worker's path (tests/workers/agents/test_camel.py runs this very file):
 
-    PYTHONPATH=examples rollq worker --allow camel_agent ...
+    rollq worker --allow camel_agent --module-path examples ...
     job: workflow "camel_agent:CamelAgent", data {"question": "...", "answer": "..."}, workflow_kwargs {"steps": 2}
 
 Each `astep` is one chat completion through the proxy; the agent rewards each one by its id (CAMEL's

@@ -4,7 +4,8 @@ One import package. Its sub-packages `rollq.protocol`, `rollq.producer`, `rollq.
 `rollq.trainer` live in the repository's top-level folders and are mapped into it by setuptools' `package-dir`
 (pyproject.toml). This folder itself holds the `rollq` command (`rollq.cli`) and the leaves every service may use:
 `rollq.config` (typed settings from the config file, `ROLLQ_*` variables and flags), `rollq.redis_client`,
-`rollq.http_server`, `rollq.metrics_server` (the `/metrics` server) and `rollq.tasks` (the built-in toy tasks).
+`rollq.http_server`, `rollq.metrics_server` (the `/metrics` server), `rollq.module_paths` (where user modules are
+imported from) and `rollq.tasks` (the built-in toy tasks).
 """
 
 import os as _os

@@ -67,6 +67,20 @@ class UpConfig(Settings, kw_only=True):
             metavar="PATTERN",
         ),
     ] = []
+    module_paths: Annotated[
+        list[str],
+        setting(
+            "folders the workers import user modules from (the trainer's workflow, --allow paths), after the "
+            "installed packages (repeatable); none given: the folder `rollq up` was started in",
+            flag="--module-path",
+            metavar="DIR",
+        ),
+    ] = []
+
+    def worker_module_paths(self) -> list[str]:
+        """What the workers get as module_paths: the given folders, else the one this was started in (absolute,
+        so they need not share its working directory)."""
+        return [os.path.abspath(p) for p in self.module_paths] or [os.getcwd()]
 
 
 class EngineKeys(msgspec.Struct, frozen=True):
@@ -214,6 +228,7 @@ def worker_argv(cfg: TrainConfig, stack_cfg: UpConfig, engines: list[str]) -> li
         *["--concurrency", str(stack_cfg.concurrency), "--wait-redis", "30"],
         *["--tokenizer", cfg.model],  # the agents' proxy renders and tokenizes as the served model does
         *allow,
+        *[a for p in stack_cfg.worker_module_paths() for a in ("--module-path", p)],
         *[a for u in engines for a in ("--engine", u)],
     ]
 

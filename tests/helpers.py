@@ -54,7 +54,9 @@ class WorkerProcess:
         self.log = log
         cmd = [sys.executable, "-m", "rollq", "worker", "--redis", redis_url, "--run", run, "--name", name]
         self._procs = Processes(log.parent, cwd=REPO_ROOT)
-        self.proc = self._procs.start(log.stem, [*cmd, "--allow", "tests", *args], env=env)
+        # the test suite's modules: imported from the repository's root (a worker never searches its working directory)
+        cmd += ["--allow", "tests", "--module-path", str(REPO_ROOT)]
+        self.proc = self._procs.start(log.stem, [*cmd, *args], env=env)
 
     def kill(self) -> None:
         self._procs.kill(self.proc)

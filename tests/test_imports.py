@@ -13,6 +13,7 @@ from tests.helpers import REPO_ROOT
 # packages, with their modules) that import no service.
 LEAVES = {
     "rollq.config",
+    "rollq.module_paths",
     "rollq.redis_client",
     "rollq.shield",
     "rollq.http_server",

@@ -12,8 +12,10 @@ import uvloop
 
 from rollq.engine.pool import EnginePool, PoolConfig
 from rollq.engine.registry import EngineRegistry, control_key
+from rollq.module_paths import use_module_paths
 from rollq.redis_client import redis_client, wait_for_redis
 from rollq.shield import shield_secrets
+from rollq.workers.agents.writable import AgentCanWrite, check_agents_cannot_write
 from rollq.workers.chat_template import StopTextDecoder
 from rollq.workers.config import WorkerConfig
 from rollq.workers.metrics import WorkerMetrics
@@ -64,10 +66,14 @@ async def serve(cfg: WorkerConfig) -> int:
 
 
 def worker(cfg: WorkerConfig) -> int:
-    # Workflows named by import path are looked up from the directory the worker was started in, like arq/celery
-    # (the allowlist still decides what may be imported).
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
+    # Workflows named by import path come from the module_paths folders, never from the folder the worker was
+    # started in, which Python put first on sys.path (the allowlist still decides what may be imported).
+    use_module_paths(cfg.module_paths)
+    try:
+        check_agents_cannot_write(cfg.allow, cfg.agent_user)
+    except (ValueError, AgentCanWrite) as exc:
+        print(f"rollq worker: {exc}", file=sys.stderr)
+        return 2
     hub_offline(os.environ)  # before anything imports huggingface_hub; inherited by every process it starts
     shield_secrets()  # keeps the settings' secrets from the agents it runs (rollq/shield.py)
     return uvloop.run(serve(cfg))

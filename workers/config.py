@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 from rollq.config import RunSettings, setting
+from rollq.module_paths import SETTING_DOC as MODULE_PATHS_DOC
 from rollq.protocol.blobs import DEFAULT_BLOB_TTL_S, VISION_INLINE_BYTES
 from rollq.protocol.image_limits import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGES, DEFAULT_MAX_TOTAL_PIXELS
 from rollq.protocol.keys import validate_run_name
@@ -62,6 +63,7 @@ class WorkerConfig(RunSettings, kw_only=True):
             metavar="PATTERN",
         ),
     ] = []
+    module_paths: Annotated[list[str], setting(MODULE_PATHS_DOC, flag="--module-path", metavar="DIR")] = []
     max_attempts: Annotated[
         int, setting("runs of a job (crashes included) before it is dead-lettered", metavar="N", ge=1)
     ] = 3
@@ -192,6 +194,17 @@ class WorkerConfig(RunSettings, kw_only=True):
             "a directory whose model folders jobs' workflow kwargs may name as a tokenizer or processor (relative to "
             "it), besides `tiny`, `smollm2` and --tokenizer; empty: none (a job never names other paths)",
             metavar="DIR",
+        ),
+    ] = ""
+    agent_user: Annotated[
+        str,
+        setting(
+            "run agents (command agents, subproc-mode agents, agent hosts) as this user: UID:GID or a user name "
+            "(the worker needs CAP_SETUID, CAP_SETGID and CAP_KILL, as root has). The worker refuses to start when "
+            "it can write an allowed command folder or a sys.path entry. Empty: agents run as the worker's own "
+            "user, which is no boundary",
+            metavar="USER",
+            group=AGENTS,
         ),
     ] = ""
     agent_processes: Annotated[int, setting("subproc-mode agents running at once", metavar="N", ge=1, group=AGENTS)] = 4

@@ -200,6 +200,7 @@ def resolve(path: str, *, allowlist: Allowlist | None = None) -> Any:
     except Exception as exc:  # an import can raise anything
         raise WorkflowLoadError(
             f"cannot import module {module_name!r} for {path!r}: {type(exc).__name__}: {exc}"
+            + _not_found_hint(exc, module_name)
         ) from None
     for part in parts:
         if not (isinstance(obj, ModuleType) or inspect.isclass(obj)):
@@ -216,6 +217,17 @@ def resolve(path: str, *, allowlist: Allowlist | None = None) -> Any:
         if allowlist is not None:
             _check_home(obj, path, allowlist)
     return obj
+
+
+def _not_found_hint(exc: Exception, module_name: str) -> str:
+    """Where a missing user module should have been: a worker does not search its working directory."""
+    missing = exc.name if isinstance(exc, ModuleNotFoundError) else None
+    if not missing or not (module_name == missing or module_name.startswith(missing + ".")):
+        return ""  # found, or something it imports is missing
+    return (
+        "; a rollq worker or reward worker imports user modules from the folders of its module_paths setting "
+        "(--module-path DIR, ROLLQ_WORKER_MODULE_PATHS), never from its working directory"
+    )
 
 
 def _check_home(obj: Any, path: str, allowlist: Allowlist) -> None:

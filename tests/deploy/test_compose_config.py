@@ -95,6 +95,40 @@ def test_services_are_configured_as_documented(compose_secrets):
     assert services["trainer"]["depends_on"]["engine"]["condition"] == "service_healthy"
 
 
+@needs_compose
+def test_the_worker_runs_agents_as_a_user_that_cannot_write_its_code(tmp_path, compose_secrets):
+    """N1: agents run as their own uid (agent_user), which owns nothing in the image: the code is installed by root
+    (before any USER), the worker's WORKDIR belongs to the services' user. The worker is root with only the
+    capabilities to start agents as that user and to kill them; every other rollq service keeps the image's
+    unprivileged user and adds no capability."""
+    model = resolved(secrets=compose_secrets)
+    services = model["services"]
+    worker = services["worker"]
+    assert str(worker["user"]) == "0:0"
+    assert worker["cap_drop"] == ["ALL"] and sorted(worker["cap_add"]) == ["KILL", "SETGID", "SETUID"]
+    stack = LocalStack(model, tmp_path)
+    replica = stack.replicas["worker"][0]
+    (cfg,) = parse(stack.command(replica)[1:], env=stack.environment(replica)).settings
+    uid, _, gid = cfg.agent_user.partition(":")
+    assert uid.isdigit() and gid.isdigit() and uid != "0" and gid != "0", cfg.agent_user
+    for name, svc in services.items():
+        if is_rollq_service(svc) and name != "worker":
+            assert "user" not in svc and not svc.get("cap_add"), name
+    steps = dockerfile_instructions()
+    final = max(i for i, (word, _) in enumerate(steps) if word == "FROM")
+    user_at = next(i for i, (word, _) in enumerate(steps) if word == "USER" and i > final)
+    assert steps[user_at][1] == "10001:10001"
+    assert uid != "10001" and gid != "10001", "agents must not be the services' user"
+    runs = [(i, args) for i, (word, args) in enumerate(steps) if word == "RUN" and i > final]
+    assert any(f"--uid {uid} --gid {gid}" in args for _, args in runs), "the agents' user exists in the image"
+    installs = [i for i, args in runs if "pip install" in args]
+    assert installs and max(installs) < user_at, "the code is installed as root, before USER"
+    chowns = [args[args.index("chown") :] for _, args in runs if "chown" in args]
+    assert chowns and all(c.startswith("chown -R rollq:rollq") for c in chowns), chowns  # nothing is the agents'
+    workdir = next(args for word, args in steps[final:] if word == "WORKDIR")
+    assert any(workdir in c for c in chowns), "the WORKDIR belongs to the services' user, not the agents'"
+
+
 def test_dockerfile_has_no_entrypoint():
     """compose.yaml's commands are the whole argv (the stack test runs them as they are)."""
     words = [w for w, _ in dockerfile_instructions()]

@@ -39,6 +39,8 @@ def reward_worker(redis_url: str, run: str, log: Path, *args: str) -> Iterator[s
         run,
         "--allow",
         "tests",
+        "--module-path",
+        str(REPO_ROOT),
         *args,
     ]
     with Processes(log.parent, cwd=REPO_ROOT) as procs, sync_redis.Redis.from_url(redis_url) as client:

@@ -7,6 +7,8 @@ The contract, for the program:
   and ANTHROPIC_API_KEY (the same key), and what the job passes as `workflow_kwargs: {"env": {NAME: value}}` (names
   the operator allowed with `env:NAME` patterns). The official SDKs read these, so an unmodified agent talks to the
   proxy and every completion is recorded token-exactly;
+- working directory: its HOME, never the worker's (whose folders agents must not write to); as the worker's
+  agent_user when set (rollq.workers.agents.agent_user);
 - stdin: the job's data as one JSON document, then end of file;
 - stdout: the LAST non-empty line is the result, as JSON: a number (the reward of the last completion), an object
   `{completion_id: reward}`, or `null` (the agent rejects the sample). Anything before that line is logged at debug
@@ -34,17 +36,20 @@ local code) any command runs.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import shlex
 import shutil
 import signal
+import subprocess
 import tempfile
 from collections.abc import Mapping
 from typing import Any, cast
 
 import msgspec
 
+from rollq.workers.agents.agent_user import AgentUser, enter_folder, new_folder_path, parse_agent_user, remove_folder
 from rollq.workers.agents.environment import command_environment, command_options, proxy_variables
 from rollq.workers.agents.export import AgentOutputError
 from rollq.workers.agents.subproc import agent_result
@@ -154,7 +159,8 @@ class CommandAgent:
     """Runs `argv` once per episode against the recording proxy (see the module's docstring for the contract).
 
     `executable`: the file to run (what the allowlist checked; default: argv[0] as found on the worker's PATH), as
-    argv[0]. `env`: variables the job passes (checked by `command_agent`)."""
+    argv[0]. `env`: variables the job passes (checked by `command_agent`). `user`: run it as this user (default:
+    the worker's agent_user)."""
 
     def __init__(
         self,
@@ -163,6 +169,7 @@ class CommandAgent:
         *,
         executable: str | None = None,
         env: Mapping[str, str] | None = None,
+        user: AgentUser | None = None,
     ) -> None:
         if not argv:
             raise ValueError("a command agent needs a program to run")
@@ -170,25 +177,33 @@ class CommandAgent:
         self.name = name or EXEC_PREFIX + shlex.join(self.argv)
         self.executable = executable
         self.env = dict(env or {})
+        self.user = user  # who runs it; None: the worker's agent_user (its own user when that is unset)
 
     async def run(self, data: Any, base_url: str, api_key: str, anthropic_base_url: str) -> Any:
         try:
             payload = msgspec.json.encode(data) + b"\n"
         except (TypeError, msgspec.EncodeError) as exc:
             raise AgentOutputError(f"{self.name}: the job's data cannot be written as JSON: {exc}") from None
-        home = tempfile.mkdtemp(prefix="rollq-agent-")  # the episode's HOME and TMPDIR, removed after it
+        # The episode's HOME, TMPDIR and working directory (never the worker's), removed after it. Made here as the
+        # worker's user; with agent_user, by the program's process once it runs as that user, so the folder is its.
+        user = self.user if self.user is not None else context_agent_user()
+        home = tempfile.mkdtemp(prefix="rollq-agent-") if user is None else new_folder_path()
         try:
             tmpdir = os.path.join(home, "tmp")
-            os.mkdir(tmpdir, 0o700)
+            if user is None:
+                os.mkdir(tmpdir, 0o700)
             env = command_environment(home, tmpdir, proxy_variables(base_url, api_key, anthropic_base_url), self.env)
-            return await self._run(payload, env)
+            return await self._run(payload, env, home, user)
         finally:
             # In a thread (an agent may leave a large tree), finished even when the episode is cancelled meanwhile.
-            await asyncio.shield(asyncio.get_running_loop().run_in_executor(None, _remove_tree, home))
+            await asyncio.shield(asyncio.get_running_loop().run_in_executor(None, remove_folder, home, user))
 
-    async def _run(self, payload: bytes, env: dict[str, str]) -> Any:
+    async def _run(self, payload: bytes, env: dict[str, str], home: str, user: AgentUser | None) -> Any:
         loop = asyncio.get_running_loop()
         out = _Output(self.name)
+        # As another user: switched to (and its folders made) between fork and exec. uvloop's subprocess_exec takes
+        # no user=/group=, so a preexec function does it; it makes only system calls.
+        enter = None if user is None else functools.partial(_enter_episode, user, home, env["TMPDIR"])
         spawn = asyncio.ensure_future(
             loop.subprocess_exec(
                 lambda: out,
@@ -198,12 +213,14 @@ class CommandAgent:
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE,
                 env=env,
+                cwd=home if user is None else None,
+                preexec_fn=enter,
                 start_new_session=True,  # its own process group, killed as a whole
             )
         )
         try:
             transport, _ = await asyncio.shield(spawn)
-        except OSError as exc:
+        except (OSError, subprocess.SubprocessError) as exc:
             raise CommandError(f"{self.name}: cannot start {self.argv[0]!r}: {exc}") from None
         except asyncio.CancelledError:
             # Cancelled while the program was starting: it may run already (and have started others). The loop
@@ -270,8 +287,21 @@ def _write_stdin(transport: asyncio.SubprocessTransport, payload: bytes) -> None
         pass
 
 
-def _remove_tree(path: str) -> None:
-    shutil.rmtree(path, ignore_errors=True)
+def _enter_episode(user: AgentUser, home: str, tmpdir: str) -> None:
+    """In the program's process, before exec: run as `user` in its own new HOME (and TMPDIR)."""
+    enter_folder(home, user)
+    os.mkdir(tmpdir, 0o700)
+
+
+def context_agent_user() -> AgentUser | None:
+    """The running worker's agent_user (None outside a worker, or when agents run as the worker's user)."""
+    from rollq.workers.context import workflow_context
+
+    try:
+        spec = workflow_context().config.agent_user
+    except RuntimeError:  # no worker around this agent (a script, a test): its caller's user
+        return None
+    return parse_agent_user(spec)
 
 
 async def _kill_started(spawn: asyncio.Future[Any]) -> None:

@@ -23,6 +23,10 @@ base_url, anthropic_base_url, api_key and http_client offered. The host runs a l
 `workflow_context()` works inside agents, and AsyncRewardWrappers they build share pools within the host, closed
 with it.
 
+Working directory and user: each host works in a fresh folder of its own (not per episode: its episodes share the
+process), never the worker's working directory, removed when the host has exited; with the worker's agent_user it
+switches to that user before any agent code runs (rollq.workers.agents.agent_user).
+
 Environment: a host starts with the worker's environment minus the worker's secrets (ROLLQ_*, REDIS*; see
 rollq.workers.agents.environment). It still holds the worker's ContextConfig, whose redis_url (with any password) is
 what agents' remote rewards use to reach the reward workers: code in a host can read it.
@@ -52,6 +56,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import msgspec
 
+from rollq.workers.agents.agent_user import enter_folder, new_folder_path, parse_agent_user, remove_folder
 from rollq.workers.agents.environment import drop_worker_secrets
 from rollq.workers.context import ContextConfig, EpisodeContext, WorkflowContext, episode_scope
 from rollq.workers.resolver import Allowlist, enforcing, resolve
@@ -100,10 +105,13 @@ def _exit_text(code: int | None) -> str:
 # -- the host process --------------------------------------------------------------------------------------------
 
 
-def _host_main(sock: socket.socket, config: ContextConfig) -> None:
+def _host_main(sock: socket.socket, config: ContextConfig, workdir: str) -> None:
     # The host inherited the worker's environment (through the fork server); agents (and what they start) must not
     # see its secrets. The Redis URL that agents' remote rewards use comes in `config`, not from the environment.
     drop_worker_secrets(os.environ)
+    # As the agents' user (if set) from here on, in a folder of its own (its episodes share the process, and so
+    # its working directory), never the worker's; the worker removes it when the host has exited.
+    enter_folder(workdir, parse_agent_user(config.agent_user))
     # Ctrl-C reaches the whole process group; the worker decides when hosts stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # Started as a daemon (so a worker that exits without closing its hosts takes them along), but agents' own
@@ -235,6 +243,7 @@ class _HostHandle:
         self.starting: asyncio.Task[None] | None = None
         self.reader_task: asyncio.Task[None] | None = None
         self.dead: str | None = None  # why it can take no more episodes
+        self.workdir = new_folder_path("agent-host")  # its working directory, made by the host itself
 
     def send(self, msg: list[Any]) -> None:
         self.send_frame(_frame(msg))
@@ -366,7 +375,10 @@ class AgentHosts:
         parent, child = socket.socketpair()
         try:
             process = self._mp.Process(
-                target=_host_main, args=(child, self.config), daemon=True, name=f"rollq-agent-host-{host.slot}"
+                target=_host_main,
+                args=(child, self.config, host.workdir),
+                daemon=True,
+                name=f"rollq-agent-host-{host.slot}",
             )
             host.process = process
             await asyncio.to_thread(process.start)  # start() waits on the fork server for a moment
@@ -431,6 +443,8 @@ class AgentHosts:
         if host.process is None or host.process.pid is None:
             return None
         await asyncio.to_thread(host.process.join, JOIN_TIMEOUT_S)
+        if host.process.exitcode is not None:  # exited: what its agents left goes
+            await asyncio.to_thread(remove_folder, host.workdir, parse_agent_user(self.config.agent_user))
         return cast("int | None", host.process.exitcode)
 
     async def close(self) -> None:
@@ -450,6 +464,10 @@ class AgentHosts:
         readers = [h.reader_task for h in hosts if h.reader_task is not None]
         if readers:
             await asyncio.wait(readers, timeout=JOIN_TIMEOUT_S)
+        # (a reader that joined a host at the same moment as join_all may not have seen its exit code)
+        user = parse_agent_user(self.config.agent_user)
+        for host in hosts:
+            await asyncio.to_thread(remove_folder, host.workdir, user)
         for host in hosts:
             if host.writer is not None:
                 host.writer.close()

@@ -16,6 +16,7 @@ from typing import Any
 import rollq.tracing as tracing
 from rollq.engine.types import InferenceEngine
 from rollq.protocol.messages import AgentOptions
+from rollq.workers.agents.agent_user import new_folder_path, parse_agent_user, remove_folder
 from rollq.workers.agents.command import is_command
 from rollq.workers.agents.export import AgentOutputError, assign_rewards, export
 from rollq.workers.agents.subproc import agent_result, extra_kwargs_for, run_agent
@@ -124,9 +125,13 @@ class AgentWorkflow:
                 expected="a reward or a {completion_id: reward} mapping",
             ),
         )
+        # The episode's own working directory: made by the child (as the agents' user), removed here afterwards
+        # whatever happened to the child.
+        workdir = new_folder_path()
+        user = ctx.config.agent_user
         try:
             kind, value = await pool(
-                self.path, json.dumps(self.kwargs, sort_keys=True), data, urls, key, active_allowlist()
+                self.path, json.dumps(self.kwargs, sort_keys=True), data, urls, key, active_allowlist(), workdir, user
             )
         except RewardTimeout as exc:
             raise AgentTimeout(f"agent {self.path}: {exc}") from None
@@ -135,6 +140,9 @@ class AgentWorkflow:
         except RewardError as exc:
             # The agent's own exception, with the child's traceback in the message so the dead letter shows it.
             raise AgentError(f"{exc}\n{exc.remote_traceback}".rstrip()) from None
+        finally:
+            remove = asyncio.to_thread(remove_folder, workdir, parse_agent_user(user))
+            await asyncio.shield(asyncio.ensure_future(remove))
         return value
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Annotated
 
 from rollq.config import RunSettings, setting
+from rollq.module_paths import SETTING_DOC as MODULE_PATHS_DOC
 
 
 class RewardWorkerConfig(RunSettings, kw_only=True):
@@ -35,6 +36,7 @@ class RewardWorkerConfig(RunSettings, kw_only=True):
             metavar="PATTERN",
         ),
     ] = []
+    module_paths: Annotated[list[str], setting(MODULE_PATHS_DOC, flag="--module-path", metavar="DIR")] = []
 
 
 __all__ = ["RewardWorkerConfig"]

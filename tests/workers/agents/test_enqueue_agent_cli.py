@@ -83,6 +83,8 @@ async def test_enqueue_wait_runs_an_openai_sdk_agent_token_exactly(tmp_path, red
                 "w-cli",
                 "--allow",
                 "my_module",
+                "--module-path",
+                str(tmp_path),
                 "--engine",
                 engine_url,
             ],
