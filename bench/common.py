@@ -78,11 +78,9 @@ async def delete_matching(redis: Any, pattern: str) -> None:
 
 async def start_worker(procs: Processes, redis: Any, url: str, run: str, *args: str) -> subprocess.Popen[bytes]:
     """A `rollq worker` subprocess for `run`, returned once it registered (ChildExited with its log if it dies)."""
-    worker = procs.start(
-        "rollq-worker",
-        [*rollq_argv(), "worker", "--redis", url, "--run", run, "--allow", "bench", "--log-level", "WARNING", *args],
-        env=bench_env(),
-    )
+    # bench's workflows come from the repository (--module-path: a worker never imports from its working directory)
+    argv = [*rollq_argv(), "worker", "--redis", url, "--run", run, "--allow", "bench", "--module-path", str(REPO)]
+    worker = procs.start("rollq-worker", [*argv, "--log-level", "WARNING", *args], env=bench_env())
     await procs.wait_until(lambda: redis.zcard(RunKeys(run).workers), 30, "rollq worker to register", watch=worker)
     return worker
 
