@@ -192,7 +192,7 @@ def worker_allowlist(cfg: TrainConfig, stack: UpConfig) -> list[str]:
     whoever runs `rollq up`); rollq's built-ins are allowed anyway."""
     allow = list(stack.allow)
     if ":" in cfg.workflow or "." in cfg.workflow:  # an import path, not a built-in loop's short name
-        allow.append(cfg.workflow)
+        allow.append(cfg.workflow.replace(":", "."))  # patterns are over dotted names (`mod:Cls` is `mod.Cls`)
     return allow
 
 
