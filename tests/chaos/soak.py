@@ -74,7 +74,7 @@ from typing import Any
 import msgspec
 from redis.exceptions import RedisError
 
-from bench.common import BenchError, bench_env, print_summary, rollq_argv, run_bench
+from bench.common import REPO, BenchError, bench_env, print_summary, rollq_argv, run_bench
 from rollq.config import with_query
 from rollq.local import Processes, RedisServer, free_port, wait_until
 from rollq.producer.results import PartitionedConsumer, ResultConsumer
@@ -289,6 +289,8 @@ class Stack:
             "bench",
             "--allow",
             "tests.chaos.failing_reward",
+            "--module-path",  # both from the repository: a worker never imports from its working directory
+            str(REPO),
         ]
         for url in self.engine_urls:
             argv += ["--engine", url]

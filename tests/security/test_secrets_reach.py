@@ -77,9 +77,12 @@ def _fallbacks() -> Path:
     Python before 3.11.3 (asyncio.timeout after), a package this environment, on a newer 3.11, doesn't install."""
     folder = Path(tempfile.gettempdir()) / "rollq-nobody-fallbacks"
     folder.mkdir(mode=0o755, exist_ok=True)
-    shim = folder / "async_timeout.py"
-    shim.write_text("from asyncio import timeout\n\n__all__ = ['timeout']\n")
-    shim.chmod(0o644)
+    shim, text = folder / "async_timeout.py", "from asyncio import timeout\n\n__all__ = ['timeout']\n"
+    if not shim.exists() or shim.read_text() != text:  # written whole, then renamed: test processes run in parallel
+        part = folder / f".async_timeout.{os.getpid()}"
+        part.write_text(text)
+        part.chmod(0o644)
+        os.replace(part, shim)
     folder.chmod(0o755)
     return folder
 
