@@ -341,7 +341,9 @@ class RedisServer:
         self._fixed_port = port is not None
         self.port = port or free_port()
         self.password = password
-        config_file = None if password is None else str(self._write_config(password))
+        if password is not None:
+            self._check_password(password)
+        config_file = None if password is None else str(self.dir / "redis-auth.conf")
         self.args = RedisArgs(
             port=self.port,
             directory=str(self.dir),
@@ -354,14 +356,23 @@ class RedisServer:
         self.name = name
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def _write_config(self, password: str) -> Path:
+    @staticmethod
+    def _check_password(password: str) -> None:
         if not password or any(c.isspace() or c in "\"'\\" for c in password):
             raise ValueError("a redis-server password must be non-empty, without spaces, quotes or backslashes")
-        path = self.dir / "redis-auth.conf"
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+
+    def _write_config(self) -> None:
+        """The password's config file (mode 0600), for one start: removed once the server has read it (it answers, or
+        it exited), so that it is not left for processes of the same user to read."""
+        if self.password is None or self.args.config_file is None:
+            return
+        fd = os.open(self.args.config_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
-            f.write(f"requirepass {password}\n")
-        return path
+            f.write(f"requirepass {self.password}\n")
+
+    def _remove_config(self) -> None:
+        if self.args.config_file is not None:
+            Path(self.args.config_file).unlink(missing_ok=True)
 
     @property
     def url(self) -> str:
@@ -387,13 +398,19 @@ class RedisServer:
         attempts = 1 if self._fixed_port else 3
         while True:
             self.args = msgspec.structs.replace(self.args, port=self.port)
-            proc = self.processes.start(self.name, self._argv())
-            self.proc = proc
+            self._write_config()
             try:
-                wait_until_sync(partial(self._settled, proc), timeout_s, 0.02, f"{self.name} on {self.port} to answer")
-            except WaitTimeout:
-                self.processes.kill(proc)
-                raise
+                proc = self.processes.start(self.name, self._argv())
+                self.proc = proc
+                try:
+                    wait_until_sync(
+                        partial(self._settled, proc), timeout_s, 0.02, f"{self.name} on {self.port} to answer"
+                    )
+                except WaitTimeout:
+                    self.processes.kill(proc)
+                    raise
+            finally:
+                self._remove_config()
             if proc.poll() is None:
                 return self
             attempts -= 1

@@ -28,6 +28,7 @@ from rollq.child_errors import ChildErrors
 from rollq.config import DEFAULT_REDIS_URL, ENV_PREFIX, RunSettings, Settings, fields_of, setting
 from rollq.handover import HandedConfig
 from rollq.local import LocalError, Processes, RedisServer, free_port
+from rollq.protocol.keys import RunKeys
 from rollq.redis_client import TRANSIENT_ERRORS, redis_client, safe_url
 from rollq.shield import shield_secrets
 from rollq.trainer.config import TrainConfig
@@ -308,6 +309,10 @@ async def _run(
     try:
         for u in urls:
             await procs.wait_until(functools.partial(engine_healthy, u), 300, f"engine {u}", interval_s=0.1)
+        # No job, and so no agent, before every child has read what was handed to it: until then a child is not yet
+        # non-dumpable, and a process of the same user could read its pipe (rollq/handover.py). An engine has read
+        # its settings once it answers, a worker once it registers.
+        await workers_registered(procs, url, cfg.run, stack_cfg.workers)
     except BaseException:
         if policy is not None:
             policy.cancel()
@@ -339,6 +344,20 @@ async def _run(
             await asyncio.gather(training, watch, return_exceptions=True)
     finally:
         await pool.close()
+        await redis.aclose()
+
+
+async def workers_registered(procs: Processes, url: str, run: str, workers: int) -> None:
+    """Returns once `workers` workers of `run` have registered (ChildExited if a child dies first)."""
+    redis = redis_client(url)
+    key = RunKeys(run).workers
+
+    async def registered() -> bool:
+        return await redis.zcard(key) >= workers
+
+    try:
+        await procs.wait_until(registered, 300, f"{workers} worker(s) to register", interval_s=0.05)
+    finally:
         await redis.aclose()
 
 
