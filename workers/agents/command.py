@@ -8,7 +8,8 @@ The contract, for the program:
   the operator allowed with `env:NAME` patterns). The official SDKs read these, so an unmodified agent talks to the
   proxy and every completion is recorded token-exactly;
 - working directory: its HOME, never the worker's (whose folders agents must not write to); as the worker's
-  agent_user when set (rollq.workers.agents.agent_user);
+  agent_user when set (rollq.workers.agents.agent_user): its one user, or with a uid range a uid of the episode's own
+  (rollq.workers.agents.uid_pool), so no other running agent can read its environment;
 - stdin: the job's data as one JSON document, then end of file;
 - stdout: the LAST non-empty line is the result, as JSON: a number (the reward of the last completion), an object
   `{completion_id: reward}`, or `null` (the agent rejects the sample). Anything before that line is logged at debug
@@ -16,7 +17,8 @@ The contract, for the program:
 - exit: 0. Any other exit status fails the episode with the status and the last 2 KiB of stderr;
 - lifetime: the program runs in a process group (session) of its own. The group is killed (SIGKILL) at the episode
   timeout (AgentOptions.timeout_seconds), when the episode is cancelled, and when the program exits, so nothing the
-  agent started outlives its episode.
+  agent started in it outlives its episode. A process that left the group (setsid) survives that, unless the
+  episode has a uid of its own (agent_user a range): then every process of that uid is killed when it ends.
 
 `CommandAgent` is an ordinary inline agent (`async def run(...)`), so AgentWorkflow opens and closes the proxy
 session, applies the timeout and turns the result into rewards and trajectories exactly as for a Python agent. It
