@@ -64,8 +64,10 @@ RUN ln -s ../lib/node_modules/npm/bin/npm-cli.js /usr/local/bin/npm \
 
 # The unprivileged user the services run as, and the directories it writes. /var/lib/rollq/runs and
 # /var/lib/rollq/weights exist owned by it, so the named volumes compose mounts there start with that ownership.
-# rollq-agent (10002): the user the worker runs agents as (compose.yaml's agent_user). It owns nothing here: rollq's
-# code and every package are installed by root below, /srv/rollq is rollq's; both are read-only to it.
+# rollq-agent (10002): the user the worker runs Python agents as (the first uid of compose.yaml's agent_user range,
+# 10002-10129:10002); command agents run as 10003-10129 (group rollq-agent), which need no entry here. None of them
+# owns anything here: rollq's code and every package are installed by root below, /srv/rollq is rollq's; both are
+# read-only to them.
 RUN groupadd --system --gid 10001 rollq \
     && useradd --system --uid 10001 --gid 10001 --create-home --home-dir /home/rollq rollq \
     && groupadd --system --gid 10002 rollq-agent \

@@ -199,10 +199,14 @@ class WorkerConfig(RunSettings, kw_only=True):
     agent_user: Annotated[
         str,
         setting(
-            "run agents (command agents, subproc-mode agents, agent hosts) as this user: UID:GID or a user name "
-            "(the worker needs CAP_SETUID, CAP_SETGID and CAP_KILL, as root has). The worker refuses to start when "
-            "it can write an allowed command folder or a sys.path entry. Empty: agents run as the worker's own "
-            "user, which is no boundary",
+            "run agents (command agents, subproc-mode agents, agent hosts) as this user: UID:GID or a user name, "
+            "which all agents share (they can read each other's environment, proxy keys included); or a uid range "
+            "FIRST-LAST:GID (e.g. 20000-20255:20000): Python agents run as FIRST, each running command agent as a "
+            "uid of the others of its own, all of whose processes are killed when its episode ends (at least the "
+            "worker's concurrency of them, or episodes wait for a free one; one worker per range and machine). The "
+            "worker needs CAP_SETUID, CAP_SETGID and CAP_KILL, as root has, and refuses to start when the agents "
+            "can write an allowed command folder or a sys.path entry. Empty: agents run as the worker's own user, "
+            "which is no boundary",
             metavar="USER",
             group=AGENTS,
         ),

@@ -43,7 +43,9 @@ class ContextConfig(msgspec.Struct, kw_only=True, frozen=True):
     proxy: ProxyConfig = ProxyConfig()
     agent_processes: int = 4  # subproc-mode agents running at once
     agent_hosts: int = 0  # processes running inline agents' episodes (rollq.workers.agents.hosts); 0 = this loop
-    agent_user: str = ""  # "UID:GID" agents run as (rollq.workers.agents.agent_user); "": this process's user
+    # "UID:GID" agents run as, or "FIRST-LAST:GID" (a uid per running command agent; rollq.workers.agents.agent_user);
+    # "": this process's user
+    agent_user: str = ""
     http_max_connections: int = 1024
     redis_url: str = DEFAULT_REDIS_URL  # where remote rewards reach their reward workers (RunSettings.rewards_url)
     run: str = "default"  # the worker's run (remote rewards go to its reward workers unless a job names another)

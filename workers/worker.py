@@ -53,7 +53,7 @@ from rollq.redis_client import (
     run_partitions,
 )
 from rollq.tracing import INVALID_SPAN, Span, SpanKind, Tracing, traceparent
-from rollq.workers.agents.agent_user import parse_agent_user
+from rollq.workers.agents.agent_user import parse_agent_users
 from rollq.workers.agents.command import is_command
 from rollq.workers.batcher import WriteBatcher
 from rollq.workers.blobs import BlobError, BlobReader
@@ -185,7 +185,7 @@ class Worker:
                 tokenizer=config.tokenizer,
                 agent_processes=config.agent_processes,
                 agent_hosts=config.agent_hosts,
-                agent_user=str(parse_agent_user(config.agent_user) or ""),
+                agent_user=str(parse_agent_users(config.agent_user) or ""),
                 proxy=ProxyConfig(
                     host=config.proxy_host,
                     port=config.proxy_port,

@@ -13,6 +13,7 @@ import pytest
 
 from rollq.cli import parse
 from rollq.local import Processes, free_port, wait_until_sync
+from rollq.workers.agents.agent_user import parse_agent_users
 from tests.deploy.acl import CLUSTER_RULES, acl_users, for_run, option, user_directives
 from tests.deploy.compose import (
     COMPOSE_FILE,
@@ -109,8 +110,12 @@ def test_the_worker_runs_agents_as_a_user_that_cannot_write_its_code(tmp_path, c
     stack = LocalStack(model, tmp_path)
     replica = stack.replicas["worker"][0]
     (cfg,) = parse(stack.command(replica)[1:], env=stack.environment(replica)).settings
-    uid, _, gid = cfg.agent_user.partition(":")
-    assert uid.isdigit() and gid.isdigit() and uid != "0" and gid != "0", cfg.agent_user
+    # A uid range (A1): each running command agent gets a uid of its own, at least as many as the worker runs
+    # episodes at once; Python agents run as the first, the image's rollq-agent.
+    agents = parse_agent_users(cfg.agent_user)
+    assert agents is not None and agents.pooled and 0 not in (agents.first, agents.gid), cfg.agent_user
+    assert len(agents.command_uids()) >= cfg.concurrency, (cfg.agent_user, cfg.concurrency)
+    uid, gid = str(agents.first), str(agents.gid)
     for name, svc in services.items():
         if is_rollq_service(svc) and name != "worker":
             assert "user" not in svc and not svc.get("cap_add"), name
@@ -118,13 +123,15 @@ def test_the_worker_runs_agents_as_a_user_that_cannot_write_its_code(tmp_path, c
     final = max(i for i, (word, _) in enumerate(steps) if word == "FROM")
     user_at = next(i for i, (word, _) in enumerate(steps) if word == "USER" and i > final)
     assert steps[user_at][1] == "10001:10001"
-    assert uid != "10001" and gid != "10001", "agents must not be the services' user"
+    assert not agents.holds(10001) and gid != "10001", "agents must not be the services' user"
     runs = [(i, args) for i, (word, args) in enumerate(steps) if word == "RUN" and i > final]
     assert any(f"--uid {uid} --gid {gid}" in args for _, args in runs), "the agents' user exists in the image"
     installs = [i for i, args in runs if "pip install" in args]
     assert installs and max(installs) < user_at, "the code is installed as root, before USER"
     chowns = [args[args.index("chown") :] for _, args in runs if "chown" in args]
     assert chowns and all(c.startswith("chown -R rollq:rollq") for c in chowns), chowns  # nothing is the agents'
+    image_uids = [int(found) for _, args in runs for found in re.findall(r"--uid (\d+)", args)]
+    assert [u for u in image_uids if agents.holds(u)] == [agents.first], "no other user here has an agents' uid"
     workdir = next(args for word, args in steps[final:] if word == "WORKDIR")
     assert any(workdir in c for c in chowns), "the WORKDIR belongs to the services' user, not the agents'"
 

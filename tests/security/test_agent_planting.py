@@ -184,8 +184,8 @@ async def test_a_worker_imports_user_modules_from_module_paths_never_its_working
 # -- (ii), (iii) agent_user: the worker refuses to start where its agents could write ------------------------------
 
 
-def refused(redis_url: str, cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    argv = worker_argv(redis_url, "refused", "w-refused", "--agent-user", "65534:65534", *args)
+def refused(redis_url: str, cwd: Path, *args: str, user: str = "65534:65534") -> subprocess.CompletedProcess[str]:
+    argv = worker_argv(redis_url, "refused", "w-refused", "--agent-user", user, *args)
     return subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=120)
 
 
@@ -199,6 +199,18 @@ def test_an_allowed_command_folder_the_agents_user_can_write_stops_the_worker(sh
     [line] = out.stderr.strip().splitlines()
     assert line.startswith("rollq worker: agent_user 65534:65534 can write") and str(agents) in line, line
     assert "an allowed command folder" in line and "agent_user" in line
+
+
+@needs_root
+def test_an_allowed_command_folder_a_uid_of_the_agents_range_owns_stops_the_worker(shared_dir, unused_redis_url):
+    """A1: with a uid range every uid of it is the agents' (a command agent runs as any of them)."""
+    agents = folder(shared_dir / "agents")
+    script(agents / "agent.sh", "echo null\n")
+    os.chown(agents, 61002, 0)  # neither the range's first uid nor its group: a command agent's uid
+    out = refused(unused_redis_url, shared_dir, "--allow", f"command:{agents}/*", user="61000-61003:61000")
+    assert out.returncode == 2, out.stderr
+    [line] = out.stderr.strip().splitlines()
+    assert line.startswith("rollq worker: agent_user 61000-61003:61000 can write") and str(agents) in line, line
 
 
 @needs_root

@@ -1,4 +1,4 @@
-"""The user agents run as (the worker's `agent_user` setting) and the fresh folder each agent works in.
+"""The users agents run as (the worker's `agent_user` setting) and the fresh folder each agent works in.
 
 Agents run the code under training. As the worker's own user they can write whatever the worker's user owns: its
 code, its user modules, the folders its allowed commands live in. With `agent_user` they run as another user, which
@@ -12,6 +12,12 @@ Every agent works in a fresh folder of its own, removed after it (a command agen
 one per episode; an agent host: one per host, whose episodes share the process and so its working directory), never
 in the worker's working directory. With `agent_user` the agent's side creates the folder, so it belongs to that user
 (mode 0700), and removes it as that user: the worker needs no right to change owners or to bypass file modes.
+
+`agent_user` is one user (`UID:GID`, a name), which every agent shares: agents of different episodes can then read
+each other's /proc/PID/environ (their proxy keys) and signal each other. Or a range of uids, `FIRST-LAST:GID`: the
+first uid runs the Python agents (subproc mode, agent hosts: these share one uid) and every running command-agent
+episode gets one of the others for its whole life, returned once nothing of it runs any more
+(rollq.workers.agents.uid_pool).
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ import msgspec
 CAP_KILL = 5  # to kill the agents' processes (another user's) at their timeout
 CAP_SETGID = 6
 CAP_SETUID = 7
+MAX_UID = 2**32 - 2  # (uid_t)-1 means "unchanged" to the kernel
+MAX_RANGE_UIDS = 65536  # a larger range is a typo (each uid is a slot the worker keeps)
 REMOVE_TIMEOUT_S = 60.0  # a folder left by an agent is removed within this (a very large tree may take long)
 
 
@@ -43,6 +51,32 @@ class AgentUser(msgspec.Struct, frozen=True):
         return f"{self.uid}:{self.gid}"
 
 
+class AgentUsers(msgspec.Struct, frozen=True):
+    """The `agent_user` setting: one user all agents share (`pooled` False: first == last), or uids FIRST..LAST with
+    group `gid` (`pooled`), whose first uid runs the Python agents and whose others are handed out, one per running
+    command-agent episode."""
+
+    first: int
+    last: int
+    gid: int
+    pooled: bool = False
+
+    @property
+    def shared(self) -> AgentUser:
+        """The user the Python agents (subproc mode, agent hosts) run as; all command agents too when not pooled."""
+        return AgentUser(self.first, self.gid)
+
+    def command_uids(self) -> range:
+        """The uids handed out one per command-agent episode (empty when not pooled: they share `shared`)."""
+        return range(self.first + 1, self.last + 1) if self.pooled else range(0)
+
+    def holds(self, uid: int) -> bool:
+        return self.first <= uid <= self.last
+
+    def __str__(self) -> str:
+        return f"{self.first}-{self.last}:{self.gid}" if self.pooled else f"{self.first}:{self.gid}"
+
+
 def _id(value: str, lookup: str) -> int:
     if value.isdigit():
         return int(value)
@@ -52,12 +86,38 @@ def _id(value: str, lookup: str) -> int:
         raise ValueError(f"agent_user {value!r}: no {lookup} of that name on this machine") from None
 
 
-def parse_agent_user(spec: str) -> AgentUser | None:
-    """`UID:GID`, `NAME:GROUP`, a user name (its primary group) or a UID with an entry in /etc/passwd; "" = None."""
+def parse_agent_users(spec: str) -> AgentUsers | None:
+    """`UID:GID`, `NAME:GROUP`, a user name (its primary group), a UID with an entry in /etc/passwd, or a uid range
+    `FIRST-LAST:GID` (GID numeric or a group name; at least two uids); "" = None."""
     spec = spec.strip()
     if not spec:
         return None
     user, sep, group = spec.partition(":")
+    first, dash, last = user.partition("-")
+    if dash and first.isdigit() and last.isdigit():  # a range (a user name may hold a dash: rollq-agent)
+        if not (sep and group):
+            raise ValueError(f"agent_user {spec!r}: a uid range is FIRST-LAST:GID, e.g. 20000-20255:20000")
+        if int(last) <= int(first) or int(last) - int(first) >= MAX_RANGE_UIDS or int(last) > MAX_UID:
+            raise ValueError(
+                f"agent_user {spec!r}: a uid range holds 2 to {MAX_RANGE_UIDS} uids up to {MAX_UID} (the first runs "
+                "Python agents, each running command agent gets one of the others)"
+            )
+        gid = _id(group, "group")
+        if int(first) == 0 or gid == 0:
+            raise ValueError(f"agent_user {spec!r} holds root (uid or gid 0): agents must run as unprivileged users")
+        return AgentUsers(int(first), int(last), gid, pooled=True)
+    single = _parse_single(spec, user, sep, group)
+    return AgentUsers(single.uid, single.uid, single.gid)
+
+
+def parse_agent_user(spec: str) -> AgentUser | None:
+    """The user Python agents (subproc mode, agent hosts) run as: `agent_user`'s only user, or its range's first
+    uid (parse_agent_users); "" = None."""
+    users = parse_agent_users(spec)
+    return None if users is None else users.shared
+
+
+def _parse_single(spec: str, user: str, sep: str, group: str) -> AgentUser:
     if not user or (sep and not group):
         raise ValueError(f"agent_user {spec!r} must be UID:GID or a user name")
     uid = _id(user, "user")
@@ -136,10 +196,12 @@ def remove_folder(path: str, user: AgentUser | None) -> None:
 
 __all__ = [
     "AgentUser",
+    "AgentUsers",
     "become",
     "cannot_switch",
     "enter_folder",
     "new_folder_path",
     "parse_agent_user",
+    "parse_agent_users",
     "remove_folder",
 ]

@@ -8,7 +8,8 @@ The contract, for the program:
   the operator allowed with `env:NAME` patterns). The official SDKs read these, so an unmodified agent talks to the
   proxy and every completion is recorded token-exactly;
 - working directory: its HOME, never the worker's (whose folders agents must not write to); as the worker's
-  agent_user when set (rollq.workers.agents.agent_user);
+  agent_user when set (rollq.workers.agents.agent_user): its one user, or with a uid range a uid of the episode's own
+  (rollq.workers.agents.uid_pool), so no other running agent can read its environment;
 - stdin: the job's data as one JSON document, then end of file;
 - stdout: the LAST non-empty line is the result, as JSON: a number (the reward of the last completion), an object
   `{completion_id: reward}`, or `null` (the agent rejects the sample). Anything before that line is logged at debug
@@ -16,7 +17,8 @@ The contract, for the program:
 - exit: 0. Any other exit status fails the episode with the status and the last 2 KiB of stderr;
 - lifetime: the program runs in a process group (session) of its own. The group is killed (SIGKILL) at the episode
   timeout (AgentOptions.timeout_seconds), when the episode is cancelled, and when the program exits, so nothing the
-  agent started outlives its episode.
+  agent started in it outlives its episode. A process that left the group (setsid) survives that, unless the
+  episode has a uid of its own (agent_user a range): then every process of that uid is killed when it ends.
 
 `CommandAgent` is an ordinary inline agent (`async def run(...)`), so AgentWorkflow opens and closes the proxy
 session, applies the timeout and turns the result into rewards and trajectories exactly as for a Python agent. It
@@ -49,10 +51,18 @@ from typing import Any, cast
 
 import msgspec
 
-from rollq.workers.agents.agent_user import AgentUser, enter_folder, new_folder_path, parse_agent_user, remove_folder
+from rollq.workers.agents.agent_user import (
+    AgentUser,
+    AgentUsers,
+    enter_folder,
+    new_folder_path,
+    parse_agent_users,
+    remove_folder,
+)
 from rollq.workers.agents.environment import command_environment, command_options, proxy_variables
 from rollq.workers.agents.export import AgentOutputError
 from rollq.workers.agents.subproc import agent_result
+from rollq.workers.agents.uid_pool import UidPool, kill_uid
 from rollq.workers.resolver import Allowlist, ImportNotAllowed, WorkflowLoadError
 
 log = logging.getLogger("rollq.worker")
@@ -184,11 +194,19 @@ class CommandAgent:
             payload = msgspec.json.encode(data) + b"\n"
         except (TypeError, msgspec.EncodeError) as exc:
             raise AgentOutputError(f"{self.name}: the job's data cannot be written as JSON: {exc}") from None
+        # Who runs it: `user`, the worker's one agent_user, or (agent_user a uid range) a uid of this episode's own
+        # (waiting while none is free), which no other running agent has and so cannot read its environment.
+        pool = None if self.user is not None else context_uid_pool()
+        if pool is not None:
+            user: AgentUser | None = await pool.acquire()
+        else:
+            user = self.user if self.user is not None else context_agent_user()
         # The episode's HOME, TMPDIR and working directory (never the worker's), removed after it. Made here as the
         # worker's user; with agent_user, by the program's process once it runs as that user, so the folder is its.
-        user = self.user if self.user is not None else context_agent_user()
         home = tempfile.mkdtemp(prefix="rollq-agent-") if user is None else new_folder_path()
         try:
+            if pool is not None and user is not None:
+                await pool.ready(user)
             tmpdir = os.path.join(home, "tmp")
             if user is None:
                 os.mkdir(tmpdir, 0o700)
@@ -196,7 +214,7 @@ class CommandAgent:
             return await self._run(payload, env, home, user)
         finally:
             # In a thread (an agent may leave a large tree), finished even when the episode is cancelled meanwhile.
-            await asyncio.shield(asyncio.get_running_loop().run_in_executor(None, remove_folder, home, user))
+            await asyncio.shield(asyncio.ensure_future(_end_episode(home, user, pool)))
 
     async def _run(self, payload: bytes, env: dict[str, str], home: str, user: AgentUser | None) -> Any:
         loop = asyncio.get_running_loop()
@@ -293,15 +311,46 @@ def _enter_episode(user: AgentUser, home: str, tmpdir: str) -> None:
     os.mkdir(tmpdir, 0o700)
 
 
+async def _end_episode(home: str, user: AgentUser | None, pool: UidPool | None) -> None:
+    """HOME removed. With a uid of the episode's own, every process of that uid is killed first (one that left the
+    group could still write into HOME, or wait for the uid's next episode), and the uid is freed last."""
+    loop = asyncio.get_running_loop()
+    if pool is None or user is None:
+        await loop.run_in_executor(None, remove_folder, home, user)
+        return
+    clean = False
+    try:
+        clean = await loop.run_in_executor(None, kill_uid, user)
+        await loop.run_in_executor(None, remove_folder, home, user)
+    finally:
+        pool.release(user, clean)
+
+
 def context_agent_user() -> AgentUser | None:
-    """The running worker's agent_user (None outside a worker, or when agents run as the worker's user)."""
+    """The running worker's agent_user for command agents that share one (None outside a worker, or when agents
+    run as the worker's user)."""
+    users = _context_agent_users()
+    return None if users is None else users.shared
+
+
+def context_uid_pool() -> UidPool | None:
+    """The running worker's pool of command-agent uids (agent_user a range), None when agents share one user."""
+    from rollq.workers.context import workflow_context
+
+    users = _context_agent_users()
+    if users is None or not users.pooled:
+        return None
+    return cast(UidPool, workflow_context().pool(("agent-uids", str(users)), lambda: UidPool(users)))
+
+
+def _context_agent_users() -> AgentUsers | None:
     from rollq.workers.context import workflow_context
 
     try:
         spec = workflow_context().config.agent_user
     except RuntimeError:  # no worker around this agent (a script, a test): its caller's user
         return None
-    return parse_agent_user(spec)
+    return parse_agent_users(spec)
 
 
 async def _kill_started(spawn: asyncio.Future[Any]) -> None:

@@ -7,7 +7,9 @@ runs it, so the pattern allows anything. The worker's working directory counts t
 `-c` (multiprocessing's fork server and resource tracker) import from it first.
 
 - With `agent_user` (agents run as another user) every such place, and everything below the folders, must be
-  unwritable by that user: the worker refuses to start otherwise (`AgentCanWrite`, naming the path).
+  unwritable by that user: the worker refuses to start otherwise (`AgentCanWrite`, naming the path). A uid range
+  (`FIRST-LAST:GID`) is checked as one identity: a place is writable when any uid of the range owns it, the group
+  may write it, or everyone may (one walk, whatever the range's size).
 - Without it agents run as the worker's own user and can write whatever that user can: the worker logs one WARNING
   naming the places its own user can write (the entries themselves; what lies below them is the same user's too).
 
@@ -26,7 +28,7 @@ from collections.abc import Iterator, Sequence
 
 import msgspec
 
-from rollq.workers.agents.agent_user import AgentUser, cannot_switch, parse_agent_user
+from rollq.workers.agents.agent_user import AgentUser, AgentUsers, cannot_switch, parse_agent_users
 from rollq.workers.resolver import COMMAND_PREFIX
 
 log = logging.getLogger("rollq.worker")
@@ -80,10 +82,14 @@ def places(patterns: Sequence[str], path: Sequence[str], cwd: str) -> list[tuple
     return list(unique.items())
 
 
-def user_can_write(st: os.stat_result, user: AgentUser) -> bool:
-    """`user` (no supplementary groups) may write the file `st` describes: it owns it (and so may change its mode),
-    or its group or everyone may write it."""
-    if st.st_uid == user.uid:
+Agents = AgentUser | AgentUsers  # one user, or a uid range with one group
+
+
+def user_can_write(st: os.stat_result, user: Agents) -> bool:
+    """`user` (no supplementary groups; with a range, any of its uids) may write the file `st` describes: it owns it
+    (and so may change its mode), or its group or everyone may write it."""
+    owner = st.st_uid == user.uid if isinstance(user, AgentUser) else user.holds(st.st_uid)
+    if owner:
         return True
     if st.st_gid == user.gid:
         return bool(st.st_mode & stat.S_IWGRP)
@@ -100,7 +106,7 @@ def _existing(path: str) -> str:
     return path
 
 
-def _walk_writable(top: str, user: AgentUser) -> Iterator[str]:
+def _walk_writable(top: str, user: Agents) -> Iterator[str]:
     """Everything under `top` (itself included; a file also through its folder) that `user` can write. Links are
     not followed into (a link's own mode means nothing), but a link's target is checked itself."""
     real = os.path.realpath(top)
@@ -130,7 +136,7 @@ def _walk_writable(top: str, user: AgentUser) -> Iterator[str]:
 
 def writable_places(
     patterns: Sequence[str],
-    user: AgentUser | None,
+    user: Agents | None,
     *,
     path: Sequence[str] | None = None,
     cwd: str | None = None,
@@ -171,7 +177,7 @@ def writable_places(
 
 def check_agent_writable(
     patterns: Sequence[str],
-    user: AgentUser | None,
+    user: Agents | None,
     *,
     path: Sequence[str] | None = None,
     cwd: str | None = None,
@@ -199,10 +205,17 @@ def check_agent_writable(
 def check_agents_cannot_write(allow: Sequence[str], agent_user: str) -> list[Writable]:
     """The worker's check at its start (`allow`, `agent_user`: its settings): ValueError for an agent_user it cannot
     switch to, else check_agent_writable."""
-    user = parse_agent_user(agent_user)
-    if user is not None and (why := cannot_switch(user)) is not None:
-        raise ValueError(f"agent_user {agent_user!r} is set but {why}, so it cannot run agents as that user")
-    return check_agent_writable(allow, user)
+    users = parse_agent_users(agent_user)
+    if users is None:
+        return check_agent_writable(allow, None)
+    # A range: the worker switches to uids that are not its own (the first one and a command agent's) and kills
+    # all processes of a command agent's uid, which must never be its own.
+    if users.pooled and users.holds(os.getuid()):
+        raise ValueError(f"agent_user {agent_user!r} holds this worker's own uid {os.getuid()}")
+    for user in (users.shared, *([AgentUser(users.last, users.gid)] if users.pooled else [])):
+        if (why := cannot_switch(user)) is not None:
+            raise ValueError(f"agent_user {agent_user!r} is set but {why}, so it cannot run agents as that user")
+    return check_agent_writable(allow, users if users.pooled else users.shared)
 
 
 __all__ = [
