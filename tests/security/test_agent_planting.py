@@ -329,3 +329,22 @@ async def test_an_agent_host_works_in_a_fresh_folder_removed_after_it(user):
     assert cwd != os.getcwd() and os.path.basename(cwd).startswith("rollq-agent-host-")
     assert (uid, owner) == (expected, expected)
     assert not os.path.exists(cwd)  # removed once the host exited
+
+
+def test_a_program_allowed_by_name_is_checked_where_the_worker_looks_it_up(tmp_path):
+    """`command:NAME` runs the first NAME on the worker's PATH: an agent that can write a folder on it (or the program
+    itself) puts its own program of that name first, and the pattern allows anything (re-probe of F12)."""
+    early, late = folder(tmp_path / "early"), folder(tmp_path / "late")
+    program = late / "mytool"
+    program.write_text("#!/bin/sh\necho 1\n")
+    program.chmod(0o755)
+    search = os.pathsep.join([str(early), str(late)])
+    assert writable_places(["command:mytool"], NOBODY, path=[], cwd="/", search_path=search) == []
+    early.chmod(0o777)  # anyone may create `early/mytool`, found before the real one
+    with pytest.raises(AgentCanWrite, match=f"can write {early}, a folder on the worker's PATH"):
+        check_agent_writable(["command:mytool"], NOBODY, path=[], cwd="/", search_path=search)
+    assert writable_places(["command:agents/*"], NOBODY, path=[], cwd="/", search_path=search) == []  # no name
+    early.chmod(0o755)
+    program.chmod(0o757)  # anyone may rewrite the program itself
+    [found] = writable_places(["command:mytool"], NOBODY, path=[], cwd="/", search_path=search)
+    assert (found.path, found.kind) == (str(program), "allowed program")

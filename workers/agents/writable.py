@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shutil
 import stat
 import sys
 from collections.abc import Iterator, Sequence
@@ -43,7 +44,7 @@ class AgentCanWrite(Exception):
 class Writable(msgspec.Struct, frozen=True):
     path: str  # what the agents' user can write
     place: str  # the entry it is or lies in
-    kind: str  # "command folder", "sys.path entry" or "working directory"
+    kind: str  # "command folder", "PATH folder", "allowed program", "sys.path entry" or "working directory"
 
     def describe(self) -> str:
         where = "" if self.path == self.place else f" (in {self.place})"
@@ -54,6 +55,8 @@ _KIND_TEXT = {
     "command folder": "an allowed command folder",
     "sys.path entry": "a sys.path entry",
     "working directory": "the worker's working directory",
+    "PATH folder": "a folder on the worker's PATH, where a program allowed by name is looked up",
+    "allowed program": "a program allowed by name",
 }
 
 
@@ -71,9 +74,32 @@ def command_folders(patterns: Sequence[str], cwd: str) -> list[str]:
     return list(dict.fromkeys(out))
 
 
-def places(patterns: Sequence[str], path: Sequence[str], cwd: str) -> list[tuple[str, str]]:
-    """(place, kind) for every place agents must not write."""
+def command_names(patterns: Sequence[str]) -> list[str]:
+    """The `command:` patterns that name a program by its name alone (`command:node`): found on the worker's PATH."""
+    return [p[len(COMMAND_PREFIX) :] for p in patterns if p.startswith(COMMAND_PREFIX) and "/" not in p]
+
+
+def path_places(names: Sequence[str], search_path: str) -> list[tuple[str, str]]:
+    """For programs allowed by name: every PATH folder (an agent that can write one earlier than the program's own
+    puts its own program of that name there, and a job runs it) and the program each name finds (replaced in
+    place)."""
+    if not names:
+        return []
+    found = [(os.path.abspath(folder), "PATH folder") for folder in search_path.split(os.pathsep) if folder]
+    for name in names:
+        program = None if _WILDCARD.search(name) else shutil.which(name, path=search_path)
+        if program is not None:
+            found.append((os.path.abspath(program), "allowed program"))
+    return found
+
+
+def places(
+    patterns: Sequence[str], path: Sequence[str], cwd: str, search_path: str | None = None
+) -> list[tuple[str, str]]:
+    """(place, kind) for every place agents must not write (`search_path`: the worker's PATH)."""
+    search_path = os.environ.get("PATH", os.defpath) if search_path is None else search_path
     found = [(folder, "command folder") for folder in command_folders(patterns, cwd)]
+    found += path_places(command_names(patterns), search_path)
     found += [(os.path.abspath(entry), "sys.path entry") for entry in path if entry]
     found.append((cwd, "working directory"))
     unique: dict[str, str] = {}
@@ -140,15 +166,17 @@ def writable_places(
     *,
     path: Sequence[str] | None = None,
     cwd: str | None = None,
+    search_path: str | None = None,
 ) -> list[Writable]:
     """What agents could write among the places the worker imports or executes from: allowed command folders
-    (`patterns`: the worker's allowlist), `path` (default sys.path) and `cwd` (default the working directory).
+    (`patterns`: the worker's allowlist), with programs allowed by name the folders of `search_path` (default PATH),
+    `path` (default sys.path) and `cwd` (default the working directory).
     `user` None: the worker's own user (the places themselves, by os.access); else everything in them that `user`
     can write, the first finding per place."""
     cwd = os.getcwd() if cwd is None else cwd
     path = sys.path if path is None else path
     found = []
-    for place, kind in places(patterns, path, cwd):
+    for place, kind in places(patterns, path, cwd, search_path):
         target = _existing(place)
         if user is None:
             if os.access(target, os.W_OK):
@@ -161,7 +189,7 @@ def writable_places(
             except OSError:
                 pass
             continue
-        if kind == "working directory":  # only what `-c` children import from it first: its own entries
+        if kind in ("working directory", "PATH folder"):  # the folder's own entries: what is looked up in it
             try:
                 writable = user_can_write(os.stat(place), user)
             except OSError:
@@ -181,10 +209,11 @@ def check_agent_writable(
     *,
     path: Sequence[str] | None = None,
     cwd: str | None = None,
+    search_path: str | None = None,
 ) -> list[Writable]:
     """At the worker's start. With `user`: AgentCanWrite naming the first place it can write. Without: one WARNING
     naming the places the worker's own user (and so its agents) can write. Returns what was found."""
-    found = writable_places(patterns, user, path=path, cwd=cwd)
+    found = writable_places(patterns, user, path=path, cwd=cwd, search_path=search_path)
     if not found:
         return found
     if user is not None:
