@@ -101,3 +101,22 @@ def rss_kib(pid: int) -> tuple[int, int]:
     if len(fields) != 2:
         raise ProcessLookupError(f"process {pid} has no memory figures (a zombie or a kernel thread)")
     return fields["VmHWM"], fields["VmRSS"]
+
+
+def descendants(root: int) -> list[int]:
+    """Every process below `root` (from /proc: its children, theirs, ...)."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found, frontier = [], [root]
+    while frontier:
+        pid = frontier.pop()
+        children = [p for p, parent in parents.items() if parent == pid]
+        found += children
+        frontier += children
+    return found

@@ -14,29 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO_ROOT, wait_until
+from tests.helpers import REPO_ROOT, descendants, wait_until
 from tests.trainer.helpers import WORKFLOW_KWARGS
 
 STEPS, GROUP, GROUPS, ETA = 6, 4, 2, 1
-
-
-def descendants(root: int) -> list[int]:
-    """Every process below `root` (from /proc: its children, theirs, ...)."""
-    parents: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
-    found, frontier = [], [root]
-    while frontier:
-        pid = frontier.pop()
-        children = [p for p, parent in parents.items() if parent == pid]
-        found += children
-        frontier += children
-    return found
 
 
 def rank_pid(root: int, rank: int) -> int | None:

@@ -35,7 +35,7 @@ from rollq.producer import JobRequest, Producer
 from rollq.protocol.keys import RunKeys
 from rollq.trainer.config import TrainConfig
 from rollq.trainer.engines import engine_pool as trainer_pool
-from tests.helpers import REPO_ROOT, engine_healthy, wait_registered, wait_until
+from tests.helpers import REPO_ROOT, descendants, engine_healthy, wait_registered, wait_until
 
 NOBODY = 65534
 
@@ -203,25 +203,6 @@ async def test_a_same_user_process_cannot_read_the_secrets_of_a_rollq_process(
 # -- rollq up: a pipe for the keys, a password for its Redis ------------------------------------------------------
 
 
-def _children(pid: int) -> list[int]:
-    """Every descendant of `pid` (from /proc)."""
-    parents: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
-    found, frontier = [], [pid]
-    while frontier:
-        p = frontier.pop()
-        kids = [c for c, parent in parents.items() if parent == p]
-        found += kids
-        frontier += kids
-    return found
-
-
 def _cmdline(pid: int) -> list[str]:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
@@ -249,7 +230,7 @@ async def test_rollq_up_hands_keys_over_in_a_pipe_and_its_redis_needs_a_password
 
         await wait_until(trained, 240, what="rollq up's first step")
         assert up.poll() is None, (tmp_path / "up.log").read_text()[-3000:]
-        children = {pid: _cmdline(pid) for pid in _children(up.pid)}
+        children = {pid: _cmdline(pid) for pid in descendants(up.pid)}
         # redis-server sets its title: "redis-server 127.0.0.1:PORT"; it runs in its --dir, with its config file
         [redis_pid] = [pid for pid, cmd in children.items() if cmd and "redis-server" in cmd[0]]
         port = int(children[redis_pid][0].rsplit(":", 1)[1])
