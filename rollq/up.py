@@ -65,7 +65,8 @@ class UpConfig(Settings, kw_only=True):
     allow: Annotated[
         list[str],
         setting(
-            "import paths the workers may import besides rollq's built-ins and the trainer's workflow (repeatable)",
+            "import paths the workers may import besides rollq's built-ins, the trainer's workflow and the reward_fn "
+            "of its workflow_kwargs (repeatable)",
             metavar="PATTERN",
         ),
     ] = []

@@ -56,10 +56,8 @@ async def test_misspelt_refused_and_edited_modules_each_say_what_happened(
     )
     typo = errors["typo"]
     assert "cannot import module 'my_agnt'" in typo and "not allowed" not in typo
-    assert (
-        f"no module 'my_agnt' among the installed packages or on the module paths (its module paths: {REPO_ROOT}, {modules})"
-        in typo
-    )
+    on_paths = f"on the module paths (its module paths: {REPO_ROOT}, {modules})"
+    assert f"no module 'my_agnt' among the installed packages or {on_paths}" in typo
     assert errors["first-use"] == "rejected"  # my_agent is imported now
     # Refused before anything is imported: the message can't tell whether the module exists
     for job, path in (("refused-missing", "not_a_module_anywhere:Thing"), ("refused-existing", "json:dumps")):
