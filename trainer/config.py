@@ -143,7 +143,12 @@ class TrainConfig(RunSettings, kw_only=True):
         str, setting("a built-in loop's name or an import path (workers must allow it)", group=WHAT)
     ] = "rlvr"
     workflow_kwargs: Annotated[
-        dict[str, Any], setting("the workflow's arguments (a mapping)", metavar="MAPPING", group=WHAT)
+        dict[str, Any],
+        setting(
+            "the workflow's arguments (a mapping; default: the built-in task's, or none for a workflow of one's own)",
+            metavar="MAPPING",
+            group=WHAT,
+        ),
     ] = msgspec.field(default_factory=_toy_workflow_kwargs)
     eval_dataset: Annotated[
         str,
