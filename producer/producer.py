@@ -40,6 +40,7 @@ class JobRequest(msgspec.Struct, kw_only=True):
     n: int = 1
     job_id: str | None = None  # give one to make the submission idempotent
     workflow_kwargs: dict[str, Any] | None = None
+    optional_kwargs: dict[str, Any] | None = None  # passed only to a workflow that takes them (Job.optional_kwargs)
     agent: AgentOptions | None = None  # how an agent workflow is run and exported
     is_eval: bool = False  # an evaluation sample (the workflow reads it as workflow_context.get().is_eval)
     job_class: str = DEFAULT_CLASS  # its job class (`rollq classes set`): stream, priority, share, admission budget
@@ -324,6 +325,7 @@ class Producer:
             sample_index=sample_index,
             n=req.n,
             workflow_kwargs=req.workflow_kwargs,
+            optional_kwargs=req.optional_kwargs,
             agent=req.agent,
             is_eval=req.is_eval,
             reply_to=reply_to or self.reply_to,

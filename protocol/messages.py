@@ -64,6 +64,10 @@ class Job(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     sample_index: int = 0
     n: int = 1
     workflow_kwargs: dict[str, Any] | None = None
+    # Passed over workflow_kwargs only to a workflow class whose constructor names them (the trainer's evaluation:
+    # `temperature` for the built-in loops, left out for an agent that takes none). A worker before this field runs
+    # the job without them, as the training jobs ran.
+    optional_kwargs: dict[str, Any] | None = None
     agent: AgentOptions | None = None  # only for agent workflows; None = defaults
     reply_to: str = ""  # results stream key; "" = the run's shared results stream
     attempt: int = 0  # failed runs before this one (the workflow raised)

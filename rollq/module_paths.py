@@ -37,6 +37,9 @@ def drop_start_folder(path: list[str] | None = None, *, cwd: str | None = None, 
     path[:] = [entry for entry in path if entry and not _same(entry, cwd)]
 
 
+_CONFIGURED: list[str] = []  # the folders use_module_paths gave this process, named in a "no module" error
+
+
 def add_module_paths(folders: Sequence[str], path: list[str] | None = None) -> list[str]:
     """Appends each folder (made absolute) to `path` (sys.path) unless it is there already; returns them."""
     path = sys.path if path is None else path
@@ -47,10 +50,17 @@ def add_module_paths(folders: Sequence[str], path: list[str] | None = None) -> l
     return added
 
 
+def configured_module_paths() -> list[str]:
+    """The module_paths folders this process imports user modules from (use_module_paths), in order."""
+    return list(_CONFIGURED)
+
+
 def use_module_paths(folders: Sequence[str]) -> None:
     """A process that imports user code, at its start: the start folder out of sys.path, `folders` in, last."""
     drop_start_folder()
-    add_module_paths(folders)
+    for folder in add_module_paths(folders):
+        if folder not in _CONFIGURED:
+            _CONFIGURED.append(folder)
 
 
-__all__ = ["SETTING_DOC", "add_module_paths", "drop_start_folder", "use_module_paths"]
+__all__ = ["SETTING_DOC", "add_module_paths", "configured_module_paths", "drop_start_folder", "use_module_paths"]

@@ -32,6 +32,7 @@ from rollq.protocol.keys import RunKeys
 from rollq.redis_client import TRANSIENT_ERRORS, redis_client, safe_url
 from rollq.shield import shield_secrets
 from rollq.trainer.config import TrainConfig
+from rollq.workers.resolver import Allowlist
 
 if TYPE_CHECKING:
     from rollq.trainer.metrics import StepRecord
@@ -64,7 +65,8 @@ class UpConfig(Settings, kw_only=True):
     allow: Annotated[
         list[str],
         setting(
-            "import paths the workers may import besides rollq's built-ins and the trainer's workflow (repeatable)",
+            "import paths the workers may import besides rollq's built-ins, the trainer's workflow and the reward_fn "
+            "of its workflow_kwargs (repeatable)",
             metavar="PATTERN",
         ),
     ] = []
@@ -189,11 +191,16 @@ async def start_redis(procs: Processes, url: str | None, directory: Path) -> str
 
 
 def worker_allowlist(cfg: TrainConfig, stack: UpConfig) -> list[str]:
-    """What the stack's workers may import: the operator's patterns and the trainer's own workflow (both named by
-    whoever runs `rollq up`); rollq's built-ins are allowed anyway."""
+    """What the stack's workers may import: the operator's patterns, the trainer's own workflow and the reward_fn
+    of its own workflow_kwargs and eval_workflow_kwargs (all named by whoever runs `rollq up`); rollq's built-ins are
+    allowed anyway. Each is that one object, not its whole module."""
     allow = list(stack.allow)
-    if ":" in cfg.workflow or "." in cfg.workflow:  # an import path, not a built-in loop's short name
-        allow.append(cfg.workflow.replace(":", "."))  # patterns are over dotted names (`mod:Cls` is `mod.Cls`)
+    named = [cfg.workflow, *(kwargs.get("reward_fn") for kwargs in (cfg.workflow_kwargs, cfg.eval_workflow_kwargs))]
+    for path in named:
+        if isinstance(path, str) and (":" in path or "." in path):  # an import path, not a built-in loop's name
+            dotted = path.replace(":", ".")  # patterns are over dotted names (`mod:fn` is `mod.fn`)
+            if not Allowlist(tuple(allow)).allows(dotted):  # rollq's own (its toy tasks' rewards) need none
+                allow.append(dotted)
     return allow
 
 
@@ -425,6 +432,7 @@ def up(stack: UpConfig, cfg: TrainConfig) -> int:
     import uvloop
 
     from rollq.trainer.commands import quiet_libraries, run_summary
+    from rollq.trainer.metrics import format_eval
     from rollq.trainer.nothing_trains import NothingTrains
 
     if cfg.run == "default":  # a fresh run: repeated `up`s never share keys
@@ -455,8 +463,10 @@ def up(stack: UpConfig, cfg: TrainConfig) -> int:
     summary["run_dir"] = cfg.directory
     goal = ("; goal " + ("met" if summary["goal_met"] else "NOT met")) if "goal_met" in summary else ""
     held_out = ""
-    if summary.get("eval_before") is not None:
-        held_out = f"; held-out {summary['eval_before']:.3f} -> {summary['eval_after']:.3f}"
+    if summary.get("evals") and summary["evals"][0][0] == 0:  # evaluated before the first step (not resumed)
+        held_out = f"; held-out {format_eval(summary['eval_before'])} -> {format_eval(summary['eval_after'])}"
+        failed = sum(n for _, n in summary["eval_failed"])
+        held_out += f" ({failed} evaluation samples failed: see eval.jsonl)" if failed else ""
     print(
         f"rollq up: mean reward {summary['reward_first10']:.3f} (first 10 steps) -> {summary['reward_last10']:.3f} "
         f"(last 10) in {summary['seconds']:.0f} s{goal}{held_out}. Wrote {cfg.directory}/metrics.jsonl and "

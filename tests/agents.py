@@ -94,6 +94,24 @@ class SyncEnvAgent:
         return 0.0
 
 
+class TwoTurnAgent:
+    """Asks, then asks again on the same conversation; rewards only the second answer, so the first gets
+    `turn_discount` times it. Its constructor takes no `temperature` (nor any sampling argument)."""
+
+    def __init__(self, max_tokens: int = 16) -> None:
+        self.max_tokens = max_tokens
+
+    async def run(self, data: dict, base_url: str, api_key: str, http_client: Any) -> dict[str, float]:
+        from openai import AsyncOpenAI
+
+        client = AsyncOpenAI(base_url=base_url, api_key=api_key, http_client=http_client)
+        messages: list[dict[str, Any]] = [{"role": "user", "content": data["question"]}]
+        first = await client.chat.completions.create(model="policy", messages=messages, max_tokens=self.max_tokens)
+        messages += [first.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "Sure?"}]
+        second = await client.chat.completions.create(model="policy", messages=messages, max_tokens=self.max_tokens)
+        return {first.id: 0.0, second.id: 1.0}
+
+
 class RaisingAgent:
     async def run(self, data: dict, **extra_kwargs: Any) -> float:
         raise RuntimeError("the agent's environment crashed")

@@ -57,3 +57,9 @@ def completion_reward(prompt, completion, input_ids, output_ids, bonus: float = 
 def answer_in_completion(prompt, completions, prompt_ids, completion_ids, **data: object) -> float:
     """AReaL's reward_fn signature (areal/api/reward_api.py): 1.0 when the sample's answer is in the completion."""
     return float(str(data["answer"]) in completions)
+
+
+def mapped_answer(prompt_text: str, completion_text: str, input_ids: list, output_ids: list, **data: object) -> float:
+    """1 when the line's mapped prompt reached the model and its mapped `answer` reached the reward (prompt_key,
+    answer_key); raises when `answer` is missing, so a failure cannot pass for a reward."""
+    return 1.0 if data["answer"] == "5" and "What is 2 + 3?" in prompt_text else 0.0

@@ -42,11 +42,16 @@ def summarize(records: list[StepRecord], evals: list[EvalRecord] | None = None, 
     if dataset in GOALS:  # a goal means nothing for another dataset
         at_least, ratio = GOALS[dataset]
         summary["goal_met"] = bool(rewards) and last >= at_least and last >= ratio * first
-    if evals:
-        summary["eval_before"] = round(evals[0].reward_mean, 4) if evals[0].step == 0 else None
-        summary["eval_after"] = round(evals[-1].reward_mean, 4)
-        summary["evals"] = [[e.step, round(e.reward_mean, 4)] for e in evals]
+    if evals:  # None: n/a, every sample of that evaluation failed (eval.jsonl has the count and the first error)
+        summary["eval_before"] = _rounded(evals[0].reward_mean) if evals[0].step == 0 else None
+        summary["eval_after"] = _rounded(evals[-1].reward_mean)
+        summary["evals"] = [[e.step, _rounded(e.reward_mean)] for e in evals]
+        summary["eval_failed"] = [[e.step, e.failed] for e in evals if e.failed]
     return summary
+
+
+def _rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 4)
 
 
 def run_summary(cfg: TrainConfig, records: list[StepRecord]) -> dict[str, Any]:

@@ -10,12 +10,20 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from rollq.config import RunSettings, setting
+from rollq.protocol.messages import AgentOptions
 
 WHERE, WHAT, HOW_MUCH, OPTIM, UPDATES = "where", "what", "how much", "optimisation", "weight updates"
 RANKS = "ranks"
+AGENTS = "agents"
 LORA = "LoRA"
 LORA_LR = 5e-3  # an adapter on the random-init tiny model learns at about ten times full fine-tuning's rate
 LORA_STEPS = 200  # what the LoRA loops of CONTRIBUTING.md measure the toy task with (reward >= 0.95 in each)
+
+
+# rollq's built-in loops by short name (rollq.workers.builtin.BUILTIN_WORKFLOWS); all but the vision one take a
+# `tokenizer`, which must tokenize as the trained model does.
+BUILTIN_LOOPS = ("rlvr", "multi_turn", "tool_agent", "vision_rlvr")
+_TOKENIZING_BUILTINS = ("rlvr", "multi_turn", "tool_agent")
 
 
 def _toy_workflow_kwargs() -> dict[str, Any]:
@@ -112,11 +120,35 @@ class TrainConfig(RunSettings, kw_only=True):
             group=WHAT,
         ),
     ] = "toy:digits"
+    prompt_key: Annotated[
+        str,
+        setting(
+            "the dataset column holding each line's prompt, when it is not one the loops read (verl's name): a "
+            "string becomes `prompt` (one user turn), a list of messages `messages`; the line's own prompt keys "
+            "give way ('' = none: lines hold `messages`, `prompt` or `input_ids`; docs/rewards.md)",
+            metavar="COLUMN",
+            group=WHAT,
+        ),
+    ] = ""
+    answer_key: Annotated[
+        str,
+        setting(
+            "the dataset column copied to `answer` for the reward (a dotted path reaches into a mapping, e.g. "
+            "verl's reward_model.ground_truth; '' = none)",
+            metavar="COLUMN",
+            group=WHAT,
+        ),
+    ] = ""
     workflow: Annotated[
         str, setting("a built-in loop's name or an import path (workers must allow it)", group=WHAT)
     ] = "rlvr"
     workflow_kwargs: Annotated[
-        dict[str, Any], setting("the workflow's arguments (a mapping)", metavar="MAPPING", group=WHAT)
+        dict[str, Any],
+        setting(
+            "the workflow's arguments (a mapping; default: the built-in task's, or none for a workflow of one's own)",
+            metavar="MAPPING",
+            group=WHAT,
+        ),
     ] = msgspec.field(default_factory=_toy_workflow_kwargs)
     eval_dataset: Annotated[
         str,
@@ -131,12 +163,48 @@ class TrainConfig(RunSettings, kw_only=True):
     eval_workflow_kwargs: Annotated[
         dict[str, Any],
         setting(
-            "evaluation jobs' workflow arguments, over workflow_kwargs (default: greedy decoding, for the built-in "
-            "loops; {} for a workflow without `temperature`)",
+            "evaluation jobs' workflow arguments, over workflow_kwargs, passed as given (e.g. AReaL's "
+            "`{gconfig: {...}}`)",
             metavar="MAPPING",
             group=WHAT,
         ),
-    ] = msgspec.field(default_factory=lambda: {"temperature": 0.0})
+    ] = {}
+    eval_temperature: Annotated[
+        float | None,
+        setting(
+            "evaluation's sampling temperature (0 = greedy), given to a workflow whose constructor takes "
+            "`temperature` (the built-in loops) and left out for one that does not (an agent; AReaL's workflows, "
+            "which sample by their gconfig); a temperature in eval_workflow_kwargs wins (null = as in training)",
+            group=WHAT,
+        ),
+    ] = 0.0
+    agent_mode: Annotated[
+        Literal["inline", "subproc"],
+        setting(
+            "an agent workflow's jobs (a class with `async def run(self, data, **kw)`): inline in the worker's "
+            "event loop, or subproc in a process pool (OPENAI_BASE_URL/OPENAI_API_KEY set)",
+            group=AGENTS,
+        ),
+    ] = "inline"
+    agent_timeout: Annotated[
+        float,
+        setting(
+            "an agent episode's time limit (within the workers' max_agent_timeout)", metavar="S", gt=0, group=AGENTS
+        ),
+    ] = 600.0
+    export_style: Annotated[
+        Literal["individual", "concat"],
+        setting("an agent's trajectories: a sequence per completion, or per conversation branch", group=AGENTS),
+    ] = "individual"
+    turn_discount: Annotated[
+        float,
+        setting(
+            "an agent's completion's reward = its own + this x its child's (mean of its children's), as AReaL's",
+            ge=0,
+            le=1,
+            group=AGENTS,
+        ),
+    ] = 1.0
     steps: Annotated[int, setting("training steps", ge=1, group=HOW_MUCH)] = 200
     group_size: Annotated[int, setting("samples per prompt (GRPO group)", ge=1, group=HOW_MUCH)] = 8
     groups_per_step: Annotated[
@@ -484,6 +552,8 @@ class TrainConfig(RunSettings, kw_only=True):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.eval_temperature is not None and self.eval_temperature < 0:
+            raise ValueError(f"eval_temperature must be >= 0 (or null), got {self.eval_temperature}")
         if self.fleet and not (self.lora and self.lora_publish == "adapter"):
             raise ValueError(
                 f"fleet {self.fleet!r} is shared: a full-weight update (this run's, lora_rank {self.lora_rank}, "
@@ -494,13 +564,44 @@ class TrainConfig(RunSettings, kw_only=True):
     @classmethod
     def implied(cls, given: Mapping[str, Any]) -> dict[str, Any]:
         """A pretrained model's own task: `model: smollm2` alone trains the arithmetic task (smollm2_task); a LoRA
-        run's learning rate is lora_lr unless `lr` is given, and it trains LORA_STEPS steps unless `steps` is."""
+        run's learning rate is lora_lr unless `lr` is given, and it trains LORA_STEPS steps unless `steps` is. A
+        workflow of one's own (an import path) gets no workflow_kwargs unless given: the built-in task's reward and
+        sampling arguments are the built-in loop's, which an agent's constructor would refuse."""
         tasks = {"smollm2": smollm2_task, "tiny-vl": colours_task}
         implied = tasks[given["model"]]() if given.get("model") in tasks else {}
+        workflow = str(given.get("workflow") or "")
+        if workflow and workflow not in BUILTIN_LOOPS and not workflow.startswith("rollq.workers.builtin."):
+            implied["workflow_kwargs"] = {}
         if int(given.get("lora_rank") or 0) > 0:
             implied["lr"] = float(given.get("lora_lr") or LORA_LR)
             implied.setdefault("steps", LORA_STEPS)
         return implied
+
+    def job_kwargs(self) -> dict[str, Any]:
+        """The training jobs' workflow kwargs: workflow_kwargs, with the trained model as a built-in loop's
+        tokenizer unless one is given (it must tokenize as the trained model does)."""
+        if self.workflow in _TOKENIZING_BUILTINS and "tokenizer" not in self.workflow_kwargs:
+            return {**self.workflow_kwargs, "tokenizer": self.model}
+        return self.workflow_kwargs
+
+    def eval_job_kwargs(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The evaluation jobs' workflow kwargs, and those the worker passes only to a workflow that takes them
+        (Job.optional_kwargs: eval_temperature; the trainer can't import the workflow to ask)."""
+        kwargs = {**self.job_kwargs(), **self.eval_workflow_kwargs}
+        if self.eval_temperature is None or "temperature" in self.eval_workflow_kwargs:
+            return kwargs, {}
+        return kwargs, {"temperature": self.eval_temperature}
+
+    def agent_options(self) -> AgentOptions | None:
+        """The agent options the run's jobs carry (None: the defaults, which travel as nothing); a workflow that is
+        not an agent ignores them."""
+        options = AgentOptions(
+            mode=self.agent_mode,
+            export_style=self.export_style,
+            turn_discount=self.turn_discount,
+            timeout_seconds=self.agent_timeout,
+        )
+        return None if options == AgentOptions() else options
 
     @property
     def lora(self) -> bool:

@@ -9,6 +9,7 @@ from functools import partial
 from typing import Any
 
 from rollq.producer.producer import JobRequest, Producer
+from rollq.protocol.messages import AgentOptions
 from rollq.trainer.data import PromptOrder
 from rollq.trainer.ledger import Ride, StalenessLedger, direct
 
@@ -34,6 +35,7 @@ class GroupFeeder:
         group_size: int,
         workflow: str,
         workflow_kwargs: dict[str, Any] | None,
+        agent: AgentOptions | None = None,
         next_index: int = 0,
         recheck_s: float = 1.0,
         reoffer_after_s: float = 0.0,
@@ -49,6 +51,7 @@ class GroupFeeder:
         self.group_size = group_size
         self.workflow = workflow
         self.workflow_kwargs = workflow_kwargs
+        self.agent = agent  # an agent workflow's options (TrainConfig.agent_options)
         self.next_index = next_index  # first group not yet admitted
         self.recheck_s = recheck_s  # the ledger may also change elsewhere (another trainer life): look again
         self.reoffer_after_s = reoffer_after_s  # 0: never look for vanished submissions
@@ -105,6 +108,7 @@ class GroupFeeder:
             n=self.group_size,
             job_id=job_id,
             workflow_kwargs=self.workflow_kwargs,
+            agent=self.agent,
             priority=-index if self.priority_by_age else None,
         )
 

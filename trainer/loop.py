@@ -25,7 +25,7 @@ import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, TextIO, TypeVar
+from typing import TextIO, TypeVar
 
 import msgspec
 import redis.asyncio as aioredis
@@ -46,7 +46,7 @@ from rollq.trainer.batch import Batch, Group, build_batch, trained_versions
 from rollq.trainer.checkpoint import TrainerState
 from rollq.trainer.collector import Collected, GroupCollector
 from rollq.trainer.config import TrainConfig
-from rollq.trainer.data import PromptOrder, load_prompts
+from rollq.trainer.data import PromptOrder, task_prompts
 from rollq.trainer.evaluate import Evaluator
 from rollq.trainer.feeder import GroupFeeder, adapter_name
 from rollq.trainer.ledger import StalenessLedger
@@ -65,17 +65,6 @@ UNLOAD_WAIT_S = 10.0  # at the end of a LoRA run, how long old adapters' unloads
 KEEP_WEIGHT_VERSIONS = 2  # an engine being reconciled may still read the previous version
 PLOT_EVERY_STEPS = 20  # plot.png follows a long run
 RATE_WINDOW_S = 10.0  # throughput figures average over at least this long (reads come in bursts)
-
-
-# rollq's built-in loops (by short name) take a `tokenizer`; they must tokenize as the trained model does.
-_TOKENIZING_BUILTINS = ("rlvr", "multi_turn", "tool_agent")
-
-
-def builtin_kwargs(cfg: TrainConfig) -> dict[str, Any]:
-    """The workflow's kwargs, with the trained model as a built-in loop's tokenizer unless one is given."""
-    if cfg.workflow in _TOKENIZING_BUILTINS and "tokenizer" not in cfg.workflow_kwargs:
-        return {**cfg.workflow_kwargs, "tokenizer": cfg.model}
-    return cfg.workflow_kwargs
 
 
 class Trainer:
@@ -126,17 +115,11 @@ class Trainer:
         self.consumer: ResultConsumer | PartitionedConsumer = ResultConsumer(
             redis, self.producer.reply_to, group=CONSUMER_GROUP, name=CONSUMER_NAME
         )
-        self.prompts = PromptOrder(load_prompts(config.dataset), seed=config.seed)
-        self.evaluator = None
-        if config.eval_dataset:
-            self.evaluator = Evaluator(
-                redis,
-                config.run,
-                dataset=config.eval_dataset,
-                workflow=config.workflow,
-                workflow_kwargs={**builtin_kwargs(config), **config.eval_workflow_kwargs},
-                partitions=config.partitions,
-            )
+        self.prompts = PromptOrder(
+            task_prompts(config.dataset, config.workflow, prompt_key=config.prompt_key, answer_key=config.answer_key),
+            seed=config.seed,
+        )
+        self.evaluator = Evaluator.for_run(redis, config) if config.eval_dataset else None
         self.policy: TrainerPolicy = policy or Policy(config)
         self.state = TrainerState(run_id=uuid.uuid4().hex[:8], model=config.model)
         self._unacked: list[Delivered] = []
@@ -426,7 +409,8 @@ class Trainer:
             prefix=prefix,
             group_size=cfg.group_size,
             workflow=cfg.workflow,
-            workflow_kwargs=builtin_kwargs(cfg),
+            workflow_kwargs=cfg.job_kwargs(),
+            agent=cfg.agent_options(),
             next_index=self.state.next_group,
             reoffer_after_s=cfg.reoffer_after_s,
             priority_by_age=cfg.priority_by_age,

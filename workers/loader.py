@@ -46,7 +46,7 @@ class FunctionWorkflow:
 
 class WorkflowCache:
     def __init__(self, converter: KwargConverter | None = None) -> None:
-        self._instances: dict[tuple[str, str, AgentOptions | None, tuple[str, ...] | None], Any] = {}
+        self._instances: dict[tuple[str, str, str, AgentOptions | None, tuple[str, ...] | None], Any] = {}
         self.converter = converter or KwargConverter()  # a job's JSON kwargs -> constructor arguments
 
     def get(
@@ -55,13 +55,16 @@ class WorkflowCache:
         kwargs: dict[str, Any] | None,
         agent: AgentOptions | None = None,
         allow: list[str] | None = None,
+        *,
+        optional: dict[str, Any] | None = None,
     ) -> Any:
         """The workflow for (path, kwargs, agent options), built under the active allowlist once per job patterns
-        `allow` (Job.allow): an instance built for one tenant is never handed to a job of narrower patterns."""
-        key = (path, json.dumps(kwargs, sort_keys=True, default=str) if kwargs else "", agent, _patterns(allow))
+        `allow` (Job.allow): an instance built for one tenant is never handed to a job of narrower patterns.
+        `optional` (Job.optional_kwargs) go over `kwargs` where the workflow's constructor names them."""
+        key = (path, _key(kwargs), _key(optional), agent, _patterns(allow))
         wf = self._instances.get(key)
         if wf is None:
-            wf = self._instances[key] = self._build(path, kwargs or {}, agent)
+            wf = self._instances[key] = self._build(path, kwargs or {}, agent, optional or {})
         return wf
 
     async def close(self) -> None:
@@ -73,12 +76,13 @@ class WorkflowCache:
             if isinstance(result, Exception):
                 log.warning("closing a workflow failed: %s: %s", type(result).__name__, result)
 
-    def _build(self, path: str, kwargs: dict[str, Any], agent: AgentOptions | None) -> Any:
+    def _build(self, path: str, kwargs: dict[str, Any], agent: AgentOptions | None, optional: dict[str, Any]) -> Any:
         from rollq.workers.agents.runner import AgentWorkflow, is_agent  # the agent stack loads only when used
 
         if is_command(path):
             return _command_workflow(path, kwargs, agent)
         obj = resolve(path)
+        kwargs = {**kwargs, **accepted_kwargs(obj, optional)}
         if is_agent(obj):
             if inspect.isclass(obj) and (agent is None or agent.mode == "inline"):
                 obj = self._construct(obj, path, kwargs)  # subproc mode builds it in the child instead
@@ -107,6 +111,27 @@ class WorkflowCache:
             raise  # a kwarg the converter refused, with its reason
         except Exception as exc:
             raise WorkflowLoadError(f"cannot construct workflow {path!r}: {type(exc).__name__}: {exc}") from None
+
+
+def accepted_kwargs(obj: Any, optional: dict[str, Any]) -> dict[str, Any]:
+    """Those of `optional` that class `obj`'s constructor names as parameters (a `**kwargs` catch-all does not
+    count: it may hand them to anything); none for a function or an object."""
+    if not optional or not inspect.isclass(obj):
+        return {}
+    try:
+        parameters = inspect.signature(obj).parameters
+    except (TypeError, ValueError):
+        return {}
+    named = {
+        name
+        for name, p in parameters.items()
+        if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    }
+    return {k: v for k, v in optional.items() if k in named}
+
+
+def _key(kwargs: dict[str, Any] | None) -> str:
+    return json.dumps(kwargs, sort_keys=True, default=str) if kwargs else ""
 
 
 def _patterns(allow: list[str] | None) -> tuple[str, ...] | None:

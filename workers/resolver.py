@@ -41,6 +41,8 @@ from typing import Any
 
 import msgspec
 
+from rollq.module_paths import configured_module_paths
+
 # rollq's own objects a job may name without the operator listing them: the built-in loops and the built-in toy
 # tasks' rewards.
 BUILTIN_ALLOWED = ("rollq.workers.builtin", "rollq.tasks")
@@ -211,7 +213,9 @@ def resolve(path: str, *, allowlist: Allowlist | None = None) -> Any:
         try:
             obj = getattr(obj, part)
         except AttributeError:
-            raise WorkflowLoadError(f"module {module_name!r} has no attribute {attr_path!r} ({path!r})") from None
+            raise WorkflowLoadError(
+                f"module {module_name!r} has no attribute {attr_path!r} ({path!r})" + _stale_hint(module_name)
+            ) from None
         if isinstance(obj, ModuleType):
             raise WorkflowLoadError(f"import path {path!r} names a module, not a class, function or object")
         if allowlist is not None:
@@ -220,13 +224,27 @@ def resolve(path: str, *, allowlist: Allowlist | None = None) -> Any:
 
 
 def _not_found_hint(exc: Exception, module_name: str) -> str:
-    """Where a missing user module should have been: a worker does not search its working directory."""
+    """Where a missing user module should have been (the path was allowed, so saying so reveals nothing the
+    allowlist hides): the folders of the process's module_paths; a worker does not search its working directory.
+    A misspelt module name lands here too."""
     missing = exc.name if isinstance(exc, ModuleNotFoundError) else None
     if not missing or not (module_name == missing or module_name.startswith(missing + ".")):
         return ""  # found, or something it imports is missing
+    folders = configured_module_paths()
+    where = f"its module paths: {', '.join(folders)}" if folders else "no module paths are set"
     return (
-        "; a rollq worker or reward worker imports user modules from the folders of its module_paths setting "
-        "(--module-path DIR, ROLLQ_WORKER_MODULE_PATHS), never from its working directory"
+        f"; no module {missing!r} among the installed packages or on the module paths ({where}): check the name's "
+        "spelling; a rollq worker or reward worker imports user modules from the folders of its module_paths "
+        "setting (--module-path DIR, ROLLQ_WORKER_MODULE_PATHS), never from its working directory"
+    )
+
+
+def _stale_hint(module_name: str) -> str:
+    """A process imports a module once and keeps it: an attribute added to the file since is not there until the
+    process restarts (the usual reason a name that is in the file is "missing")."""
+    return (
+        f"; this process imported {module_name!r} when a job first used it and keeps that copy: edits made to the "
+        "file since are seen only after the worker restarts"
     )
 
 

@@ -686,7 +686,11 @@ class Worker:
             try:
                 with enforcing(allowlist):
                     workflow = self.workflows.get(
-                        workflow_path(job.workflow, data), job.workflow_kwargs, job.agent, job.allow
+                        workflow_path(job.workflow, data),
+                        job.workflow_kwargs,
+                        job.agent,
+                        job.allow,
+                        optional=job.optional_kwargs,
                     )
             except WorkflowLoadError as exc:
                 raise _Fatal(self._error(type(exc).__name__, str(exc), runs)) from None

@@ -8,6 +8,7 @@ import pytest
 from rollq.trainer.config import TrainConfig
 from rollq.up import UpConfig, worker_allowlist
 from rollq.workers.resolver import Allowlist, ImportNotAllowed, resolve
+from tests.reward_fns import exact_match
 from tests.workflows import Echo
 
 
@@ -21,3 +22,17 @@ def test_the_trainers_workflow_is_what_the_workers_may_import(workflow):
 
 def test_a_built_in_loops_short_name_adds_no_pattern():
     assert worker_allowlist(TrainConfig(workflow="rlvr"), UpConfig(allow=["mine"])) == ["mine"]
+
+
+@pytest.mark.parametrize("setting", ["workflow_kwargs", "eval_workflow_kwargs"])
+def test_the_reward_fn_of_the_trainers_own_kwargs_is_allowed_like_its_workflow(setting):
+    cfg = TrainConfig(**{setting: {"reward_fn": "tests.reward_fns:exact_match"}})
+    allowlist = Allowlist(patterns=tuple(worker_allowlist(cfg, UpConfig(allow=["mine"]))))
+    assert resolve("tests.reward_fns:exact_match", allowlist=allowlist) is exact_match
+    with pytest.raises(ImportNotAllowed):  # that function, not its whole module
+        resolve("tests.reward_fns:raises", allowlist=allowlist)
+
+
+def test_a_built_in_reward_adds_no_pattern():
+    cfg = TrainConfig(workflow_kwargs={"reward_fn": "rollq.tasks.addition:addition_reward"})
+    assert worker_allowlist(cfg, UpConfig(allow=["mine"])) == ["mine"]

@@ -10,10 +10,14 @@ import json
 import msgspec
 import pytest
 
+from rollq.config import build
 from rollq.engine.pool import EnginePool, PoolConfig
 from rollq.trainer.commands import summarize
+from rollq.trainer.config import TrainConfig
+from rollq.trainer.evaluate import Evaluator
 from rollq.trainer.loop import Trainer
-from rollq.trainer.metrics import MetricsLog
+from rollq.trainer.metrics import MetricsLog, eval_line, format_eval
+from tests.helpers import running_worker
 from tests.trainer.helpers import WORKFLOW_KWARGS
 
 
@@ -53,3 +57,109 @@ async def test_evaluations_run_at_their_steps_on_the_version_evaluated(
     assert summary["evals"] == [[e.step, round(e.reward_mean, 4)] for e in evals]
     assert (tmp_path / "run" / "plot.png").read_bytes()[:4] == b"\x89PNG"
     assert msgspec.json.decode((tmp_path / "run" / "eval.jsonl").read_bytes().splitlines()[0])["step"] == 0
+
+
+# -- evaluating custom code: only the kwargs a workflow takes; a failing evaluation is n/a with its reason -------------
+
+
+@pytest.fixture
+async def scripted_pool():
+    from tests.agents import SCRIPT
+    from tests.scripted import scripted_engine
+
+    async with scripted_engine(SCRIPT) as engine, EnginePool(PoolConfig(urls=[engine.url])) as pool:
+        yield pool
+
+
+async def evaluate_once(redis, redis_url, run_name, pool, tmp_path, lines: list[dict], **settings):
+    """One evaluation, as a run of `settings` (otherwise the defaults) evaluates, by a real worker."""
+    held_out = tmp_path / "held_out.jsonl"
+    held_out.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    # as `rollq train KEY=VALUE ...` builds it (TrainConfig.implied: no toy-task kwargs for a workflow of one's own)
+    cfg = build(
+        TrainConfig, "trainer", {"run": run_name, "redis_url": redis_url, "eval_dataset": str(held_out), **settings}
+    )
+    async with running_worker(redis_url, run_name, engine=pool, max_attempts=1, concurrency=4):
+        return await Evaluator.for_run(redis, cfg).evaluate(step=0, version=0)
+
+
+QUESTIONS = [{"question": "What is 2 + 3?"}] * 3
+
+
+async def test_a_custom_agent_is_evaluated_with_the_default_settings(
+    redis, redis_url, run_name, scripted_pool, tmp_path
+):
+    record = await evaluate_once(
+        redis, redis_url, run_name, scripted_pool, tmp_path, QUESTIONS, workflow="tests.agents:TwoTurnAgent"
+    )
+    # Its rewards (first turn 0 + 1.0 x the second's 1.0, second 1.0): not a failure for want of `temperature`
+    assert (record.reward_mean, record.failed, record.first_error) == (1.0, 0, "")
+
+
+async def test_the_trainers_agent_options_reach_the_evaluation_jobs(
+    redis, redis_url, run_name, scripted_pool, tmp_path
+):
+    record = await evaluate_once(
+        redis,
+        redis_url,
+        run_name,
+        scripted_pool,
+        tmp_path,
+        QUESTIONS,
+        workflow="tests.agents:TwoTurnAgent",
+        turn_discount=0.5,
+    )
+    assert record.reward_mean == 0.75 and record.failed == 0  # first turn 0 + 0.5 x 1.0, second 1.0
+
+
+async def test_an_evaluation_whose_jobs_all_fail_is_na_with_the_first_reason(
+    redis, redis_url, run_name, scripted_pool, tmp_path
+):
+    record = await evaluate_once(
+        redis,
+        redis_url,
+        run_name,
+        scripted_pool,
+        tmp_path,
+        QUESTIONS,
+        workflow="tests.agents:TwoTurnAgent",
+        eval_workflow_kwargs={"top_k": 5},  # given explicitly: passed as given, and this agent takes none
+    )
+    assert record.reward_mean is None and record.failed == 3
+    assert record.first_error.startswith("WorkflowLoadError: cannot construct workflow 'tests.agents:TwoTurnAgent'")
+    assert "unexpected keyword argument 'top_k'" in record.first_error
+    line = eval_line(record)
+    assert (
+        "held-out reward n/a: 3 of 3 prompts failed, the first with WorkflowLoadError" in line and "0.000" not in line
+    )
+    summary = summarize([], [record])
+    assert summary["eval_before"] is None and summary["eval_failed"] == [[0, 3]]
+    assert format_eval(summary["eval_after"]) == "n/a"
+
+
+async def test_prompt_key_and_answer_key_reach_the_loop_and_the_reward(
+    redis, redis_url, run_name, scripted_pool, tmp_path
+):
+    record = await evaluate_once(
+        redis,
+        redis_url,
+        run_name,
+        scripted_pool,
+        tmp_path,
+        [{"question": "What is 2 + 3?", "solution": "5"}] * 2,
+        prompt_key="question",
+        answer_key="solution",
+        workflow_kwargs={"reward_fn": "tests.reward_fns:mapped_answer", "max_new_tokens": 4},
+    )
+    assert (record.reward_mean, record.failed) == (1.0, 0), record.first_error
+
+
+def test_optional_kwargs_go_only_to_a_constructor_that_names_them():
+    from rollq.workers.loader import WorkflowCache
+
+    greedy = {"temperature": 0.0}
+    kwargs = {"reward_fn": "tests.reward_fns:exact_match", "temperature": 1.2}
+    rlvr = WorkflowCache().get("rollq.workers.builtin.rlvr:RLVRWorkflow", kwargs, optional=greedy)
+    assert rlvr.generation.temperature == 0.0  # the built-in loop evaluates greedily
+    agent = WorkflowCache().get("tests.agents:TwoTurnAgent", None, optional=greedy)
+    assert agent.kwargs == {}  # an agent without `temperature` is built without it
