@@ -37,9 +37,6 @@ def drop_start_folder(path: list[str] | None = None, *, cwd: str | None = None, 
     path[:] = [entry for entry in path if entry and not _same(entry, cwd)]
 
 
-_CONFIGURED: list[str] = []  # the folders use_module_paths gave this process, named in a "no module" error
-
-
 def add_module_paths(folders: Sequence[str], path: list[str] | None = None) -> list[str]:
     """Appends each folder (made absolute) to `path` (sys.path) unless it is there already; returns them."""
     path = sys.path if path is None else path
@@ -50,17 +47,23 @@ def add_module_paths(folders: Sequence[str], path: list[str] | None = None) -> l
     return added
 
 
-def configured_module_paths() -> list[str]:
-    """The module_paths folders this process imports user modules from (use_module_paths), in order."""
-    return list(_CONFIGURED)
+def configured_module_paths(path: list[str] | None = None) -> list[str]:
+    """The folders this process imports user modules from, in order: those of sys.path outside the Python
+    installation and its environment (use_module_paths put them there; derived, not recorded, so no process-wide
+    state)."""
+    prefixes = {os.path.abspath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix)}
+    inside = tuple(p.rstrip(os.sep) + os.sep for p in prefixes)
+    return [
+        entry
+        for entry in (sys.path if path is None else path)
+        if entry and os.path.abspath(entry) not in prefixes and not os.path.abspath(entry).startswith(inside)
+    ]
 
 
 def use_module_paths(folders: Sequence[str]) -> None:
     """A process that imports user code, at its start: the start folder out of sys.path, `folders` in, last."""
     drop_start_folder()
-    for folder in add_module_paths(folders):
-        if folder not in _CONFIGURED:
-            _CONFIGURED.append(folder)
+    add_module_paths(folders)
 
 
 __all__ = ["SETTING_DOC", "add_module_paths", "configured_module_paths", "drop_start_folder", "use_module_paths"]
