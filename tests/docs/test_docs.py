@@ -246,3 +246,25 @@ def test_no_page_names_the_checkpoint_file_runs_no_longer_write():
     """Runs write `checkpoints/{latest,step-N}/` (docs/export.md); a `checkpoint.pt` was the old single file."""
     named = [page for page in pages() if "checkpoint.pt" in (REPO_ROOT / page).read_text()]
     assert named == []
+
+
+def test_areal_md_names_the_test_of_every_file_it_says_runs():
+    """docs/areal.md's file-by-file table: a file that runs in either mode ("ok") names the test that runs it, and
+    that test exists (tests/workers/areal_real/); a file that those tests run is not "not yet"."""
+    lines = (REPO_ROOT / "docs/areal.md").read_text().splitlines()
+    rows = [line for line in lines if re.match(r"\| `[\w/]+\.py` :", line)]  # | `workflow/rlvr.py` : Class | ...
+    assert any("vision_rlvr.py" in row for row in rows)
+    folder = REPO_ROOT / "tests" / "workers" / "areal_real"
+    untested = []
+    for row in rows:
+        name, mode_b, mode_a, tests = (cell.strip() for cell in row.strip().strip("|").split("|")[:4])
+        if not (mode_b.startswith("ok") or mode_a.startswith("ok")):
+            path = name.split("`")[1]  # workflow/vision_rlvr.py
+            run_by = [t.name for t in folder.glob("test_*.py") if f"areal/{path}" in t.read_text()]
+            if run_by and "not yet" in f"{mode_b} {mode_a}":
+                untested.append(f"{name}: says not yet, but {', '.join(sorted(run_by))} run it")
+            continue
+        named = re.findall(r"`([\w/]+\.py)`", tests)
+        if not named or not all((folder.parent / n).exists() or (folder / n).exists() for n in named):
+            untested.append(f"{name}: {tests}")
+    assert untested == []
