@@ -20,19 +20,16 @@ if __name__ == "__main__" and not __package__:
 
 import argparse
 import asyncio
-import os
 import random
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
-from bench.common import print_summary
+from bench.common import BenchError, print_summary, proc_cpu_s, run_bench, start_redis, start_worker
 from bench.results import add_results_arg, write_results
+from rollq.local import Processes
 
 GROUP_N = 8  # samples per prompt: a job's data is in each of its n entries unless stored by reference
 
@@ -98,38 +95,29 @@ def stream_bytes(size: int) -> dict[str, Any]:
 
 
 def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+    cpu = proc_cpu_s(pid)
+    if cpu is None:
+        raise BenchError(f"cannot read the CPU time of process {pid} (/proc/{pid}/stat)")
+    return cpu
 
 
-async def worker_cpu(jobs: int, size: int) -> dict[str, Any]:
-    import redis.asyncio as aioredis
-
+async def worker_cpu(procs: Processes, tmp: Path, jobs: int, size: int) -> dict[str, Any]:
     from rollq.engine.server.app import EngineServerConfig, serve
     from rollq.engine.server.synthetic import SyntheticBackend, SyntheticConfig
     from rollq.producer.producer import JobRequest, Producer
+    from rollq.redis_client import redis_client
 
     processor, picture, text = _processor_and_picture(size)
     prompt_len = len(processor(images=[picture], text=text, return_tensors="pt")["input_ids"][0])
     words = processor.tokenizer.decode([35] * (prompt_len - 12))  # text of about the same token count
     backend = SyntheticBackend(SyntheticConfig(tokenizer="tiny-vl", replies=["C"]))
     engine = await serve(backend, EngineServerConfig(host="127.0.0.1", port=0))
-    tmp = Path(tempfile.mkdtemp(prefix="rollq-bench-images-"))
-    redis_port = _free_port()
-    redis_proc = subprocess.Popen(
-        ["redis-server", "--port", str(redis_port), "--save", "", "--appendonly", "no", "--dir", str(tmp)],
-        stdout=subprocess.DEVNULL,
-    )
-    url = f"redis://127.0.0.1:{redis_port}/0"
-    worker = subprocess.Popen(
-        [sys.executable, "-m", "rollq", "worker", "--redis", url, "--run", "img", "--engine", engine.url,
-         "--allow", "rollq.tasks", "--tokenizer", "tiny-vl", "--concurrency", "16"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    redis = aioredis.Redis.from_url(url)
+    url = start_redis(procs, tmp)  # stopped with the benchmark's other children (run_bench)
+    redis = redis_client(url)
     try:
-        await _until(lambda: redis.ping(), 30)
+        worker = await start_worker(
+            procs, redis, url, "img", "--engine", engine.url, "--tokenizer", "tiny-vl", "--concurrency", "16"
+        )
         producer = Producer(redis, "img")
         consumer = producer.consumer()
         await consumer.setup()
@@ -159,11 +147,7 @@ async def worker_cpu(jobs: int, size: int) -> dict[str, Any]:
         out["image_over_text_cpu"] = round(out["image_cpu_ms_per_sample"] / out["text_cpu_ms_per_sample"], 2)
         return out
     finally:
-        worker.terminate()
-        worker.wait(30)
         await redis.aclose()
-        redis_proc.terminate()
-        redis_proc.wait(10)
         await engine.close()
 
 
@@ -211,26 +195,6 @@ async def engine_throughput(requests: int, new: int, size: int) -> dict[str, Any
         await backend.close()
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-async def _until(check: Any, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            if await check():
-                return
-        except Exception:
-            if time.monotonic() > deadline:
-                raise
-        await asyncio.sleep(0.05)
-
-
 def table(out: dict[str, Any]) -> str:
     s, w, e = out["stream_bytes"], out["worker_cpu"], out["engine"]
     rows = [
@@ -250,30 +214,33 @@ def table(out: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
-async def run_all(args: argparse.Namespace) -> dict[str, Any]:
+async def run_all(args: argparse.Namespace, procs: Processes, tmp: Path) -> dict[str, Any]:
     return {
         "stream_bytes": stream_bytes(args.size),
-        "worker_cpu": await worker_cpu(args.jobs, args.size),
+        "worker_cpu": await worker_cpu(procs, tmp, args.jobs, args.size),
         "engine": await engine_throughput(args.requests, args.new, args.size),
     }
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", type=int, default=56, help="picture side in pixels (56: 4 image tokens)")
     p.add_argument("--jobs", type=int, default=64, help="episodes per kind in the worker CPU measure")
     p.add_argument("--requests", type=int, default=32, help="concurrent requests in the engine measure")
     p.add_argument("--new", type=int, default=16, help="tokens each engine request generates")
     add_results_arg(p)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.jobs < 32:  # the CPU clock (/proc) ticks in 10 ms: fewer text episodes can read as no CPU at all
         p.error("--jobs must be at least 32")
-    out = asyncio.run(run_all(args))
-    print()
-    print(table(out))
-    print_summary(out)
-    write_results("images", out, args.results)
-    return 0
+
+    async def run(procs: Processes, tmp: Path) -> None:
+        out = await run_all(args, procs, tmp)
+        print()
+        print(table(out))
+        print_summary(out)
+        write_results("images", out, args.results, argv)
+
+    return run_bench(run, "rollq-bench-images-")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """The README is the front page: at most 12 KB, opening with the two commands CI runs (set-up from the lock, then
-the tests), its links pointing at files that exist, and the benchmark headline block bench/report.py fills."""
+the tests), and the benchmark headline block bench/report.py fills. Its links, and its other blocks, are checked with
+the other pages' (tests/docs/test_docs.py)."""
 
 import re
 
@@ -34,14 +35,6 @@ def test_the_set_up_installs_from_the_lock_and_the_docs_repeat_it():
     assert "/uv sync -q --locked " in setup and "uv pip install" not in setup
     for page in ("CONTRIBUTING.md", "docs/getting-started.md"):
         assert setup in (REPO_ROOT / page).read_text().splitlines(), page
-
-
-def test_the_readme_links_point_at_files_that_exist():
-    text = README.read_text()
-    targets = re.findall(r"\]\(([^)\s]+)\)", text)
-    local = {t.split("#")[0] for t in targets if not re.match(r"[a-z]+://", t) and not t.startswith("#")}
-    assert local, "the README links to the docs"
-    assert sorted(t for t in local if not (REPO_ROOT / t).exists()) == []
 
 
 def test_the_benchmark_headline_block_is_there_once():
