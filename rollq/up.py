@@ -424,7 +424,7 @@ def up(stack: UpConfig, cfg: TrainConfig) -> int:
     """`rollq up` (and plain `rollq`): the whole stack on this machine, training `cfg`."""
     import uvloop
 
-    from rollq.trainer.commands import quiet_libraries, run_summary
+    from rollq.trainer.commands import quiet_libraries, reward_change, run_summary
     from rollq.trainer.nothing_trains import NothingTrains
 
     if cfg.run == "default":  # a fresh run: repeated `up`s never share keys
@@ -458,9 +458,8 @@ def up(stack: UpConfig, cfg: TrainConfig) -> int:
     if summary.get("eval_before") is not None:
         held_out = f"; held-out {summary['eval_before']:.3f} -> {summary['eval_after']:.3f}"
     print(
-        f"rollq up: mean reward {summary['reward_first10']:.3f} (first 10 steps) -> {summary['reward_last10']:.3f} "
-        f"(last 10) in {summary['seconds']:.0f} s{goal}{held_out}. Wrote {cfg.directory}/metrics.jsonl and "
-        f"{cfg.directory}/plot.png",
+        f"rollq up: {reward_change(summary)} in {summary['seconds']:.0f} s{goal}{held_out}. Wrote "
+        f"{cfg.directory}/metrics.jsonl and {cfg.directory}/plot.png",
         file=sys.stderr,
     )
     print(msgspec.json.encode(summary).decode())
