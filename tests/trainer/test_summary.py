@@ -4,7 +4,7 @@ that fit the run (10 steps each, half of a shorter run, first step -> last step 
 import pytest
 
 from rollq.trainer.commands import reward_change, summarize
-from rollq.trainer.metrics import StepRecord, TrainStats
+from rollq.trainer.metrics import RateWindow, StepRecord, TrainStats
 
 
 def record(step: int, reward: float) -> StepRecord:
@@ -63,3 +63,14 @@ def test_a_run_of_three_steps_no_longer_compares_its_whole_run_with_itself():
     summary = summarize([record(1, 0.0), record(2, 0.125), record(3, 0.375)])
     assert summary["reward_first10"] != summary["reward_last10"]
     assert "10" not in reward_change(summary)
+
+
+def test_the_rolling_rate_of_a_step_that_read_nothing_itself_reaches_back_to_the_last_read():
+    """F14: a step that trains groups an earlier step read (one read takes every result that has finished) reads
+    nothing itself; a window of only such steps said `0 tok/s` while the engines generated."""
+    window = RateWindow(10.0, start=0.0)
+    assert window.rates(12.0, 600) == (50.0,)  # step 1 read 600 tokens
+    assert window.rates(13.0, 600) == pytest.approx((600 / 13,))  # step 2 trained what step 1 read
+    assert window.rates(30.0, 600) == (20.0,)  # step 3 too: 600 tokens over the 30 s, not 0 over 17 s
+    assert window.rates(45.0, 900) == (20.0,)  # step 4 read again: its window is back to >= 10 s, 300 over 15 s
+    assert window.rates(50.0, 1000) == (20.0,)  # 400 over 20 s: the window is at least 10 s long
