@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -83,6 +85,25 @@ def test_the_export_is_the_trained_model_with_the_base_tokenizer(trained, export
     assert torch.allclose(logits_of(model, ids), want, atol=1e-5)
     assert not torch.allclose(logits_of(base, ids), want, atol=1e-2)
     assert model.generation_config.eos_token_id == base.generation_config.eos_token_id
+
+
+@pytest.mark.parametrize("umask, directories, files", [(0o022, 0o755, 0o644), (0o077, 0o700, 0o600)])
+def test_the_export_follows_the_umask_like_any_file_the_user_writes(trained, tmp_path, umask, directories, files):
+    """F15: it was 0700 / 0600 whatever the umask, so a server running as another user could not read it."""
+    run_dir, _ = trained
+    out = tmp_path / "models" / "model"
+    res = subprocess.run(
+        [sys.executable, "-m", "rollq", "export", str(run_dir), "--out", str(out)],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        preexec_fn=lambda: os.umask(umask),  # the command's own umask, as a user's shell sets it
+    )
+    assert res.returncode == 0, res.stderr
+    modes = {p.relative_to(out).as_posix(): stat.S_IMODE(p.stat().st_mode) for p in [out, *out.rglob("*")]}
+    assert "model.safetensors" in modes and "tokenizer_config.json" in modes
+    assert modes == {name: directories if (out / name).is_dir() else files for name in modes}
 
 
 def test_a_missing_checkpoint_exits_2_naming_it(tmp_path):
