@@ -367,11 +367,13 @@ async def supervise_ranks(cfg: TrainConfig, procs: Processes) -> list[StepRecord
     echoed here. Any other child that dies ends the run, as with the embedded trainer."""
     from rollq.trainer.launch import CONFIG_FILE, torchrun_argv, write_config
     from rollq.trainer.metrics import MetricsLog, progress_line
+    from rollq.trainer.samples import SAMPLES_FILE, notice
 
     ranks_cfg = msgspec.structs.replace(cfg, max_restarts=0)
     config = write_config(ranks_cfg, Path(cfg.directory) / CONFIG_FILE)
     metrics = MetricsLog(Path(cfg.directory))
     shown = len(metrics.read())
+    samples, announced = Path(cfg.directory) / SAMPLES_FILE, False
     code: int | None = None
     for life in range(cfg.max_restarts + 1):
         trainer = procs.start("trainer", torchrun_argv(msgspec.structs.replace(ranks_cfg, nproc=cfg.nproc), config))
@@ -387,6 +389,9 @@ async def supervise_ranks(cfg: TrainConfig, procs: Processes) -> list[StepRecord
             for record in records[shown:]:
                 print(progress_line(record, cfg.steps), file=sys.stderr)
             shown = max(shown, len(records))
+            if not announced and samples.exists():  # rank 0 writes it (its own notice goes to the trainer's log)
+                announced = True
+                print(notice(samples, cfg.samples_every, cfg.samples_per_step), file=sys.stderr)
         if code == 0:
             return metrics.read()
         if life < cfg.max_restarts:
