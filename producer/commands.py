@@ -165,6 +165,7 @@ def enqueue(args: EnqueueConfig) -> int:
         return 2
     for request in requests:
         request.is_eval = args.is_eval
+        request.text = args.text
         request.job_class = args.job_class
     try:
         return uvloop.run(_enqueue(args, requests))

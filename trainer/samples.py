@@ -21,7 +21,7 @@ from typing import Any, TextIO
 
 import msgspec
 
-from rollq.protocol.messages import Sequence, Trajectory
+from rollq.protocol.messages import Trajectory
 from rollq.trainer.batch import Group
 
 SAMPLES_FILE = "samples.jsonl"
@@ -41,14 +41,6 @@ class SampleRecord(msgspec.Struct, kw_only=True):
     versions: list[int]  # the policy versions that generated the completion's tokens
     prompt_tokens: int
     completion_tokens: int  # tokens of `completion`, the model's and (concat) those between them
-
-
-def split_at_completion(seq: Sequence) -> int:
-    """The index of the first token the model generated (the sequence's length when there is none)."""
-    for i, trained in enumerate(seq.loss_mask):
-        if trained:
-            return i
-    return len(seq.input_ids)
 
 
 def round_robin(groups: list[Group], count: int) -> Iterator[Trajectory]:
@@ -89,7 +81,7 @@ class SampleLog:
         for t in round_robin(groups, self.per_step):
             for k, seq in enumerate(t.sequences):
                 ids = list(seq.input_ids)
-                cut = split_at_completion(seq)
+                cut = seq.completion_start()
                 generated = [int(v) for v, m in zip(seq.versions, seq.loss_mask, strict=True) if m]
                 out.append(
                     SampleRecord(
@@ -151,4 +143,4 @@ def read(path: Path) -> list[SampleRecord]:
     return [decoder.decode(line) for line in path.read_bytes().splitlines() if line.strip()]
 
 
-__all__ = ["SAMPLES_FILE", "SampleLog", "SampleRecord", "notice", "read", "round_robin", "split_at_completion"]
+__all__ = ["SAMPLES_FILE", "SampleLog", "SampleRecord", "notice", "read", "round_robin"]
