@@ -20,6 +20,7 @@ from rollq.protocol.codec import Codec
 from rollq.protocol.keys import RunKeys, consumed_key, inflight_key, partition_of
 from rollq.protocol.messages import AgentOptions
 from rollq.redis_client import TRANSIENT_ERRORS, redis_client
+from rollq.tracing import Tracing
 
 
 class InputError(JsonlError):
@@ -58,6 +59,8 @@ async def _enqueue(args: EnqueueConfig, requests: list[JobRequest]) -> int:
     redis = redis_client(args.redis_url)
     keys = RunKeys(args.run)
     reply_to = keys.reply_stream(f"enqueue-{uuid.uuid4().hex[:12]}") if args.wait else keys.results
+    # Each job's submit span (trace settings or OTEL_* on): its trace begins here, not at the worker.
+    tracing = Tracing.from_settings(args, "enqueue")
     producer = Producer(
         redis,
         args.run,
@@ -65,6 +68,7 @@ async def _enqueue(args: EnqueueConfig, requests: list[JobRequest]) -> int:
         max_inflight=args.max_inflight,
         reply_ttl_s=args.reply_ttl if args.wait else 0,
         partitions=args.partitions,
+        tracing=tracing,
     )
     keepalive: asyncio.Task[None] | None = None
     admitted: list[Any] = []
@@ -112,6 +116,7 @@ async def _enqueue(args: EnqueueConfig, requests: list[JobRequest]) -> int:
             keepalive.cancel()
             await _delete_reply_streams(redis, producer, [r.job_id for r in admitted])
         await redis.aclose()
+        await asyncio.to_thread(tracing.shutdown)  # exports the submit spans still buffered
 
 
 async def _keep_alive(producer: Producer, every_s: float) -> None:
@@ -160,6 +165,7 @@ def enqueue(args: EnqueueConfig) -> int:
         return 2
     for request in requests:
         request.is_eval = args.is_eval
+        request.text = args.text
         request.job_class = args.job_class
     try:
         return uvloop.run(_enqueue(args, requests))

@@ -63,6 +63,13 @@ class EnqueueConfig(RunSettings, kw_only=True):
             group=AGENTS,
         ),
     ] = 1.0
+    text: Annotated[
+        bool,
+        setting(
+            "--wait: each sequence carries its decoded `text` (prompt, completion), decoded by the worker with the "
+            "workflow's tokenizer (else the worker's)"
+        ),
+    ] = False
     is_eval: Annotated[
         bool, setting("evaluation samples (workflows read workflow_context.get().is_eval; AReaL's name)")
     ] = False

@@ -17,7 +17,9 @@ def json_objects(lines: Iterable[str], name: str) -> Iterator[tuple[int, dict[st
         if not line.strip():
             continue
         try:
-            data = json.loads(line)
+            # without its line ending: a line cut short is reported at its last column, not at column 1 after the
+            # newline (a file's lines keep theirs; splitlines() drops them)
+            data = json.loads(line.rstrip("\r\n"))
         except json.JSONDecodeError as exc:
             raise JsonlError(f"{name}:{lineno}: not valid JSON ({exc.msg} at column {exc.colno})") from None
         if not isinstance(data, dict):

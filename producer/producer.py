@@ -47,6 +47,7 @@ class JobRequest(msgspec.Struct, kw_only=True):
     priority: int | None = None  # its engine requests' priority (larger first); None: its class's
     lora: str = ""  # the LoRA adapter its generation names (the trainer's versioned adapter); "" = none
     traceparent: str = ""  # W3C traceparent of the caller's span: the submit span (rollq.tracing) is its child
+    text: bool = False  # its trajectories' sequences carry their decoded text (Sequence.text); costs bytes
 
 
 class SubmitResult(msgspec.Struct, frozen=True):
@@ -334,6 +335,7 @@ class Producer:
             priority=req.priority,
             lora=req.lora,
             traceparent=req.traceparent,
+            text=req.text,
         )
 
     def _fits(self, req: JobRequest, classes: dict[str, JobClass], count: int) -> None:

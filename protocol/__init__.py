@@ -11,6 +11,7 @@ from rollq.protocol.messages import (
     Job,
     JobClass,
     Sequence,
+    SequenceText,
     Trajectory,
     job_classes,
 )
@@ -30,6 +31,7 @@ __all__ = [
     "RunKeys",
     "SCHEMA_VERSION",
     "Sequence",
+    "SequenceText",
     "Trajectory",
     "UInt8Array",
     "WORKER_GROUP",

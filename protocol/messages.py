@@ -97,6 +97,9 @@ class Job(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     # W3C traceparent of the span that submitted it (rollq.tracing): its samples' spans join that trace. Tracing
     # only: a reader that knows no traces ignores it.
     traceparent: Annotated[str, msgspec.Meta(max_length=TRACEPARENT_MAX)] = ""
+    # The worker adds each sequence's decoded prompt and completion (Sequence.text) to the trajectory. Off by
+    # default: text costs bytes. A worker before it ignores it (no text; nothing else changes).
+    text: bool = False
     schema: int = BASE_SCHEMA
 
     def __post_init__(self) -> None:
@@ -188,6 +191,16 @@ class VisionRef(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     inline: bytes | None = None  # the encoded VisionInputs, when carried here
 
 
+class SequenceText(msgspec.Struct, kw_only=True, gc=False):
+    """A sequence as text, decoded by the worker from its input_ids with the job's tokenizer (its workflow's
+    `tokenizer`, else the worker's), special tokens kept: `prompt` up to the first token the model generated,
+    `completion` the rest (tool and user turns between the model's tokens included). For reading only: training
+    uses the ids."""
+
+    prompt: str
+    completion: str
+
+
 class Sequence(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     """One token sequence. All four arrays have the same length. (Defaults are omitted on the wire: a missing
     `reward` is 0.0.)"""
@@ -200,12 +213,20 @@ class Sequence(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     # The images the model saw in this sequence (a vision-language model's), by reference or inline; the trainer
     # needs them to recompute the logprobs. None: text only.
     vision: VisionRef | None = None
+    text: SequenceText | None = None  # only for a job that asked for it (Job.text)
 
     def __post_init__(self) -> None:
         n = len(self.input_ids)
         for name in ("loss_mask", "logprobs", "versions"):
             if len(getattr(self, name)) != n:
                 raise ValueError(f"{name} has {len(getattr(self, name))} entries but input_ids has {n}")
+
+    def completion_start(self) -> int:
+        """The index of the first token the model generated (loss_mask 1); the length when there is none."""
+        for i, generated in enumerate(self.loss_mask):
+            if generated:
+                return i
+        return len(self.input_ids)
 
 
 class Trajectory(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):

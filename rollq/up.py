@@ -374,11 +374,13 @@ async def supervise_ranks(cfg: TrainConfig, procs: Processes) -> list[StepRecord
     echoed here. Any other child that dies ends the run, as with the embedded trainer."""
     from rollq.trainer.launch import CONFIG_FILE, torchrun_argv, write_config
     from rollq.trainer.metrics import MetricsLog, progress_line
+    from rollq.trainer.samples import SAMPLES_FILE, notice
 
     ranks_cfg = msgspec.structs.replace(cfg, max_restarts=0)
     config = write_config(ranks_cfg, Path(cfg.directory) / CONFIG_FILE)
     metrics = MetricsLog(Path(cfg.directory))
     shown = len(metrics.read())
+    samples, announced = Path(cfg.directory) / SAMPLES_FILE, False
     code: int | None = None
     for life in range(cfg.max_restarts + 1):
         trainer = procs.start("trainer", torchrun_argv(msgspec.structs.replace(ranks_cfg, nproc=cfg.nproc), config))
@@ -394,6 +396,9 @@ async def supervise_ranks(cfg: TrainConfig, procs: Processes) -> list[StepRecord
             for record in records[shown:]:
                 print(progress_line(record, cfg.steps), file=sys.stderr)
             shown = max(shown, len(records))
+            if not announced and samples.exists():  # rank 0 writes it (its own notice goes to the trainer's log)
+                announced = True
+                print(notice(samples, cfg.samples_every, cfg.samples_per_step), file=sys.stderr)
         if code == 0:
             return metrics.read()
         if life < cfg.max_restarts:
@@ -431,7 +436,7 @@ def up(stack: UpConfig, cfg: TrainConfig) -> int:
     """`rollq up` (and plain `rollq`): the whole stack on this machine, training `cfg`."""
     import uvloop
 
-    from rollq.trainer.commands import quiet_libraries, run_summary
+    from rollq.trainer.commands import quiet_libraries, reward_change, run_summary
     from rollq.trainer.metrics import format_eval
     from rollq.trainer.nothing_trains import NothingTrains
 
@@ -468,9 +473,8 @@ def up(stack: UpConfig, cfg: TrainConfig) -> int:
         failed = sum(n for _, n in summary["eval_failed"])
         held_out += f" ({failed} evaluation samples failed: see eval.jsonl)" if failed else ""
     print(
-        f"rollq up: mean reward {summary['reward_first10']:.3f} (first 10 steps) -> {summary['reward_last10']:.3f} "
-        f"(last 10) in {summary['seconds']:.0f} s{goal}{held_out}. Wrote {cfg.directory}/metrics.jsonl and "
-        f"{cfg.directory}/plot.png",
+        f"rollq up: {reward_change(summary)} in {summary['seconds']:.0f} s{goal}{held_out}. Wrote "
+        f"{cfg.directory}/metrics.jsonl and {cfg.directory}/plot.png",
         file=sys.stderr,
     )
     print(msgspec.json.encode(summary).decode())

@@ -18,22 +18,45 @@ from rollq.trainer.nothing_trains import NothingTrains
 if TYPE_CHECKING:
     from rollq.trainer.policy import Policy
 
-# A built-in task's goal: (mean reward of the last 10 steps at least, and that many times the first 10's).
+# A built-in task's goal: (mean reward of the last 10 steps at least, and that many times the first 10's; on a run
+# under 20 steps, of its reward_window).
 GOALS = {"toy:digits": (0.95, 3.0), "toy:add": (0.5, 3.0)}
+
+
+REWARD_WINDOW = 10  # the summary compares the mean reward of the first and the last this many steps
+
+
+def reward_window(steps: int) -> int:
+    """Steps at each end of a run that the summary's reward comparison averages: 10, fewer on a run shorter than 20
+    steps (half of it, so the two windows never overlap), and 1 (first step -> last step) on one of 2 or 3 steps."""
+    return max(1, min(REWARD_WINDOW, steps // 2))
+
+
+def reward_change(summary: dict[str, Any]) -> str:
+    """The summary's reward comparison in words, naming the steps each side averages."""
+    first, last, window = summary["reward_first10"], summary["reward_last10"], summary["reward_window"]
+    if summary["steps"] < 2:
+        return f"mean reward {last:.3f} (step 1)" if summary["steps"] else "no step trained"
+    if window == 1:
+        return f"mean reward {first:.3f} (step 1) -> {last:.3f} (step {summary['steps']})"
+    return f"mean reward {first:.3f} (first {window} steps) -> {last:.3f} (last {window})"
 
 
 def summarize(records: list[StepRecord], evals: list[EvalRecord] | None = None, dataset: str = "") -> dict[str, Any]:
     rewards = [r.reward_mean for r in records]
-    first = statistics.fmean(rewards[:10]) if rewards else 0.0
-    last = statistics.fmean(rewards[-10:]) if rewards else 0.0
+    window = reward_window(len(rewards))
+    first = statistics.fmean(rewards[:window]) if rewards else 0.0
+    last = statistics.fmean(rewards[-window:]) if rewards else 0.0
     staleness: dict[str, int] = {}
     for r in records:
         for k, n in r.staleness_hist.items():
             staleness[k] = staleness.get(k, 0) + n
     summary: dict[str, Any] = {
         "steps": len(records),
+        # (named for 10 steps, as since the first runs; a run under 20 steps averages `reward_window` steps)
         "reward_first10": round(first, 4),
         "reward_last10": round(last, 4),
+        "reward_window": window,
         "trained_samples": records[-1].trained_samples if records else 0,
         "dropped": records[-1].dropped if records else {},
         "staleness_hist": dict(sorted(staleness.items(), key=lambda kv: int(kv[0]))),
@@ -132,4 +155,4 @@ async def run_trainer(cfg: TrainConfig, policy: Policy | None = None) -> list[St
         await registry_client.aclose()
 
 
-__all__ = ["quiet_libraries", "run_summary", "run_trainer", "summarize", "train"]
+__all__ = ["quiet_libraries", "reward_change", "reward_window", "run_summary", "run_trainer", "summarize", "train"]

@@ -76,7 +76,10 @@ class TrainConfig(RunSettings, kw_only=True):
     """The trainer: feeds prompts through the staleness ledger, trains on fresh groups, updates every engine."""
 
     run_dir: Annotated[
-        str, setting("metrics.jsonl, plot.png, checkpoints/ go here ('' = runs/RUN)", metavar="DIR", group=WHERE)
+        str,
+        setting(
+            "metrics.jsonl, samples.jsonl, plot.png, checkpoints/ go here ('' = runs/RUN)", metavar="DIR", group=WHERE
+        ),
     ] = ""
     weights_dir: Annotated[
         str,
@@ -451,6 +454,23 @@ class TrainConfig(RunSettings, kw_only=True):
             group=UPDATES,
         ),
     ] = 100
+    samples_every: Annotated[
+        int,
+        setting(
+            "write decoded samples (prompt, completion, reward, versions: text a person can read, decoded with the "
+            "model's tokenizer from the ids trained, special tokens kept) of the first step and every N-th to "
+            "RUN_DIR/samples.jsonl (0 = none)",
+            metavar="N",
+            ge=0,
+            group=WHERE,
+        ),
+    ] = 1
+    samples_per_step: Annotated[
+        int,
+        setting(
+            "trained samples decoded per such step, one per group first (0 = none)", metavar="N", ge=0, group=WHERE
+        ),
+    ] = 4
     trained_log: Annotated[
         bool,
         setting(

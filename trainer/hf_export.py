@@ -177,11 +177,31 @@ def export_run(
             "lora": "merged" if adapter and merged else "adapter" if adapter else "none",
         }
         (tmp / MARKER).write_text(json.dumps(record, indent=1) + "\n")
+        follow_umask(tmp)
         _check_out(out)  # again: another writer may have filled it meanwhile
         _replace(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)  # reading it means setting it: put back at once (a one-thread command)
+    os.umask(mask)
+    return mask
+
+
+def follow_umask(root: Path) -> None:
+    """The export readable like any file the user writes (0755 / 0644 under umask 022), by a server running as
+    another user or in a container: mkdtemp made its directory 0700, and writers may make files 0600. Nothing in it
+    is secret (the run's checkpoints and keys stay where they are)."""
+    mask = _umask()
+    for directory, _, files in os.walk(root):
+        os.chmod(directory, 0o777 & ~mask)
+        for name in files:
+            path = os.path.join(directory, name)
+            if not os.path.islink(path):
+                os.chmod(path, 0o666 & ~mask)
 
 
 def _replace(tmp: Path, out: Path) -> None:

@@ -55,6 +55,7 @@ from rollq.trainer.policy import Policy
 from rollq.trainer.policy_protocol import TrainerPolicy
 from rollq.trainer.publish import UpdateRequirement, publish
 from rollq.trainer.recovery import recover, repair_ledger
+from rollq.trainer.samples import SampleLog
 
 log = logging.getLogger("rollq.trainer")
 T = TypeVar("T")
@@ -65,6 +66,16 @@ UNLOAD_WAIT_S = 10.0  # at the end of a LoRA run, how long old adapters' unloads
 KEEP_WEIGHT_VERSIONS = 2  # an engine being reconciled may still read the previous version
 PLOT_EVERY_STEPS = 20  # plot.png follows a long run
 RATE_WINDOW_S = 10.0  # throughput figures average over at least this long (reads come in bursts)
+
+
+def trained_tokenizer(policy: TrainerPolicy, model: str) -> Any:
+    """The trained model's tokenizer: the policy's own, or (a policy without one: the seam's) the model's."""
+    tokenizer = getattr(policy, "tokenizer", None)
+    if tokenizer is not None:
+        return tokenizer
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir(model))
 
 
 class Trainer:
@@ -121,6 +132,13 @@ class Trainer:
         )
         self.evaluator = Evaluator.for_run(redis, config) if config.eval_dataset else None
         self.policy: TrainerPolicy = policy or Policy(config)
+        self.samples = SampleLog(
+            self.run_dir,
+            every=config.samples_every,
+            per_step=config.samples_per_step,
+            tokenizer=functools.partial(trained_tokenizer, self.policy, config.model),
+            out=self.metrics.out,
+        )
         self.state = TrainerState(run_id=uuid.uuid4().hex[:8], model=config.model)
         self._unacked: list[Delivered] = []
         self._unacked_parts: list[tuple[str, int]] = []  # samples of parts of groups (split_groups) among them
@@ -394,6 +412,7 @@ class Trainer:
         resumed = await self._resume()
         if cfg.trained_log:
             self._cut_trained_log(self.state.step)
+        self.samples.cut(self.state.step)  # the steps redone from here are written again
         await self.ride(self.producer.partitions, "reading the run's partitions")
         self.consumer = self.producer.consumer(group=CONSUMER_GROUP, name=CONSUMER_NAME, wait=self.replica_wait)
         streams = self.consumer.streams if isinstance(self.consumer, PartitionedConsumer) else [self.consumer.stream]
@@ -628,6 +647,8 @@ class Trainer:
             self._trace_trained(got.groups, state.step, state.version - 1, train_started_ns)
         if cfg.trained_log:  # the policy version trained is the one before this step's update
             self._log_trained(state.step, state.version - 1, got.groups, min_version)
+        if self.samples.due(state.step):
+            await asyncio.to_thread(self.samples.write, state.step, state.version - 1, got.groups)
         if state.step % cfg.checkpoint_every == 0 or state.step == cfg.steps:
             await asyncio.to_thread(checkpoint.save, self.run_dir, self.policy, state)
             unacked = self._unacked

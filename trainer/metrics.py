@@ -135,15 +135,20 @@ def _read(path: Path, kind: type[T]) -> list[T]:
 
 
 class RateWindow:
-    """Rates of growing counters over at least `seconds` (reads come in bursts: one step's rate says little)."""
+    """Rates of growing counters over at least `seconds` (reads come in bursts: one step's rate says little), and
+    back to the last change: a step can train groups an earlier step read (one read takes what has finished), so it
+    reads nothing itself, and a window of only such steps would say 0 tok/s while the engines generate."""
+
+    MAX_MARKS = 10_000
 
     def __init__(self, seconds: float, start: float) -> None:
         self.seconds = seconds
-        self._marks: deque[tuple[float, tuple[int, ...]]] = deque([(start, ())])
+        self._marks: deque[tuple[float, tuple[int, ...]]] = deque([(start, ())], maxlen=self.MAX_MARKS)
 
     def rates(self, now: float, *counters: int) -> tuple[float, ...]:
         self._marks.append((now, counters))
-        while len(self._marks) > 2 and now - self._marks[1][0] >= self.seconds:
+        # (the counters only grow: a mark equal to now's is followed by marks equal to it)
+        while len(self._marks) > 2 and now - self._marks[1][0] >= self.seconds and self._marks[1][1] != counters:
             self._marks.popleft()
         t0, first = self._marks[0]
         first = first or (0,) * len(counters)  # the start mark: every counter at 0

@@ -406,9 +406,8 @@ class Policy:
 
         self._announce(rc.SaveCheckpoint(directory=str(directory)))
         model, optimizer = get_state_dict(self.model, self.optimizer, options=self._state_options())
-        dcp.save(
-            {"model": model, "optimizer": optimizer}, checkpoint_id=str(directory), no_dist=not self.ranks.distributed
-        )
+        with quiet_single_process():  # one rank saves without a process group on purpose: no warning per save
+            dcp.save({"model": model, "optimizer": optimizer}, checkpoint_id=str(directory), no_dist=self._no_dist)
         if self.config.lora and self.ranks.leader:  # what the adapter is: `rollq export` rebuilds it from this
             self.model.peft_config[lora.ADAPTER_NAME].save_pretrained(str(directory))
 

@@ -68,6 +68,7 @@ from rollq.workers.outputs import to_sequences
 from rollq.workers.proxy.server import ProxyConfig
 from rollq.workers.resolver import Allowlist, WorkflowLoadError, enforcing
 from rollq.workers.run_share import RunShare
+from rollq.workers.sample_text import SampleText
 
 log = logging.getLogger("rollq.worker")
 
@@ -179,6 +180,7 @@ class Worker:
         # The models jobs may name (tokenizers, processors): for the converter, and for the names built-in loops load.
         self.models = ModelNames(worker_tokenizer=config.tokenizer, models_root=config.models_root)
         self.workflows = WorkflowCache(KwargConverter(self.models))
+        self.sample_text = SampleText(config.tokenizer)  # decodes a sample for a job that asks (Job.text)
         # Shared by this worker's workflows (HTTP clients, the agents' recording proxy); closed when it stops.
         self.context = WorkflowContext(
             ContextConfig(
@@ -692,6 +694,7 @@ class Worker:
                         job.allow,
                         optional=job.optional_kwargs,
                     )
+                text_tokenizer = self.sample_text.tokenizer_of(job) if job.text else None
             except WorkflowLoadError as exc:
                 raise _Fatal(self._error(type(exc).__name__, str(exc), runs)) from None
             try:
@@ -714,6 +717,8 @@ class Worker:
                 ):
                     output = await workflow.arun_episode(self._episode_engine, data)
                 sequences = to_sequences(output, responses)
+                if text_tokenizer is not None and sequences:  # the job asked for its text (Job.text)
+                    await self.sample_text.add(text_tokenizer, sequences)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # the workflow's own failure: retry, then dead-letter

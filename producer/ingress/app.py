@@ -477,6 +477,7 @@ class Ingress:
                 reply_to=self.keys.at(partition).job_results(job_id),
                 submitted_at=now,
                 is_eval=spec.is_eval,
+                text=spec.text,
                 cancellable=True,
                 job_class=spec.job_class or DEFAULT_CLASS,
                 tenant=tenant,

@@ -45,6 +45,13 @@ class JobSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     agent: AgentOptions | None = None
     job_class: Annotated[str, msgspec.Meta(pattern=NAME_PATTERN, description="a job class of the run")] | None = None
     is_eval: bool = False
+    text: Annotated[
+        bool,
+        msgspec.Meta(
+            description="each finished sample's sequences carry their decoded `text` (`prompt`, `completion`), "
+            "decoded by the worker with the workflow's tokenizer (else the worker's); off by default: text costs bytes"
+        ),
+    ] = False
 
 
 class JobBatch(msgspec.Struct, forbid_unknown_fields=True):

@@ -217,6 +217,8 @@ async def read_events(http, url, job_id, last_event_id=None, stop_after=None):
                 name, _, value = line.partition(": ")
                 event[name] = value
                 continue
+            if not event:  # the blank line after a keepalive comment
+                continue
             out.append((event.get("event"), event.get("id"), json.loads(event["data"])))
             event = {}
             if stop_after is not None and sum(e == "sample" for e, _, _ in out) >= stop_after:
@@ -357,3 +359,51 @@ async def test_stats_count_what_happened(ingress, http):
     await http.post(f"{url}/v1/jobs", json={"workflow": ECHO})
     assert (app.stats.jobs_admitted, app.stats.samples_admitted) == (1, 3)
     assert (app.stats.refused_invalid, app.stats.refused_unauthorized) == (1, 1)
+
+
+# -- decoded text ----------------------------------------------------------------------------------------------
+
+TEXT_KWARGS = {"reward_fn": "rollq.tasks.digits:digits_reward", "max_new_tokens": 6, "tokenizer": "tiny"}
+
+
+async def test_a_job_that_asks_for_text_gets_each_sequence_decoded_and_others_get_none(
+    ingress, http, redis_url, run_name, engine_process, spawn_worker
+):
+    """`"text": true` over real HTTP, the built-in rlvr loop in a worker against a real (synthetic) engine: the
+    worker decodes each sequence with the workflow's tokenizer, split where the model's tokens begin; a job that
+    does not ask (the default) carries no text. A value that is not a boolean is a 400 naming `text`."""
+    from transformers import AutoTokenizer
+
+    from rollq.engine.models import model_dir
+
+    _, url = ingress
+    _, engine = await engine_process("--tokenizer", "tiny", "--sampled")
+    prompt = {"prompt": "Write a number using digits only."}
+    jobs = [
+        {"workflow": "rlvr", "job_id": "t", "n": 2, "data": prompt, "workflow_kwargs": TEXT_KWARGS, "text": True},
+        {"workflow": "rlvr", "job_id": "plain", "data": prompt, "workflow_kwargs": TEXT_KWARGS},
+    ]
+    r = await http.post(f"{url}/v1/jobs", json={"jobs": jobs}, headers=auth())
+    assert r.status_code == 202, r.text
+    spawn_worker(redis_url, run_name, "--engine", engine)  # a `rollq worker`, its --tokenizer tiny by default
+    events = await asyncio.wait_for(read_events(http, url, "t"), 60)
+    plain = await asyncio.wait_for(read_events(http, url, "plain"), 60)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir("tiny"))
+    samples = [d for e, _, d in events if e == "sample"]
+    assert len(samples) == 2 and all(d["status"] == "ok" for d in samples)
+    for d in samples:
+        [seq] = d["sequences"]
+        cut = seq["loss_mask"].index(1)
+        assert seq["text"] == {
+            "prompt": tokenizer.decode(seq["input_ids"][:cut]),
+            "completion": tokenizer.decode(seq["input_ids"][cut:]),
+        }
+        assert seq["text"]["prompt"].startswith("<|im_start|>user\nWrite a number using digits only.<|im_end|>")
+    status = (await http.get(f"{url}/v1/jobs/t", headers=auth())).json()
+    assert [t["sequences"][0]["text"] for t in status["trajectories"]] == [d["sequences"][0]["text"] for d in samples]
+    [untexted] = [d for e, _, d in plain if e == "sample"]
+    assert untexted["status"] == "ok" and "text" not in untexted["sequences"][0]  # off by default: no bytes spent
+
+    bad = await http.post(f"{url}/v1/jobs", json={"workflow": ECHO, "text": "yes"}, headers=auth())
+    assert bad.status_code == 400 and bad.json()["field"] == "$.text", bad.text
+    assert "bool" in bad.json()["message"]

@@ -2,7 +2,7 @@ import msgspec
 import pytest
 
 from rollq.protocol import Codec, CodecError, Float32Array, Int32Array, Job, Sequence, Trajectory, UInt8Array
-from rollq.protocol.messages import ErrorRecord
+from rollq.protocol.messages import ErrorRecord, SequenceText
 
 
 def make_traj(length: int = 6) -> Trajectory:
@@ -87,3 +87,35 @@ def test_arrays_coerce_from_numpy_and_batch_of_one():
     assert Float32Array.coerce(np.array([0.5, 1.5]), "logprobs").tolist() == [0.5, 1.5]
     with pytest.raises(ValueError, match="1-D"):
         Int32Array.coerce(np.zeros((2, 2)), "input_ids")
+
+
+def test_decoded_text_is_optional_on_the_wire_and_an_older_reader_ignores_it():
+    """Job.text and Sequence.text are new fields with defaults: absent from what is encoded unless asked for (the
+    bytes of every other job and trajectory are unchanged), carried when set, ignored by a reader that predates them
+    (schema stays 1: a worker that ignores `text` publishes no text, and nothing else changes)."""
+    codec = Codec()
+    assert b"text" not in codec.encode(Job(job_id="j", workflow="m:C"))
+    assert b"text" not in codec.encode(make_traj())
+    job = codec.decode_job(codec.encode(Job(job_id="j", workflow="m:C", text=True)))
+    assert job.text and job.schema == 1
+    traj = make_traj()
+    traj.sequences[0].text = SequenceText(prompt="<|im_start|>user\nhi", completion=" 42<|im_end|>")
+    for encoded in (codec.encode(traj), codec.encode_json(traj)):
+        assert codec.decode(encoded, Trajectory) == traj
+
+    class OldSequence(msgspec.Struct, kw_only=True, omit_defaults=True):  # a reader from before `text`
+        input_ids: Int32Array
+        loss_mask: UInt8Array
+        logprobs: Float32Array
+        versions: Int32Array
+        reward: float = 0.0
+
+    class OldTrajectory(msgspec.Struct, kw_only=True, omit_defaults=True):
+        job_id: str
+        sample_index: int
+        n: int
+        status: str
+        sequences: list[OldSequence] = []
+
+    old = codec.decode(codec.encode(traj), OldTrajectory)
+    assert old.sequences[0].input_ids == traj.sequences[0].input_ids and old.sequences[0].reward == 0.75

@@ -151,6 +151,24 @@ def test_bad_input_file_is_rejected_with_the_line_and_nothing_is_submitted(tmp_p
     assert res.returncode == 2 and "cannot read" in res.stderr
 
 
+def test_a_line_cut_short_is_reported_at_its_column_by_enqueue_and_by_a_dataset(tmp_path, unused_redis_url):
+    """The same column from `rollq enqueue` (a file's lines keep their newline) as from a trainer's dataset (F12)."""
+    from rollq.producer.jsonl import JsonlError, json_objects
+    from rollq.trainer.data import DatasetError, load_prompts
+
+    line = '{"id": 3, "prompt": "What is 3 times 2?", "answer": "6"'  # no closing brace: the error is at its end
+    f = tmp_path / "bad.jsonl"
+    f.write_text('{"i": 1}\n' + line + "\n" + '{"i": 2}\n')
+    want = f"{f}:2: not valid JSON (Expecting ',' delimiter at column {len(line) + 1})"
+    res = rollq("enqueue", str(f), "--workflow", "m:C", "--redis", unused_redis_url)
+    assert res.returncode == 2 and want in res.stderr, res.stderr
+    with pytest.raises(DatasetError) as raised:
+        load_prompts(str(f))
+    assert want in str(raised.value)
+    with pytest.raises(JsonlError, match=f"<stdin>:1: .* at column {len(line) + 1}"):  # a Windows line ending too
+        list(json_objects([line + "\r\n"], "<stdin>"))
+
+
 def test_every_command_says_in_one_line_when_redis_is_unreachable(unused_redis_url, tmp_path):
     jobs = write_jobs(tmp_path / "jobs.jsonl", 1)
     for args in (["status"], ["enqueue", str(jobs), "--workflow", "m:C"], ["worker"]):

@@ -4,10 +4,13 @@ episode, engine call, reward) and a synthetic engine, every process exporting OT
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 
 from rollq.producer.producer import JobRequest, Producer
+from rollq.protocol.codec import Codec
+from rollq.protocol.keys import RunKeys
 from rollq.trace_sink import SinkSpan, TraceSink
 from rollq.tracing import Tracing
 from tests.helpers import REPO_ROOT
@@ -144,3 +147,31 @@ def exporter_to(endpoint: str):
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
     return OTLPSpanExporter(endpoint=endpoint)
+
+
+async def test_rollq_enqueue_begins_each_jobs_trace_with_its_submit_span(redis, redis_url, run_name, tmp_path):
+    """The standard OTEL_EXPORTER_OTLP_ENDPOINT is enough: `rollq enqueue` exports a submit span per job, and the job
+    in the stream carries that span's context, so a worker's attempt joins its trace (it used to start one)."""
+    jobs = tmp_path / "jobs.jsonl"
+    jobs.write_text('{"job_id": "a", "x": 1}\n{"job_id": "b", "x": 2}\n')
+    async with TraceSink() as sink:
+        base = sink.endpoint.removesuffix("/v1/traces")
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("ROLLQ_TRACE", "OTEL_"))}
+        env["OTEL_EXPORTER_OTLP_ENDPOINT"] = base
+        argv = [sys.executable, "-m", "rollq", "enqueue", str(jobs), "--workflow", "tests.workflows:Echo"]
+        argv += ["--n", "2", "--redis", redis_url, "--run", run_name]
+        res = await asyncio.to_thread(
+            subprocess.run, argv, cwd=REPO_ROOT, capture_output=True, text=True, timeout=60, env=env
+        )
+        assert res.returncode == 0, res.stderr
+        spans = await sink.wait_for(lambda got: len([s for s in got if s.name == "submit"]) >= 2, 30)
+    submits = {s.attributes["rollq.job_id"]: s for s in spans if s.name == "submit"}
+    assert sorted(submits) == ["a", "b"]
+    assert all(s.service == "rollq-enqueue" and s.parent_id == "" for s in submits.values())
+    entries = await redis.xrange(RunKeys(run_name).jobs)
+    queued = [Codec().decode_job(fields[b"d"]) for _, fields in entries]
+    assert sorted((j.job_id, j.sample_index) for j in queued) == [("a", 0), ("a", 1), ("b", 0), ("b", 1)]
+    for job in queued:
+        _, trace_id, span_id, _ = job.traceparent.split("-")
+        submit = submits[job.job_id]
+        assert (trace_id, span_id) == (submit.trace_id, submit.span_id)

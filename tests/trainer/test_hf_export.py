@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -24,7 +26,12 @@ PROMPT = "<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n"
 
 def rollq(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "rollq", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "rollq", *args],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        preexec_fn=lambda: os.umask(0o022),  # the command's own umask, the usual one a user's shell sets
     )
 
 
@@ -83,6 +90,26 @@ def test_the_export_is_the_trained_model_with_the_base_tokenizer(trained, export
     assert torch.allclose(logits_of(model, ids), want, atol=1e-5)
     assert not torch.allclose(logits_of(base, ids), want, atol=1e-2)
     assert model.generation_config.eos_token_id == base.generation_config.eos_token_id
+
+
+def modes_under(out: Path) -> dict[str, int]:
+    return {p.relative_to(out).as_posix(): stat.S_IMODE(p.stat().st_mode) for p in [out, *out.rglob("*")]}
+
+
+def test_the_export_follows_the_umask_like_any_file_the_user_writes(trained, exported, tmp_path):
+    """F15: it was 0700 whatever the umask, so a server running as another user could not read it."""
+    modes = modes_under(exported)  # `rollq export` under umask 022
+    assert "model.safetensors" in modes and "tokenizer_config.json" in modes
+    assert modes == {name: 0o755 if (exported / name).is_dir() else 0o644 for name in modes}
+    # a private umask keeps it private
+    run_dir, _ = trained
+    private = tmp_path / "private"
+    before = os.umask(0o077)
+    try:
+        export_run(run_dir, private)
+    finally:
+        os.umask(before)
+    assert set(modes_under(private).values()) == {0o700, 0o600}
 
 
 def test_a_missing_checkpoint_exits_2_naming_it(tmp_path):

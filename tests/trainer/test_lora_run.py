@@ -15,6 +15,7 @@ from rollq.engine.pool import EnginePool, PoolConfig
 from rollq.engine.server.app import EngineServerConfig, serve
 from rollq.engine.server.reference import ReferenceBackend, ReferenceConfig
 from rollq.protocol.messages import Trajectory
+from rollq.trainer import samples
 from rollq.trainer.batch import trained_versions
 from rollq.trainer.feeder import adapter_name
 from rollq.trainer.loop import Trainer
@@ -93,6 +94,13 @@ async def test_a_lora_run_loads_versioned_adapters_and_never_pauses_the_engine(
         evals = [msgspec.json.decode(line) for line in (tmp_path / "run" / "eval.jsonl").read_bytes().splitlines()]
         # the last evaluation ran on the last version's adapter (the first on the base: this engine's "default")
         assert [e["step"] for e in evals] == [0, STEPS] and evals[-1]["token_versions"] == [STEPS]
+        # decoded samples of every step (the defaults: 4 each), the adapter's completions as the tokenizer reads them
+        lines = samples.read(tmp_path / "run" / samples.SAMPLES_FILE)
+        assert [r.step for r in lines] == [step for step in range(1, STEPS + 1) for _ in range(4)]
+        for r in lines:
+            [t] = [t for t in audit.seen[r.group] if t.sample_index == r.sample_index]
+            ids = list(t.sequences[0].input_ids)
+            assert r.prompt + r.completion == policy.tokenizer.decode(ids) and r.completion_tokens > 0
     finally:
         await pool.close()
         await engine.close()

@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from rollq.local import free_port
-from rollq.trainer import checkpoint
+from rollq.trainer import checkpoint, samples
 from tests.helpers import REPO_ROOT, wait_until
 from tests.trainer.helpers import WORKFLOW_KWARGS
 
@@ -78,6 +78,9 @@ async def test_rollq_train_nproc_2_trains_and_publishes_buckets_gathered_from_bo
     output = train(config, tmp_path / "trainer.log", *flags)
     assert checkpoint.read_state(checkpoint.latest(run_dir)).ranks == 2, output[-2000:]
     await check_run(audit, run_dir, 2)
+    # decoded samples written by rank 0 alone: each step's 4 once, said once in the output
+    assert [r.step for r in samples.read(run_dir / samples.SAMPLES_FILE)] == [1] * 4 + [2] * 4
+    assert output.count(f"decoded samples (4 of every step): {run_dir / samples.SAMPLES_FILE}") == 1
 
 
 @pytest.mark.scenario

@@ -18,7 +18,7 @@ import torch
 from rollq.engine.pool import EnginePool, PoolConfig
 from rollq.engine.server.app import EngineServerConfig, serve
 from rollq.engine.server.reference import ReferenceBackend, ReferenceConfig
-from rollq.trainer import checkpoint
+from rollq.trainer import checkpoint, samples
 from rollq.trainer.seam import RolloutSession
 from tests.helpers import REPO_ROOT, running_worker, wait_until
 from tests.trainer.helpers import WORKFLOW_KWARGS
@@ -102,6 +102,10 @@ async def test_the_plain_pytorch_example_trains_through_the_seam(
         assert saved is not None and checkpoint.read_state(saved).step == STEPS + 1  # the unpublished batch: not in it
         optimizer = torch.load(saved / "model" / "state.pt")["optimizer"]
         assert {int(s["step"]) for s in optimizer["state"].values()} == {STEPS + 1}  # AdamW went on from step 3
+        # decoded samples with the served model's tokenizer (the seam's policy has none), each step's 4 once
+        lines = samples.read(tmp_path / "run" / samples.SAMPLES_FILE)
+        assert [r.step for r in lines] == [step for step in range(1, STEPS + 2) for _ in range(4)]
+        assert all("Write a number using digits only." in r.prompt for r in lines)
     await engine.close()
 
 
