@@ -25,7 +25,7 @@ import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TextIO, TypeVar
+from typing import Any, TextIO, TypeVar
 
 import msgspec
 import redis.asyncio as aioredis
