@@ -32,12 +32,13 @@ class Evaluator:
         run: str,
         *,
         dataset: str,
+        prompts: list[dict[str, Any]] | None = None,
         workflow: str,
         workflow_kwargs: dict[str, Any],
         partitions: int = 0,
         timeout_s: float = 600.0,
     ) -> None:
-        self.prompts = load_prompts(dataset)
+        self.prompts = load_prompts(dataset) if prompts is None else prompts  # `prompts`: the dataset, loaded already
         self.workflow = workflow
         self.workflow_kwargs = workflow_kwargs
         self.timeout_s = timeout_s
