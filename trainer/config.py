@@ -68,7 +68,13 @@ class TrainConfig(RunSettings, kw_only=True):
     """The trainer: feeds prompts through the staleness ledger, trains on fresh groups, updates every engine."""
 
     run_dir: Annotated[
-        str, setting("metrics.jsonl, plot.png, checkpoints/ go here ('' = runs/RUN)", metavar="DIR", group=WHERE)
+        str,
+        setting(
+            "metrics.jsonl, plot.png, checkpoints/ go here ('' = runs/RUN); `rollq up` given the directory of an "
+            "earlier `rollq up` resumes that run (its name from DIR/up.json)",
+            metavar="DIR",
+            group=WHERE,
+        ),
     ] = ""
     weights_dir: Annotated[
         str,
