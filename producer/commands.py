@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shlex
 import sys
 import uuid
+from pathlib import Path
 from typing import IO, Any
 
 import msgspec
@@ -21,6 +23,8 @@ from rollq.protocol.keys import RunKeys, consumed_key, inflight_key, partition_o
 from rollq.protocol.messages import AgentOptions
 from rollq.redis_client import TRANSIENT_ERRORS, redis_client
 from rollq.tracing import Tracing
+from rollq.up_record import FILE as UP_FILE
+from rollq.up_record import describe_run_dir, read_record
 
 
 class InputError(JsonlError):
@@ -215,7 +219,45 @@ async def _watch(redis: aioredis.Redis, args: StatusConfig) -> None:
 
 
 def status(args: StatusConfig) -> int:
+    if args.run_dir:
+        try:
+            args = _up_run(args)
+        except ValueError as exc:
+            print(f"rollq status: {exc}", file=sys.stderr)
+            return 2
     try:
         return uvloop.run(_status(args))
     except KeyboardInterrupt:  # Ctrl-C ends --watch
         return 0
+    except TRANSIENT_ERRORS:
+        if not args.run_dir:
+            raise  # the CLI's one line: cannot reach Redis at ..., how to start one
+        print(f"rollq status: {_up_gone(Path(args.run_dir), 'its Redis does not answer')}", file=sys.stderr)
+        return 2
+
+
+def _up_run(args: StatusConfig) -> StatusConfig:
+    """`--run-dir DIR`: the Redis and the run of the `rollq up` running in DIR (DIR/up.json, rollq/up_record.py).
+    ValueError saying what DIR holds when no `rollq up` runs there."""
+    run_dir = Path(args.run_dir)
+    if not run_dir.is_dir():
+        raise ValueError(f"no run directory {run_dir}")
+    record = read_record(run_dir)
+    if record is None:
+        raise ValueError(
+            f"{run_dir} has no {UP_FILE}: it is not the run directory of a `rollq up` (give a running stack's "
+            f"--redis and --run instead). It holds: {describe_run_dir(run_dir)}"
+        )
+    if record.redis_url is None:
+        raise ValueError(_up_gone(run_dir, "it has exited"))
+    return msgspec.structs.replace(args, redis_url=record.redis_url, run=record.run)
+
+
+def _up_gone(run_dir: Path, why: str) -> str:
+    record = read_record(run_dir)
+    run = f" of run {record.run!r}" if record is not None else ""
+    return (
+        f"the `rollq up`{run} in {run_dir} is not running ({why}; the private Redis it starts, with the queue, goes "
+        f"with it). {run_dir} holds: {describe_run_dir(run_dir)}. `rollq up --run-dir {shlex.quote(str(run_dir))}` "
+        "resumes the run"
+    )

@@ -109,6 +109,13 @@ class StatusConfig(RunSettings, kw_only=True):
     watch: Annotated[
         float, setting("refresh every S seconds as a live view until Ctrl-C (0 = print once)", metavar="S", ge=0)
     ] = 0.0
+    run_dir: Annotated[
+        str,
+        setting(
+            "the run directory of a `rollq up` (its up.json): its Redis and run, in place of --redis and --run",
+            metavar="DIR",
+        ),
+    ] = ""
 
 
 __all__ = ["ClassesConfig", "EnqueueConfig", "StatusConfig"]

@@ -35,6 +35,7 @@ from rollq.producer.ingress.config import IngressConfig
 from rollq.redis_client import RedisUnavailable
 from rollq.trainer.config import TrainConfig
 from rollq.trainer.hf_export import ExportConfig
+from rollq.trainer.plot_command import PlotConfig
 from rollq.up import UpConfig
 from rollq.workers.config import WorkerConfig
 from rollq.workers.rewards.config import RewardWorkerConfig
@@ -120,6 +121,12 @@ COMMANDS = (
         "`rollq engine --model DIR`)",
         "rollq.trainer.hf_export:export",
         (Section("export", ExportConfig),),
+    ),
+    Command(
+        "plot",
+        "draw a run's plot.png again from its metrics.jsonl (after an interrupted run, or while one goes)",
+        "rollq.trainer.plot_command:plot",
+        (Section("plot", PlotConfig),),
     ),
 )
 COMMANDS_BY_NAME = {c.name: c for c in COMMANDS}

@@ -164,6 +164,10 @@ class Processes:
         self._children.append(_Child(name, proc, log))
         return proc
 
+    def started(self) -> list[tuple[str, subprocess.Popen[bytes]]]:
+        """Every child started so far with its name, oldest first (a child started again under a name: both)."""
+        return [(c.name, c.proc) for c in self._children]
+
     def logs(self) -> dict[str, Path]:
         """Each child's log by its name (a child started again under a name appends to the same log)."""
         return {c.name: c.log for c in self._children}

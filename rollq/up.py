@@ -12,12 +12,14 @@ import functools
 import logging
 import os
 import secrets
+import shlex
 import signal
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -26,18 +28,24 @@ import msgspec
 import rollq.tracing as tracing
 from rollq.child_errors import ChildErrors
 from rollq.config import DEFAULT_REDIS_URL, ENV_PREFIX, RunSettings, Settings, fields_of, setting
+from rollq.dead_letter_file import FILE as DEAD_LETTERS_FILE
+from rollq.dead_letter_file import write_dead_letters
 from rollq.handover import HandedConfig
-from rollq.local import LocalError, Processes, RedisServer, free_port
+from rollq.local import LocalError, Processes, RedisServer, free_port, wait_until
 from rollq.protocol.keys import RunKeys
 from rollq.redis_client import TRANSIENT_ERRORS, redis_client, safe_url
 from rollq.shield import shield_secrets
 from rollq.trainer.config import TrainConfig
+from rollq.up_record import UpRecord, describe_run_dir, read_record, write_record
 from rollq.workers.resolver import Allowlist
 
 if TYPE_CHECKING:
     from rollq.trainer.metrics import StepRecord
 
 log = logging.getLogger("rollq.up")
+
+STOP_GRACE_S = 10.0  # on the way out, each tier (trainer and workers, then engines and Redis) gets this long
+DEAD_LETTERS_TIMEOUT_S = 10.0  # reading the dead letters out of Redis on the way out
 
 QUIET_CHILD_ENV = {
     "TRANSFORMERS_VERBOSITY": "error",
@@ -241,11 +249,39 @@ def worker_argv(cfg: TrainConfig, stack_cfg: UpConfig, engines: list[str]) -> li
     ]
 
 
+@dataclass
+class Stack:
+    """What run_stack started, for its way out and for the messages after it: the children (their logs), the Redis
+    and whether it is the private one `rollq up` started (fresh: nothing of an earlier run in it; gone at exit)."""
+
+    procs: Processes
+    run_dir: Path
+    redis_url: str | None = None
+    private_redis: bool = False
+    plot: Path | None = None  # plot.png, drawn on the way out of a run that did not finish
+
+    def worker_log(self, worker_id: str) -> Path | None:
+        """The log of the worker that called itself `worker_id` (HOST-PID-HEX, workers/worker.py) if it is one of
+        ours, else the only worker's log, if there is one."""
+        pid = worker_id.split("-")[-2] if worker_id.count("-") >= 2 else ""
+        named = [(name, proc) for name, proc in self.procs.started() if name.startswith("worker-")]
+        for name, proc in named:
+            if str(proc.pid) == pid:
+                return self.procs.log_dir / f"{name}.log"
+        return self.procs.log_dir / f"{named[0][0]}.log" if len(named) == 1 else None
+
+
 async def run_stack(
-    cfg: TrainConfig, stack_cfg: UpConfig, inherited: Mapping[str, str] | None = None
+    cfg: TrainConfig,
+    stack_cfg: UpConfig,
+    inherited: Mapping[str, str] | None = None,
+    *,
+    datasets: Datasets | None = None,
+    stack: Stack | None = None,
 ) -> list[StepRecord]:
     """Start the stack, train `cfg`, stop everything. Returns the metrics records. `inherited`: the ROLLQ_*
-    variables to pass on to the engines and workers (settings_environment; default: none)."""
+    variables to pass on to the engines and workers (settings_environment; default: none). `datasets`: the prompts,
+    loaded already (else the trainer loads them). `stack`: filled in as the stack starts (for the caller's messages)."""
     # SIGTERM (docker stop, kill) ends the run like Ctrl-C: cancelled, so every child is stopped below.
     this_task = asyncio.current_task()
     assert this_task is not None  # a coroutine run by the event loop always runs in a task
@@ -253,17 +289,91 @@ async def run_stack(
     run_dir = Path(cfg.directory)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     procs = Processes(run_dir / "logs", env=QUIET_CHILD_ENV, die_with_parent=True)
+    if stack is None:
+        stack = Stack(procs, run_dir)
+    stack.procs, stack.run_dir = procs, run_dir
     errors = ChildErrors()
     echo = asyncio.create_task(_echo_errors(procs, errors), name="child-errors")
     try:
         with tempfile.TemporaryDirectory(prefix="rollq-up-redis-") as redis_dir:
-            return await _run(cfg, stack_cfg, procs, Path(redis_dir), dict(inherited or {}))
+            drawing: asyncio.Future[Path | None] | None = None
+            try:
+                return await _run(cfg, stack_cfg, stack, Path(redis_dir), dict(inherited or {}), datasets)
+            except BaseException:  # interrupted or failed: the trainer did not draw its last plot; drawn meanwhile
+                drawing = asyncio.ensure_future(asyncio.to_thread(redraw_plot, cfg))
+                raise
+            finally:
+                await _wind_down(stack, cfg.run)
+                procs.stop_all(STOP_GRACE_S)  # Redis, last (its directory goes after it stopped)
+                if drawing is not None:
+                    stack.plot = await drawing
     finally:
         echo.cancel()
         await asyncio.gather(echo, return_exceptions=True)
-        procs.stop_all()  # (the private Redis's directory goes after it stopped)
+        procs.stop_all()  # (all stopped already, unless the wind-down itself was interrupted)
         for line in [*errors.poll(procs.logs()), *errors.poll(procs.logs()), *errors.summary()]:
             log.error("%s", line)  # what the children said last (the second poll ends their last records)
+
+
+async def _wind_down(stack: Stack, run: str) -> None:
+    """The way out, bounded (each part by STOP_GRACE_S, then SIGKILL): the trainer's ranks and the workers first
+    (SIGTERM), while Redis and the engines still answer, so the workers drain and hand their unfinished jobs back
+    rather than wait for a Redis that is gone (issue 44: they did, logging "engine registry unavailable" each second
+    until killed 10 s later); the engines once every worker has drained (deregistered) or exited; the run's dead
+    letters copied out of Redis into RUN_DIR/dead-letters.jsonl meanwhile, and the Redis URL taken out of
+    RUN_DIR/up.json. Redis is the caller's to stop last."""
+    procs = stack.procs
+    first = [proc for name, proc in procs.started() if name == "trainer" or name.startswith("worker-")]
+    engines = [proc for name, proc in procs.started() if name.startswith("engine-")]
+    stopping = asyncio.ensure_future(asyncio.to_thread(procs.stop_all, STOP_GRACE_S, first))
+    if stack.redis_url is not None:
+        await _workers_gone(stack.redis_url, run, stopping)
+    engines_stopping = asyncio.ensure_future(asyncio.to_thread(procs.stop_all, STOP_GRACE_S, engines))
+    await stopping
+    if stack.redis_url is not None:
+        await _copy_dead_letters(stack, run)
+        write_record(stack.run_dir, UpRecord(run=run, pid=os.getpid()))  # the URL goes: its Redis is about to
+    await engines_stopping
+
+
+async def _workers_gone(url: str, run: str, stopping: asyncio.Future[None]) -> None:
+    """Returns once no worker of `run` is registered (each deregisters once it has drained) or they have all exited
+    (`stopping` done), within STOP_GRACE_S."""
+    redis = redis_client(url, retries=0)
+    key = RunKeys(run).workers
+
+    async def gone() -> bool:
+        if stopping.done():
+            return True
+        try:
+            return await redis.zcard(key) == 0
+        except TRANSIENT_ERRORS:
+            return False
+
+    try:
+        await wait_until(gone, STOP_GRACE_S, 0.05, "the workers to drain")
+    except TimeoutError:
+        pass  # the workers are killed by now: the engines go too
+    finally:
+        await redis.aclose()
+
+
+async def _copy_dead_letters(stack: Stack, run: str) -> None:
+    """RUN_DIR/dead-letters.jsonl from the run's dead letters in Redis (a fresh private Redis: after the earlier lives'
+    letters, which only the file holds)."""
+    assert stack.redis_url is not None
+    path = stack.run_dir / DEAD_LETTERS_FILE
+    redis = redis_client(stack.redis_url, retries=0)
+    try:
+        written = await asyncio.wait_for(
+            write_dead_letters(redis, run, path, after=stack.private_redis), DEAD_LETTERS_TIMEOUT_S
+        )
+        if written:
+            log.info("%d dead letters (failed jobs, with their tracebacks) written to %s", written, path)
+    except (*TRANSIENT_ERRORS, TimeoutError, OSError) as exc:
+        log.warning("could not copy the dead letters to %s: %s", path, exc)
+    finally:
+        await redis.aclose()
 
 
 def start_child(
@@ -284,7 +394,12 @@ def start_child(
 
 
 async def _run(
-    cfg: TrainConfig, stack_cfg: UpConfig, procs: Processes, redis_dir: Path, inherited: dict[str, str]
+    cfg: TrainConfig,
+    stack_cfg: UpConfig,
+    stack: Stack,
+    redis_dir: Path,
+    inherited: dict[str, str],
+    datasets: Datasets | None,
 ) -> list[StepRecord]:
     from rollq.trainer.engines import engine_pool
     from rollq.trainer.loop import Trainer
@@ -297,8 +412,13 @@ async def _run(
             await asyncio.to_thread(model_dir, cfg.model)
         except ImportError as exc:  # the message names the install command
             raise StackError(str(exc)) from None
+    procs = stack.procs
     url = await start_redis(procs, stack_cfg.redis_url, redis_dir)
+    stack.redis_url, stack.private_redis = url, url not in (stack_cfg.redis_url, DEFAULT_REDIS_URL)
     log.info("redis at %s, run %r; child logs in %s", safe_url(url), cfg.run, procs.log_dir)
+    write_record(stack.run_dir, UpRecord(run=cfg.run, redis_url=url, pid=os.getpid()))  # mode 0600: the password
+    status_command = f"rollq status --run-dir {shlex.quote(str(stack.run_dir))}"
+    print(f"rollq up: its queue, workers and ledger while it runs: {status_command}", file=sys.stderr)
     keys = EngineKeys.for_run(cfg)
     # The trainer writes each version under its weights directory; the engines load from there and nowhere else.
     weights_root = Path(cfg.weights_root).resolve()
@@ -338,7 +458,16 @@ async def _run(
     pool = engine_pool(cfg)
     try:
         assert policy is not None
-        training = asyncio.create_task(Trainer(cfg, redis, pool, policy=await policy).run(), name="trainer")
+        trainer = Trainer(
+            cfg,
+            redis,
+            pool,
+            policy=await policy,
+            fresh_redis=stack.private_redis,
+            prompts=datasets.prompts if datasets else None,
+            eval_prompts=datasets.eval_prompts if datasets else None,
+        )
+        training = asyncio.create_task(trainer.run(), name="trainer")
         watch = asyncio.create_task(_watch(procs), name="watch")
         try:
             await asyncio.wait([training, watch], return_when=asyncio.FIRST_COMPLETED)
@@ -432,6 +561,68 @@ async def _watch(procs: Processes) -> None:
         procs.check()
 
 
+@dataclass(frozen=True)
+class Datasets:
+    """The run's prompts, loaded (and so checked) before anything starts."""
+
+    prompts: list[dict[str, Any]]
+    eval_prompts: list[dict[str, Any]] | None
+
+
+def load_datasets(cfg: TrainConfig) -> Datasets:
+    """`dataset` and `eval_dataset` read as the trainer reads them: a bad line is a DatasetError (a ValueError)
+    naming it before Redis, an engine or a worker is started (issue 44, F12: it came after all of them)."""
+    from rollq.trainer.data import task_prompts
+
+    def prompts(spec: str) -> list[dict[str, Any]]:  # mapped and key-checked as the trainer would (docs/rewards.md)
+        return task_prompts(spec, cfg.workflow, prompt_key=cfg.prompt_key, answer_key=cfg.answer_key)
+
+    return Datasets(prompts(cfg.dataset), prompts(cfg.eval_dataset) if cfg.eval_dataset else None)
+
+
+def resumed_run(cfg: TrainConfig) -> tuple[TrainConfig, bool]:
+    """The run `rollq up` left in the run directory named (`--run-dir DIR`, or runs/RUN for a `--run` given), its
+    name read from DIR/up.json: resumed from its last checkpoint. (cfg, False) when the directory holds none.
+    ValueError when another `rollq up` runs there now, or `--run` names another run than the directory's."""
+    directory = cfg.run_dir or (cfg.directory if cfg.run != "default" else "")
+    record = read_record(Path(directory)) if directory else None
+    if record is None:
+        return cfg, False
+    if record.redis_url is not None and record.pid != os.getpid() and _alive(record.pid):
+        raise ValueError(
+            f"a rollq up (pid {record.pid}) is running run {record.run!r} in {directory} now: watch it with "
+            f"`rollq status --run-dir {shlex.quote(directory)}`, or stop it first"
+        )
+    if cfg.run not in ("default", record.run):
+        raise ValueError(
+            f"{directory} holds run {record.run!r} ({Path(directory) / 'up.json'}), not {cfg.run!r}: leave --run out "
+            "to resume it, or give another run_dir"
+        )
+    return msgspec.structs.replace(cfg, run=record.run), True
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
+
+
+def redraw_plot(cfg: TrainConfig) -> Path | None:
+    """plot.png from what metrics.jsonl holds (an interrupted or failed run: the trainer did not get to draw it);
+    None when no step was recorded."""
+    from rollq.trainer.metrics import plot_run
+
+    try:
+        return plot_run(Path(cfg.directory), f"rollq run {cfg.run}")
+    except Exception as exc:  # the plot is a convenience: never what the run ends with
+        log.warning("could not draw %s: %s", Path(cfg.directory) / "plot.png", exc)
+        return None
+
+
 def up(stack: UpConfig, cfg: TrainConfig) -> int:
     """`rollq up` (and plain `rollq`): the whole stack on this machine, training `cfg`."""
     import uvloop
@@ -440,28 +631,47 @@ def up(stack: UpConfig, cfg: TrainConfig) -> int:
     from rollq.trainer.metrics import format_eval
     from rollq.trainer.nothing_trains import NothingTrains
 
+    try:
+        cfg, resuming = resumed_run(cfg)
+    except ValueError as exc:
+        print(f"rollq up: {exc}", file=sys.stderr)
+        return 2
     if cfg.run == "default":  # a fresh run: repeated `up`s never share keys
         cfg = msgspec.structs.replace(cfg, run=f"up-{time.strftime('%Y%m%d-%H%M%S')}")
+    run_dir = Path(cfg.directory)
+    again = f"rollq up --run-dir {shlex.quote(cfg.directory)}"
     print(
-        f"rollq up: training {cfg.dataset} with the {cfg.model} model for {cfg.steps} steps "
-        f"({cfg.groups_per_step} groups x {cfg.group_size} samples, max staleness {cfg.max_staleness}); "
-        f"run directory {cfg.directory}",
+        f"rollq up: {'resuming' if resuming else 'training'} {cfg.dataset} with the {cfg.model} model for "
+        f"{cfg.steps} steps ({cfg.groups_per_step} groups x {cfg.group_size} samples, max staleness "
+        f"{cfg.max_staleness}); run {cfg.run!r} in {cfg.directory} (stop with Ctrl-C; `{again}` resumes it)",
         file=sys.stderr,
     )
     started = time.monotonic()
+    try:
+        datasets = load_datasets(cfg)  # before anything starts: a bad line fails now, not after the stack is up
+    except (ValueError, OSError) as exc:
+        print(f"rollq up: {exc}", file=sys.stderr)
+        return 2
     quiet_libraries()
     inherited = settings_environment(os.environ)  # for the children, which shed them too
     shield_secrets()  # it holds every key and the Redis password (rollq/shield.py)
+    parts = Stack(Processes(run_dir / "logs"), run_dir)  # (run_stack starts the real ones)
     try:
-        records = uvloop.run(run_stack(cfg, stack, inherited))
+        records = uvloop.run(run_stack(cfg, stack, inherited, datasets=datasets, stack=parts))
     except NothingTrains as exc:  # samples keep failing or coming back empty: the run would train nothing
-        print(f"rollq up: {exc} (the children's logs: {Path(cfg.directory) / 'logs'})", file=sys.stderr)
+        print(f"rollq up: {exc}. {_where_to_look(parts, exc.worker_id)}", file=sys.stderr)
         return NothingTrains.exit_code
     except (RuntimeError, ValueError) as exc:  # a part died or did not start (LocalError), ...
         print(f"rollq up: {exc}", file=sys.stderr)
         return 2
     except (KeyboardInterrupt, asyncio.CancelledError):  # Ctrl-C / SIGTERM: the stack was stopped on the way out
-        print("rollq up: stopped; the run directory keeps what was done", file=sys.stderr)
+        drawn = parts.plot
+        print(
+            f"rollq up: stopped; {cfg.directory} keeps what was done: {describe_run_dir(run_dir)}. `{again}` resumes "
+            f"the run from its last checkpoint"
+            + (f"; `rollq plot {shlex.quote(cfg.directory)}` draws {drawn} again" if drawn else ""),
+            file=sys.stderr,
+        )
         return 130
     summary = run_summary(cfg, records)
     summary["seconds"] = round(time.monotonic() - started, 1)
@@ -481,7 +691,18 @@ def up(stack: UpConfig, cfg: TrainConfig) -> int:
     return 0
 
 
+def _where_to_look(stack: Stack, worker_id: str) -> str:
+    """Where a run that trained nothing left the details: the failing worker's log, the dead letters' file."""
+    worker_log = stack.worker_log(worker_id) if worker_id else None
+    where = [f"its traceback: {worker_log}" if worker_log else f"the children's logs: {stack.procs.log_dir}"]
+    dead = stack.run_dir / DEAD_LETTERS_FILE
+    if dead.exists():
+        where.append(f"every failed job with its traceback: {dead}")
+    return "See " + "; ".join(where)
+
+
 __all__ = [
+    "Datasets",
     "EngineKeys",
     "StackError",
     "UpConfig",
@@ -491,6 +712,10 @@ __all__ = [
     "handed_names",
     "run_stack",
     "settings_environment",
+    "Stack",
+    "load_datasets",
+    "redraw_plot",
+    "resumed_run",
     "start_redis",
     "up",
     "worker_allowlist",

@@ -21,6 +21,8 @@ LEAVES = {
     "rollq.tasks",
     "rollq.tracing",
     "rollq.trace_sink",
+    "rollq.up_record",
+    "rollq.user_frame",
 }
 ALLOWED = {
     "rollq.protocol": set(),

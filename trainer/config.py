@@ -78,7 +78,10 @@ class TrainConfig(RunSettings, kw_only=True):
     run_dir: Annotated[
         str,
         setting(
-            "metrics.jsonl, samples.jsonl, plot.png, checkpoints/ go here ('' = runs/RUN)", metavar="DIR", group=WHERE
+            "metrics.jsonl, samples.jsonl, plot.png, checkpoints/ go here ('' = runs/RUN); `rollq up` given the "
+            "directory of an earlier `rollq up` resumes that run (its name from DIR/up.json)",
+            metavar="DIR",
+            group=WHERE,
         ),
     ] = ""
     weights_dir: Annotated[

@@ -61,14 +61,17 @@ class Evaluator:
         self._consumer: ResultConsumer | PartitionedConsumer | None = None
 
     @classmethod
-    def for_run(cls, redis: aioredis.Redis, cfg: TrainConfig) -> Evaluator:
-        """The evaluator of a run's settings: eval_dataset (mapped and checked as the dataset), the workflow and
-        agent options of its training jobs, eval_workflow_kwargs and eval_temperature over them."""
+    def for_run(cls, redis: aioredis.Redis, cfg: TrainConfig, prompts: list[dict[str, Any]] | None = None) -> Evaluator:
+        """The evaluator of a run's settings: eval_dataset (mapped and checked as the dataset; `prompts`: loaded
+        so already), the workflow and agent options of its training jobs, eval_workflow_kwargs and eval_temperature
+        over them."""
         kwargs, optional = cfg.eval_job_kwargs()
+        if prompts is None:
+            prompts = task_prompts(cfg.eval_dataset, cfg.workflow, prompt_key=cfg.prompt_key, answer_key=cfg.answer_key)
         return cls(
             redis,
             cfg.run,
-            prompts=task_prompts(cfg.eval_dataset, cfg.workflow, prompt_key=cfg.prompt_key, answer_key=cfg.answer_key),
+            prompts=prompts,
             workflow=cfg.workflow,
             workflow_kwargs=kwargs,
             optional_kwargs=optional,

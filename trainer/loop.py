@@ -50,7 +50,7 @@ from rollq.trainer.data import PromptOrder, task_prompts
 from rollq.trainer.evaluate import Evaluator
 from rollq.trainer.feeder import GroupFeeder, adapter_name
 from rollq.trainer.ledger import StalenessLedger
-from rollq.trainer.metrics import MetricsLog, RateWindow, StepRecord, plot
+from rollq.trainer.metrics import PLOT_FILE, MetricsLog, RateWindow, StepRecord, plot
 from rollq.trainer.policy import Policy
 from rollq.trainer.policy_protocol import TrainerPolicy
 from rollq.trainer.publish import UpdateRequirement, publish
@@ -87,8 +87,15 @@ class Trainer:
         *,
         progress: TextIO | None = None,
         policy: TrainerPolicy | None = None,
+        fresh_redis: bool = False,
+        prompts: list[dict[str, Any]] | None = None,
+        eval_prompts: list[dict[str, Any]] | None = None,
     ) -> None:
+        """`fresh_redis`: Redis was started for this trainer life (`rollq up`'s private one), so a resumed run finding
+        no ledger there is expected, not data Redis lost. `prompts` / `eval_prompts`: `dataset` / `eval_dataset`
+        loaded already (`rollq up` checks them before it starts anything)."""
         self.cfg = config
+        self.fresh_redis = fresh_redis
         self.redis = redis
         self.pool = pool
         self.fleet = FleetController(pool)
@@ -126,11 +133,12 @@ class Trainer:
         self.consumer: ResultConsumer | PartitionedConsumer = ResultConsumer(
             redis, self.producer.reply_to, group=CONSUMER_GROUP, name=CONSUMER_NAME
         )
-        self.prompts = PromptOrder(
-            task_prompts(config.dataset, config.workflow, prompt_key=config.prompt_key, answer_key=config.answer_key),
-            seed=config.seed,
-        )
-        self.evaluator = Evaluator.for_run(redis, config) if config.eval_dataset else None
+        if prompts is None:
+            prompts = task_prompts(
+                config.dataset, config.workflow, prompt_key=config.prompt_key, answer_key=config.answer_key
+            )
+        self.prompts = PromptOrder(prompts, seed=config.seed)
+        self.evaluator = Evaluator.for_run(redis, config, eval_prompts) if config.eval_dataset else None
         self.policy: TrainerPolicy = policy or Policy(config)
         self.samples = SampleLog(
             self.run_dir,
@@ -143,6 +151,7 @@ class Trainer:
         self._unacked: list[Delivered] = []
         self._unacked_parts: list[tuple[str, int]] = []  # samples of parts of groups (split_groups) among them
         self._started = 0.0
+        self._elapsed_before = 0.0  # a resumed run's elapsed_s at its checkpoint: elapsed_s goes on from there
         self.feeder: GroupFeeder | None = None
         self.collector: GroupCollector | None = None
         self._train_estimate_s = 0.0  # min_step_s: the last step's train time (pacing waits the rest up front)
@@ -196,8 +205,13 @@ class Trainer:
             log.info("checkpoint of %d ranks resumed on %d", saved.ranks, self.policy.ranks.world_size)
         self.state = state = saved
         if await self.ride(lambda: self.ledger.restore(state.version, state.trained_samples), "restoring the ledger"):
-            log.warning("the staleness ledger was gone from Redis; rebuilt from the checkpoint")
+            if self.fresh_redis:  # `rollq up`'s own Redis, new this life: nothing was lost
+                log.info("the staleness ledger rebuilt from the checkpoint in this fresh Redis (as expected)")
+            else:
+                log.warning("the staleness ledger was gone from Redis; rebuilt from the checkpoint")
         self.metrics.truncate(self.state.step)
+        done = self.metrics.read()
+        self._elapsed_before = done[-1].elapsed_s if done else 0.0
         return True
 
     @property
@@ -464,7 +478,10 @@ class Trainer:
             self.feeder.watch(self.state.settled.unsettled(self.state.next_group))
         if resumed:  # Redis may have lost ledger writes of the previous life (it and a Redis primary died together)
             feeder, collector = self.feeder, self.collector
-            await self.ride(lambda: repair_ledger(self.ledger, feeder, collector), "writing the ledger again")
+            expected = self.fresh_redis  # in a fresh Redis every write of the previous life is "lost": say so calmly
+            await self.ride(
+                lambda: repair_ledger(self.ledger, feeder, collector, fresh=expected), "writing the ledger again"
+            )
         log.info(
             "%s at step %d (policy version %d); %d steps to go",
             "resumed" if resumed else "starting",
@@ -511,7 +528,7 @@ class Trainer:
     async def _plot(self, records: list[StepRecord]) -> None:
         if records:
             title, evals = f"rollq run {self.cfg.run}", self.metrics.read_evals()
-            await asyncio.to_thread(plot, records, self.run_dir / "plot.png", title, evals)
+            await asyncio.to_thread(plot, records, self.run_dir / PLOT_FILE, title, evals)
 
     async def _evaluate(self) -> None:
         """Held-out evaluation of the weights the engines hold now (eval_dataset; a no-op without one)."""
@@ -637,7 +654,7 @@ class Trainer:
                 ledger_version=ledger.version,
                 ledger_admitted=ledger.admitted,
                 ledger_limit=self.ledger.limit(ledger.version),
-                elapsed_s=time.monotonic() - self._started,
+                elapsed_s=self._elapsed_before + time.monotonic() - self._started,
                 time=time.time(),
                 train=stats,
             ),

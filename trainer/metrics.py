@@ -14,6 +14,8 @@ import msgspec
 
 T = TypeVar("T")
 
+PLOT_FILE = "plot.png"
+
 
 class TrainStats(msgspec.Struct, kw_only=True):
     """What one optimizer step of decoupled PPO reports."""
@@ -223,7 +225,18 @@ def plot(
     return path
 
 
+def plot_run(run_dir: Path, title: str = "") -> Path | None:
+    """RUN_DIR/plot.png drawn from RUN_DIR/metrics.jsonl and eval.jsonl (what the trainer draws as it goes and at the
+    end; `rollq plot RUN_DIR` and an interrupted `rollq up` draw it from the files). None when no step is recorded."""
+    log = MetricsLog(Path(run_dir))
+    records = log.read()
+    if not records:
+        return None
+    return plot(records, Path(run_dir) / PLOT_FILE, title or f"rollq run {Path(run_dir).name}", log.read_evals())
+
+
 __all__ = [
+    "PLOT_FILE",
     "EvalRecord",
     "MetricsLog",
     "RateWindow",
@@ -232,5 +245,6 @@ __all__ = [
     "eval_line",
     "format_eval",
     "plot",
+    "plot_run",
     "progress_line",
 ]

@@ -12,12 +12,18 @@ streak: a run that trains something each step goes on (its engines' ERROR lines 
 from __future__ import annotations
 
 from rollq.protocol.messages import Trajectory
+from rollq.user_frame import innermost_user_frame
 
 
 class NothingTrains(RuntimeError):
-    """Samples keep failing or coming back empty: a bad workflow, reward function, dataset or engine, not bad luck."""
+    """Samples keep failing or coming back empty: a bad workflow, reward function, dataset or engine, not bad luck.
+    `worker_id`: the worker that ran the example failure ('' when none failed), whose log holds its traceback."""
 
     exit_code = 4  # of `rollq up` and `rollq train` (2: a part could not start or died; 3: Redis stayed away)
+
+    def __init__(self, message: str, worker_id: str = "") -> None:
+        super().__init__(message)
+        self.worker_id = worker_id
 
 
 class FruitlessStreak:
@@ -27,22 +33,24 @@ class FruitlessStreak:
         self.limit = limit
         self.count = 0  # samples in the current streak
         self.failed = 0  # of them, failed or rejected (the rest held no generated token)
-        self.example = ""  # what the streak's first failed sample said
+        self.example = ""  # what the streak's first failed sample said, and where in the user's code
+        self.worker_id = ""  # the worker that ran it
         self.productive = False  # a sample with a generated token was read at some point
 
     def read(self, traj: Trajectory, generated_tokens: int) -> None:
         if traj.status == "ok" and generated_tokens > 0:
             self.count = self.failed = 0
-            self.example = ""
+            self.example = self.worker_id = ""
             self.productive = True
             return
         self.count += 1
         if traj.status != "ok":
             self.failed += 1
             if not self.example:
-                self.example = f"{traj.error.type}: {traj.error.message}" if traj.error else traj.status
+                self.example = describe_error(traj)
+                self.worker_id = traj.error.worker_id if traj.error else ""
         if self.limit and self.count >= self.limit:
-            raise NothingTrains(self.describe())
+            raise NothingTrains(self.describe(), self.worker_id)
 
     def describe(self) -> str:
         which = "last" if self.productive else "first"
@@ -54,4 +62,12 @@ class FruitlessStreak:
         return f"{said}; e.g. {self.example}" if self.example else f"{said}; are the engines' requests aborted?"
 
 
-__all__ = ["FruitlessStreak", "NothingTrains"]
+def describe_error(traj: Trajectory) -> str:
+    """`Type: message`, with the innermost frame of the user's code its traceback went through, if any."""
+    if traj.error is None:
+        return traj.status
+    where = innermost_user_frame(traj.error.traceback)
+    return f"{traj.error.type}: {traj.error.message}" + (f" (at {where})" if where else "")
+
+
+__all__ = ["FruitlessStreak", "NothingTrains", "describe_error"]

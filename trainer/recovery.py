@@ -42,10 +42,13 @@ async def recover(
         await repair_ledger(ledger, feeder, collector)
 
 
-async def repair_ledger(ledger: StalenessLedger, feeder: GroupFeeder, collector: GroupCollector) -> tuple[int, int]:
+async def repair_ledger(
+    ledger: StalenessLedger, feeder: GroupFeeder, collector: GroupCollector, *, fresh: bool = False
+) -> tuple[int, int]:
     """Write again the ledger writes Redis may have lost: the admissions of the groups in flight (admitted, not
     trained or dropped yet), the give-backs of recent drops, and the version last published (the version only moves
-    forward). Each is a no-op where Redis kept it. Returns (admissions, give-backs) it had to record again."""
+    forward). Each is a no-op where Redis kept it. Returns (admissions, give-backs) it had to record again.
+    `fresh`: Redis is new to this run (`rollq up`'s private one on a resume): writing them all again is expected."""
     readmitted = released = 0
     for job_id in feeder.outstanding:
         readmitted += await ledger.readmit(job_id, feeder.group_size)
@@ -56,7 +59,13 @@ async def repair_ledger(ledger: StalenessLedger, feeder: GroupFeeder, collector:
             released += bool(await ledger.release_rest(job_id, rest, reason))
     if ledger.published is not None:
         await ledger.set_version(ledger.published)
-    if readmitted or released:
+    if (readmitted or released) and fresh:
+        log.info(
+            "recorded %d admissions and %d give-backs of the checkpoint's groups in this fresh Redis (as expected)",
+            readmitted,
+            released,
+        )
+    elif readmitted or released:
         log.warning(
             "Redis had lost ledger writes: recorded %d admissions and %d give-backs again", readmitted, released
         )
