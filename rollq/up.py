@@ -31,7 +31,7 @@ from rollq.local import LocalError, Processes, RedisServer, free_port
 from rollq.protocol.keys import RunKeys
 from rollq.redis_client import TRANSIENT_ERRORS, redis_client, safe_url
 from rollq.shield import shield_secrets
-from rollq.trainer.config import TrainConfig
+from rollq.trainer.config import TrainConfig, is_generated_dataset
 
 if TYPE_CHECKING:
     from rollq.trainer.metrics import StepRecord
@@ -194,7 +194,17 @@ def worker_allowlist(cfg: TrainConfig, stack: UpConfig) -> list[str]:
     allow = list(stack.allow)
     if ":" in cfg.workflow or "." in cfg.workflow:  # an import path, not a built-in loop's short name
         allow.append(cfg.workflow.replace(":", "."))  # patterns are over dotted names (`mod:Cls` is `mod.Cls`)
+    allow += generator_modules(cfg)
     return allow
+
+
+def generator_modules(cfg: TrainConfig) -> list[str]:
+    """The modules of the user's own task generators (dataset / eval_dataset MODULE:FACTORY): their scorers run on
+    the workers (rollq.tasks.generated.task_reward), as named by whoever runs `rollq up`."""
+    from rollq.tasks.generated import REASONING_GYM
+
+    specs = {cfg.dataset, cfg.eval_dataset}
+    return sorted(s.partition(":")[0] for s in specs if is_generated_dataset(s) and not s.startswith(REASONING_GYM))
 
 
 def engine_argv(cfg: TrainConfig, port: int) -> list[str]:
@@ -420,6 +430,21 @@ async def _watch(procs: Processes) -> None:
         procs.check()
 
 
+def check_generated(cfg: TrainConfig, stack: UpConfig) -> bool:
+    """A generated task's prompts, made once before anything starts: an unknown task or a bad task_config is said
+    now. The trainer imports a user's generator from the folders the workers do (module_paths)."""
+    from rollq.module_paths import add_module_paths
+    from rollq.trainer.data import DatasetError, run_prompts
+
+    add_module_paths(stack.worker_module_paths())
+    try:
+        run_prompts(cfg)
+    except DatasetError as exc:
+        print(f"rollq up: {exc}", file=sys.stderr)
+        return False
+    return True
+
+
 def up(stack: UpConfig, cfg: TrainConfig) -> int:
     """`rollq up` (and plain `rollq`): the whole stack on this machine, training `cfg`."""
     import uvloop
@@ -436,6 +461,9 @@ def up(stack: UpConfig, cfg: TrainConfig) -> int:
         file=sys.stderr,
     )
     started = time.monotonic()
+    if is_generated_dataset(cfg.dataset) or is_generated_dataset(cfg.eval_dataset):
+        if not check_generated(cfg, stack):
+            return 2
     quiet_libraries()
     inherited = settings_environment(os.environ)  # for the children, which shed them too
     shield_secrets()  # it holds every key and the Redis password (rollq/shield.py)
@@ -474,6 +502,7 @@ __all__ = [
     "engine_argv",
     "engine_healthy",
     "for_section",
+    "generator_modules",
     "handed_names",
     "run_stack",
     "settings_environment",

@@ -31,13 +31,13 @@ class Evaluator:
         redis: aioredis.Redis,
         run: str,
         *,
-        dataset: str,
+        dataset: str | list[dict[str, Any]],  # a dataset setting, or its records (trainer.data.run_prompts)
         workflow: str,
         workflow_kwargs: dict[str, Any],
         partitions: int = 0,
         timeout_s: float = 600.0,
     ) -> None:
-        self.prompts = load_prompts(dataset)
+        self.prompts = load_prompts(dataset) if isinstance(dataset, str) else dataset
         self.workflow = workflow
         self.workflow_kwargs = workflow_kwargs
         self.timeout_s = timeout_s

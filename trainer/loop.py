@@ -46,7 +46,7 @@ from rollq.trainer.batch import Batch, Group, build_batch, trained_versions
 from rollq.trainer.checkpoint import TrainerState
 from rollq.trainer.collector import Collected, GroupCollector
 from rollq.trainer.config import TrainConfig
-from rollq.trainer.data import PromptOrder, load_prompts
+from rollq.trainer.data import PromptOrder, run_prompts
 from rollq.trainer.evaluate import Evaluator
 from rollq.trainer.feeder import GroupFeeder, adapter_name
 from rollq.trainer.ledger import StalenessLedger
@@ -126,13 +126,14 @@ class Trainer:
         self.consumer: ResultConsumer | PartitionedConsumer = ResultConsumer(
             redis, self.producer.reply_to, group=CONSUMER_GROUP, name=CONSUMER_NAME
         )
-        self.prompts = PromptOrder(load_prompts(config.dataset), seed=config.seed)
+        train, held_out = run_prompts(config)
+        self.prompts = PromptOrder(train, seed=config.seed)
         self.evaluator = None
         if config.eval_dataset:
             self.evaluator = Evaluator(
                 redis,
                 config.run,
-                dataset=config.eval_dataset,
+                dataset=held_out,
                 workflow=config.workflow,
                 workflow_kwargs={**builtin_kwargs(config), **config.eval_workflow_kwargs},
                 partitions=config.partitions,
