@@ -186,6 +186,10 @@ def test_a_users_own_generator_and_scorer_plug_in_the_same_way():
         assert task_reward("p", f"<answer>{entry['answer']}</answer>", **records[0]) == 1.0
         assert task_reward("p", "<answer>-1</answer>", **records[0]) == 0.0
         assert task_reward("p", entry["answer"], **records[0]) == 0.0  # the default extraction: <answer> tags
+    # built and cached under the operator's list, it is still no way around a tenant's narrower one
+    tenant = Allowlist(patterns=("tests",)).narrowed(["tests.reward_fns"])
+    with enforcing(tenant), pytest.raises(ImportNotAllowed, match="not among the patterns this job may use"):
+        task_reward("p", f"<answer>{entry['answer']}</answer>", **records[0])
     # its settings: the reward and held-out prompts are implied, as for reasoning-gym's
     cfg = train_config(dataset="tests.task_generators:make", task_config={"top": 9}, eval_task_size=5)
     assert cfg.workflow_kwargs["reward_fn"] == TASK_REWARD and cfg.eval_dataset == "tests.task_generators:make"
@@ -303,6 +307,7 @@ def test_rollq_up_trains_a_reasoning_gym_task_scored_by_its_own_scorer(tmp_path)
 
 
 @pytest.mark.slow
+@pytest.mark.scenario  # CI keeps its pieces (the allowlist unit test, the worker test) and the reasoning-gym smoke
 def test_rollq_up_trains_a_users_own_generator_scored_by_its_own_scorer(tmp_path):
     """The user's pair: `rollq up` allows the generator's module on its workers by itself, and every reward is the
     scorer's (it scores every completion above 0)."""
@@ -336,3 +341,56 @@ def test_worked_examples_come_before_the_question_and_are_never_the_question_ask
         answered = [(e["question"], f"<answer>{e['answer']}</answer>") for e in first_entries]
         assert all(pair in answered for pair in shown)
     assert train[0]["messages"][1]["content"] == train[1]["entry"]["question"]  # the first prompt skips itself
+
+
+# The run that learns (docs/tasks.md, "A run that learns"): SmolLM2-135M on reasoning-gym's single-digit sums.
+LEARNING_RUN = [
+    "--model",
+    "smollm2",
+    "dataset=reasoning-gym:basic_arithmetic",
+    "task_config={min_terms: 2, max_terms: 2, max_digits: 1, operators: ['+'], allow_negation: false, "
+    "allow_parentheses: false}",
+    "task_size=40",
+    "eval_task_size=50",
+    "task_system_prompt=",
+    "task_examples=2",
+    "workflow_kwargs={max_new_tokens: 10}",
+    "steps=40",
+    "lr=2e-5",
+    "eval_every=10",
+]
+
+
+def standard_error_bound(mean: float, n: int) -> float:
+    """An upper bound on the standard error of a mean of n rewards in [0, 1]: their variance is at most
+    mean * (1 - mean) (Bhatia-Davis), equal to it for 0/1 rewards. eval.jsonl holds each evaluation's mean only."""
+    return (mean * (1 - mean) / n) ** 0.5
+
+
+@pytest.mark.slow
+@pytest.mark.scenario
+@pytest.mark.timeout(7200)  # ~30-60 min on 2 shared cores
+def test_smollm2_learns_a_reasoning_gym_task_on_held_out_prompts(tmp_path):
+    import json
+    import subprocess
+
+    from tests.trainer.test_up import clean_env
+
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "rollq", "up", *LEARNING_RUN, f"run_dir={run_dir}"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=7000,
+        env=clean_env(),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    evals = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
+    first, last = evals[0], evals[-1]
+    assert (first["step"], last["step"]) == (0, 40) and first["samples"] == last["samples"] == 50
+    assert first["failed"] == last["failed"] == 0
+    se = (
+        standard_error_bound(first["reward_mean"], 50) ** 2 + standard_error_bound(last["reward_mean"], 50) ** 2
+    ) ** 0.5
+    assert last["reward_mean"] - first["reward_mean"] > 2 * se, evals
