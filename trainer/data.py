@@ -73,18 +73,18 @@ def _generated(spec: str, settings: TaskSettings) -> list[dict[str, Any]]:
             shown = TaskSpec(
                 source=spec, size=settings.examples + 1, seed=settings.examples_seed, config=dict(settings.config)
             )
-            examples = worked_examples(build(shown, trusted=True), shown)
+            examples = worked_examples(build(shown), shown)
         for _ in range(HELD_OUT_DRAWS):
             task_spec = TaskSpec(source=spec, size=draw, seed=settings.seed, config=dict(settings.config))
-            records = generate(build(task_spec, trusted=True), task_spec, prompt, examples, settings.examples)
+            records = generate(build(task_spec), task_spec, prompt, examples, settings.examples)
             records = [r for r in records if str(r["entry"]["question"]) not in settings.exclude]
             if len(records) >= settings.size:
                 return records[: settings.size]
             draw *= 2
     except TaskError as exc:
         raise DatasetError(str(exc)) from None
-    except Exception as exc:  # the user's factory failed to import (WorkflowLoadError: it names where it looked)
-        raise DatasetError(f"task {spec!r}: {exc}") from None
+    except Exception as exc:  # the user's factory failed in its own way
+        raise DatasetError(f"task {spec!r}: {type(exc).__name__}: {exc}") from None
     raise DatasetError(
         f"task {spec!r} makes only {len(records)} prompts from seed {settings.seed} (of {draw // 2} drawn) whose "
         f"question is not among the training prompts, fewer than the {settings.size} asked for: its config leaves "

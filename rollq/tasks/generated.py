@@ -5,31 +5,26 @@ A task is built from its source, size, seed and config (TaskSpec): `reasoning_gy
 seed=, **config)`, or `FACTORY(size=, seed=, **config)` for a user's own. What comes back is indexable (`task[i]`,
 i < size) into entries with `question` and `answer` (and reasoning-gym's `metadata`) and has `score_answer(answer,
 entry) -> float`. Each prompt's job data carries the spec and its entry, so a worker rebuilds the same object
-(cached per process) and scores with it: task_reward, rollq's built-in reward for these datasets.
-
-Imports a job can cause: reasoning-gym's tasks are looked up by name in its own registry (no import); a user's
-factory is an import path, so a worker resolves it under the allowlist it enforces for the job (the job's tenant's
-patterns included) and refuses it where none is active (rollq.workers.resolver).
+and scores with it (rollq.workers.builtin.task_reward, which resolves a user's factory under the worker's
+allowlist; this module imports no service, so it takes how to load a factory as an argument).
 """
 
 from __future__ import annotations
 
-import collections
 import difflib
 import importlib
 import json
 import re
-import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
 REASONING_GYM = "reasoning-gym:"
-TASK_REWARD = "rollq.tasks.generated:task_reward"
+TASK_REWARD = "rollq.workers.builtin.task_reward:task_reward"  # the reward these datasets bring
 # A user's factory: `package.module:name` (a path, not a file: `data.jsonl` and `toy:NAME` are other sources).
 _FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
-_CACHE_SIZE = 32  # task objects kept per process (a job's data picks the spec: bounded, whatever jobs name)
+MAX_SIZE = 10_000_000  # a job's spec can't ask a worker to build a task of billions of entries
 INSTALL_HINT = "pip install 'rollq[tasks]'"
 NAMES_HINT = (
     "reasoning-gym's task names: `python -c 'import reasoning_gym; print(sorted(reasoning_gym.factory.DATASETS))'` "
@@ -46,7 +41,7 @@ class TaskSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     from."""
 
     source: str  # "reasoning-gym:NAME" or "module:factory"
-    size: int
+    size: Annotated[int, msgspec.Meta(ge=1, le=MAX_SIZE)]
     seed: int
     config: dict[str, Any] = {}
 
@@ -72,25 +67,24 @@ def _reasoning_gym_utils() -> Any:
     return importlib.import_module("reasoning_gym.utils")
 
 
-def _factory(source: str, *, trusted: bool) -> Callable[..., Any]:
-    """A user's factory. On a worker (not `trusted`) only under the allowlist it enforces: a path a job names is
-    imported nowhere else (a reward's child process or a reward worker has none active, so it is refused there)."""
-    from rollq.workers.resolver import active_allowlist, resolve
-
-    if not trusted and active_allowlist() is None:
-        raise TaskError(
-            f"task {source!r} names a module to import, and no allowlist is active here: a user's task is scored "
-            "inline in a rollq worker (reward_mode inline), whose allowlist (--allow) decides what it may import"
-        )
-    factory = resolve(source)
+def import_factory(source: str) -> Callable[..., Any]:
+    """A user's factory, imported as any Python import is: for the trainer, which runs its own settings. Workers
+    load one from a job only under their allowlist (rollq.workers.builtin.task_reward)."""
+    module, _, name = source.partition(":")
+    try:
+        factory = getattr(importlib.import_module(module), name)
+    except ImportError as exc:
+        raise TaskError(f"task {source!r}: cannot import module {module!r}: {exc}") from None
+    except AttributeError:
+        raise TaskError(f"task {source!r}: module {module!r} has no attribute {name!r}") from None
     if not callable(factory):
         raise TaskError(f"task {source!r} is a {type(factory).__name__}, not a class or function that builds a task")
     return factory
 
 
-def build(spec: TaskSpec, *, trusted: bool = False) -> Any:
-    """The task object `spec` names: reasoning-gym's dataset or the user's factory's result. `trusted`: the caller's
-    own setting (the trainer), not a job's data."""
+def build(spec: TaskSpec, load_factory: Callable[[str], Callable[..., Any]] = import_factory) -> Any:
+    """The task object `spec` names: reasoning-gym's dataset, or what the user's factory (`load_factory(source)`)
+    builds."""
     if "size" in spec.config or "seed" in spec.config:
         raise TaskError("task_config must not hold size or seed: they are the settings task_size and task_seed")
     if spec.source.startswith(REASONING_GYM):
@@ -104,7 +98,7 @@ def build(spec: TaskSpec, *, trusted: bool = False) -> Any:
         make: Callable[..., Any] = rg.create_dataset
         args: tuple[Any, ...] = (name,)
     else:
-        make, args = _factory(spec.source, trusted=trusted), ()
+        make, args = load_factory(spec.source), ()
     try:
         # create_dataset builds the task's config dataclass from these keywords and runs its validate()
         # (reasoning_gym/factory.py:51-73): an unknown field is a TypeError, a bad value an AssertionError.
@@ -202,56 +196,16 @@ def extract_answer(task: Any, completion: str) -> str | None:
     return None if answer is None else str(answer)
 
 
-_cache: collections.OrderedDict[str, Any] = collections.OrderedDict()
-_cache_lock = threading.Lock()  # inline rewards run in threads
-
-
-def cached_task(spec: TaskSpec) -> Any:
-    """The task object of `spec`, built once per process. A user's factory is resolved (and so checked against the
-    allowlist active now, the job's) on every call, before the cache is read: a cached object is no way around
-    another job's narrower list."""
-    if not spec.source.startswith(REASONING_GYM):
-        _factory(spec.source, trusted=False)
-    key = spec.key()
-    with _cache_lock:
-        if key in _cache:
-            _cache.move_to_end(key)
-            return _cache[key]
-    task = build(spec)
-    with _cache_lock:
-        _cache[key] = task
-        while len(_cache) > _CACHE_SIZE:
-            _cache.popitem(last=False)
-    return task
-
-
-def task_reward(
-    prompt_text: str, completion_text: str, input_ids: Any = None, output_ids: Any = None, **data: Any
-) -> float:
-    """The task's own score of the answer the completion gives: `score_answer(extract_answer(completion), entry)`,
-    with the task object rebuilt from the job's `task` spec. A completion without an answer in the expected form
-    scores what the task gives None (reasoning-gym: 0)."""
-    if "task" not in data or "entry" not in data:
-        raise TaskError("task_reward scores generated tasks: the job's data needs `task` and `entry` (their prompts)")
-    try:
-        spec = msgspec.convert(data["task"], TaskSpec)
-    except msgspec.ValidationError as exc:
-        raise TaskError(f"the job's `task` is not a task spec: {exc}") from None
-    task = cached_task(spec)
-    return float(task.score_answer(extract_answer(task, completion_text), data["entry"]))
-
-
 __all__ = [
     "REASONING_GYM",
     "TASK_REWARD",
     "TaskError",
     "TaskSpec",
     "build",
-    "cached_task",
     "entry_record",
     "extract_answer",
     "generate",
+    "import_factory",
     "is_task_source",
     "system_prompt",
-    "task_reward",
 ]

@@ -16,10 +16,11 @@ from rollq.cli import parse
 from rollq.config import build as build_settings
 from rollq.engine.pool import EnginePool, PoolConfig
 from rollq.producer import Producer
-from rollq.tasks.generated import TASK_REWARD, TaskError, TaskSpec, cached_task, task_reward
+from rollq.tasks.generated import TASK_REWARD, TaskError, TaskSpec
 from rollq.trainer.config import TrainConfig
 from rollq.trainer.data import DatasetError, TaskSettings, load_prompts, run_prompts
 from rollq.up import UpConfig, worker_allowlist
+from rollq.workers.builtin.task_reward import cached_task, task_reward
 from rollq.workers.resolver import Allowlist, ImportNotAllowed, enforcing
 from tests.helpers import REPO_ROOT, running_worker
 from tests.scripted import scripted_engine
@@ -219,6 +220,10 @@ def test_a_job_naming_a_generator_outside_the_allowlist_imports_nothing(tmp_path
         with pytest.raises(TaskError, match="no allowlist is active here"):
             task_reward("p", "<answer>1</answer>", **data)
         assert not marker.exists()
+        # nor can a job's spec ask a worker to build a task of a trillion entries
+        huge = {**data, "task": {"source": "reasoning-gym:chain_sum", "size": 10**12, "seed": 0, "config": {}}}
+        with pytest.raises(TaskError, match="not a task spec"):
+            task_reward("p", "<answer>1</answer>", **huge)
     finally:
         sys.modules.pop("planted_task", None)
 
