@@ -35,7 +35,7 @@ from rollq.local import LocalError, Processes, RedisServer, free_port, wait_unti
 from rollq.protocol.keys import RunKeys
 from rollq.redis_client import TRANSIENT_ERRORS, redis_client, safe_url
 from rollq.shield import shield_secrets
-from rollq.trainer.config import TrainConfig
+from rollq.trainer.config import TrainConfig, is_generated_dataset
 from rollq.up_record import UpRecord, describe_run_dir, read_record, write_record
 from rollq.workers.resolver import Allowlist
 
@@ -209,7 +209,17 @@ def worker_allowlist(cfg: TrainConfig, stack: UpConfig) -> list[str]:
             dotted = path.replace(":", ".")  # patterns are over dotted names (`mod:fn` is `mod.fn`)
             if not Allowlist(tuple(allow)).allows(dotted):  # rollq's own (its toy tasks' rewards) need none
                 allow.append(dotted)
+    allow += [module for module in generator_modules(cfg) if module not in allow]
     return allow
+
+
+def generator_modules(cfg: TrainConfig) -> list[str]:
+    """The modules of the user's own task generators (dataset / eval_dataset MODULE:FACTORY): their scorers run on
+    the workers (rollq.tasks.generated.task_reward), as named by whoever runs `rollq up`."""
+    from rollq.tasks.generated import REASONING_GYM
+
+    specs = {cfg.dataset, cfg.eval_dataset}
+    return sorted(s.partition(":")[0] for s in specs if is_generated_dataset(s) and not s.startswith(REASONING_GYM))
 
 
 def engine_argv(cfg: TrainConfig, port: int) -> list[str]:
@@ -569,15 +579,18 @@ class Datasets:
     eval_prompts: list[dict[str, Any]] | None
 
 
-def load_datasets(cfg: TrainConfig) -> Datasets:
-    """`dataset` and `eval_dataset` read as the trainer reads them: a bad line is a DatasetError (a ValueError)
-    naming it before Redis, an engine or a worker is started (issue 44, F12: it came after all of them)."""
-    from rollq.trainer.data import task_prompts
+def load_datasets(cfg: TrainConfig, stack: UpConfig) -> Datasets:
+    """`dataset` and `eval_dataset` read (mapped and key-checked: docs/rewards.md) as the trainer reads them: a bad
+    line, an unknown task or a bad task_config is a DatasetError (a ValueError) said before Redis, an engine or a
+    worker is started (issue 44, F12: it came after all of them). A user's own generator is imported from the
+    folders the workers import from (module_paths)."""
+    from rollq.module_paths import add_module_paths
+    from rollq.trainer.data import run_prompts
 
-    def prompts(spec: str) -> list[dict[str, Any]]:  # mapped and key-checked as the trainer would (docs/rewards.md)
-        return task_prompts(spec, cfg.workflow, prompt_key=cfg.prompt_key, answer_key=cfg.answer_key)
-
-    return Datasets(prompts(cfg.dataset), prompts(cfg.eval_dataset) if cfg.eval_dataset else None)
+    if generator_modules(cfg):
+        add_module_paths(stack.worker_module_paths())
+    train, held_out = run_prompts(cfg)
+    return Datasets(train, held_out if cfg.eval_dataset else None)
 
 
 def resumed_run(cfg: TrainConfig) -> tuple[TrainConfig, bool]:
@@ -648,7 +661,7 @@ def up(stack: UpConfig, cfg: TrainConfig) -> int:
     )
     started = time.monotonic()
     try:
-        datasets = load_datasets(cfg)  # before anything starts: a bad line fails now, not after the stack is up
+        datasets = load_datasets(cfg, stack)  # before anything starts: a bad line fails now, not after the stack is up
     except (ValueError, OSError) as exc:
         print(f"rollq up: {exc}", file=sys.stderr)
         return 2
@@ -709,6 +722,7 @@ __all__ = [
     "engine_argv",
     "engine_healthy",
     "for_section",
+    "generator_modules",
     "handed_names",
     "run_stack",
     "settings_environment",

@@ -11,8 +11,10 @@ import msgspec
 
 from rollq.config import RunSettings, setting
 from rollq.protocol.messages import AgentOptions
+from rollq.tasks.generated import TASK_REWARD, is_task_source
 
 WHERE, WHAT, HOW_MUCH, OPTIM, UPDATES = "where", "what", "how much", "optimisation", "weight updates"
+TASK = "generated tasks"
 RANKS = "ranks"
 AGENTS = "agents"
 LORA = "LoRA"
@@ -72,6 +74,12 @@ def colours_task() -> dict[str, Any]:
     }
 
 
+def is_generated_dataset(dataset: str) -> bool:
+    """Whether a dataset setting names a generated task (reasoning-gym:NAME, MODULE:FACTORY), not a file or a toy
+    task."""
+    return bool(dataset) and not os.path.exists(os.path.expanduser(dataset)) and is_task_source(dataset)
+
+
 class TrainConfig(RunSettings, kw_only=True):
     """The trainer: feeds prompts through the staleness ledger, trains on fresh groups, updates every engine."""
 
@@ -121,8 +129,9 @@ class TrainConfig(RunSettings, kw_only=True):
     dataset: Annotated[
         str,
         setting(
-            "prompts: JSONL, Parquet, a `datasets` directory saved to disk, or a built-in task (toy:digits, toy:add, "
-            "toy:colours)",
+            "prompts: JSONL, Parquet, a `datasets` directory saved to disk, a built-in task (toy:digits, toy:add, "
+            "toy:colours), a reasoning-gym task (reasoning-gym:NAME, scored by its own score_answer: task_reward) or "
+            "your own generator (MODULE:FACTORY, docs/tasks.md)",
             group=WHAT,
         ),
     ] = "toy:digits"
@@ -211,6 +220,49 @@ class TrainConfig(RunSettings, kw_only=True):
             group=AGENTS,
         ),
     ] = 1.0
+    task_size: Annotated[
+        int, setting("a generated task's (reasoning-gym:NAME, MODULE:FACTORY) training prompts", ge=1, group=TASK)
+    ] = 1000
+    task_seed: Annotated[int, setting("the seed a generated task's training prompts are made from", group=TASK)] = 0
+    task_config: Annotated[
+        dict[str, Any],
+        setting(
+            "a generated task's own settings (a mapping: reasoning-gym's are its dataset config's fields, e.g. "
+            "{max_digits: 1}), for the training and the held-out prompts",
+            metavar="MAPPING",
+            group=TASK,
+        ),
+    ] = {}
+    task_system_prompt: Annotated[
+        str,
+        setting(
+            "a generated task's system prompt: one of reasoning-gym's by name (default, direct, simple, "
+            "DeepSeekZero, chain_of_draft: each asks for the answer in answer tags, where the reward reads "
+            "it), your own text, or '' for none",
+            group=TASK,
+        ),
+    ] = "default"
+    task_examples: Annotated[
+        int,
+        setting(
+            "worked examples before each question of a generated task, as earlier turns of the chat: entries of the "
+            "training prompts with their answers in answer tags (never the question asked); a small model "
+            "copies the answer form from them",
+            ge=0,
+            group=TASK,
+        ),
+    ] = 0
+    eval_task_size: Annotated[
+        int, setting("a generated task's held-out prompts (eval_dataset reasoning-gym:NAME)", ge=1, group=TASK)
+    ] = 100
+    eval_task_seed: Annotated[
+        int,
+        setting(
+            "the seed of a generated task's held-out prompts; one whose question is among the training prompts is "
+            "replaced by another, so none is trained on",
+            group=TASK,
+        ),
+    ] = 1_000_000
     steps: Annotated[int, setting("training steps", ge=1, group=HOW_MUCH)] = 200
     group_size: Annotated[int, setting("samples per prompt (GRPO group)", ge=1, group=HOW_MUCH)] = 8
     groups_per_step: Annotated[
@@ -577,6 +629,14 @@ class TrainConfig(RunSettings, kw_only=True):
         super().__post_init__()
         if self.eval_temperature is not None and self.eval_temperature < 0:
             raise ValueError(f"eval_temperature must be >= 0 (or null), got {self.eval_temperature}")
+        if (
+            is_generated_dataset(self.dataset)
+            and self.workflow in BUILTIN_LOOPS
+            and "reward_fn" not in self.workflow_kwargs
+        ):
+            # the task's own scorer: a generated dataset brings its reward to a built-in loop (workflow_kwargs
+            # given without one); a workflow of one's own scores as it likes
+            self.workflow_kwargs = {**self.workflow_kwargs, "reward_fn": TASK_REWARD}
         if self.fleet and not (self.lora and self.lora_publish == "adapter"):
             raise ValueError(
                 f"fleet {self.fleet!r} is shared: a full-weight update (this run's, lora_rank {self.lora_rank}, "
@@ -593,8 +653,16 @@ class TrainConfig(RunSettings, kw_only=True):
         tasks = {"smollm2": smollm2_task, "tiny-vl": colours_task}
         implied = tasks[given["model"]]() if given.get("model") in tasks else {}
         workflow = str(given.get("workflow") or "")
-        if workflow and workflow not in BUILTIN_LOOPS and not workflow.startswith("rollq.workers.builtin."):
+        own_workflow = bool(workflow) and workflow not in BUILTIN_LOOPS
+        own_workflow = own_workflow and not workflow.startswith("rollq.workers.builtin.")
+        if own_workflow:
             implied["workflow_kwargs"] = {}
+        dataset = str(given.get("dataset") or "")
+        if is_generated_dataset(dataset):  # its own scorer, and held-out prompts of the same task (from eval_task_seed)
+            if not own_workflow:
+                kwargs = implied.get("workflow_kwargs") or _toy_workflow_kwargs()
+                implied["workflow_kwargs"] = {**kwargs, "reward_fn": TASK_REWARD}
+            implied["eval_dataset"] = dataset
         if int(given.get("lora_rank") or 0) > 0:
             implied["lr"] = float(given.get("lora_lr") or LORA_LR)
             implied.setdefault("steps", LORA_STEPS)
@@ -646,4 +714,4 @@ class TrainConfig(RunSettings, kw_only=True):
         return self.weights_dir or os.path.join(self.directory, "weights")
 
 
-__all__ = ["TrainConfig"]
+__all__ = ["TrainConfig", "is_generated_dataset"]

@@ -21,7 +21,7 @@ from rollq.producer.producer import JobRequest, Producer
 from rollq.producer.results import PartitionedConsumer, ResultConsumer
 from rollq.protocol.keys import RunKeys
 from rollq.protocol.messages import AgentOptions, Trajectory
-from rollq.trainer.data import task_prompts
+from rollq.trainer.data import run_prompts
 from rollq.trainer.metrics import EvalRecord
 
 if TYPE_CHECKING:
@@ -67,7 +67,7 @@ class Evaluator:
         over them."""
         kwargs, optional = cfg.eval_job_kwargs()
         if prompts is None:
-            prompts = task_prompts(cfg.eval_dataset, cfg.workflow, prompt_key=cfg.prompt_key, answer_key=cfg.answer_key)
+            prompts = run_prompts(cfg)[1]
         return cls(
             redis,
             cfg.run,

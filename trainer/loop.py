@@ -46,7 +46,7 @@ from rollq.trainer.batch import Batch, Group, build_batch, trained_versions
 from rollq.trainer.checkpoint import TrainerState
 from rollq.trainer.collector import Collected, GroupCollector
 from rollq.trainer.config import TrainConfig
-from rollq.trainer.data import PromptOrder, task_prompts
+from rollq.trainer.data import PromptOrder, run_prompts
 from rollq.trainer.evaluate import Evaluator
 from rollq.trainer.feeder import GroupFeeder, adapter_name
 from rollq.trainer.ledger import StalenessLedger
@@ -133,10 +133,8 @@ class Trainer:
         self.consumer: ResultConsumer | PartitionedConsumer = ResultConsumer(
             redis, self.producer.reply_to, group=CONSUMER_GROUP, name=CONSUMER_NAME
         )
-        if prompts is None:
-            prompts = task_prompts(
-                config.dataset, config.workflow, prompt_key=config.prompt_key, answer_key=config.answer_key
-            )
+        if prompts is None:  # `rollq up` hands them over, loaded before anything started
+            prompts, eval_prompts = run_prompts(config)
         self.prompts = PromptOrder(prompts, seed=config.seed)
         self.evaluator = Evaluator.for_run(redis, config, eval_prompts) if config.eval_dataset else None
         self.policy: TrainerPolicy = policy or Policy(config)

@@ -77,7 +77,9 @@ async def evaluate_once(redis, redis_url, run_name, pool, tmp_path, lines: list[
     held_out.write_text("".join(json.dumps(line) + "\n" for line in lines))
     # as `rollq train KEY=VALUE ...` builds it (TrainConfig.implied: no toy-task kwargs for a workflow of one's own)
     cfg = build(
-        TrainConfig, "trainer", {"run": run_name, "redis_url": redis_url, "eval_dataset": str(held_out), **settings}
+        TrainConfig,
+        "trainer",
+        {"run": run_name, "redis_url": redis_url, "dataset": str(held_out), "eval_dataset": str(held_out), **settings},
     )
     async with running_worker(redis_url, run_name, engine=pool, max_attempts=1, concurrency=4):
         return await Evaluator.for_run(redis, cfg).evaluate(step=0, version=0)
