@@ -11,6 +11,7 @@ import asyncio
 import functools
 import logging
 import os
+import re
 import secrets
 import shlex
 import signal
@@ -198,6 +199,9 @@ async def start_redis(procs: Processes, url: str | None, directory: Path) -> str
     return server.url
 
 
+DOTTED_NAME = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+")  # what an allowed object is named by
+
+
 def worker_allowlist(cfg: TrainConfig, stack: UpConfig) -> list[str]:
     """What the stack's workers may import: the operator's patterns, the trainer's own workflow and the reward_fn
     of its own workflow_kwargs and eval_workflow_kwargs (all named by whoever runs `rollq up`); rollq's built-ins are
@@ -207,9 +211,11 @@ def worker_allowlist(cfg: TrainConfig, stack: UpConfig) -> list[str]:
     for path in named:
         if isinstance(path, str) and (":" in path or "." in path):  # an import path, not a built-in loop's name
             dotted = path.replace(":", ".")  # patterns are over dotted names (`mod:fn` is `mod.fn`)
+            if not DOTTED_NAME.fullmatch(dotted):  # `mod:*` would allow a whole module (`*.*`: everything)
+                raise ValueError(f"{path!r} is not an import path (module:name): `rollq up` allows only that object")
             if not Allowlist(tuple(allow)).allows(dotted):  # rollq's own (its toy tasks' rewards) need none
                 allow.append(dotted)
-    allow += [module for module in generator_modules(cfg) if module not in allow]
+    allow += [name for name in [*generator_modules(cfg), *reasoning_gym_tasks(cfg)] if name not in allow]
     return allow
 
 
@@ -220,6 +226,15 @@ def generator_modules(cfg: TrainConfig) -> list[str]:
 
     specs = {cfg.dataset, cfg.eval_dataset}
     return sorted(s.partition(":")[0] for s in specs if is_generated_dataset(s) and not s.startswith(REASONING_GYM))
+
+
+def reasoning_gym_tasks(cfg: TrainConfig) -> list[str]:
+    """`reasoning_gym.NAME` of the run's own reasoning-gym tasks: those whose scorers evaluate the answer are scored
+    only where allowed (rollq.workers.builtin.task_reward), and whoever runs `rollq up` chose them."""
+    from rollq.tasks.generated import REASONING_GYM
+
+    specs = {cfg.dataset, cfg.eval_dataset}
+    return sorted(f"reasoning_gym.{s[len(REASONING_GYM) :]}" for s in specs if s.startswith(REASONING_GYM))
 
 
 def engine_argv(cfg: TrainConfig, port: int) -> list[str]:
@@ -651,6 +666,12 @@ def up(stack: UpConfig, cfg: TrainConfig) -> int:
         return 2
     if cfg.run == "default":  # a fresh run: repeated `up`s never share keys
         cfg = msgspec.structs.replace(cfg, run=f"up-{time.strftime('%Y%m%d-%H%M%S')}")
+    try:
+        datasets = load_datasets(cfg, stack)  # before anything starts: a bad line fails now, not after the stack is up
+        worker_allowlist(cfg, stack)  # a workflow or reward_fn that is no import path: said now too
+    except (ValueError, OSError) as exc:
+        print(f"rollq up: {exc}", file=sys.stderr)
+        return 2
     run_dir = Path(cfg.directory)
     again = f"rollq up --run-dir {shlex.quote(cfg.directory)}"
     print(
@@ -660,11 +681,6 @@ def up(stack: UpConfig, cfg: TrainConfig) -> int:
         file=sys.stderr,
     )
     started = time.monotonic()
-    try:
-        datasets = load_datasets(cfg, stack)  # before anything starts: a bad line fails now, not after the stack is up
-    except (ValueError, OSError) as exc:
-        print(f"rollq up: {exc}", file=sys.stderr)
-        return 2
     quiet_libraries()
     inherited = settings_environment(os.environ)  # for the children, which shed them too
     shield_secrets()  # it holds every key and the Redis password (rollq/shield.py)

@@ -59,6 +59,12 @@ def is_task_source(spec: str) -> bool:
     return spec.startswith(REASONING_GYM) or (not spec.startswith("toy:") and bool(_FACTORY.match(spec)))
 
 
+def reasoning_gym_registry() -> dict[str, Any]:
+    """reasoning-gym's tasks by name: (dataset class, config class) (reasoning_gym/factory.py:14, what
+    create_dataset looks names up in)."""
+    return dict(_reasoning_gym().factory.DATASETS)
+
+
 def _reasoning_gym() -> Any:
     try:
         return importlib.import_module("reasoning_gym")
@@ -94,7 +100,7 @@ def build(spec: TaskSpec, load_factory: Callable[[str], Callable[..., Any]] = im
     if spec.source.startswith(REASONING_GYM):
         name = spec.source[len(REASONING_GYM) :]
         rg = _reasoning_gym()
-        registry = rg.factory.DATASETS  # reasoning_gym/factory.py:14, what create_dataset looks names up in
+        registry = reasoning_gym_registry()
         if name not in registry:
             close = difflib.get_close_matches(name, list(registry), n=3)
             maybe = f" (did you mean {', '.join(close)}?)" if close else ""
@@ -158,7 +164,15 @@ def entry_record(
         messages.append({"role": "user", "content": example["question"]})
         messages.append({"role": "assistant", "content": f"<answer>{example['answer']}</answer>"})
     messages.append({"role": "user", "content": entry["question"]})
-    return {"messages": messages, "task": msgspec.to_builtins(spec), "entry": entry, "id": f"{spec.seed}:{index}"}
+    # `entry` is for people and the trainer; a worker scores against task[index], rebuilt from the spec, never
+    # against the entry a job carries (some scorers eval parts of it: rollq.workers.builtin.task_reward)
+    return {
+        "messages": messages,
+        "task": msgspec.to_builtins(spec),
+        "index": index,
+        "entry": entry,
+        "id": f"{spec.seed}:{index}",
+    }
 
 
 def generate(
@@ -211,5 +225,6 @@ __all__ = [
     "generate",
     "import_factory",
     "is_task_source",
+    "reasoning_gym_registry",
     "system_prompt",
 ]

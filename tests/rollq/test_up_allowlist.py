@@ -3,6 +3,7 @@ so the colon spelling, appended as it was written, matched nothing and every sam
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from rollq.trainer.config import TrainConfig
@@ -36,3 +37,18 @@ def test_the_reward_fn_of_the_trainers_own_kwargs_is_allowed_like_its_workflow(s
 def test_a_built_in_reward_adds_no_pattern():
     cfg = TrainConfig(workflow_kwargs={"reward_fn": "rollq.tasks.addition:addition_reward"})
     assert worker_allowlist(cfg, UpConfig(allow=["mine"])) == ["mine"]
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"workflow": "my_agent:*"},
+        {"workflow_kwargs": {"reward_fn": "*.*"}},
+        {"eval_workflow_kwargs": {"reward_fn": "os:*"}},
+    ],
+)
+def test_a_pattern_given_as_the_workflow_or_reward_is_refused_not_allowed(settings):
+    """`rollq up` allows the one object the trainer names: a wildcard there would open a module (or everything)."""
+    cfg = msgspec.convert({"run": "r", **settings}, TrainConfig)
+    with pytest.raises(ValueError, match="is not an import path"):
+        worker_allowlist(cfg, UpConfig())

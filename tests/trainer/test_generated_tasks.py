@@ -34,6 +34,7 @@ SMALL_SUMS = {
     "allow_parentheses": False,
 }
 # The tasks docs/tasks.md names: each one's entries travel in a job and score the same after the trip.
+SCORERS_ALLOWED = Allowlist(patterns=("reasoning_gym.*",))  # a worker whose operator allows every task's scorer
 CLAIMED = {
     "basic_arithmetic": SMALL_SUMS,
     "chain_sum": {"min_terms": 2, "max_terms": 2, "max_digits": 1},
@@ -149,13 +150,14 @@ def test_the_reward_is_reasoning_gyms_own_score_of_the_answer_its_extraction_fin
             right: 0.0,  # badly formatted: no <answer> tags
             f"<answer>{right}": 0.0,  # cut off
         }
-        for completion, expected in completions.items():
-            own = float(task.score_answer(extract_answer(completion), task[i]))
-            reward = task_reward("prompt", completion, **data)
-            assert reward == own, (name, completion)
-            if expected is not None:
-                assert reward == expected, (name, completion)
-        assert task_reward("p", f"<answer>{right}9</answer>", **data) < 1.0
+        with enforcing(SCORERS_ALLOWED):
+            for completion, expected in completions.items():
+                own = float(task.score_answer(extract_answer(completion), task[i]))
+                reward = task_reward("prompt", completion, **data)
+                assert reward == own, (name, completion)
+                if expected is not None:
+                    assert reward == expected, (name, completion)
+            assert task_reward("p", f"<answer>{right}9</answer>", **data) < 1.0
 
 
 def test_job_data_carries_what_the_scorer_needs_through_the_wire():
@@ -167,13 +169,54 @@ def test_job_data_carries_what_the_scorer_needs_through_the_wire():
             carried = msgspec.msgpack.decode(msgspec.msgpack.encode(record))
             assert carried == record
             right = f"<answer>{record['entry']['answer']}</answer>"
-            assert task_reward("p", right, **carried) == 1.0, (name, record["entry"])
+            with enforcing(SCORERS_ALLOWED):
+                assert task_reward("p", right, **carried) == 1.0, (name, record["entry"])
 
 
 def test_the_scorer_is_built_once_per_process():
     record = load_prompts("reasoning-gym:basic_arithmetic", TaskSettings(size=2, config=SMALL_SUMS))[0]
     spec = msgspec.convert(record["task"], TaskSpec)
-    assert cached_task(spec) is cached_task(spec)
+    with enforcing(SCORERS_ALLOWED):
+        assert cached_task(spec) is cached_task(spec)
+
+
+def test_the_scorer_never_reads_the_entry_a_job_carries(tmp_path):
+    """reasoning-gym's number_sorting scorer evals its entry's answer (reasoning_gym/algorithmic/number_sorting.py:131):
+    a job that carries an entry of its own gets it ignored; the entry scored against is task[index], rebuilt."""
+    marker = tmp_path / "pwned"
+    record = load_prompts("reasoning-gym:number_sorting", TaskSettings(size=2, seed=3))[1]
+    payload = f"__import__('pathlib').Path({str(marker)!r}).touch() or [1]"
+    planted = {**record, "entry": {"question": "q", "answer": payload, "metadata": {}}}
+    right = f"<answer>{record['entry']['answer']}</answer>"
+    with enforcing(Allowlist(patterns=("reasoning_gym.number_sorting",))):
+        assert task_reward("p", right, **planted) == 1.0  # scored against the real entry
+        assert task_reward("p", "<answer>[1]</answer>", **planted) < 1.0
+        for index in (-1, 2, "0", True, None):
+            with pytest.raises(TaskError, match="index"):
+                task_reward("p", right, **{**planted, "index": index})
+    assert not marker.exists()
+
+
+def test_a_task_whose_scorer_evaluates_answers_is_scored_only_where_the_operator_allows_it():
+    """countdown parses the model's answer with sympy's parse_expr (reasoning_gym/games/countdown.py:221), which
+    evals: the policy's text is not run unless the worker's allowlist (the job's) allows reasoning_gym.countdown."""
+    from rollq.workers.builtin.task_reward import scorer_evaluates
+
+    assert scorer_evaluates("countdown") and scorer_evaluates("string_insertion")
+    assert not scorer_evaluates("chain_sum")
+    record = load_prompts("reasoning-gym:countdown", TaskSettings(size=1))[0]
+    for allowlist in (None, Allowlist(patterns=("rollq.*",)), SCORERS_ALLOWED.narrowed(["rollq.workers.builtin"])):
+        with pytest.raises(TaskError, match=r"--allow reasoning_gym\.countdown"):
+            if allowlist is None:
+                task_reward("p", "<answer>1</answer>", **record)
+            else:
+                with enforcing(allowlist):
+                    task_reward("p", "<answer>1</answer>", **record)
+    with enforcing(Allowlist(patterns=("reasoning_gym.countdown",))):
+        assert task_reward("p", "<answer>1</answer>", **record) < 1.0  # scored (a wrong answer)
+    # rollq up allows its own run's task, and only that one
+    cfg = train_config(dataset="reasoning-gym:countdown")
+    assert worker_allowlist(cfg, UpConfig()) == ["reasoning_gym.countdown"]
 
 
 def test_a_users_own_generator_and_scorer_plug_in_the_same_way():
@@ -195,7 +238,9 @@ def test_a_users_own_generator_and_scorer_plug_in_the_same_way():
     cfg = train_config(dataset="tests.task_generators:make", task_config={"top": 9}, eval_task_size=5)
     assert cfg.workflow_kwargs["reward_fn"] == TASK_REWARD and cfg.eval_dataset == "tests.task_generators:make"
     assert worker_allowlist(cfg, UpConfig()) == ["tests.task_generators"]  # rollq up allows its module
-    assert worker_allowlist(train_config(dataset="reasoning-gym:basic_arithmetic"), UpConfig()) == []
+    assert worker_allowlist(train_config(dataset="reasoning-gym:basic_arithmetic"), UpConfig()) == [
+        "reasoning_gym.basic_arithmetic"
+    ]
 
 
 def test_a_job_naming_a_generator_outside_the_allowlist_imports_nothing(tmp_path, monkeypatch):
@@ -208,7 +253,7 @@ def test_a_job_naming_a_generator_outside_the_allowlist_imports_nothing(tmp_path
         """)
     )
     monkeypatch.syspath_prepend(str(tmp_path))
-    data = {"task": {"source": "planted_task:make", "size": 1, "seed": 0, "config": {}}, "entry": {"question": "q"}}
+    data = {"task": {"source": "planted_task:make", "size": 1, "seed": 0, "config": {}}, "index": 0}
     try:
         with enforcing(Allowlist(patterns=("tests",))), pytest.raises(ImportNotAllowed, match="planted_task:make"):
             task_reward("p", "<answer>1</answer>", **data)
