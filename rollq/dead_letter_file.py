@@ -4,12 +4,12 @@ message, traceback, worker, attempt) and the job (its data among it, hence mode 
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import msgspec
 import redis.asyncio as aioredis
 
+from rollq.private_file import write_private
 from rollq.protocol.codec import Codec, CodecError
 from rollq.protocol.keys import PAYLOAD_FIELD, RunKeys
 from rollq.redis_client import run_partitions
@@ -44,12 +44,7 @@ async def write_dead_letters(redis: aioredis.Redis, run: str, path: Path, *, aft
     if not lines:
         return 0
     kept = path.read_bytes() if after and path.exists() else b""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.unlink(missing_ok=True)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # never wider, even for an instant
-    with os.fdopen(fd, "wb") as f:
-        f.write(kept + b"".join(lines))
-    os.replace(tmp, path)
+    write_private(path, kept + b"".join(lines))
     return len(lines)
 
 

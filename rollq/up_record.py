@@ -9,13 +9,13 @@ is gone with it).
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import msgspec
 
+from rollq.private_file import MODE, write_private
+
 FILE = "up.json"
-MODE = 0o600
 
 
 class UpRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -30,12 +30,7 @@ def write_record(run_dir: Path, record: UpRecord) -> Path:
     """Write RUN_DIR/up.json atomically: a new file opened with mode 0600 (O_EXCL: never one someone else made, never
     wider for an instant; the umask can only narrow it), renamed over the old one."""
     path = Path(run_dir) / FILE
-    tmp = path.with_name(f".{FILE}.{os.getpid()}.tmp")
-    tmp.unlink(missing_ok=True)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, MODE)
-    with os.fdopen(fd, "wb") as f:
-        f.write(msgspec.json.encode(record) + b"\n")
-    os.replace(tmp, path)
+    write_private(path, msgspec.json.encode(record) + b"\n")
     return path
 
 

@@ -21,6 +21,7 @@ LEAVES = {
     "rollq.tasks",
     "rollq.tracing",
     "rollq.trace_sink",
+    "rollq.private_file",
     "rollq.up_record",
     "rollq.user_frame",
 }
