@@ -112,10 +112,10 @@ class MetricsLog:
         self.out.flush()
 
     def read(self) -> list[StepRecord]:
-        return _read(self.path, StepRecord)
+        return read_records(self.path, StepRecord)
 
     def read_evals(self) -> list[EvalRecord]:
-        return _read(self.eval_path, EvalRecord)
+        return read_records(self.eval_path, EvalRecord)
 
     def truncate(self, last_step: int) -> None:
         """Keep the steps (and evaluations) up to `last_step`: a restarted trainer redoes the steps its checkpoint
@@ -129,7 +129,8 @@ class MetricsLog:
             os.replace(tmp, path)
 
 
-def _read(path: Path, kind: type[T]) -> list[T]:
+def read_records(path: Path, kind: type[T]) -> list[T]:
+    """The records of a JSONL file of ours (metrics, evaluations, samples); none when it does not exist."""
     if not path.exists():
         return []
     decoder = msgspec.json.Decoder(kind)
@@ -246,5 +247,6 @@ __all__ = [
     "format_eval",
     "plot",
     "plot_run",
+    "read_records",
     "progress_line",
 ]

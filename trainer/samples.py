@@ -23,6 +23,7 @@ import msgspec
 
 from rollq.protocol.messages import Trajectory
 from rollq.trainer.batch import Group
+from rollq.trainer.metrics import read_records
 
 SAMPLES_FILE = "samples.jsonl"
 
@@ -137,10 +138,7 @@ def notice(path: Path, every: int, per_step: int) -> str:
 
 
 def read(path: Path) -> list[SampleRecord]:
-    if not path.exists():
-        return []
-    decoder = msgspec.json.Decoder(SampleRecord)
-    return [decoder.decode(line) for line in path.read_bytes().splitlines() if line.strip()]
+    return read_records(path, SampleRecord)
 
 
 __all__ = ["SAMPLES_FILE", "SampleLog", "SampleRecord", "notice", "read", "round_robin"]
