@@ -32,6 +32,9 @@ RANGE = "61000-61003:61000"  # 61000 runs Python agents; command agents get 6100
 ONE_COMMAND_UID = "61000-61001:61000"
 URLS = {"base_url": "http://127.0.0.1:9/v1", "anthropic_base_url": "http://127.0.0.1:9"}
 TIMEOUT_S = 60
+# One xdist process for the whole module: its tests hand out the same uids, and a test's kill_uid helper (running as
+# 61001, kill(-1, SIGKILL)) killed another test's helper of that uid when two tests ran at once (CI, stop 50).
+pytestmark = pytest.mark.xdist_group("agent-uids-61000")
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="running agents as uids 61000-61003 needs root")
 
 
