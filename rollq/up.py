@@ -751,7 +751,11 @@ def up(stack: UpConfig, cfg: TrainConfig) -> int:
     try:
         datasets = load_datasets(cfg, stack)  # before anything starts: a bad line fails now, not after the stack is up
         worker_allowlist(cfg, stack)  # a workflow or reward_fn that is no import path: said now too
-    except (ValueError, OSError) as exc:
+        if stack.gateway:
+            from rollq.gateway_process import smg_python
+
+            smg_python()  # not installed: said now, with how to install it
+    except (ValueError, OSError, RuntimeError) as exc:
         print(f"rollq up: {exc}", file=sys.stderr)
         return 2
     run_dir = Path(cfg.directory)
