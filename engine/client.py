@@ -269,6 +269,7 @@ class SGLangClient:
         priority: int | None = None,
         lora_path: str | None = None,  # a LoRA adapter's name (SGLang's field name); None: the base model
         image_data: list[str] | None = None,  # SGLang's image_data: one per image placeholder in input_ids
+        headers: dict[str, str] | None = None,  # more request headers (a gateway's routing key)
     ) -> GenerateResult:
         payload: dict[str, Any] = {
             "input_ids": input_ids,
@@ -283,7 +284,7 @@ class SGLangClient:
             payload["image_data"] = image_data
         if priority is not None:
             payload["priority"] = priority
-        headers = self._generate_headers()
+        headers = {**self._generate_headers(), **headers} if headers else self._generate_headers()
         if on_progress is not None:
             result = await self._generate_stream(payload, timeout, on_progress, headers)
         else:

@@ -13,12 +13,13 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import aiohttp
 import msgspec
 
 from rollq.engine.client import EngineError, EngineUnavailable, SGLangClient
+from rollq.engine.gateway import ROUTING_KEY_HEADER, GatewayClient, GatewayError
 from rollq.engine.http import shared_http_session
 from rollq.engine.types import (
     GenerateResult,
@@ -138,6 +139,14 @@ class PoolConfig(msgspec.Struct, kw_only=True):
     max_failovers: int = 8
     max_resubmissions: int = 64  # aborted segments of one request before it is returned as aborted
     affinity_capacity: int = 100_000
+    # A gateway's admin key (smg --control-plane-api-keys ...:admin:KEY): lists the engines behind a gateway URL
+    gateway_admin_api_key: str | None = None
+
+
+# What a member is, found by probing its `GET /workers` (engine/gateway.py): an engine (generation and control), a
+# gateway (generation only: its engines take the control calls), an engine behind a gateway (control only: its
+# generation goes through the gateway), or not known yet (not answering: treated as an engine until it does).
+MemberKind = Literal["unknown", "engine", "gateway", "behind"]
 
 
 class EngineMember:
@@ -156,6 +165,8 @@ class EngineMember:
         "_facts_task",
         "out_because",
         "last_error",
+        "kind",
+        "gateway",
     )
 
     def __init__(self, url: str, client: SGLangClient) -> None:
@@ -173,6 +184,8 @@ class EngineMember:
         self._facts_task: asyncio.Task[EngineFacts] | None = None
         self.out_because = ""  # why it last left routing
         self.last_error = ""  # the last engine failure a request met on it (EngineUnavailable)
+        self.kind: MemberKind = "unknown"
+        self.gateway: GatewayClient | None = None  # a gateway's membership client (kind "gateway")
 
     def why_out(self) -> str:
         """Why it is out of routing, with the last failure a request met on it (an engine error of a generation:
@@ -184,7 +197,13 @@ class EngineMember:
 
     @property
     def routable(self) -> bool:
-        return self.healthy and not self.stale
+        """Generation may go to it: an engine behind a gateway gets its generation through the gateway."""
+        return self.healthy and not self.stale and self.kind != "behind"
+
+    @property
+    def controlled(self) -> bool:
+        """Control calls go to it: a gateway forwards none (each engine it lists gets them)."""
+        return self.kind != "gateway"
 
     @property
     def held(self) -> bool:
@@ -214,14 +233,20 @@ class EnginePool:
         self._updating = False  # a fleet update is under way: versions read now say nothing about staleness
         self.static_urls = {u.rstrip("/") for u in config.urls}  # never removed by the registry
         self._registry_task: asyncio.Task | None = None
+        self._listed: dict[str, set[str]] = {}  # gateway URL -> the engine URLs it listed last
         for url in config.urls:
             self.add(url)
 
     # -- membership --------------------------------------------------------------------------------------------------
 
-    async def _abort_quietly(self, client: SGLangClient, rid: str) -> None:
+    async def _abort_quietly(self, member: EngineMember, rid: str) -> None:
         """Free an engine's slot for a request nobody waits for; a failure costs only the engine's time. A refused key
-        says so once: /abort_request is a control route (SGLang's admin key when the engine has one)."""
+        says so once: /abort_request is a control route (SGLang's admin key when the engine has one). Behind a
+        gateway (which forwards no abort) every engine it lists is asked: the rid is unique, the others ignore it."""
+        clients = [m.client for m in self.behind(member)] if member.kind == "gateway" else [member.client]
+        await asyncio.gather(*(self._abort_one(client, rid) for client in clients))
+
+    async def _abort_one(self, client: SGLangClient, rid: str) -> None:
         try:
             await client.abort_request(rid)
         except EngineError as exc:
@@ -236,7 +261,9 @@ class EnginePool:
             self.http = shared_http_session()
         return self.http
 
-    def add(self, url: str) -> EngineMember:
+    def add(self, url: str, *, behind: bool = False) -> EngineMember:
+        """`url` joins (an engine, or a gateway: its kind is probed). `behind`: an engine a gateway lists, which takes
+        the fleet's control calls and gets its generation through the gateway."""
         url = url.rstrip("/")
         member = self.members.get(url)
         if member is None:
@@ -249,12 +276,15 @@ class EnginePool:
             # Joining after the fleet moved to a version: out of routing until a health check reads that version (or
             # the fleet loads it), so a late engine never serves older weights.
             member.stale = self._target_version is not None
-            log.info("engine %s joined the pool", url)
+            if behind:
+                member.kind = "behind"
+            log.info("engine %s joined the pool%s", url, " (behind a gateway)" if behind else "")
             self._signal()
         return member
 
     def remove(self, url: str) -> None:
         if self.members.pop(url.rstrip("/"), None) is not None:
+            self._listed.pop(url.rstrip("/"), None)
             log.info("engine %s left the pool", url)
 
     def _signal(self) -> None:
@@ -263,7 +293,61 @@ class EnginePool:
 
     async def start(self) -> None:
         if self._health_task is None:
+            await self.follow_gateways()  # before the first request: a gateway's generation needs its header
             self._health_task = asyncio.create_task(self._health_loop(), name="engine-health")
+
+    # -- gateways (engine/gateway.py) ----------------------------------------------------------------------------------
+
+    async def follow_gateways(self) -> None:
+        """Probe the members not known yet (`GET /workers`: a gateway lists its engines, an engine answers 404), and
+        bring each gateway's engines into step with its list: new ones join (control calls reach them), removed ones
+        leave. Called at start and with every health check."""
+        unknown = [m for m in self.members.values() if m.kind == "unknown"]
+        await asyncio.gather(*(self._probe(m) for m in unknown))
+        for gateway in self.gateways():
+            await self._relist(gateway)
+
+    def _gateway_client(self, member: EngineMember) -> GatewayClient:
+        if member.gateway is None:
+            member.gateway = GatewayClient(member.url, self._session(), admin_api_key=self.config.gateway_admin_api_key)
+        return member.gateway
+
+    async def _probe(self, member: EngineMember) -> None:
+        try:
+            listed = await self._gateway_client(member).workers()
+        except GatewayError as exc:
+            if "no answer" not in str(exc):  # answered 401: a gateway whose admin key this pool lacks
+                log.warning("cannot tell whether %s is an engine or a gateway: %s", member.url, exc)
+            member.gateway = None
+            return  # still unknown: probed again with the next health check
+        if listed is None:
+            member.kind, member.gateway = "engine", None
+            return
+        member.kind = "gateway"
+        member.facts = None
+        log.info("%s is a gateway: generation goes through it, control calls to each engine it lists", member.url)
+
+    async def _relist(self, gateway: EngineMember) -> None:
+        try:
+            listed = await self._gateway_client(gateway).workers()
+        except GatewayError as exc:
+            log.warning("gateway %s: cannot list its engines (%s); keeping the last list", gateway.url, exc)
+            return
+        if listed is None:  # it stopped answering its list: keep what it listed last
+            return
+        urls = {w.url for w in listed}
+        self._listed[gateway.url] = urls
+        for url in urls:
+            if url not in self.members:
+                self.add(url, behind=True)
+        still = set().union(*self._listed.values())
+        for member in [m for m in self.members.values() if m.kind == "behind" and m.url not in still]:
+            self.remove(member.url)
+
+    def behind(self, gateway: EngineMember) -> list[EngineMember]:
+        """The engines `gateway` listed last."""
+        urls = self._listed.get(gateway.url, set())
+        return [m for m in self.members.values() if m.url in urls]
 
     def follow(self, registry: EngineRegistry, interval_s: float = 1.0) -> None:
         """Keep membership in step with a Redis engine registry (engines join and leave live)."""
@@ -273,7 +357,8 @@ class EnginePool:
         live = set(await registry.live())
         for url in live - set(self.members):
             self.add(url)
-        for url in set(self.members) - live - self.static_urls:
+        behind = {m.url for m in self.members.values() if m.kind == "behind"}  # a gateway's list keeps those
+        for url in set(self.members) - live - self.static_urls - behind:
             self.remove(url)
 
     async def _follow(self, registry: EngineRegistry, interval_s: float) -> None:
@@ -313,8 +398,12 @@ class EnginePool:
         return self._updating
 
     def engines(self, *, stale_only: bool = False) -> list[EngineMember]:
-        """The current members (a snapshot)."""
-        return [m for m in self.members.values() if m.stale or not stale_only]
+        """The engines the fleet's control calls go to (a snapshot): every member but a gateway, so the engines a
+        gateway lists rather than the gateway itself."""
+        return [m for m in self.members.values() if m.controlled and (m.stale or not stale_only)]
+
+    def gateways(self) -> list[EngineMember]:
+        return [m for m in self.members.values() if m.kind == "gateway"]
 
     @contextlib.contextmanager
     def weight_update(self, version: str, members: Iterable[EngineMember] | None = None) -> Iterator[None]:
@@ -372,11 +461,14 @@ class EnginePool:
             self._evict(member, why)
 
     async def check_health(self) -> None:
+        await self.follow_gateways()
         members = list(self.members.values())
         before = [(m.held, m.hold_epoch) for m in members]
         results = await asyncio.gather(*(m.client.health_status(timeout=self.config.health_timeout_s) for m in members))
         if self.target_version is not None:
-            await self._check_versions([m for m, r in zip(members, results, strict=True) if r == "ok"])
+            # a gateway's own version is one engine's (smg forwards /get_model_info to one): its engines are checked
+            ok = [m for m, r in zip(members, results, strict=True) if r == "ok" and m.kind != "gateway"]
+            await self._check_versions(ok)
         for member, status, (held, epoch) in zip(members, results, before, strict=True):
             if status == "ok":
                 if not member.healthy:
@@ -433,8 +525,15 @@ class EnginePool:
             del self._affinity[key]
 
     async def facts(self, member: EngineMember) -> EngineFacts:
-        """The engine's /server_info facts, read once per member (one read shared by concurrent requests)."""
+        """The engine's /server_info facts, read once per member (one read shared by concurrent requests). A gateway's
+        are those of an engine it lists (what it answers itself describes the gateway, or one engine at random)."""
         if member.facts is not None:
+            return member.facts
+        if member.kind == "gateway":
+            engines = [m for m in self.behind(member) if m.healthy] or self.behind(member)
+            if not engines:
+                return EngineFacts()  # nothing listed yet: read again next time
+            member.facts = await self.facts(engines[0])
             return member.facts
         task = member._facts_task
         if task is None or (task.done() and (task.cancelled() or task.exception() is not None)):
@@ -554,7 +653,7 @@ class EnginePool:
                 elif local_stop is not None and self.decode is not None and facts is not None and facts.streams:
                     # Stop strings applied here: stream the segment and abort it as soon as a stop shows up, rather
                     # than let the engine run to max_new_tokens (the output is cut at the stop below).
-                    progress = self._stop_watch(member.client, f"{rid}-{segments}", local_stop, self.decode)
+                    progress = self._stop_watch(member, f"{rid}-{segments}", local_stop, self.decode)
 
                 result = await member.client.generate(
                     req.input_ids + tokens if tokens else req.input_ids,
@@ -565,10 +664,12 @@ class EnginePool:
                     priority=req.priority,
                     lora_path=adapter,
                     image_data=req.image_data,  # a resubmitted remainder keeps its images: its ids hold their tokens
+                    # through a gateway: the group's key pins it to one engine there (its prefix cache)
+                    headers={ROUTING_KEY_HEADER: affinity} if affinity and member.kind == "gateway" else None,
                 )
             except asyncio.CancelledError:
                 # The caller gave up: free the engine's slot too (a closed connection alone may not abort it).
-                task = asyncio.get_running_loop().create_task(self._abort_quietly(member.client, f"{rid}-{segments}"))
+                task = asyncio.get_running_loop().create_task(self._abort_quietly(member, f"{rid}-{segments}"))
                 self._background.add(task)
                 task.add_done_callback(self._background.discard)
                 raise
@@ -592,9 +693,18 @@ class EnginePool:
                     versions += [_version_of(adapter, member.weight_version)] * len(streamed[0])
                     if len(tokens) >= budget:
                         return self._response(req, rid, tokens, logprobs, versions, "length", member, segments, started)
-                failed.add(member.url)
                 failovers += 1
                 member.last_error = exc.reason
+                if member.kind == "gateway" and not exc.unreachable:
+                    # An engine behind it failed (a 5xx, the gateway's "no healthy worker"): the gateway itself is
+                    # up and routes the resubmission to another engine; it leaves routing only when it is gone.
+                    if failovers > self.config.max_failovers:
+                        raise
+                    log.warning("request %s: through gateway %s: %s; resubmitting", rid, member.url, exc.reason)
+                    segments += 1
+                    await asyncio.sleep(min(1.0, 0.1 * failovers))  # the gateway's health checks need a moment
+                    continue
+                failed.add(member.url)
                 self._evict(member, exc.reason)
                 if failovers > self.config.max_failovers:
                     raise
@@ -681,7 +791,7 @@ class EnginePool:
             )
         return msgspec.structs.replace(sampling, stop=None), stops
 
-    def _stop_watch(self, client: SGLangClient, rid: str, stops: list[str], decode: Decode) -> ProgressCallback:
+    def _stop_watch(self, member: EngineMember, rid: str, stops: list[str], decode: Decode) -> ProgressCallback:
         """A progress callback that aborts `rid` (once) when the decoded tail of its output holds a stop string."""
         ids: list[int] = []
         tail = max(STOP_TAIL_TOKENS, 4 * max(map(len, stops)))  # a stop string spans at most this many tokens here
@@ -693,7 +803,7 @@ class EnginePool:
             if aborted or not any(stop in decode(ids[-(tail + len(new)) :]) for stop in stops):
                 return
             aborted = True
-            task = asyncio.get_running_loop().create_task(self._abort_quietly(client, rid))
+            task = asyncio.get_running_loop().create_task(self._abort_quietly(member, rid))
             self._background.add(task)
             task.add_done_callback(self._background.discard)
 

@@ -22,7 +22,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import msgspec
 
@@ -69,6 +69,15 @@ class UpConfig(Settings, kw_only=True):
         ),
     ] = None
     engines: Annotated[int, setting("reference engines to start", metavar="N", ge=1)] = 1
+    gateway: Annotated[
+        Literal["", "smg"],
+        setting(
+            "put a gateway in front of the engines: `smg` (SGLang's gateway, on loopback; the `smg` package): the "
+            "engines join it, workers generate through it (a group's id as its routing key), the trainer's control "
+            "calls go to each engine it lists; empty: none",
+            metavar="NAME",
+        ),
+    ] = ""
     workers: Annotated[int, setting("rollout worker processes to start", metavar="N", ge=1)] = 1
     concurrency: Annotated[int, setting("jobs each worker runs at once", metavar="N", ge=1)] = 64
     allow: Annotated[
@@ -109,16 +118,29 @@ class EngineKeys(msgspec.Struct, frozen=True):
             admin_api_key=cfg.engine_admin_api_key or secrets.token_urlsafe(32),
         )
 
-    def engine_config(self, weights_root: str) -> dict[str, Any]:
+    def engine_config(self, weights_root: str, gateway: Gateway | None = None) -> dict[str, Any]:
         """What a spawned `rollq engine` is handed (HandedConfig: a pipe, never its command line or environment):
-        its keys and where it may load weights from."""
-        return {"engine": {"api_key": self.api_key, "admin_api_key": self.admin_api_key, "weights_root": weights_root}}
+        its keys and where it may load weights from; with a gateway, the gateway it joins and its admin key."""
+        engine = {"api_key": self.api_key, "admin_api_key": self.admin_api_key, "weights_root": weights_root}
+        if gateway is not None:
+            engine |= {"gateway_url": gateway.url, "gateway_admin_api_key": gateway.admin_api_key}
+        return {"engine": engine}
 
-    def worker_config(self, redis_url: str) -> dict[str, Any]:
+    def worker_config(self, redis_url: str, gateway: Gateway | None = None) -> dict[str, Any]:
         """What a spawned `rollq worker` is handed: the Redis URL (its password in it) and both keys (workers abort
-        requests, a control route)."""
+        requests, a control route); with a gateway, its admin key (the workers list the engines behind it)."""
         keys = {"engine_api_key": self.api_key, "engine_admin_api_key": self.admin_api_key}
+        if gateway is not None:
+            keys["gateway_admin_api_key"] = gateway.admin_api_key
         return {"redis_url": redis_url, "worker": keys}
+
+
+@dataclass(frozen=True)
+class Gateway:
+    """The gateway `rollq up` put in front of its engines: where it listens and its admin key (fresh per run)."""
+
+    url: str
+    admin_api_key: str
 
 
 def handed_names(document: dict[str, Any]) -> set[str]:
@@ -448,19 +470,27 @@ async def _run(
     # The trainer writes each version under its weights directory; the engines load from there and nowhere else.
     weights_root = Path(cfg.weights_root).resolve()
     weights_root.mkdir(parents=True, exist_ok=True)
+    gateway = await start_gateway(procs, keys) if stack_cfg.gateway else None
     urls = []
     for i in range(stack_cfg.engines):
         port = free_port()
         urls.append(f"http://127.0.0.1:{port}")
-        start_child(procs, f"engine-{i}", engine_argv(cfg, port), keys.engine_config(str(weights_root)), inherited)
+        handed = keys.engine_config(str(weights_root), gateway)
+        start_child(procs, f"engine-{i}", engine_argv(cfg, port), handed, inherited)
+    # Behind a gateway, workers generate through it and the trainer follows its list of engines.
+    served = [gateway.url] if gateway is not None else urls
     for i in range(stack_cfg.workers):
         env = tracing.child_env(cfg)  # its spans join the trainer's traces
-        start_child(procs, f"worker-{i}", worker_argv(cfg, stack_cfg, urls), keys.worker_config(url), inherited, env)
+        handed = keys.worker_config(url, gateway)
+        start_child(procs, f"worker-{i}", worker_argv(cfg, stack_cfg, served), handed, inherited, env)
     # The trainer's model loads while the engines start (seconds each, on other cores): neither waits for the other.
     policy = asyncio.create_task(asyncio.to_thread(Policy, cfg)) if cfg.nproc == 1 else None
     try:
         for u in urls:
             await procs.wait_until(functools.partial(engine_healthy, u), 300, f"engine {u}", interval_s=0.1)
+        if gateway is not None:
+            routed = functools.partial(gateway_routes_to, gateway, urls)
+            await procs.wait_until(routed, 60, f"the gateway to route to {len(urls)} engine(s)", interval_s=0.1)
         # No job, and so no agent, before every child has read what was handed to it: until then a child is not yet
         # non-dumpable, and a process of the same user could read its pipe (rollq/handover.py). An engine has read
         # its settings once it answers, a worker once it registers.
@@ -472,10 +502,11 @@ async def _run(
     cfg = msgspec.structs.replace(
         cfg,
         redis_url=url,
-        engine=urls,
+        engine=served,
         weights_dir=str(weights_root),
         engine_api_key=keys.api_key,
         engine_admin_api_key=keys.admin_api_key,
+        gateway_admin_api_key=gateway.admin_api_key if gateway is not None else cfg.gateway_admin_api_key,
     )
     if cfg.nproc > 1:
         return await supervise_ranks(cfg, procs)
@@ -506,6 +537,57 @@ async def _run(
     finally:
         await pool.close()
         await redis.aclose()
+
+
+async def start_gateway(procs: Processes, keys: EngineKeys) -> Gateway:
+    """smg on loopback (rollq/gateway_process.py), with a fresh admin key and the engines' api key handed in a pipe;
+    returns once it answers. StackError saying how to install it when it is not installed."""
+    from rollq.gateway_process import GatewayFlags, GatewayMissing, smg_python
+
+    try:
+        python = smg_python()
+    except GatewayMissing as exc:
+        raise StackError(str(exc)) from None
+    flags = GatewayFlags(port=free_port(), prometheus_port=free_port())
+    gateway = Gateway(url=flags.url, admin_api_key=secrets.token_urlsafe(32))
+    with HandedConfig({"admin_api_key": gateway.admin_api_key, "api_key": keys.api_key}) as handed:
+        proc = procs.start("gateway", flags.argv(python, handed.argv()[1]), pass_fds=[handed.fd])
+    await procs.wait_until(
+        functools.partial(gateway_answers, gateway.url), 60, f"the gateway at {gateway.url}", watch=proc
+    )
+    log.info("gateway (smg) at %s: the engines join it, the workers generate through it", gateway.url)
+    return gateway
+
+
+async def gateway_answers(url: str) -> bool:
+    """Whether the gateway answers its liveness route."""
+    import aiohttp
+
+    try:
+        async with (
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0)) as session,
+            session.get(url + "/liveness") as response,
+        ):
+            return response.status == 200
+    except (aiohttp.ClientError, TimeoutError):
+        return False
+
+
+async def gateway_routes_to(gateway: Gateway, urls: list[str]) -> bool:
+    """Whether the gateway lists every one of `urls` as healthy (their registration is queued, then probed)."""
+    import aiohttp
+
+    headers = {"Authorization": f"Bearer {gateway.admin_api_key}"}
+    try:
+        async with (
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0)) as session,
+            session.get(gateway.url + "/workers", headers=headers) as response,
+        ):
+            body = await response.json() if response.status == 200 else {}
+    except (aiohttp.ClientError, TimeoutError, ValueError):
+        return False
+    healthy = {str(w.get("url", "")).rstrip("/") for w in body.get("workers", []) if w.get("is_healthy")}
+    return set(urls) <= healthy
 
 
 async def workers_registered(procs: Processes, url: str, run: str, workers: int) -> None:
@@ -669,7 +751,11 @@ def up(stack: UpConfig, cfg: TrainConfig) -> int:
     try:
         datasets = load_datasets(cfg, stack)  # before anything starts: a bad line fails now, not after the stack is up
         worker_allowlist(cfg, stack)  # a workflow or reward_fn that is no import path: said now too
-    except (ValueError, OSError) as exc:
+        if stack.gateway:
+            from rollq.gateway_process import smg_python
+
+            smg_python()  # not installed: said now, with how to install it
+    except (ValueError, OSError, RuntimeError) as exc:
         print(f"rollq up: {exc}", file=sys.stderr)
         return 2
     run_dir = Path(cfg.directory)

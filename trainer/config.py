@@ -116,6 +116,15 @@ class TrainConfig(RunSettings, kw_only=True):
             group=WHERE,
         ),
     ] = None
+    gateway_admin_api_key: Annotated[
+        str | None,
+        setting(
+            "the admin key of a gateway among `engine` (smg --control-plane-api-keys ID:NAME:admin:KEY): lists the "
+            "engines behind it (GET /workers), which get the control calls the gateway does not forward",
+            metavar="KEY",
+            group=WHERE,
+        ),
+    ] = None
     model: Annotated[
         str,
         setting(

@@ -8,8 +8,16 @@ from rollq.trainer.config import TrainConfig
 
 def engine_pool(cfg: TrainConfig) -> EnginePool:
     """The trainer's engines (cfg.engine; registered ones join through `follow`), called with its engine keys: the
-    admin key (default: the api key) on the control routes it drives (pause, weights, continue)."""
-    return EnginePool(PoolConfig(urls=cfg.engine, api_key=cfg.engine_api_key, admin_api_key=cfg.engine_admin_api_key))
+    admin key (default: the api key) on the control routes it drives (pause, weights, continue). A gateway among
+    them (smg) is followed with its admin key: its engines take the control calls (engine/gateway.py)."""
+    return EnginePool(
+        PoolConfig(
+            urls=cfg.engine,
+            api_key=cfg.engine_api_key,
+            admin_api_key=cfg.engine_admin_api_key,
+            gateway_admin_api_key=cfg.gateway_admin_api_key,
+        )
+    )
 
 
 __all__ = ["engine_pool"]

@@ -344,9 +344,9 @@ class Trainer:
     # -- the loop ------------------------------------------------------------------------------------------------------
 
     async def _wait_for_engines(self) -> None:
-        """Engines may start after the trainer (compose, registry): wait for one, saying so."""
+        """Engines may start after the trainer (compose, registry, a gateway they join): wait for one, saying so."""
         waited = 0.0
-        while not self.pool.members:
+        while not self.pool.engines():  # a gateway without engines is none: its list is followed until one joins
             if waited % 30 == 0:
                 log.warning("no engine yet (none configured, none registered for run %r): waiting", self.cfg.run)
             await asyncio.sleep(0.5)

@@ -26,7 +26,12 @@ from rollq.workers.worker import Worker
 
 def engine_pool(cfg: WorkerConfig) -> EnginePool:
     """The worker's engines (--engine URLs; registered ones join through `follow`), called with its engine keys."""
-    keys = PoolConfig(urls=cfg.engine, api_key=cfg.engine_api_key, admin_api_key=cfg.engine_admin_api_key)
+    keys = PoolConfig(
+        urls=cfg.engine,
+        api_key=cfg.engine_api_key,
+        admin_api_key=cfg.engine_admin_api_key,
+        gateway_admin_api_key=cfg.gateway_admin_api_key,
+    )
     return EnginePool(keys, decode=StopTextDecoder(cfg.tokenizer))
 
 

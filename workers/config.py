@@ -55,6 +55,14 @@ class WorkerConfig(RunSettings, kw_only=True):
             metavar="KEY",
         ),
     ] = None
+    gateway_admin_api_key: Annotated[
+        str | None,
+        setting(
+            "the admin key of a gateway among `engine` (smg --control-plane-api-keys ID:NAME:admin:KEY): lists the "
+            "engines behind it (GET /workers), whose facts requests need and which take the workers' aborts",
+            metavar="KEY",
+        ),
+    ] = None
     allow: Annotated[
         list[str],
         setting(

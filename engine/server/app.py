@@ -603,6 +603,8 @@ class EngineServer:
         )
         if success and version is not None:
             message += f" Weight version updated to {version}."
+        if success:  # one line per update: which version each engine of a fleet serves, in its own log
+            log.info("weights loaded from %s in %.2f s (weight version %s)", resolved, load_s, version or "unchanged")
         # load_seconds is rollq's addition (clients ignore unknown keys): lets fleet timing exclude the load itself.
         reply = {"success": success, "message": message, "num_paused_requests": num_paused}
         return _json({**reply, "load_seconds": round(load_s, 6)}, 200 if success else 400)

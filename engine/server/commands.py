@@ -11,6 +11,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+import aiohttp
+
+from rollq.engine.gateway import GatewayClient, GatewayError
 from rollq.engine.server.app import EngineServerConfig, serve
 from rollq.engine.server.backend import Backend, ModelRefused
 from rollq.engine.server.config import EngineConfig
@@ -128,6 +131,52 @@ def _usage_exit(message: str) -> SystemExit:
     return SystemExit(2)
 
 
+class Registration:
+    """Where a serving engine made itself known: the run's Redis registry (--register, renewed by a task) and a
+    gateway (--gateway-url: joined once, left on shutdown)."""
+
+    def __init__(self, registry: asyncio.Task | None, gateway: GatewayClient | None, url: str) -> None:
+        self.registry = registry
+        self.gateway = gateway
+        self.url = url
+
+    async def leave(self) -> None:
+        await _unregister(self.registry)
+        if self.gateway is not None:
+            try:
+                removed = await self.gateway.deregister(self.url)
+                log.info("left gateway %s (%d listing(s) removed)", self.gateway.url, removed)
+            except GatewayError as exc:  # the gateway's health checks drop it once it is gone
+                log.warning("could not leave gateway: %s", exc)
+            finally:
+                await self.gateway.http.close()
+
+
+async def _join_gateway(args: EngineConfig, url: str) -> GatewayClient | None:
+    """With --gateway-url: register `url` (advertise_url) with the gateway, giving it the engine's api key (what it
+    must send the engine on generation and health checks)."""
+    if not args.gateway_url:
+        return None
+    client = GatewayClient(args.gateway_url, aiohttp.ClientSession(), admin_api_key=args.gateway_admin_api_key)
+    try:
+        worker_id = await client.join(args.advertise_url or url, api_key=args.api_key)
+    except GatewayError as exc:
+        await client.http.close()
+        raise SystemExit(f"rollq engine: cannot join the gateway: {exc}") from None
+    log.info("joined gateway %s as %s (worker %s)", client.url, args.advertise_url or url, worker_id)
+    return client
+
+
+async def _make_known(args: EngineConfig, url: str) -> Registration:
+    gateway = await _join_gateway(args, url)
+    try:
+        registry = await _register(args, url)
+    except BaseException:
+        await Registration(None, gateway, args.advertise_url or url).leave()
+        raise
+    return Registration(registry, gateway, args.advertise_url or url)
+
+
 async def _register(args: EngineConfig, url: str) -> asyncio.Task | None:
     """With --register: keep `url` in the run's engine registry until the returned task is cancelled."""
     if not args.register:
@@ -163,10 +212,10 @@ async def _serve(backend: Backend, config: EngineServerConfig, args: EngineConfi
     handle = await serve(backend, config)
     log.info("engine (%s) serving on %s, weight version %s", type(backend).__name__, handle.url, config.weight_version)
     _say_if_control_closed(args)
-    registration = await _register(args, handle.url)
+    registration = await _make_known(args, handle.url)
     await stop.wait()
     log.info("shutting down: aborting requests in flight")
-    await _unregister(registration)
+    await registration.leave()
     await handle.close()
     return 0
 
@@ -210,7 +259,7 @@ async def _run_sglang(args: EngineConfig, model_path: str) -> int:
         shutil.rmtree(keys_dir, ignore_errors=True)
         raise
     url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '') else args.host}:{args.port}"
-    registration = None
+    registration: Registration | None = None
     try:
         try:
             await wait_ready(url, proc, args.ready_timeout)
@@ -218,14 +267,15 @@ async def _run_sglang(args: EngineConfig, model_path: str) -> int:
             shutil.rmtree(keys_dir, ignore_errors=True)
         log.info("sglang ready at %s", url)
         _say_if_control_closed(args)
-        registration = await _register(args, url)
+        registration = await _make_known(args, url)
         exited = asyncio.create_task(proc.wait())
         stopped = asyncio.create_task(stop.wait())
         await asyncio.wait([exited, stopped], return_when=asyncio.FIRST_COMPLETED)
         stopped.cancel()
         return 0 if stop.is_set() else (proc.returncode or 1)
     finally:
-        await _unregister(registration)
+        if registration is not None:
+            await registration.leave()
         if proc.returncode is None:
             proc.terminate()
             try:

@@ -195,6 +195,21 @@ class EngineConfig(RunSettings, kw_only=True):
         str | None,
         setting("URL workers should use (default: http://HOST:PORT; set it when binding 0.0.0.0)", metavar="URL"),
     ] = None
+    gateway_url: Annotated[
+        str | None,
+        setting(
+            "join this gateway (smg / sglang-router: POST /workers with advertise_url and api_key) once serving, and "
+            "leave it (DELETE /workers/ID) on shutdown",
+            metavar="URL",
+        ),
+    ] = None
+    gateway_admin_api_key: Annotated[
+        str | None,
+        setting(
+            "the gateway's admin key (smg --control-plane-api-keys ID:NAME:admin:KEY), sent on joining and leaving it",
+            metavar="KEY",
+        ),
+    ] = None
     enable_lora: Annotated[
         bool,
         setting(
