@@ -31,6 +31,7 @@ SECRETS = {
     "ROLLQ_REDIS_TRAINER_PASSWORD": "Redis user `trainer` (rollq train)",
     "ROLLQ_REDIS_ENGINE_PASSWORD": "Redis user `engine` (engine registry: rollq engine --register, sglang-register)",
     "ROLLQ_REDIS_REWARDS_PASSWORD": "Redis user `rewards` (remote rewards' arq queue)",
+    "ROLLQ_REDIS_KEDA_PASSWORD": "Redis user `keda` (KEDA's scaler: reads the job streams' length and lag)",
     "ROLLQ_REDIS_HEALTHCHECK_PASSWORD": "Redis user `healthcheck` (PING only: the Redis healthchecks)",
     "ROLLQ_REDIS_REPLICATION_PASSWORD": "Redis user `replication` (profile cluster: replicas syncing)",
     "ROLLQ_REDIS_CLUSTER_ADMIN_PASSWORD": "Redis user `cluster-admin` (profile cluster: forming the cluster)",

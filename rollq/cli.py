@@ -30,6 +30,7 @@ from rollq.config import (
     section_values,
 )
 from rollq.engine.server.config import EngineConfig
+from rollq.keda import KedaConfig
 from rollq.producer.config import ClassesConfig, EnqueueConfig, StatusConfig
 from rollq.producer.ingress.config import IngressConfig
 from rollq.redis_client import RedisUnavailable
@@ -127,6 +128,12 @@ COMMANDS = (
         "draw a run's plot.png again from its metrics.jsonl (after an interrupted run, or while one goes)",
         "rollq.trainer.plot_command:plot",
         (Section("plot", PlotConfig),),
+    ),
+    Command(
+        "keda",
+        "print the KEDA objects that scale the worker Deployment on a run's job streams (docs/keda.md)",
+        "rollq.keda:keda",
+        (Section("keda", KedaConfig),),
     ),
 )
 COMMANDS_BY_NAME = {c.name: c for c in COMMANDS}

@@ -10,6 +10,11 @@ from tests.helpers import REPO_ROOT
 ACL_FILE = REPO_ROOT / "deploy" / "redis-acl.conf"
 # What redis-py's cluster client sends besides a role's own commands (the file's header says to add them on a cluster)
 CLUSTER_RULES = ("+cluster|slots", "+command", "+command|getkeys")
+# What go-redis's cluster client (KEDA's scaler) sends besides the `keda` user's own commands: CLUSTER SLOTS and the
+# bare COMMAND, none of COMMAND's subcommands (deploy/redis-acl.conf's `keda` comment)
+KEDA_CLUSTER_RULES = ("+cluster|slots", "+command") + tuple(
+    f"-command|{sub}" for sub in ("count", "docs", "getkeys", "getkeysandflags", "help", "info", "list")
+)
 
 
 def acl_users(text: str | None = None) -> dict[str, list[str]]:

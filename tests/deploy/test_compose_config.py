@@ -14,7 +14,7 @@ import pytest
 from rollq.cli import parse
 from rollq.local import Processes, free_port, wait_until_sync
 from rollq.workers.agents.agent_user import parse_agent_users
-from tests.deploy.acl import CLUSTER_RULES, acl_users, for_run, option, user_directives
+from tests.deploy.acl import CLUSTER_RULES, KEDA_CLUSTER_RULES, acl_users, for_run, option, user_directives
 from tests.deploy.compose import (
     COMPOSE_FILE,
     DOCKERFILE,
@@ -327,7 +327,8 @@ def test_redis_has_the_acl_files_users_and_no_anonymous_access(compose_secrets):
         assert users.pop("replication") == pinger("replication", "+psync", "+replconf", "+ping")
         assert users.pop("cluster-admin") == pinger("cluster-admin", "+cluster", "+info", "+ping")
         roles = [u for u in file_users if u not in ("default", "rewards")]
-        assert users == {"default": ["off"], **{u: expected(u, CLUSTER_RULES) for u in roles}}
+        rules = {u: KEDA_CLUSTER_RULES if u == "keda" else CLUSTER_RULES for u in roles}
+        assert users == {"default": ["off"], **{u: expected(u, rules[u]) for u in roles}}
         assert option(node, "masteruser") == ["replication"]
         assert option(node, "masterauth") == [values["ROLLQ_REDIS_REPLICATION_PASSWORD"]]
         assert option(node, "protected-mode") == ["yes"]
