@@ -97,6 +97,17 @@ class GatewayClient:
             return None
         return listed_workers(body)
 
+    async def open_to_anyone(self) -> bool:
+        """Whether the gateway lists its engines to a caller without its admin key: then anyone who reaches it may also
+        register a URL of theirs (`POST /workers` is as open), and whatever a pool sends the engines it lists (their
+        keys) would reach that URL."""
+        headers, self.headers = self.headers, {}
+        try:
+            status, body = await self._call("GET", WORKERS_ROUTE)
+        finally:
+            self.headers = headers
+        return status == 200 and listed_workers(body) is not None
+
     async def register(self, url: str, *, api_key: str | None = None) -> str:
         """`POST /workers`: the gateway probes the engine and routes to it once healthy (202: queued). `api_key`: what
         the gateway sends the engine (its generation key). Returns the worker id."""

@@ -146,7 +146,8 @@ class PoolConfig(msgspec.Struct, kw_only=True):
 # What a member is, found by probing its `GET /workers` (engine/gateway.py): an engine (generation and control), a
 # gateway (generation only: its engines take the control calls), an engine behind a gateway (control only: its
 # generation goes through the gateway), or not known yet (not answering: treated as an engine until it does).
-MemberKind = Literal["unknown", "engine", "gateway", "behind"]
+# A gateway whose list anyone may change, while the pool holds engine keys, is "refused": neither used nor followed.
+MemberKind = Literal["unknown", "engine", "gateway", "behind", "refused"]
 
 
 class EngineMember:
@@ -198,12 +199,12 @@ class EngineMember:
     @property
     def routable(self) -> bool:
         """Generation may go to it: an engine behind a gateway gets its generation through the gateway."""
-        return self.healthy and not self.stale and self.kind != "behind"
+        return self.healthy and not self.stale and self.kind not in ("behind", "refused")
 
     @property
     def controlled(self) -> bool:
         """Control calls go to it: a gateway forwards none (each engine it lists gets them)."""
-        return self.kind != "gateway"
+        return self.kind not in ("gateway", "refused")
 
     @property
     def held(self) -> bool:
@@ -322,6 +323,17 @@ class EnginePool:
             return  # still unknown: probed again with the next health check
         if listed is None:
             member.kind, member.gateway = "engine", None
+            return
+        if (self.config.api_key or self.config.admin_api_key) and await self._gateway_client(member).open_to_anyone():
+            # Its list is open (smg without --control-plane-api-keys): anyone reaching it could list a URL of theirs,
+            # and the engines' keys would go there with the fleet's control calls. Not followed: refused loudly.
+            log.error(
+                "%s is a gateway whose engine list anyone may change (it answers GET /workers without its admin key): "
+                "rollq sends the engines' keys to none of its engines. Start it with --control-plane-api-keys "
+                "ID:NAME:admin:KEY and give rollq KEY as gateway_admin_api_key",
+                member.url,
+            )
+            member.kind, member.gateway = "refused", None
             return
         member.kind = "gateway"
         member.facts = None

@@ -155,6 +155,11 @@ async def test_sglang_router_032_generation_through_it_control_to_its_engines(en
             report = await fleet.run_cycle(lambda: fleet.update_weights(str(tmp_path), 3))
             assert sorted(report.updated) == sorted([u1, u2]), report.failures()
             assert [await weight_version(u) for u in (u1, u2)] == ["3", "3"]
+        # Its list is open (no admin key: anyone reaching it may POST /workers a URL of theirs). A pool holding engine
+        # keys would send them to whatever it lists: it neither follows nor uses such a gateway, and says why.
+        async with EnginePool(PoolConfig(urls=[router], api_key="engine-key")) as pool:
+            assert pool.members[router].kind == "refused"
+            assert pool.engines() == [] and not pool.members[router].routable
     finally:
         procs.stop_all(grace_s=5)
 
