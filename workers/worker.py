@@ -318,7 +318,6 @@ class Worker:
             await asyncio.wait([all_done, hurry], timeout=self.cfg.drain_grace, return_when=asyncio.FIRST_COMPLETED)
             all_done.cancel()  # (cancels the wait, not the jobs)
             hurry.cancel()
-        deadline = time.monotonic() + HAND_BACK_S
         left = {key: r for key, r in self._running.items() if not r.task.done()}
         finishing = [r.task for r in left.values() if r.finishing]
         cancelled = {key: r for key, r in left.items() if not r.finishing}
@@ -330,16 +329,16 @@ class Worker:
             )
         for r in cancelled.values():
             r.task.cancel()
-        if cancelled:  # let them unwind (agents' process groups killed, reward runs aborted), bounded
-            await asyncio.wait([r.task for r in cancelled.values()], timeout=HAND_BACK_S)
+        # Handed back at once (a cancelled run can no longer publish: _finishing), while the cancelled episodes
+        # unwind (agents' process groups killed, reward runs aborted); both bounded.
         writes += [self._hand_back(stream, eid, r.payload) for (stream, eid), r in cancelled.items()]
-        waits = [w for w in writes if w is not None] + finishing
+        waits = [w for w in writes if w is not None] + finishing + [r.task for r in cancelled.values()]
         if waits:
-            _, unanswered = await asyncio.wait(waits, timeout=max(0.0, deadline - time.monotonic()))
+            _, unanswered = await asyncio.wait(waits, timeout=HAND_BACK_S)
             if unanswered:
                 log.warning(
-                    "%d drain writes unanswered after %.0fs (Redis away?); their jobs stay pending and are reclaimed "
-                    "after lease_ms",
+                    "%d drain writes or cancelled episodes unfinished after %.0fs (Redis away?); what was not "
+                    "written stays pending and is reclaimed after lease_ms",
                     len(unanswered),
                     HAND_BACK_S,
                 )
