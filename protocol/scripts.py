@@ -166,12 +166,12 @@ return 1
 """
 
 # KEYS: the entry's job stream. ARGV: group, entry id, new job payload. Acks the entry and queues the job again (at
-# the tail of the same stream, so its class's in-flight count, the stream's length, does not change).
+# the tail of the same stream, so its class's in-flight count, the stream's length, does not change). Returns the new
+# entry's id (its time is when the job was handed back), or 0 when the entry was not pending (its outcome was written).
 REQUEUE = """
 if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
 redis.call('XDEL', KEYS[1], ARGV[2])
-redis.call('XADD', KEYS[1], '*', 'd', ARGV[3])
-return 1
+return redis.call('XADD', KEYS[1], '*', 'd', ARGV[3])
 """
 
 # KEYS: reply stream, inflight counter, then one consumed-set key per entry. ARGV: group, dedup ttl_s,

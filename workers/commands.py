@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import sys
@@ -22,6 +23,8 @@ from rollq.workers.metrics import WorkerMetrics
 from rollq.workers.model_names import hub_offline
 from rollq.workers.run_share import RunShare
 from rollq.workers.worker import Worker
+
+log = logging.getLogger("rollq.worker")
 
 
 def engine_pool(cfg: WorkerConfig) -> EnginePool:
@@ -52,12 +55,19 @@ async def serve(cfg: WorkerConfig) -> int:
     metrics = WorkerMetrics(worker, pool).serve(cfg.metrics_port, cfg.metrics_host) if cfg.metrics_port else None
     loop = asyncio.get_running_loop()
 
-    def stop_all() -> None:
+    signals = 0
+
+    def stop_all(sig: signal.Signals) -> None:
+        # The first stops reading and drains (drain_grace); a second ends the grace: what runs is handed back now.
+        nonlocal signals
+        signals += 1
+        what = f"stopping: running jobs get {cfg.drain_grace:g}s" if signals == 1 else "handing back running jobs now"
+        log.info("%s received: %s", sig.name, what)
         for w in workers:
             w.request_stop()
 
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop_all)
+        loop.add_signal_handler(sig, stop_all, sig)
     try:
         await asyncio.gather(*(w.run() for w in workers))
     finally:

@@ -107,7 +107,15 @@ class WorkerConfig(RunSettings, kw_only=True):
             ge=1,
         ),
     ] = 100
-    drain_grace: Annotated[float, setting("seconds in-flight jobs get to finish on SIGTERM", metavar="S", ge=0)] = 30.0
+    drain_grace: Annotated[
+        float,
+        setting(
+            "seconds in-flight jobs get to finish on SIGTERM before the rest is handed back (keep the kill timer, "
+            "terminationGracePeriodSeconds or stop_grace_period, at least 15 s above it)",
+            metavar="S",
+            ge=0,
+        ),
+    ] = 30.0
     wait_redis: Annotated[float, setting("wait up to S seconds for Redis at start", metavar="S", ge=0)] = 0.0
     metrics_port: Annotated[
         int, setting("serve Prometheus /metrics on this port (0 = off)", metavar="PORT", ge=0, le=65535)

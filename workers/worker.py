@@ -80,11 +80,23 @@ class WorkerStats(msgspec.Struct):
     dead_lettered: int = 0
     reclaimed: int = 0
     results_dropped: int = 0  # finished, but the job's private reply stream was gone (RunKeys.dropped)
+    handed_back: int = 0  # given back to their streams unfinished by a drain (SIGTERM)
 
 
 class _Running(msgspec.Struct):
     task: asyncio.Task
     payload: bytes | None
+    # Its outcome is being written (published, retried or dead-lettered): a drain waits for that write and never
+    # hands the job back, which would run a finished episode again (and publish it twice).
+    finishing: bool = False
+
+
+# After drain_grace: how long cancelled episodes get to unwind (command agents' process groups killed, remote reward
+# runs aborted) and the hand-back writes get to reach Redis. A worker asked to stop exits within drain_grace +
+# HAND_BACK_S + its own close (a few seconds), so terminationGracePeriodSeconds (compose: stop_grace_period) must be
+# above drain_grace + 15 s; what a hung Redis leaves unwritten stays pending and is reclaimed after lease_ms.
+HAND_BACK_S = 5.0
+DEREGISTER_S = 2.0  # how long a stopping worker tries to remove its heartbeat
 
 
 Entry = tuple[bytes, dict | None]  # a stream entry as XREADGROUP returns it
@@ -230,6 +242,8 @@ class Worker:
         self._rewalk = False
         self._held: list[tuple[str, Entry]] = []  # read by a blocking multi-stream read beyond the free slots
         self._stop = asyncio.Event()
+        self._hurry = asyncio.Event()  # asked to stop twice: the drain's grace ends now
+        self._handed_back: set[tuple[str, str]] = set()  # (job stream, entry id) the drain gave back: never published
         self._slot_free = asyncio.Event()
         self._batcher: WriteBatcher | None = None
         self.ready = asyncio.Event()  # set once the consumer group exists and reading began
@@ -247,7 +261,10 @@ class Worker:
     # -- lifecycle -----------------------------------------------------------------------------------------------
 
     def request_stop(self) -> None:
-        """Stop reading new jobs; in-flight jobs get `drain_grace` to finish (SIGTERM does this)."""
+        """Stop reading new jobs; in-flight jobs get `drain_grace` to finish, the rest is handed back (SIGTERM does
+        this). Asked again (a second SIGTERM, Ctrl-C twice), the grace ends at once."""
+        if self._stop.is_set():
+            self._hurry.set()
         self._stop.set()
         self._slot_free.set()
 
@@ -267,7 +284,7 @@ class Worker:
             with enforcing(self.allowlist), serving(self.models), self.tracing.installed():
                 async with self.context:
                     try:
-                        await self._consume_loop()
+                        await self._consume_until_stopped()
                         await self._drain()
                     finally:
                         await self.workflows.close()
@@ -282,38 +299,99 @@ class Worker:
         return self.stats
 
     async def _drain(self) -> None:
+        """The shutdown contract (docs/deployment.md): entries read but not started go back to their streams at once;
+        running jobs get drain_grace to finish (a second stop request ends it early); those still running then are
+        cancelled and handed back (REQUEUE: acked, re-added at their stream's tail with the same attempt, so a worker
+        reading the stream starts them at once, not after their lease). A job whose outcome is being written when
+        the grace ends is not handed back: its write is waited for. Everything after the grace is bounded by
+        HAND_BACK_S, so the worker exits before Kubernetes' SIGKILL even when Redis does not answer (then what was
+        not written stays pending and is reclaimed after lease_ms: nothing is lost either way)."""
         held, self._held = self._held, []  # read but never started: back to their streams
-        for stream, (raw_id, fields) in held:
-            payload = (fields or {}).get(PAYLOAD_FIELD)
-            if payload is not None:
-                await self._writes.script(self._requeue, [stream], [WORKER_GROUP, raw_id.decode(), payload])
-        if not self._running:
-            return
-        log.info("draining %d in-flight jobs (grace %.1fs)", len(self._running), self.cfg.drain_grace)
-        tasks = [r.task for r in self._running.values()]
-        _, unfinished = await asyncio.wait(tasks, timeout=self.cfg.drain_grace)
-        if not unfinished:
-            return
-        left = {key: r.payload for key, r in self._running.items() if r.task in unfinished}
-        for task in unfinished:
-            task.cancel()
-        await asyncio.gather(*unfinished, return_exceptions=True)
-        # Hand the unfinished jobs back to their streams (same attempt: a drain is not a failure).
-        waits = [
-            self._writes.script(self._requeue, [stream], [WORKER_GROUP, eid, payload])
-            for (stream, eid), payload in left.items()
-            if payload is not None
+        writes = [
+            self._hand_back(stream, raw_id.decode(), (fields or {}).get(PAYLOAD_FIELD))
+            for stream, (raw_id, fields) in held
         ]
-        await asyncio.wait_for(asyncio.gather(*waits, return_exceptions=True), timeout=10)
-        log.info("requeued %d unfinished jobs for other workers", len(waits))
+        if self._running:
+            log.info("draining %d in-flight jobs (grace %.1fs)", len(self._running), self.cfg.drain_grace)
+            all_done = asyncio.ensure_future(asyncio.wait([r.task for r in self._running.values()]))
+            hurry = asyncio.ensure_future(self._hurry.wait())
+            await asyncio.wait([all_done, hurry], timeout=self.cfg.drain_grace, return_when=asyncio.FIRST_COMPLETED)
+            all_done.cancel()  # (cancels the wait, not the jobs)
+            hurry.cancel()
+        left = {key: r for key, r in self._running.items() if not r.task.done()}
+        finishing = [r.task for r in left.values() if r.finishing]
+        cancelled = {key: r for key, r in left.items() if not r.finishing}
+        if left:
+            log.info(
+                "drain grace over: %d jobs writing their outcome, %d cancelled and handed back",
+                len(finishing),
+                len(cancelled),
+            )
+        for r in cancelled.values():
+            r.task.cancel()
+        # Handed back at once (a cancelled run can no longer publish: _finishing), while the cancelled episodes
+        # unwind (agents' process groups killed, reward runs aborted); both bounded.
+        writes += [self._hand_back(stream, eid, r.payload) for (stream, eid), r in cancelled.items()]
+        waits = [w for w in writes if w is not None] + finishing + [r.task for r in cancelled.values()]
+        if waits:
+            _, unanswered = await asyncio.wait(waits, timeout=HAND_BACK_S)
+            if unanswered:
+                log.warning(
+                    "%d drain writes or cancelled episodes unfinished after %.0fs (Redis away?); what was not "
+                    "written stays pending and is reclaimed after lease_ms",
+                    len(unanswered),
+                    HAND_BACK_S,
+                )
+
+    def _hand_back(self, stream: str, eid: str, payload: bytes | None) -> asyncio.Task | None:
+        """Give an entry this worker holds back to its stream (REQUEUE; same attempt: a drain is not a failure), so
+        another worker starts it at once. Once handed back, its own run (if any) never publishes."""
+        self._handed_back.add((stream, eid))
+        if payload is None:  # not a job (no payload): left pending, dead-lettered by whoever reclaims it
+            return None
+        write = self._writes.script(self._requeue, [stream], [WORKER_GROUP, eid, payload])
+        job = salvage_header(payload)
+        what = f"job {job.job_id}#{job.sample_index}" if job else "a job"
+
+        async def logged() -> None:
+            try:
+                new_id = await write
+            except Exception as exc:  # Redis refused it or stayed away: the entry stays pending (reclaimed later)
+                log.warning("could not hand back %s (entry %s of %s): %s", what, eid, stream, exc)
+                return
+            if new_id:  # 0: it was acked meanwhile (its outcome was written)
+                self.stats.handed_back += 1
+                log.info("handed back %s: entry %s of %s, queued again as %s", what, eid, stream, new_id.decode())
+
+        return asyncio.ensure_future(logged())
+
+    async def _consume_until_stopped(self) -> None:
+        """The read loop, until a stop request. A read in flight then returns within block_ms; one that Redis never
+        answers (a hung connection: there is no socket timeout) is abandoned, so the drain still starts."""
+        consume = asyncio.ensure_future(self._consume_loop())
+        stop = asyncio.ensure_future(self._stop.wait())
+        try:
+            await asyncio.wait([consume, stop], return_when=asyncio.FIRST_COMPLETED)
+            if not consume.done():
+                await asyncio.wait([consume], timeout=self.cfg.block_ms / 1000 + 1.0)
+        finally:
+            stop.cancel()
+            if not consume.done():
+                log.warning("the read in flight got no answer from Redis; stopping without it")
+                consume.cancel()
+            await asyncio.gather(consume, return_exceptions=True)
+        if not consume.cancelled():
+            consume.result()  # its error (RedisUnavailable past redis_outage_s) ends the worker as before
 
     async def _deregister(self) -> None:
         try:
             pipe = self.redis.pipeline(transaction=False)
             pipe.zrem(self.keys.workers, self.name)
             pipe.hdel(self.keys.worker_info, self.name)
-            await pipe.execute()
-        except TRANSIENT_ERRORS:
+            # Bounded: a Redis that does not answer must not keep a stopping worker past its SIGKILL (its heartbeat
+            # then ages out: forget_workers_after).
+            await asyncio.wait_for(pipe.execute(), DEREGISTER_S)
+        except (*TRANSIENT_ERRORS, TimeoutError):
             pass
 
     # -- reading -------------------------------------------------------------------------------------------------
@@ -534,6 +612,9 @@ class Worker:
             eid = raw_id.decode()
             if (stream, eid) in self._running:
                 continue
+            if self._stop.is_set():  # read by a read that was in flight as the stop came: handed back by the drain
+                self._held.append((stream, (raw_id, fields)))
+                continue
             payload = (fields or {}).get(PAYLOAD_FIELD)
             task = asyncio.create_task(self._handle(eid, payload, fields, count, stream), name=f"job-{eid}")
             self._running[(stream, eid)] = _Running(task, payload)
@@ -735,6 +816,8 @@ class Worker:
                     )
                     retry = msgspec.structs.replace(job, attempt=runs)
                     self.tracing.error(attempt, error.type, error.message, retried=True)
+                    if not self._finishing(jobs, eid):
+                        return
                     await self._writes.script(self._requeue, [jobs], [WORKER_GROUP, eid, self.codec.encode(retry)])
                     self.stats.requeued += 1
                     self._observe(job, "failed", started)
@@ -770,6 +853,8 @@ class Worker:
                         runs,
                     )
                 )
+            if not self._finishing(jobs, eid):
+                return
             if job.cancellable and job.tenant:  # an ingress job: the sample's end also ends its charge (FINISH)
                 done = await self._writes.script(
                     self._finish,
@@ -795,6 +880,8 @@ class Worker:
                 attempt = self._attempt_span(failed, eid, deliveries)  # refused before its run began
             self.tracing.error(attempt, fatal.error.type, fatal.error.message)
             attempt.set_attribute("rollq.outcome", "dead_lettered")
+            if not self._finishing(jobs, eid):
+                return
             await self._dead_letter(
                 eid, payload, job or fatal.job, fatal.error, deliveries, started, decoded=job is not None, stream=jobs
             )
@@ -803,6 +890,17 @@ class Worker:
             if held is not None:
                 self.images.release(held)
             attempt.end()
+
+    def _finishing(self, stream: str, eid: str) -> bool:
+        """The job's outcome is about to be written: a drain now waits for that write instead of handing the job
+        back. False when the drain has handed it back already (a workflow that ignored its cancellation): its
+        outcome is dropped, as the job runs again elsewhere."""
+        if (stream, eid) in self._handed_back:
+            return False
+        running = self._running.get((stream, eid))
+        if running is not None:
+            running.finishing = True
+        return True
 
     def _attempt_span(self, job: Job, eid: str, deliveries: int) -> Span:
         """A run of one sample on this worker, in the trace of the job's submit (a new trace when it has none)."""
