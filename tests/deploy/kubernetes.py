@@ -222,7 +222,8 @@ def probe_check(container: Mapping[str, Any], probe: Mapping[str, Any]) -> list[
         return ["CMD", sys.executable, "-c", code]
     if "tcpSocket" in probe:
         port = named_port(container, probe["tcpSocket"]["port"])
-        code = f"import socket; socket.create_connection(('127.0.0.1', {port}), timeout={timeout}).close()"
+        address = f"127.0.0.1:{port}"  # one word, so LocalStack maps the port as in a URL
+        code = f"import socket; h, p = {address!r}.split(':'); socket.create_connection((h, int(p)), {timeout}).close()"
         return ["CMD", sys.executable, "-c", code]
     if "exec" in probe:
         command = list(probe["exec"]["command"])
@@ -287,6 +288,9 @@ class KubeStack(LocalStack):
     ) -> None:
         self.objects = objects
         self.specs: dict[str, tuple[Mapping[str, Any], Mapping[str, Any]]] = {}
+        # service -> variables a test sets on top of the rendered environment (as an operator would, e.g. a
+        # shorter run through ROLLQ_TRAINER_STEPS); applied last
+        self.overrides: dict[str, dict[str, str]] = {}
         self.rendezvous_port = free_port()
         services: dict[str, Any] = {}
         configs = workdir / "configmaps"
@@ -318,6 +322,11 @@ class KubeStack(LocalStack):
                 service["healthcheck"] = {"test": probe_check(container, probe), "timeout": "30s"}
             services[name] = service
         super().__init__({"services": services}, workdir, scale=scale)
+        for name, (workload, _) in self.specs.items():  # a pod's containers share its network: a sidecar its ports
+            pod = workload["metadata"]["name"]
+            if name != pod and pod in self.replicas:
+                for sidecar, first in zip(self.replicas[name], self.replicas[pod], strict=True):
+                    sidecar.ports = first.ports
 
     def index(self, replica: Replica) -> int:
         return replica.index - 1
@@ -346,6 +355,7 @@ class KubeStack(LocalStack):
         own = self.pod_env(replica)
         if own is not None:
             env.update({k: self.rewrite(v, replica, token=True) for k, v in own.items()})
+        env.update(self.overrides.get(replica.service, {}))
         return env
 
     def command(self, replica: Replica) -> list[str]:
