@@ -1,13 +1,17 @@
-"""The cpu overlay's containers run for real, as local processes (tests/deploy/kubernetes.py's KubeStack, on
-compose's LocalStack): each container's command and args as rendered, $(VAR) expanded from its environment (the
-Secret's values, the ConfigMaps, the downward API), its volumes and its probes.
+"""The overlays' containers run for real, as local processes (tests/deploy/kubernetes.py's KubeStack, on compose's
+LocalStack): each container's command and args as rendered, $(VAR) expanded from its environment (the Secret's
+values, the ConfigMaps, the downward API), its volumes and its probes.
 
-In CI: the trainer Job's torchrun rendezvous. Its two pods' command (JOB_COMPLETION_INDEX 0 and 1, the rendezvous
-host trainer-0.trainer -> 127.0.0.1) run as two local torchrun nodes against the overlay's Redis, engine and a
-worker: they form one group of two ranks and train a step (the smallest run: one step of 2 groups of 2, set
-through the environment as an operator would). A scenario: the whole overlay (every workload at its replica count,
-the trainer's two pods included) comes up, passes every probe, serves jobs from a producer and through the ingress,
-trains, and stops on SIGTERM within each pod's grace period."""
+- The trainer Job's torchrun rendezvous (scenario, ~17-22 s here): its two pods' command (JOB_COMPLETION_INDEX 0
+  and 1, the rendezvous host trainer-0.trainer -> 127.0.0.1) runs as two local torchrun nodes against the overlay's
+  Redis, engine and a worker; they form one group of two ranks and train one step (2 groups of 2, set through the
+  environment as an operator would).
+- The whole cpu overlay (scenario, ~26-30 s): every workload at its replica count, the trainer's two pods included,
+  comes up, passes every probe, serves jobs from a producer and through the ingress, trains, and stops on SIGTERM
+  within each pod's grace period.
+- In CI: the gpu overlay's registration sidecar beside a stand-in for SGLang (which needs a GPU). The cpu overlay's
+  engine runs in CI in test_kubernetes_probes.py, and every rollq command parses with its environment in
+  test_kubernetes_manifests.py."""
 
 from __future__ import annotations
 
