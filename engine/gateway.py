@@ -29,7 +29,12 @@ SNIPPET_CHARS = 300
 
 
 class GatewayError(Exception):
-    """The gateway refused or did not answer a membership call; the text names the gateway, the route, the status."""
+    """The gateway refused or did not answer a membership call; the text names the gateway, the route, the status.
+    `status`: the HTTP status of a refusal (None: no answer)."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class GatewayWorker(msgspec.Struct, frozen=True):
@@ -85,7 +90,9 @@ class GatewayClient:
                 if not self.has_key
                 else " (the gateway refused the admin key sent: gateway_admin_api_key)"
             )
-        return GatewayError(f"{self.url}{path}: HTTP {status}: {str(body)[:SNIPPET_CHARS] or '(empty body)'}{hint}")
+        return GatewayError(
+            f"{self.url}{path}: HTTP {status}: {str(body)[:SNIPPET_CHARS] or '(empty body)'}{hint}", status
+        )
 
     async def workers(self) -> list[GatewayWorker] | None:
         """The engines the gateway lists; None when the URL is no gateway (`GET /workers` is not a worker list: an

@@ -235,6 +235,7 @@ class EnginePool:
         self.static_urls = {u.rstrip("/") for u in config.urls}  # never removed by the registry
         self._registry_task: asyncio.Task | None = None
         self._listed: dict[str, set[str]] = {}  # gateway URL -> the engine URLs it listed last
+        self._undecided: set[str] = set()  # members whose probe was refused (said once each)
         for url in config.urls:
             self.add(url)
 
@@ -317,10 +318,23 @@ class EnginePool:
         try:
             listed = await self._gateway_client(member).workers()
         except GatewayError as exc:
-            if "no answer" not in str(exc):  # answered 401: a gateway whose admin key this pool lacks
-                log.warning("cannot tell whether %s is an engine or a gateway: %s", member.url, exc)
             member.gateway = None
-            return  # still unknown: probed again with the next health check
+            engine_key = self.config.api_key or self.config.admin_api_key
+            if exc.status in (401, 403) and engine_key:
+                # An engine with keys refuses a route it does not know to a caller without its key (rollq's and
+                # SGLang's auth come before routing): asked with its key, an engine answers 404, while a gateway
+                # whose admin key this pool lacks refuses again.
+                try:
+                    listed = await GatewayClient(member.url, self._session(), admin_api_key=engine_key).workers()
+                except GatewayError as again:
+                    exc = again
+                else:
+                    exc = None
+            if exc is not None:
+                if exc.status is not None and member.url not in self._undecided:  # once per member, not each check
+                    self._undecided.add(member.url)
+                    log.warning("cannot tell whether %s is an engine or a gateway: %s", member.url, exc)
+                return  # still unknown: probed again with the next health check
         if listed is None:
             member.kind, member.gateway = "engine", None
             return

@@ -264,10 +264,13 @@ async def test_without_a_tokenizer_on_the_engine_rollq_applies_stop_strings_and_
         await handle.close()
 
 
-async def test_a_pool_with_the_engines_api_and_admin_keys_generates_and_controls(start_engine):
+async def test_a_pool_with_the_engines_api_and_admin_keys_generates_and_controls(start_engine, caplog):
     handle = await start_engine(server={"api_key": "usr", "admin_api_key": "adm"})
     keys = dict(urls=[handle.url], no_engine_timeout_s=5.0)
     async with EnginePool(PoolConfig(api_key="usr", admin_api_key="adm", **keys)) as pool:
+        # Told from a gateway by its /workers, which it refuses without its key (401) and answers 404 with it.
+        assert pool.members[handle.url].kind == "engine"
+        assert "engine or a gateway" not in caplog.text
         fleet = FleetController(pool, retries=0)
         assert len((await pool.agenerate(request(0, 5))).output_tokens) == 5
         paused = await fleet.pause("retract")
