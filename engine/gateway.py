@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import aiohttp
@@ -104,16 +105,21 @@ class GatewayClient:
             return None
         return listed_workers(body)
 
-    async def open_to_anyone(self) -> bool:
-        """Whether the gateway lists its engines to a caller without its admin key: then anyone who reaches it may also
-        register a URL of theirs (`POST /workers` is as open), and whatever a pool sends the engines it lists (their
-        keys) would reach that URL."""
-        headers, self.headers = self.headers, {}
+    async def lists_to(self, keys: Iterable[str | None]) -> bool:
+        """Whether the gateway lists its engines to a caller holding one of `keys` (None: no key) rather than its admin
+        key: then such a caller may also register a URL of theirs (`POST /workers` takes the same key), and whatever
+        a pool sends the engines it lists (their keys) would reach that URL. smg without --control-plane-api-keys
+        lists to anyone; with --api-key K alone, to every holder of K (its data plane's key)."""
+        headers = self.headers
         try:
-            status, body = await self._call("GET", WORKERS_ROUTE)
+            for key in dict.fromkeys(keys):
+                self.headers = {"Authorization": f"Bearer {key}"} if key else {}
+                status, body = await self._call("GET", WORKERS_ROUTE)
+                if status == 200 and listed_workers(body) is not None:
+                    return True
         finally:
             self.headers = headers
-        return status == 200 and listed_workers(body) is not None
+        return False
 
     async def register(self, url: str, *, api_key: str | None = None) -> str:
         """`POST /workers`: the gateway probes the engine and routes to it once healthy (202: queued). `api_key`: what

@@ -338,22 +338,44 @@ class EnginePool:
         if listed is None:
             member.kind, member.gateway = "engine", None
             return
-        if (self.config.api_key or self.config.admin_api_key) and await self._gateway_client(member).open_to_anyone():
-            # Its list is open (smg without --control-plane-api-keys): anyone reaching it could list a URL of theirs,
-            # and the engines' keys would go there with the fleet's control calls. Not followed: refused loudly.
-            log.error(
-                "%s is a gateway whose engine list anyone may change (it answers GET /workers without its admin key): "
-                "rollq sends the engines' keys to none of its engines. Start it with --control-plane-api-keys "
-                "ID:NAME:admin:KEY and give rollq KEY as gateway_admin_api_key",
-                member.url,
-            )
-            member.kind, member.gateway = "refused", None
+        if await self._open_list(member):
             return
         member.kind = "gateway"
         member.facts = None
         log.info("%s is a gateway: generation goes through it, control calls to each engine it lists", member.url)
 
+    async def _open_list(self, member: EngineMember) -> bool:
+        """True (and `member` refused, said why) when the pool holds engine keys and the gateway's engine list is open
+        to callers without its own admin key: to anyone (smg without --control-plane-api-keys), or to every holder of
+        the engines' api key (smg --api-key alone, or that key given as its admin key). Such a caller could list a
+        URL of theirs, and the engines' keys would go there with the fleet's control calls. Checked when the gateway
+        is recognised and again each time its list is read (the gateway at that URL may have been replaced)."""
+        engine_keys = [k for k in (self.config.api_key, self.config.admin_api_key) if k]
+        if not engine_keys:
+            return False  # no key to give away
+        why = ""
+        if self.config.gateway_admin_api_key and self.config.gateway_admin_api_key == self.config.api_key:
+            why = "its admin key (gateway_admin_api_key) is the engines' api key, which every generation caller holds"
+        elif await self._gateway_client(member).lists_to([None, *engine_keys]):
+            why = "it answers GET /workers without its own admin key"
+        if not why:
+            return False
+        log.error(
+            "%s is a gateway whose engine list others may change (%s): rollq neither routes to it nor sends the "
+            "engines' keys to any engine it lists. Start it with --control-plane-api-keys ID:NAME:admin:KEY (a key of "
+            "its own) and give rollq KEY as gateway_admin_api_key",
+            member.url,
+            why,
+        )
+        for url in self._listed.pop(member.url, set()):
+            if not any(url in urls for urls in self._listed.values()):
+                self.remove(url)
+        member.kind, member.gateway, member.facts = "refused", None, None
+        return True
+
     async def _relist(self, gateway: EngineMember) -> None:
+        if await self._open_list(gateway):
+            return
         try:
             listed = await self._gateway_client(gateway).workers()
         except GatewayError as exc:
@@ -488,7 +510,7 @@ class EnginePool:
 
     async def check_health(self) -> None:
         await self.follow_gateways()
-        members = list(self.members.values())
+        members = [m for m in self.members.values() if m.kind != "refused"]  # nothing, keys included, goes there
         before = [(m.held, m.hold_epoch) for m in members]
         results = await asyncio.gather(*(m.client.health_status(timeout=self.config.health_timeout_s) for m in members))
         if self.target_version is not None:
