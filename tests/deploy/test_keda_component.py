@@ -38,6 +38,15 @@ def test_the_components_are_rollq_kedas_output_for_the_defaults(folder, flags, c
     assert kustomization["kind"] == "Component" and kustomization["resources"] == ["keda.yaml"]
 
 
+def test_tls_and_the_scale_down_pace_reach_every_trigger_and_the_autoscaler(capsys):
+    assert main(["keda", "--tls", "--scale-down-per-minute", "3", "--partitions", "2"]) == 0
+    scaled = [o for o in yaml.safe_load_all(capsys.readouterr().out) if o["kind"] == "ScaledObject"][0]
+    assert all(t["metadata"]["enableTLS"] == "true" for t in scaled["spec"]["triggers"])
+    assert len(scaled["spec"]["triggers"]) == 4
+    behavior = scaled["spec"]["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
+    assert behavior["scaleDown"]["policies"] == [{"type": "Pods", "value": 3, "periodSeconds": 60}]
+
+
 def objects(text: str) -> dict[str, dict]:
     return {d["kind"]: d for d in yaml.safe_load_all(text)}
 
