@@ -40,6 +40,7 @@ SECRETS = {
     "ROLLQ_REDIS_CLUSTER_ADMIN_PASSWORD": "Redis user `cluster-admin` (profile cluster: forming the cluster)",
     "ROLLQ_ENGINE_API_KEY": "engines' api key (workers and the trainer send it)",
     "ROLLQ_ENGINE_ADMIN_API_KEY": "engines' admin key: control routes (the trainer sends it)",
+    "ROLLQ_GATEWAY_ADMIN_API_KEY": "SGLang's gateway's admin key: its /workers routes (components/gateway)",
     "ROLLQ_GRAFANA_ADMIN_PASSWORD": "Grafana's `admin` password (profile metrics)",
 }
 COMMAND = "python3 deploy/make_secrets.py"

@@ -27,10 +27,12 @@ def smg_env() -> dict[str, str]:
     return {"PYTHONPATH": str(site("smg", SMG))}
 
 
-async def start_smg(procs: Processes, *, admin_api_key: str, api_key: str | None = None, **flags: int) -> str:
+async def start_smg(
+    procs: Processes, *, admin_api_key: str, api_key: str | None = None, port: int | None = None, **flags: int
+) -> str:
     """smg on loopback as `rollq up` runs it (GatewayFlags: manual policy, /model_info health checks), its keys handed
-    in a pipe; returns its URL once it answers."""
-    gateway = GatewayFlags(port=free_port(), prometheus_port=free_port(), **flags)
+    in a pipe, on `port` (default: a free one); returns its URL once it answers."""
+    gateway = GatewayFlags(port=port or free_port(), prometheus_port=free_port(), **flags)
     with HandedConfig({"admin_api_key": admin_api_key, "api_key": api_key}) as handed:
         argv = gateway.argv(sys.executable, handed.argv()[1])
         proc = procs.start(f"smg-{gateway.port}", argv, env=smg_env(), pass_fds=[handed.fd])

@@ -14,6 +14,7 @@ from pathlib import Path
 import aiohttp
 
 from rollq.engine.gateway import GatewayClient, GatewayError
+from rollq.engine.gateway_membership import keep_listed
 from rollq.engine.server.app import EngineServerConfig, serve
 from rollq.engine.server.backend import Backend, ModelRefused
 from rollq.engine.server.config import EngineConfig
@@ -133,15 +134,23 @@ def _usage_exit(message: str) -> SystemExit:
 
 class Registration:
     """Where a serving engine made itself known: the run's Redis registry (--register, renewed by a task) and a
-    gateway (--gateway-url: joined once, left on shutdown)."""
+    gateway (--gateway-url: joined, kept listed by a task, left on shutdown)."""
 
-    def __init__(self, registry: asyncio.Task | None, gateway: GatewayClient | None, url: str) -> None:
+    def __init__(
+        self,
+        registry: asyncio.Task | None,
+        gateway: GatewayClient | None,
+        url: str,
+        listing: asyncio.Task | None = None,
+    ) -> None:
         self.registry = registry
         self.gateway = gateway
         self.url = url
+        self.listing = listing
 
     async def leave(self) -> None:
         await _unregister(self.registry)
+        await _unregister(self.listing)  # stopped before the DELETE, which it would otherwise undo
         if self.gateway is not None:
             try:
                 removed = await self.gateway.deregister(self.url)
@@ -154,10 +163,12 @@ class Registration:
 
 async def _join_gateway(args: EngineConfig, url: str) -> GatewayClient | None:
     """With --gateway-url: register `url` (advertise_url) with the gateway, giving it the engine's api key (what it
-    must send the engine on generation and health checks)."""
+    must send the engine on generation and health checks). Its session opens a connection per call (no keep-alive):
+    behind a Service in front of several gateway replicas, each check of `keep_listed` reaches a replica picked anew."""
     if not args.gateway_url:
         return None
-    client = GatewayClient(args.gateway_url, aiohttp.ClientSession(), admin_api_key=args.gateway_admin_api_key)
+    http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True))
+    client = GatewayClient(args.gateway_url, http, admin_api_key=args.gateway_admin_api_key)
     try:
         worker_id = await client.join(args.advertise_url or url, api_key=args.api_key)
     except GatewayError as exc:
@@ -169,12 +180,18 @@ async def _join_gateway(args: EngineConfig, url: str) -> GatewayClient | None:
 
 async def _make_known(args: EngineConfig, url: str) -> Registration:
     gateway = await _join_gateway(args, url)
+    url = args.advertise_url or url
+    listing = None
+    if gateway is not None:
+        listing = asyncio.create_task(
+            keep_listed(gateway, url, api_key=args.api_key, interval_s=args.gateway_check_interval_s)
+        )
     try:
         registry = await _register(args, url)
     except BaseException:
-        await Registration(None, gateway, args.advertise_url or url).leave()
+        await Registration(None, gateway, url, listing).leave()
         raise
-    return Registration(registry, gateway, args.advertise_url or url)
+    return Registration(registry, gateway, url, listing)
 
 
 async def _register(args: EngineConfig, url: str) -> asyncio.Task | None:

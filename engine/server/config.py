@@ -210,6 +210,15 @@ class EngineConfig(RunSettings, kw_only=True):
             metavar="KEY",
         ),
     ] = None
+    gateway_check_interval_s: Annotated[
+        float,
+        setting(
+            "how often an engine given --gateway-url checks that the gateway lists it, and joins it again when not (a "
+            "restarted gateway keeps no list; each of several replicas behind a Service needs the engine)",
+            metavar="SECONDS",
+            gt=0,
+        ),
+    ] = 5.0
     enable_lora: Annotated[
         bool,
         setting(
