@@ -315,10 +315,11 @@ class EnginePool:
         return member.gateway
 
     async def _probe(self, member: EngineMember) -> None:
+        failure: GatewayError | None = None
         try:
             listed = await self._gateway_client(member).workers()
         except GatewayError as exc:
-            member.gateway = None
+            member.gateway, failure, listed = None, exc, None
             engine_key = self.config.api_key or self.config.admin_api_key
             if exc.status in (401, 403) and engine_key:
                 # An engine with keys refuses a route it does not know to a caller without its key (rollq's and
@@ -326,15 +327,14 @@ class EnginePool:
                 # whose admin key this pool lacks refuses again.
                 try:
                     listed = await GatewayClient(member.url, self._session(), admin_api_key=engine_key).workers()
+                    failure = None
                 except GatewayError as again:
-                    exc = again
-                else:
-                    exc = None
-            if exc is not None:
-                if exc.status is not None and member.url not in self._undecided:  # once per member, not each check
-                    self._undecided.add(member.url)
-                    log.warning("cannot tell whether %s is an engine or a gateway: %s", member.url, exc)
-                return  # still unknown: probed again with the next health check
+                    failure = again
+        if failure is not None:
+            if failure.status is not None and member.url not in self._undecided:  # once per member, not each check
+                self._undecided.add(member.url)
+                log.warning("cannot tell whether %s is an engine or a gateway: %s", member.url, failure)
+            return  # still unknown: probed again with the next health check
         if listed is None:
             member.kind, member.gateway = "engine", None
             return
