@@ -76,6 +76,11 @@ async def test_status_ctrl_c_and_resume_of_rollq_up(tmp_path):
         assert json.loads(status.stdout)["run"] == json.loads(record.read_text())["run"]
 
         up.send_signal(signal.SIGINT)  # the `up` process alone, as `kill -INT PID` does (not its group)
+        # A SIGTERM while the worker drains (a second `kill`, `docker stop`): the way out goes on in order. (Before,
+        # it cut the wind-down short: everything got SIGTERM at once, Redis went under the draining worker.)
+        drain = run_dir / "logs" / "worker-0.log"
+        await wait_until(lambda: "SIGTERM received: stopping" in drain.read_text(), 60, what="the worker's drain")
+        up.send_signal(signal.SIGTERM)
         up.wait(STOP_BOUND_S)
     finally:
         if up.poll() is None:
@@ -86,8 +91,9 @@ async def test_status_ctrl_c_and_resume_of_rollq_up(tmp_path):
     assert "rollq up: stopped" in text and f"`rollq up --run-dir {run_dir}` resumes" in text
     worker_log = (run_dir / "logs" / "worker-0.log").read_text()
     # The worker drained while Redis still answered and stopped by itself (before: Redis went first, and the worker
-    # rode out the "outage", logging "engine registry unavailable" each second, until it was killed).
+    # rode out the "outage", logging "engine registry unavailable" each second, until it was killed), on one SIGTERM.
     assert "engine registry unavailable" not in worker_log and re.search(r"worker \S+ stopped: ", worker_log)
+    assert "handing back running jobs now" not in worker_log, worker_log[-3000:]
     assert (run_dir / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # drawn for the interrupted run
     assert json.loads((run_dir / "up.json").read_text()).get("redis_url") is None  # its Redis is gone
     gone = rollq("status", "--run-dir", str(run_dir), timeout=60)
