@@ -35,6 +35,14 @@ def steps_recorded(run_dir: Path) -> list[dict]:
 
 SMALL = ["groups_per_step=2", "group_size=4", "eval_every=0"]
 
+# `python ARGS` with SIGINT at its default first: a test run started in the background of a non-interactive shell
+# (`.ci/run > log &`) inherits SIGINT ignored, and so would `rollq up`: Python then installs no Ctrl-C handler, the
+# SIGINT below would do nothing, and the test would time out and SIGKILL it (the CI failure this was).
+DEFAULT_SIGINT = (
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+    "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"
+)
+
 
 def user_reward(folder: Path, body: str) -> list[str]:
     """A reward function in the user's own module (`folder/my_rewards.py`, function `reward`): the settings that
@@ -52,8 +60,9 @@ async def test_status_ctrl_c_and_resume_of_rollq_up(tmp_path):
     # Each sample spends a second in its reward: when Ctrl-C comes, the worker has jobs in flight to drain.
     slow = user_reward(tmp_path, "time.sleep(1.0)\n    return float(completion.strip().isdigit())")
     with open(log, "w") as out:
+        argv = ["-m", "rollq", "up", *slow, "steps=1000", *SMALL, f"run_dir={run_dir}"]
         up = subprocess.Popen(
-            [sys.executable, "-m", "rollq", "up", *slow, "steps=1000", *SMALL, f"run_dir={run_dir}"],
+            [sys.executable, "-c", DEFAULT_SIGINT, *argv],
             cwd=REPO_ROOT,
             stdout=out,
             stderr=subprocess.STDOUT,
