@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -100,7 +101,9 @@ def wait_until_sync(
 
 
 def _die_with_parent() -> None:
-    """In the child, before exec: Linux sends it SIGTERM when the parent dies without stopping it (SIGKILL)."""
+    """In the child, before exec: Linux sends it SIGTERM when the parent dies without stopping it (SIGKILL). The
+    "parent" is the thread that forked it (prctl(2)): a child started from a thread that ends before the process
+    (an executor's, at its shutdown) gets SIGTERM then, so Processes starts such children from the main thread only."""
     PR_SET_PDEATHSIG = 1
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
@@ -126,7 +129,8 @@ class Processes:
         die_with_parent: bool = False,
     ) -> None:
         """`env`: variables every child gets on top of this process's environment. `die_with_parent` (Linux): the
-        children get SIGTERM if this process is SIGKILLed (a preexec hook: only where no other thread forks)."""
+        children get SIGTERM if this process is SIGKILLed (a preexec hook: only where no other thread forks); they
+        are started from the main thread only (_die_with_parent says why)."""
         self.log_dir = log_dir
         self.env = dict(env or {})
         self.cwd = cwd
@@ -147,6 +151,8 @@ class Processes:
         argv, which every local user can read; `rollq up` hands them over in a pipe among `pass_fds`,
         rollq/handover.py). In a session of its own: a terminal's Ctrl-C reaches only us, and we stop the children
         in order."""
+        if self.die_with_parent and threading.current_thread() is not threading.main_thread():
+            raise LocalError(f"{name}: a child that dies with its parent is started from the main thread only")
         log = self.log_dir / f"{name}.log"
         mode = "ab" if any(c.name == name for c in self._children) else "wb"
         with open(log, mode) as out:

@@ -217,7 +217,10 @@ async def start_redis(procs: Processes, url: str | None, directory: Path) -> str
         )
         return DEFAULT_REDIS_URL
     server = RedisServer(directory=directory, processes=procs, password=secrets.token_urlsafe(32))
-    await asyncio.to_thread(server.start, 30)
+    # Started here, in the loop's thread (the main one), not in an executor's: it dies with the thread that forked it
+    # (rollq.local._die_with_parent), and an executor's threads end at the loop's shutdown. Its start blocks the loop
+    # for as long as it takes to answer (milliseconds), while nothing else runs yet.
+    server.start(30)
     return server.url
 
 
@@ -350,8 +353,7 @@ async def run_stack(
                 drawing = asyncio.ensure_future(asyncio.to_thread(redraw_plot, cfg))
                 raise
             finally:
-                await _wind_down(stack, cfg.run)
-                procs.stop_all(STOP_GRACE_S)  # Redis, last (its directory goes after it stopped)
+                await _to_the_end(asyncio.ensure_future(_stop_stack(stack, cfg.run)))
                 if drawing is not None:
                     stack.plot = await drawing
     finally:
@@ -360,6 +362,30 @@ async def run_stack(
         procs.stop_all()  # (all stopped already, unless the wind-down itself was interrupted)
         for line in [*errors.poll(procs.logs()), *errors.poll(procs.logs()), *errors.summary()]:
             log.error("%s", line)  # what the children said last (the second poll ends their last records)
+
+
+async def _stop_stack(stack: Stack, run: str) -> None:
+    """Every child, in order: the wind-down, then Redis, last (its directory goes after it stopped)."""
+    await _wind_down(stack, run)
+    stack.procs.stop_all(STOP_GRACE_S)
+
+
+async def _to_the_end(task: asyncio.Future[None]) -> None:
+    """Await `task` to its end even when the caller is cancelled meanwhile (a SIGTERM after the Ctrl-C), then raise
+    that cancellation. The way out is bounded on its own (STOP_GRACE_S a tier); cut short, the blanket stop_all()
+    after it would stop Redis and the engines under workers still draining, each at once. A second Ctrl-C is no
+    cancellation (asyncio raises KeyboardInterrupt): it still cuts the way out short."""
+    cancelled = False
+    while not task.done():
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if task.done():
+                break
+            cancelled = True
+    task.result()
+    if cancelled:
+        raise asyncio.CancelledError
 
 
 async def _wind_down(stack: Stack, run: str) -> None:

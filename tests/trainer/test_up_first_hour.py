@@ -35,6 +35,14 @@ def steps_recorded(run_dir: Path) -> list[dict]:
 
 SMALL = ["groups_per_step=2", "group_size=4", "eval_every=0"]
 
+# `python ARGS` with SIGINT at its default first: a test run started in the background of a non-interactive shell
+# (`.ci/run > log &`) inherits SIGINT ignored, and so would `rollq up`: Python then installs no Ctrl-C handler, the
+# SIGINT below would do nothing, and the test would time out and SIGKILL it (the CI failure this was).
+DEFAULT_SIGINT = (
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+    "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"
+)
+
 
 def user_reward(folder: Path, body: str) -> list[str]:
     """A reward function in the user's own module (`folder/my_rewards.py`, function `reward`): the settings that
@@ -52,8 +60,9 @@ async def test_status_ctrl_c_and_resume_of_rollq_up(tmp_path):
     # Each sample spends a second in its reward: when Ctrl-C comes, the worker has jobs in flight to drain.
     slow = user_reward(tmp_path, "time.sleep(1.0)\n    return float(completion.strip().isdigit())")
     with open(log, "w") as out:
+        argv = ["-m", "rollq", "up", *slow, "steps=1000", *SMALL, f"run_dir={run_dir}"]
         up = subprocess.Popen(
-            [sys.executable, "-m", "rollq", "up", *slow, "steps=1000", *SMALL, f"run_dir={run_dir}"],
+            [sys.executable, "-c", DEFAULT_SIGINT, *argv],
             cwd=REPO_ROOT,
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -76,6 +85,11 @@ async def test_status_ctrl_c_and_resume_of_rollq_up(tmp_path):
         assert json.loads(status.stdout)["run"] == json.loads(record.read_text())["run"]
 
         up.send_signal(signal.SIGINT)  # the `up` process alone, as `kill -INT PID` does (not its group)
+        # A SIGTERM while the worker drains (a second `kill`, `docker stop`): the way out goes on in order. (Before,
+        # it cut the wind-down short: everything got SIGTERM at once, Redis went under the draining worker.)
+        drain = run_dir / "logs" / "worker-0.log"
+        await wait_until(lambda: "SIGTERM received: stopping" in drain.read_text(), 60, what="the worker's drain")
+        up.send_signal(signal.SIGTERM)
         up.wait(STOP_BOUND_S)
     finally:
         if up.poll() is None:
@@ -86,8 +100,9 @@ async def test_status_ctrl_c_and_resume_of_rollq_up(tmp_path):
     assert "rollq up: stopped" in text and f"`rollq up --run-dir {run_dir}` resumes" in text
     worker_log = (run_dir / "logs" / "worker-0.log").read_text()
     # The worker drained while Redis still answered and stopped by itself (before: Redis went first, and the worker
-    # rode out the "outage", logging "engine registry unavailable" each second, until it was killed).
+    # rode out the "outage", logging "engine registry unavailable" each second, until it was killed), on one SIGTERM.
     assert "engine registry unavailable" not in worker_log and re.search(r"worker \S+ stopped: ", worker_log)
+    assert "handing back running jobs now" not in worker_log, worker_log[-3000:]
     assert (run_dir / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # drawn for the interrupted run
     assert json.loads((run_dir / "up.json").read_text()).get("redis_url") is None  # its Redis is gone
     gone = rollq("status", "--run-dir", str(run_dir), timeout=60)
