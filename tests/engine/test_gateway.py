@@ -1,5 +1,6 @@
-"""rollq behind SGLang's gateway, the real `smg` 1.13.0 on loopback in front of reference engines (tiny model) that
-joined it themselves (`rollq engine --gateway-url`): the pool recognises the gateway by its own `GET /workers`,
+"""rollq behind SGLang's gateway, the real `smg` 1.13.0 on loopback in front of engines that joined it themselves
+(`rollq engine --gateway-url`; synthetic ones: the pool's and the gateway's side is tested here, not a model; the
+`rollq up --gateway smg` scenario runs reference engines): the pool recognises the gateway by its own `GET /workers`,
 generates through it with each group's id as `X-SMG-Routing-Key` (a group's samples on one engine, read from the
 engines' own request counters), and sends the fleet's control calls to each engine it lists (weight versions read
 on each engine); an engine SIGKILLed mid-run loses no group; one that joins later is used; one that stops leaves the
@@ -9,7 +10,6 @@ lists."""
 from __future__ import annotations
 
 import asyncio
-import shutil
 import signal
 
 import pytest
@@ -41,9 +41,10 @@ async def counts(engines: list[str]) -> dict[str, int]:
     return {url: await requests_served(url) for url in engines}
 
 
-async def reference_engines(engine_process, gateway: str, n: int) -> list[tuple]:
-    """`n` reference engines (tiny) started at once, each joining `gateway` itself."""
-    args = ["--backend", "reference", "--model", "tiny", "--weight-version", "0"]
+async def joined_engines(engine_process, gateway: str, n: int) -> list[tuple]:
+    """`n` synthetic engines started at once, each joining `gateway` itself (a decode step takes 20 ms, so a long
+    request is still running when an engine is killed)."""
+    args = ["--token-latency", "0.02", "--weight-version", "0"]
     args += ["--gateway-url", gateway, "--gateway-admin-api-key", ADMIN]
     return list(await asyncio.gather(*(engine_process(*args) for _ in range(n))))
 
@@ -62,12 +63,12 @@ async def listed_healthy(gateway: str, urls: list[str]) -> bool:
 
 
 @pytest.mark.slow
-async def test_pool_behind_smg_routes_groups_and_controls_every_engine(engine_process, tmp_path, tiny_dir):
+async def test_pool_behind_smg_routes_groups_and_controls_every_engine(engine_process, tmp_path):
     procs = Processes(tmp_path / "gateway-logs")
     (tmp_path / "gateway-logs").mkdir()
     try:
         gateway = await start_smg(procs, admin_api_key=ADMIN, health_interval_s=1, health_failures=2)
-        (e1, u1), (e2, u2) = await reference_engines(engine_process, gateway, 2)
+        (e1, u1), (e2, u2) = await joined_engines(engine_process, gateway, 2)
         await wait_until(lambda: listed_healthy(gateway, [u1, u2]), 60, what="both engines joined the gateway")
 
         async with EnginePool(PoolConfig(urls=[gateway], gateway_admin_api_key=ADMIN)) as pool:
@@ -94,7 +95,7 @@ async def test_pool_behind_smg_routes_groups_and_controls_every_engine(engine_pr
             # A weight update reaches every engine behind the gateway (read on each engine).
             weights = tmp_path / "v1"
             weights.mkdir()
-            shutil.copy(tiny_dir / "model.safetensors", weights / "model.safetensors")
+            (weights / "model.safetensors").write_bytes(b"")  # a synthetic engine takes any files
             fleet = FleetController(pool)
             report = await fleet.run_cycle(lambda: fleet.update_weights(str(weights), 1))
             assert sorted(report.updated) == sorted([u1, u2]), report.failures()
@@ -114,7 +115,7 @@ async def test_pool_behind_smg_routes_groups_and_controls_every_engine(engine_pr
             assert sum(len(outs) == GROUP for outs in results) == len(groups)  # 0 groups lost
 
             # A new engine that joins the gateway is followed by the pool (control) and used (generation).
-            ((e3, u3),) = await reference_engines(engine_process, gateway, 1)
+            ((e3, u3),) = await joined_engines(engine_process, gateway, 1)
             await wait_until(lambda: listed_healthy(gateway, [u3]), 60, what="the new engine joined the gateway")
             await pool.check_health()
             assert u3 in {m.url for m in pool.engines()}
