@@ -14,6 +14,7 @@ import pytest
 from rollq.cli import parse
 from tests.deploy.acl import user_directives
 from tests.deploy.compose import compose_binary, interpolation_env, resolved
+from tests.deploy.keda_types import validate_keda
 from tests.deploy.kubernetes import (
     KUBERNETES_DIR,
     KUBERNETES_VERSIONS,
@@ -49,41 +50,6 @@ def secrets_names() -> list[str]:
 
 
 # --- validation -------------------------------------------------------------------------------------------------------
-
-
-def keda_model(obj: Mapping[str, Any]):
-    """KEDA's own type for a keda.sh object (cloudcoil-models-keda), by apiVersion and kind."""
-    import importlib
-
-    group, _, version = obj["apiVersion"].partition("/")
-    module = {"keda.sh": "cloudcoil.models.keda", "eventing.keda.sh": "cloudcoil.models.keda.eventing"}[group]
-    model = getattr(importlib.import_module(f"{module}.{version}"), obj["kind"], None)
-    assert model is not None, f"cloudcoil-models-keda has no {obj['apiVersion']} {obj['kind']}"
-    return model
-
-
-def unknown_fields(given: Any, kept: Any, path: str = "") -> list[str]:
-    """Paths of `given` that the validated model dropped: the models ignore fields they do not know, so an unknown
-    (misspelt) field shows as one missing from what the model kept."""
-    if isinstance(given, Mapping):
-        if not isinstance(kept, Mapping):
-            return [path or "/"]
-        out = []
-        for key, value in given.items():
-            out += [f"{path}/{key}"] if key not in kept else unknown_fields(value, kept[key], f"{path}/{key}")
-        return out
-    if isinstance(given, list) and isinstance(kept, list):
-        pairs = enumerate(zip(given, kept, strict=False))
-        return [p for i, (g, k) in pairs for p in unknown_fields(g, k, f"{path}/{i}")]
-    return []
-
-
-def validate_keda(obj: Mapping[str, Any]) -> None:
-    model = keda_model(obj)
-    parsed = model.model_validate(obj)
-    kept = parsed.model_dump(by_alias=True, exclude_unset=True, mode="json")
-    unknown = unknown_fields(obj, kept)
-    assert not unknown, f"{obj['kind']} {obj['metadata']['name']}: fields KEDA does not know: {unknown}"
 
 
 def validate(obj: Mapping[str, Any]) -> None:
