@@ -21,6 +21,7 @@ command, variable or healthcheck the CLI does not accept fails here as it would 
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import json
 import os
@@ -31,7 +32,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from secrets import token_urlsafe
 from typing import Any, NamedTuple
@@ -415,6 +416,17 @@ class LocalStack:
 
     def stop_grace(self, name: str) -> float:
         return seconds(self.services[name].get("stop_grace_period"), 10.0)  # Docker's default: 10 s
+
+    async def stop_in_order(self, before: Callable[[str], Awaitable[None]] | None = None) -> None:
+        """Every running replica stopped as the orchestrator stops it (SIGTERM, SIGKILL past its grace period), in
+        reverse dependency order; each must exit 0. `before(name)` runs before a service's replicas stop."""
+        for name in reversed(depends_order(self.services)):
+            if before is not None:
+                await before(name)
+            for replica in self.replicas[name]:
+                if replica.proc is not None and replica.proc.poll() is None:
+                    code = await asyncio.to_thread(self.stop_replica, replica, self.stop_grace(name))
+                    assert code == 0, f"{replica.name} exited with {code} on SIGTERM\n{replica.tail()}"
 
 
 def dockerfile_instructions() -> list[tuple[str, str]]:

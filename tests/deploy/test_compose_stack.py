@@ -19,7 +19,7 @@ from rollq.protocol.keys import RunKeys
 from rollq.redis_client import redis_client
 from rollq.trainer.config import TrainConfig
 from rollq.trainer.data import load_prompts
-from tests.deploy.compose import LocalStack, compose_binary, depends_order, interpolation_env, json_lines, resolved
+from tests.deploy.compose import LocalStack, compose_binary, interpolation_env, json_lines, resolved
 from tests.helpers import REPO_ROOT, wait_until
 
 pytestmark = [
@@ -128,13 +128,11 @@ async def test_compose_stack_runs_locally(tmp_path, compose_secrets):
 
         # docker compose stop: SIGTERM, then SIGKILL after stop_grace_period; every service exits in time, in
         # reverse dependency order (Redis last)
-        for name in reversed(depends_order(stack.services)):
+        async def workers_gone_before_redis(name: str) -> None:
             if name == "redis":
                 assert not await _workers(redis_url, run), "drained workers deregister"
-            for replica in stack.replicas[name]:
-                if replica.proc is not None and replica.proc.poll() is None:
-                    code = await asyncio.to_thread(stack.stop_replica, replica, stack.stop_grace(name))
-                    assert code == 0, f"{replica.name} exited with {code} on SIGTERM\n{replica.tail()}"
+
+        await stack.stop_in_order(workers_gone_before_redis)
         timings["stopped"] = time.monotonic() - started
     finally:
         stack.close()

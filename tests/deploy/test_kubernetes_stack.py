@@ -22,7 +22,7 @@ import time
 import pytest
 
 from rollq.trainer import checkpoint
-from tests.deploy.compose import depends_order, json_lines
+from tests.deploy.compose import json_lines
 from tests.deploy.kubernetes import PROBES, KubeStack, probe_check
 from tests.deploy.test_compose_stack import TOKEN, submit_and_wait, submit_via_ingress
 from tests.helpers import wait_until
@@ -123,11 +123,7 @@ async def test_the_cpu_overlay_runs_locally(kube, tmp_path):
         assert json.loads(outputs[0].strip().splitlines()[-1])["steps"] == 2
         timings["trained"] = time.monotonic() - started
         # the kubelet's stop: SIGTERM, then SIGKILL after terminationGracePeriodSeconds
-        for name in reversed(depends_order(stack.services)):
-            for replica in stack.replicas[name]:
-                if replica.proc is not None and replica.proc.poll() is None:
-                    code = await asyncio.to_thread(stack.stop_replica, replica, stack.stop_grace(name))
-                    assert code == 0, f"{replica.name} exited with {code} on SIGTERM\n{replica.tail()}"
+        await stack.stop_in_order()
         timings["stopped"] = time.monotonic() - started
     finally:
         stack.close()
