@@ -177,6 +177,7 @@ class FleetController:
             "update_s": t2 - t1,
             "resume_s": t3 - t2,
             "total_s": t3 - t0,
+            "paused_s": t3 - t0,  # generation held: from the pause call until the resume answered
             "load_s": update.load_seconds,
             "control_s": t3 - t0 - update.load_seconds,
         }
@@ -201,6 +202,7 @@ class FleetController:
         seconds = time.monotonic() - t0
         none = FleetResult([], {}, 0.0)
         phases = {"pause_s": 0.0, "update_s": seconds, "resume_s": 0.0, "total_s": seconds, "load_s": seconds}
+        phases["paused_s"] = 0.0  # generation goes on while an adapter loads
         return CycleReport(pause=none, update=update, resume=none, phases={**phases, "control_s": 0.0})
 
     async def unload_adapter(self, name: str) -> FleetResult:

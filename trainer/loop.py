@@ -271,7 +271,15 @@ class Trainer:
         Versions no group can be trained from any more (older than version - max_staleness - 1) are unloaded in the
         background. Version 0 is the base model: nothing to load."""
         if version == 0:
-            return {"pause_s": 0.0, "update_s": 0.0, "resume_s": 0.0, "total_s": 0.0, "load_s": 0.0, "control_s": 0.0}
+            return {
+                "pause_s": 0.0,
+                "update_s": 0.0,
+                "resume_s": 0.0,
+                "total_s": 0.0,
+                "load_s": 0.0,
+                "control_s": 0.0,
+                "paused_s": 0.0,
+            }
         save_adapter = getattr(self.policy, "save_adapter", None)
         if save_adapter is None:
             raise TypeError("lora_publish adapter needs a policy with save_adapter (rollq's own Policy)")
@@ -647,7 +655,8 @@ class Trainer:
                 collect_s=t1 - t0 - early,
                 train_s=t2 - t1,
                 step_s=t3 - t0,
-                pause_s=phases["total_s"],
+                pause_s=phases["paused_s"],
+                publish_s=phases["total_s"],
                 weight_load_s=phases["load_s"],
                 ledger_version=ledger.version,
                 ledger_admitted=ledger.admitted,

@@ -62,8 +62,11 @@ class StepRecord(msgspec.Struct, kw_only=True):
     collect_s: float  # waiting for fit groups
     train_s: float
     step_s: float
-    pause_s: float  # generation paused for the weight update
-    weight_load_s: float  # the slowest engine's load, within pause_s
+    # Seconds the engines did not generate for this step's weight update: from the pause until the resume answered
+    # (0 when none paused: a LoRA run's adapters load beside generation). Before issue 46 this was the whole publish
+    # cycle, also for adapter loads (publish_s now).
+    pause_s: float
+    weight_load_s: float  # the slowest engine's load (within publish_s; within pause_s when the engines paused)
     ledger_version: int
     ledger_admitted: int
     ledger_limit: int  # (eta + ledger_version + 1) * B
@@ -74,6 +77,9 @@ class StepRecord(msgspec.Struct, kw_only=True):
     # dropped_this_step too); their rewards count in reward_mean/max/min, which describe the policy's samples
     filtered_groups: int = 0
     filtered_samples: int = 0
+    # The whole weight publish of this step: saving or broadcasting the new version, and the engines' pause, load and
+    # resume (an adapter's load in a LoRA run). Absent from records written before issue 46 (read as 0).
+    publish_s: float = 0.0
 
 
 class EvalRecord(msgspec.Struct, kw_only=True):

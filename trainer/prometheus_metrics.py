@@ -27,7 +27,13 @@ class TrainerMetrics:
         reg = self.registry
         self.pause = Histogram(
             "rollq_weight_update_pause_seconds",
-            "How long generation was paused for each weight update (pause, load, resume)",
+            "How long the engines did not generate for each weight update, pause to resume (0: a LoRA adapter load)",
+            buckets=PAUSE_BUCKETS,
+            registry=reg,
+        )
+        self.publish = Histogram(
+            "rollq_weight_publish_seconds",
+            "Each weight publish as a whole: save or broadcast, and the engines' pause, load and resume",
             buckets=PAUSE_BUCKETS,
             registry=reg,
         )
@@ -73,6 +79,7 @@ class TrainerMetrics:
 
     def observe(self, r: StepRecord) -> None:
         self.pause.observe(r.pause_s)
+        self.publish.observe(r.publish_s)
         self.load.observe(r.weight_load_s)
         for staleness, n in r.staleness_hist.items():
             for _ in range(n):

@@ -59,6 +59,11 @@ async def test_a_lora_run_loads_versioned_adapters_and_never_pauses_the_engine(
         calls = engine.server.control_calls
         assert not any(calls[route] for route in NEVER), dict(calls)
         assert calls["/load_lora_adapter"] == STEPS  # versions 1..STEPS; version 0 is the base model
+        # and the metrics say so: no step paused generation, each published its adapter (issue 46: pause_s was the
+        # publish cycle, so a dashboard showed pauses a LoRA run never makes)
+        steps = [msgspec.json.decode(line) for line in (tmp_path / "run" / "metrics.jsonl").read_bytes().splitlines()]
+        assert [r["pause_s"] for r in steps] == [0.0] * STEPS
+        assert all(r["publish_s"] > 0 for r in steps), [r["publish_s"] for r in steps]
         assert engine.server.weight_version == "default"  # the base weights never changed
         assert adapter_name(run_name, STEPS) in engine.server.adapters
         assert adapter_name(run_name, 1) not in engine.server.adapters  # outside the window: unloaded

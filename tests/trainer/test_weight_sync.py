@@ -53,6 +53,10 @@ async def test_a_run_with_distributed_weight_sync_needs_no_shared_directory(
         for name, p in policy.model.named_parameters():
             assert torch.equal(served[name], p.detach()), name
         assert all(r["weight_load_s"] > 0 for r in records)
+        # a full update pauses the engine: the pause lies within the publish (which also holds the broadcast)
+        assert all(0 < r["pause_s"] <= r["publish_s"] for r in records), [
+            (r["pause_s"], r["publish_s"]) for r in records
+        ]
     finally:
         await pool.close()
         await engine.close()
