@@ -67,10 +67,17 @@ class GatewayClient:
         self.headers = {"Authorization": f"Bearer {admin_api_key}"} if admin_api_key else {}
         self.has_key = bool(admin_api_key)
 
-    async def _call(self, method: str, path: str, json: Any = None, timeout_s: float = 10.0) -> tuple[int, Any]:
+    async def _call(
+        self, method: str, path: str, json: Any = None, timeout_s: float = 10.0, headers: dict[str, str] | None = None
+    ) -> tuple[int, Any]:
+        """`headers`: instead of the admin key's (a probe with other keys)."""
         try:
             async with self.http.request(
-                method, self.url + path, json=json, headers=self.headers, timeout=aiohttp.ClientTimeout(total=timeout_s)
+                method,
+                self.url + path,
+                json=json,
+                headers=self.headers if headers is None else headers,
+                timeout=aiohttp.ClientTimeout(total=timeout_s),
             ) as resp:
                 raw = await resp.read()
                 status = resp.status
@@ -110,15 +117,13 @@ class GatewayClient:
         key: then such a caller may also register a URL of theirs (`POST /workers` takes the same key), and whatever
         a pool sends the engines it lists (their keys) would reach that URL. smg without --control-plane-api-keys
         lists to anyone; with --api-key K alone, to every holder of K (its data plane's key)."""
-        headers = self.headers
-        try:
-            for key in dict.fromkeys(keys):
-                self.headers = {"Authorization": f"Bearer {key}"} if key else {}
-                status, body = await self._call("GET", WORKERS_ROUTE)
-                if status == 200 and listed_workers(body) is not None:
-                    return True
-        finally:
-            self.headers = headers
+        # Each probe names its own headers: the client's (its admin key) are never swapped, as a membership call of
+        # another task may be under way on the same client.
+        for key in dict.fromkeys(keys):
+            headers = {"Authorization": f"Bearer {key}"} if key else {}
+            status, body = await self._call("GET", WORKERS_ROUTE, headers=headers)
+            if status == 200 and listed_workers(body) is not None:
+                return True
         return False
 
     async def register(self, url: str, *, api_key: str | None = None) -> str:
