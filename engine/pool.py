@@ -168,6 +168,7 @@ class EngineMember:
         "last_error",
         "kind",
         "gateway",
+        "agent_url",
     )
 
     def __init__(self, url: str, client: SGLangClient) -> None:
@@ -187,6 +188,9 @@ class EngineMember:
         self.last_error = ""  # the last engine failure a request met on it (EngineUnavailable)
         self.kind: MemberKind = "unknown"
         self.gateway: GatewayClient | None = None  # a gateway's membership client (kind "gateway")
+        # Where this engine's weight deltas are prepared when it cannot do it itself (an SGLang engine's host agent,
+        # `rollq weight-agent`); '' = the engine itself (rollq's engines serve /rollq/prepare_weights)
+        self.agent_url = ""
 
     def why_out(self) -> str:
         """Why it is out of routing, with the last failure a request met on it (an engine error of a generation:
