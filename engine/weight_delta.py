@@ -97,7 +97,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def _bytes(t: torch.Tensor) -> memoryview:
-    return memoryview(t.detach().contiguous().view(-1).view(torch.uint8).numpy())
+    return t.detach().contiguous().view(-1).view(torch.uint8).numpy().data
 
 
 def checksum(t: torch.Tensor) -> str:
