@@ -24,7 +24,7 @@ def test_the_fault_spec_is_parsed_and_a_bad_one_refused_before_anything_starts(c
         with pytest.raises(ValueError, match="bad fault"):
             StepFault.parse(bad)
     assert engine(EngineConfig(backend="synthetic", fault="boom")) == 2
-    assert "rollq engine: bad fault 'boom': use step_error or step_error:MIN_PROMPT_TOKENS" in capsys.readouterr().err
+    assert "rollq engine: bad fault 'boom': use step_error, step_error:MIN_PROMPT_TOKENS or hold_load:DIR" in capsys.readouterr().err
     assert engine(EngineConfig(backend="sglang", model="/m", fault="step_error")) == 2
     assert "--fault needs the synthetic or reference backend" in capsys.readouterr().err
 
