@@ -79,6 +79,7 @@ class Update:
     why_full: str = ""  # why every engine gets the full version ("" when a delta goes out)
     loads: dict[str, str] = field(default_factory=dict)  # engine URL -> what it swaps in (its prepared delta)
     delta_bytes: dict[str, int] = field(default_factory=dict)  # engine URL -> delta bytes it read or received
+    reconciled: list[str] = field(default_factory=list)  # stale engines given the base version in full first
     prepare_s: float = 0.0
 
     @property
@@ -87,15 +88,18 @@ class Update:
 
     def phases(self, ok: list[str], full: list[str]) -> dict[str, float]:
         """The update's phase keys beside the cycle's: bytes each updated engine read or received, summed, and
-        how many engines got the full weights (`full`: given them; `ok`: loaded the new version)."""
+        how many engines got the full weights (`full`: given them in the cycle; `ok`: loaded the new version; a
+        stale engine reconciled first got the base version in full, then the delta)."""
         sent = sum(self.full_bytes if url in full or url not in self.loads else self.delta_bytes[url] for url in ok)
+        sent += self.full_bytes * len(self.reconciled)
         delta_engines = [url for url in ok if url in self.loads and url not in full]
+        given_full = {url for url in ok if url not in delta_engines} | set(self.reconciled)
         return {
             "prepare_s": self.prepare_s,
             "bytes_sent": float(sent),
             "bytes_per_engine": sent / len(ok) if ok else 0.0,
             "delta": 1.0 if delta_engines else 0.0,
-            "full_engines": float(len([url for url in ok if url not in delta_engines])),
+            "full_engines": float(len(given_full)),
             "delta_share": self.share,
         }
 

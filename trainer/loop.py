@@ -297,10 +297,12 @@ class Trainer:
         broadcast to every engine while they generate, then swapped in (/rollq/swap_prepared_weights)."""
         started = time.monotonic()
         new = await delta.gather(self.policy)
+        reconciled: list[str] = []
         if self.weight_sync is None and delta.snapshot_version is not None and self.pool.engines(stale_only=True):
             await delta.ensure_full(delta.snapshot_version)  # the last version, which stale engines catch up with
-            await self.fleet.reconcile()  # (then they are on the delta's base)
+            reconciled = (await self.fleet.reconcile()).ok  # (then they are on the delta's base)
         update = await delta.decide(version, new)
+        update.reconciled = reconciled
         members = self.pool.engines()
         step: Callable[[], Awaitable[FleetResult]]
         if self.weight_sync is None:

@@ -7,6 +7,7 @@ does (Trainer._publish_weights), so a handful of updates costs well under a seco
 
 from __future__ import annotations
 
+import asyncio
 import io
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -147,7 +148,8 @@ async def test_a_joining_engine_and_mismatched_engines_get_the_full_weights(
 
     step(trainer, 2)
     phases = await trainer._publish_weights(2)
-    assert phases["delta"] == 1 and phases["full_engines"] == 2, phases  # a (409) and b (version 7); c and d: delta
+    # full weights: a (409) and b (version 7) in the cycle, c before it (then its delta); d: the delta alone
+    assert phases["delta"] == 1 and phases["full_engines"] == 3, phases
     assert a.server.control_calls["/rollq/prepare_weights"] == 2  # asked, refused
     assert b.server.control_calls["/rollq/prepare_weights"] == 1  # not asked: not on the base
     assert c.server.control_calls["/update_weights_from_disk"] == 2  # the full version 1, then the delta's swap
@@ -213,3 +215,66 @@ async def test_distributed_deltas_keep_engines_bit_exact(start_engine, make_trai
     assert phases["delta"] == 0 and phases["full_engines"] == 2, phases
     await assert_bit_exact(trainer, [a, b], 3)
     await trainer.weight_sync.close()  # type: ignore[union-attr]
+
+
+@pytest.mark.slow
+@pytest.mark.scenario
+async def test_many_updates_stay_bit_exact_with_an_engine_sigkilled_mid_swap_and_restarted(
+    make_trainer, tmp_path: Path, tiny_dir
+) -> None:
+    """Two `rollq engine` processes serving bfloat16; one stops halfway through each weight load while
+    `hold/release` is missing (its fault hook): at update 4 it is SIGKILLed there, half of its tensors new, then
+    restarted on its port. It gets the full weights once, then deltas again; both engines match the trainer's
+    snapshot bit for bit after every one of 12 updates."""
+    import sys
+
+    from rollq.local import Processes, free_port
+    from tests.helpers import REPO_ROOT, engine_healthy, wait_until
+
+    hold = tmp_path / "hold"
+    hold.mkdir()
+    (hold / "release").touch()
+    procs = Processes(tmp_path, cwd=REPO_ROOT)
+    ports = [free_port(), free_port()]
+
+    async def start(i: int) -> Any:
+        argv = [sys.executable, "-m", "rollq.engine", "--backend", "reference", "--model", "tiny", "--dtype"]
+        argv += ["bfloat16", "--port", str(ports[i]), "--insecure-no-auth", "--weights-root", str(tmp_path)]
+        argv += ["--fault", f"hold_load:{hold}"] if i == 1 else []
+        proc = procs.start(f"engine-{i}", argv)
+        url = f"http://127.0.0.1:{ports[i]}"
+        await procs.wait_until(lambda: engine_healthy(url), 90, f"{url} healthy", watch=proc, interval_s=0.05)
+        return proc
+
+    class Remote:  # what assert_bit_exact reads of an engine: its URL
+        def __init__(self, port: int) -> None:
+            self.url = f"http://127.0.0.1:{port}"
+
+    try:
+        held = [await start(0), await start(1)]
+        engines = [Remote(p) for p in ports]
+        trainer = make_trainer([e.url for e in engines], delta_full_every=0)
+        kinds = []
+        for version in range(12):
+            step(trainer, version)
+            if version != 4:
+                phases = await trainer._publish_weights(version)
+            else:  # B's swap holds halfway: SIGKILL it there
+                (hold / "release").unlink()
+                (hold / "holding").unlink(missing_ok=True)
+                publishing = asyncio.create_task(trainer._publish_weights(version))
+                await wait_until(lambda: (hold / "holding").exists(), 60, what="engine B to hold its load")
+                procs.kill(held[1])
+                phases = await asyncio.wait_for(publishing, 120)
+                assert phases["full_engines"] == 0  # A swapped its delta in; B is dead
+                (hold / "release").touch()
+                held[1] = await start(1)
+                kinds.append("killed")
+                continue
+            kinds.append("delta" if phases["delta"] else "full")
+            if version == 5:
+                assert phases["full_engines"] == 1, phases  # the restarted B: the full weights; A: the delta
+            await assert_bit_exact(trainer, engines, version)  # type: ignore[arg-type]
+        assert kinds == ["full", "delta", "delta", "delta", "killed", "delta", *["delta"] * 6], kinds
+    finally:
+        procs.stop_all(grace_s=0)
