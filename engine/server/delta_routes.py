@@ -264,7 +264,7 @@ class DeltaRoutes:
 
         try:
             manifest = msgspec.json.decode(raw_manifest, type=weight_delta.DeltaManifest)
-        except (msgspec.ValidationError, *BAD_JSON) as exc:
+        except BAD_JSON as exc:  # a ValidationError too
             return _fail(f"manifest is not a weight delta's manifest: {exc}")
         if manifest.blob_bytes < 0:
             return _fail("manifest.blob_bytes must not be negative")
@@ -306,7 +306,7 @@ class DeltaRoutes:
                 if current.loads == server.weight_loads:  # built on the weights served now: swap it in
                     await server.backend.load_tensors(list(current.tensors.items()))
                     return
-            ready = delta or await asyncio.to_thread(weight_delta.read, resolved)
+            ready = delta if delta is not None else await asyncio.to_thread(weight_delta.read, resolved)
             served = server.backend.served_weights()
             try:
                 _check_applies(ready.manifest, server.weight_version, _dtypes(served))

@@ -156,6 +156,9 @@ async def test_a_delta_that_does_not_apply_is_refused_and_changes_nothing(start_
     assert (await swap(http, url, good, "14")).status_code == 400
     assert (await http.post(f"{url}/rollq/prepare_weights", json={"weight_version": "1"})).status_code == 400
     assert (await http.post(f"{url}/rollq/prepare_weights", content=b"{")).status_code == 400
+    bad_manifest = {"group_name": "g", "manifest": {"format": "x"}, "weight_version": "1"}
+    r = await http.post(f"{url}/rollq/prepare_weights", json=bad_manifest)
+    assert r.status_code == 400 and "manifest" in r.json()["message"]
     r = await http.post(f"{url}/rollq/swap_prepared_weights", json={"weight_version": "13"})
     assert r.status_code == 409 and r.json()["weight_version"] == "default"
     assert await engine_checksums(http, url) == before and routes.staged is None
@@ -288,3 +291,24 @@ async def test_an_engine_killed_halfway_through_a_swap_comes_back_on_its_own_wei
             "dtype": "bfloat16",
             "checksums": checksums(v2),
         }
+
+
+async def test_a_delta_under_loaded_lora_adapters_changes_the_base_weights_only(tiny_dir, start_engine, http, tmp_path):
+    from tests.engine.test_lora_serving import make_adapter
+
+    backend = ReferenceBackend(ReferenceConfig(model=str(tiny_dir), dtype="bfloat16", max_running=4))
+    engine = await start_engine(server={"enable_lora": True}, backend=backend)
+    base = served(engine)
+    adapter = make_adapter(tmp_path / "adapter", seed=1)
+    r = await http.post(f"{engine.url}/load_lora_adapter", json={"lora_name": "a", "lora_path": str(adapter)})
+    assert r.status_code == 200, r.text
+    lora = {n: p.detach().clone() for n, p in backend.model.named_parameters() if ".lora_" in n}
+    assert lora and set(served(engine)) == set(base)  # the served names hide peft's wrapping
+
+    new = step(base, seed=3)
+    delta_dir = write_delta(tmp_path, base, new, "default", "1")
+    assert (await prepare(http, engine.url, delta_dir, "1")).status_code == 200
+    assert (await swap(http, engine.url, delta_dir, "1")).status_code == 200
+    assert (await engine_checksums(http, engine.url))["checksums"] == checksums(new)
+    after = {n: p for n, p in backend.model.named_parameters() if ".lora_" in n}
+    assert all(torch.equal(after[n], t) for n, t in lora.items())
