@@ -50,7 +50,7 @@ from rollq.trainer.data import PromptOrder, run_prompts
 from rollq.trainer.evaluate import Evaluator
 from rollq.trainer.feeder import GroupFeeder, adapter_name
 from rollq.trainer.ledger import StalenessLedger
-from rollq.trainer.metrics import PLOT_FILE, MetricsLog, RateWindow, StepRecord, plot
+from rollq.trainer.metrics import PLOT_FILE, MetricsLog, RateWindow, StepRecord, plot, update_fields
 from rollq.trainer.policy import Policy
 from rollq.trainer.policy_protocol import TrainerPolicy
 from rollq.trainer.publish import UpdateRequirement, publish
@@ -658,6 +658,7 @@ class Trainer:
                 pause_s=phases["paused_s"],
                 publish_s=phases["total_s"],
                 weight_load_s=phases["load_s"],
+                **update_fields(phases, adapter=bool(self.adapter_family)),
                 ledger_version=ledger.version,
                 ledger_admitted=ledger.admitted,
                 ledger_limit=self.ledger.limit(ledger.version),
