@@ -51,7 +51,7 @@ from rollq.trainer.delta_sync import DeltaSync, Update
 from rollq.trainer.evaluate import Evaluator
 from rollq.trainer.feeder import GroupFeeder, adapter_name
 from rollq.trainer.ledger import StalenessLedger
-from rollq.trainer.metrics import PLOT_FILE, MetricsLog, RateWindow, StepRecord, plot
+from rollq.trainer.metrics import PLOT_FILE, MetricsLog, RateWindow, StepRecord, plot, update_fields
 from rollq.trainer.policy import Policy, buckets_of
 from rollq.trainer.policy_protocol import TrainerPolicy
 from rollq.trainer.publish import UpdateRequirement, publish
@@ -762,6 +762,7 @@ class Trainer:
                 pause_s=phases["paused_s"],
                 publish_s=phases["total_s"],
                 weight_load_s=phases["load_s"],
+                **update_fields(phases, adapter=bool(self.adapter_family)),
                 ledger_version=ledger.version,
                 ledger_admitted=ledger.admitted,
                 ledger_limit=self.ledger.limit(ledger.version),
