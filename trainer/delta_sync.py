@@ -122,6 +122,7 @@ class DeltaSync:
         self._write_lock = asyncio.Lock()
         self._agents: dict[str, SGLangClient] = {}
         self._said_404: set[str] = set()
+        self._said_full = ""
 
     # -- the new weights -------------------------------------------------------------------------------------------
 
@@ -157,12 +158,15 @@ class DeltaSync:
 
         return await asyncio.to_thread(collect)
 
-    async def decide(self, version: int, new: dict[str, torch.Tensor]) -> Update:
-        """A delta from the snapshot, or why every engine gets the full version."""
+    async def decide(self, version: int, new: dict[str, torch.Tensor], *, no_delta: str = "") -> Update:
+        """A delta from the snapshot, or why every engine gets the full version (`no_delta`: the caller knows
+        already, and no delta is taken)."""
         update = Update(version=str(version), new=new, full_bytes=tensor_bytes(new))
         self.pending = update
         every = self.cfg.delta_full_every
-        if self.snapshot is None or self.snapshot_version is None:
+        if no_delta:
+            update.why_full = no_delta
+        elif self.snapshot is None or self.snapshot_version is None:
             update.why_full = "no earlier version to take a delta from"
         elif every and self.last_full is not None and version - self.last_full >= every:
             update.why_full = f"a full update every {every} (delta_full_every)"
@@ -182,8 +186,9 @@ class DeltaSync:
                 )
             else:
                 update.delta = delta
-        if update.why_full:
+        if update.why_full and update.why_full != self._said_full:
             log.info("weights %s: a full update (%s)", version, update.why_full)
+        self._said_full = update.why_full  # said again only when the reason changes
         return update
 
     def commit(self, update: Update, *, delta_sent: bool) -> None:
@@ -306,10 +311,13 @@ class DeltaSync:
             return []
         versions = await self.versions(members)
         off_base = {m.url: versions[m.url] for m in members if versions[m.url] != update.base}
-        unable = [m.url for m in members if m.url in self.cannot_prepare]
-        if off_base or unable:
-            why = f"engines off the base {update.base}: {off_base}" if off_base else f"engines without deltas: {unable}"
-            log.info("weights %s: a full broadcast to every engine (%s)", update.version, why)
+        if off_base:
+            log.info(
+                "weights %s: a full broadcast to every engine (off the base %s: %s)",
+                update.version,
+                update.base,
+                off_base,
+            )
             return []
         manifest, blob = update.delta
         answers = await sync.prepare_delta(manifest, blob, update.version, members)

@@ -301,9 +301,11 @@ class Trainer:
         if self.weight_sync is None and delta.snapshot_version is not None and self.pool.engines(stale_only=True):
             await delta.ensure_full(delta.snapshot_version)  # the last version, which stale engines catch up with
             reconciled = (await self.fleet.reconcile()).ok  # (then they are on the delta's base)
-        update = await delta.decide(version, new)
-        update.reconciled = reconciled
         members = self.pool.engines()
+        unable = [m.url for m in members if m.url in delta.cannot_prepare] if self.weight_sync is not None else []
+        # a group holding an engine that cannot take deltas (SGLang) gets full broadcasts: no delta is even taken
+        update = await delta.decide(version, new, no_delta=f"engines without deltas: {unable}" if unable else "")
+        update.reconciled = reconciled
         step: Callable[[], Awaitable[FleetResult]]
         if self.weight_sync is None:
             if update.delta is not None:
@@ -814,6 +816,8 @@ def merged_results(results: list[FleetResult]) -> FleetResult:
 
 def safetensors_bytes(directory: Path) -> int:
     """The bytes of a weights directory's safetensors files: what each engine reads to load it."""
+    if directory.is_file():
+        return directory.stat().st_size
     return sum(f.stat().st_size for f in directory.glob("*.safetensors"))
 
 

@@ -217,6 +217,28 @@ async def test_distributed_deltas_keep_engines_bit_exact(start_engine, make_trai
     await trainer.weight_sync.close()  # type: ignore[union-attr]
 
 
+async def test_a_distributed_group_with_an_engine_that_cannot_prepare_gets_full_broadcasts(
+    start_engine, make_trainer
+) -> None:
+    from rollq.engine.server.synthetic import SyntheticBackend, SyntheticConfig
+
+    engine = await start_engine()
+    holds_none = await serve(SyntheticBackend(SyntheticConfig()), EngineServerConfig(port=0))  # as SGLang: 404
+    try:
+        trainer = make_trainer([engine.url, holds_none.url], weight_sync="distributed", weight_sync_timeout_s=20.0)
+        sent = []
+        for version in range(4):
+            step(trainer, version)
+            sent.append((await trainer._publish_weights(version))["delta"])
+        assert sent == [0, 0, 0, 0]
+        # asked once (it answered 404 after receiving the blob), never again: no delta is taken for such a group
+        assert holds_none.server.control_calls["/rollq/prepare_weights"] == 1
+        await assert_bit_exact(trainer, [engine], 3)
+        await trainer.weight_sync.close()  # type: ignore[union-attr]
+    finally:
+        await holds_none.close()
+
+
 @pytest.mark.slow
 @pytest.mark.scenario
 async def test_many_updates_stay_bit_exact_with_an_engine_sigkilled_mid_swap_and_restarted(
