@@ -42,6 +42,10 @@ ADMIN_ROUTES = frozenset(
         "/end_weight_update",
         "/update_weights_from_distributed",
         "/update_weights_from_tensor",
+        # rollq's weight-delta routes (engine/server/delta_routes.py); plain SGLang answers 404
+        "/rollq/prepare_weights",
+        "/rollq/swap_prepared_weights",
+        "/rollq/weights_checksum",
     }
 )
 

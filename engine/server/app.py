@@ -19,6 +19,8 @@ import msgspec
 from aiohttp import web
 
 from rollq.engine.server.backend import Backend, GenState
+from rollq.engine.server.delta_routes import ROUTES_KEY as DELTA_ROUTES_KEY
+from rollq.engine.server.delta_routes import add_delta_routes, is_delta_dir
 from rollq.engine.server.distributed_routes import add_distributed_routes
 from rollq.engine.server.health import GenerationHealth, is_engine_error
 from rollq.engine.server.lora_registry import NOT_ENABLED, AdapterError, AdapterRegistry
@@ -141,6 +143,10 @@ class EngineServer:
         self.control_calls: collections.Counter[str] = collections.Counter()
         self.cache_flushes = 0  # prefix-cache flushes done (tests read it: rollq's choice of when to flush)
         self.last_load_seconds = 0.0
+        # Weight loads done (failed ones too) and whether one runs now: what reads the served weights outside the
+        # update lock (a delta's prepare, a checksum) checks that no load ran meanwhile (weights_snapshot).
+        self.weight_loads = 0
+        self.loading = False
         self.generation_health = GenerationHealth(config.unhealthy_after_errors, config.unhealthy_for_s)
 
     # --- gate, aborts, waiting ---
@@ -554,11 +560,15 @@ class EngineServer:
                 if not paused_before:
                     await self.backend.pause("in_place")  # no decode step may run during the load
                 started = time.monotonic()
+                self.loading = True
                 try:
                     await load()
                 except Exception as exc:
                     return False, f"Failed to update weights: {exc}", num_paused, 0.0
                 finally:
+                    # counted failed or not: a failed load may have changed some tensors (a receive cut short)
+                    self.loading = False
+                    self.weight_loads += 1
                     if not paused_before and not self.paused:
                         await self.backend.resume()
                 load_s = time.monotonic() - started
@@ -578,6 +588,16 @@ class EngineServer:
                 self._updating -= 1
                 self._gate_changed()
 
+    async def weights_snapshot(self) -> tuple[int, str]:
+        """(loads done, weight version) at a moment no load runs: the update lock is held only to read them. A reader
+        of the served weights (in a thread, while generation goes on) that finds `weights_unchanged(loads)` after
+        reading them read one whole version."""
+        async with self._update_lock:
+            return self.weight_loads, self.weight_version
+
+    def weights_unchanged(self, loads: int) -> bool:
+        return not self.loading and self.weight_loads == loads
+
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
         body = await _read_json(request)
         if isinstance(body, web.Response):
@@ -595,8 +615,15 @@ class EngineServer:
             resolved = str(resolve_under(self.config.weights_root, path))
         except WeightsPathRefused as exc:
             return _json({"success": False, "message": str(exc), "num_paused_requests": 0}, 400)
+        load: Callable[[], Awaitable[Any]] = lambda: self.backend.load_weights(resolved)  # noqa: E731
+        if is_delta_dir(resolved):  # a weight delta: what its prepare staged is swapped in, or it is applied here
+            deltas = request.app[DELTA_ROUTES_KEY]
+            try:
+                load, version = await deltas.swap_load(resolved, version)
+            except ValueError as exc:
+                return _json({"success": False, "message": str(exc), "num_paused_requests": 0}, 400)
         success, message, num_paused, load_s = await self.apply_weight_update(
-            lambda: self.backend.load_weights(resolved),
+            load,
             version=version,
             flush_cache=flush or self.config.compat == "0.5.5",  # 0.5.5 always flushes (its pause always aborts)
             abort_all=bool(body.get("abort_all_requests")),
@@ -721,6 +748,7 @@ class EngineServer:
                 }
             ],
             "version": self.config.compat,
+            "dtype": self.backend.served_dtype,  # SGLang's server_args.dtype: the trainer's sync_dtype "auto" reads it
         }
         return _json(info)
 
@@ -930,6 +958,7 @@ def build_app(backend: Backend, config: EngineServerConfig) -> web.Application:
     r.add_get("/metrics", s.metrics)
     add_distributed_routes(app, server)
     add_lora_routes(app, server)
+    add_delta_routes(app, server)
     app.on_startup.append(s.on_startup)
     app.on_shutdown.append(s.on_shutdown)
     app.on_cleanup.append(s.on_cleanup)

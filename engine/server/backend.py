@@ -18,6 +18,9 @@ Contract:
 - `load_adapter(ref, path)` / `unload_adapter(ref)` (backends with `supports_lora`): a LoRA adapter in PEFT's format
   joins or leaves the model; `state.adapter` names the one a state generates with (None: the base model), and a
   batch may mix them. The server unloads an adapter only once no state uses it (engine/server/lora_registry.py).
+- `served_weights()` (backends with `holds_weights`): the served parameters by the names of the model's own files
+  (weights.served_parameters), the tensors themselves, not copies: the server reads them (weight deltas, checksums)
+  only while no load runs (engine/server/delta_routes.py). `served_dtype` is the dtype they are served in.
 - `stop_check(state, token_id)` below decides stop/length finishes the same way for every backend.
 """
 
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import abc
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from rollq.engine.server.lora_registry import AdapterRef
@@ -148,6 +152,13 @@ class Backend(abc.ABC):
     async def load_tensors(self, named: list[tuple[str, Any]]) -> None:
         """Copy received (name, torch tensor) pairs into the weights (the distributed update path)."""
         raise NotImplementedError(f"{type(self).__name__} cannot load weights from tensors")
+
+    holds_weights = False  # served_weights() works: the engine can prepare weight deltas and report checksums
+    served_dtype = "auto"  # the dtype of the served weights (torch's name), as /server_info reports it
+
+    def served_weights(self) -> Mapping[str, Any]:
+        """The served parameters by their names in the model's own files (see the module docstring)."""
+        raise NotImplementedError(f"{type(self).__name__} holds no weights")
 
     supports_lora = False  # load_adapter / unload_adapter work (a batch may mix adapters and the base model)
     supports_images = False  # a state's `images` are seen by the model (image_data); without, they are refused

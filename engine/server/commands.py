@@ -28,10 +28,10 @@ def build_backend(args: EngineConfig) -> Backend:
     """Raises SystemExit(2) with a one-line message when the backend is unavailable or the fault is not one."""
     if not args.fault:
         return _plain_backend(args)
-    from rollq.engine.server.faults import FaultyBackend, StepFault
+    from rollq.engine.server.faults import FaultyBackend, parse_fault
 
     try:
-        fault = StepFault.parse(args.fault)  # before a model loads: a typo costs no start-up
+        fault = parse_fault(args.fault)  # before a model loads: a typo costs no start-up
     except ValueError as exc:
         raise _usage_exit(str(exc)) from None
     return FaultyBackend(_plain_backend(args), fault)

@@ -172,7 +172,8 @@ class EngineConfig(RunSettings, kw_only=True):
         setting(
             "fault injection for tests and drills (synthetic and reference backends): `step_error` fails every "
             "generation as a model forward that raises does (an ERROR traceback, an abort with status_code 500), "
-            "`step_error:N` only those whose prompt holds at least N tokens; empty: none",
+            "`step_error:N` only those whose prompt holds at least N tokens; `hold_load:DIR` stops every weight load "
+            "halfway until DIR/release exists (it writes DIR/holding first); empty: none",
             metavar="SPEC",
         ),
     ] = ""

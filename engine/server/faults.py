@@ -9,11 +9,20 @@ it was being prefilled. `FaultyBackend` does exactly that to each state the faul
 (weights, pause, adapters, tokenizer) to the backend it wraps, so a faulty engine still starts, loads weights and
 answers control routes. `min_prompt_tokens` hits only prompts at least that long: 2 keeps the one-token health probe
 working while real requests fail, as a failure of the shared-prefix path (issue 42's E1) did.
+
+`rollq engine --fault hold_load:DIR` stops every weight load halfway, so a test can SIGKILL an engine while its
+weights are half old, half new (a delta's swap, a distributed update) without timing it: the first half of the
+tensors is copied in (a disk load holds before it starts), then the engine writes `DIR/holding` and waits until
+`DIR/release` exists (at most HOLD_LIMIT_S, then the load fails) before copying the rest.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -25,7 +34,9 @@ from rollq.protocol.media import ImageFile
 
 log = logging.getLogger("rollq.engine")
 
-FAULT_KINDS = ("step_error",)
+FAULT_KINDS = ("step_error", "hold_load")
+HOLD_LIMIT_S = 300.0  # a held load fails after this long (a test that forgot to release or kill the engine)
+HOLD_POLL_S = 0.01
 
 
 class InjectedStepError(RuntimeError):
@@ -40,24 +51,53 @@ class StepFault(msgspec.Struct, frozen=True, kw_only=True):
     @classmethod
     def parse(cls, spec: str) -> StepFault:
         """CLI form: `step_error` or `step_error:MIN_PROMPT_TOKENS`."""
-        kind, _, arg = spec.partition(":")
-        if kind in FAULT_KINDS:
-            try:
-                tokens = int(arg) if arg else 0
-            except ValueError:
-                tokens = -1
-            if tokens >= 0:
-                return cls(min_prompt_tokens=tokens)
-        raise ValueError(f"bad fault {spec!r}: use step_error or step_error:MIN_PROMPT_TOKENS")
+        fault = parse_fault(spec)
+        if not isinstance(fault, StepFault):
+            raise ValueError(f"bad fault {spec!r}: not a step_error")
+        return fault
 
     def hits(self, state: GenState) -> bool:
         return len(state.input_ids) >= self.min_prompt_tokens
 
 
+class LoadHold(msgspec.Struct, frozen=True, kw_only=True):
+    """Weight loads stop halfway until `directory/release` exists (see the module docstring)."""
+
+    directory: str
+
+    async def hold(self) -> None:
+        where = Path(self.directory)
+        (where / "holding").touch()
+        log.warning("fault hold_load: a weight load holds until %s exists", where / "release")
+        deadline = time.monotonic() + HOLD_LIMIT_S
+        while not (where / "release").exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"fault hold_load: {where / 'release'} did not appear in {HOLD_LIMIT_S:.0f} s")
+            await asyncio.sleep(HOLD_POLL_S)
+
+
+Fault = StepFault | LoadHold
+
+
+def parse_fault(spec: str) -> Fault:
+    """CLI form: `step_error`, `step_error:MIN_PROMPT_TOKENS` or `hold_load:DIR`."""
+    kind, _, arg = spec.partition(":")
+    if kind == "step_error":
+        try:
+            tokens = int(arg) if arg else 0
+        except ValueError:
+            tokens = -1
+        if tokens >= 0:
+            return StepFault(min_prompt_tokens=tokens)
+    if kind == "hold_load" and arg:
+        return LoadHold(directory=arg)
+    raise ValueError(f"bad fault {spec!r}: use step_error, step_error:MIN_PROMPT_TOKENS or hold_load:DIR")
+
+
 class FaultyBackend(Backend):
     """`inner` with generation failing as `fault` says (see the module docstring)."""
 
-    def __init__(self, inner: Backend, fault: StepFault) -> None:
+    def __init__(self, inner: Backend, fault: Fault) -> None:
         self.inner = inner
         self.fault = fault
         self.model_path = inner.model_path
@@ -66,6 +106,8 @@ class FaultyBackend(Backend):
         self.eos_token_ids = inner.eos_token_ids
         self.supports_lora = inner.supports_lora
         self.supports_images = inner.supports_images
+        self.holds_weights = inner.holds_weights
+        self.served_dtype = inner.served_dtype
         self.failed_steps = 0  # states failed so far (tests read it)
 
     async def start(self) -> None:
@@ -76,6 +118,7 @@ class FaultyBackend(Backend):
         self.context_length = self.inner.context_length
         self.eos_token_ids = self.inner.eos_token_ids
         self.supports_images = self.inner.supports_images
+        self.served_dtype = self.inner.served_dtype
 
     async def close(self) -> None:
         await self.inner.close()
@@ -90,7 +133,7 @@ class FaultyBackend(Backend):
         return self.inner.prepare_images(input_ids, images)
 
     async def run(self, state: GenState) -> None:
-        if not self.fault.hits(state):
+        if not isinstance(self.fault, StepFault) or not self.fault.hits(state):
             await self.inner.run(state)
             return
         self.failed_steps += 1
@@ -110,10 +153,21 @@ class FaultyBackend(Backend):
         await self.inner.resume()
 
     async def load_weights(self, path: str) -> None:
+        if isinstance(self.fault, LoadHold):
+            await self.fault.hold()
         await self.inner.load_weights(path)
 
     async def load_tensors(self, named: list[tuple[str, Any]]) -> None:
-        await self.inner.load_tensors(named)
+        if not isinstance(self.fault, LoadHold):
+            await self.inner.load_tensors(named)
+            return
+        half = (len(named) + 1) // 2
+        await self.inner.load_tensors(named[:half])
+        await self.fault.hold()
+        await self.inner.load_tensors(named[half:])
+
+    def served_weights(self) -> Mapping[str, Any]:
+        return self.inner.served_weights()
 
     async def load_adapter(self, ref: AdapterRef, path: str) -> None:
         await self.inner.load_adapter(ref, path)
@@ -128,4 +182,4 @@ class FaultyBackend(Backend):
         return self.inner.stats()
 
 
-__all__ = ["FAULT_KINDS", "FaultyBackend", "InjectedStepError", "StepFault"]
+__all__ = ["FAULT_KINDS", "Fault", "FaultyBackend", "InjectedStepError", "LoadHold", "StepFault", "parse_fault"]

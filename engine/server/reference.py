@@ -59,7 +59,7 @@ from rollq.engine.server.self_check import (
     tolerance,
 )
 from rollq.engine.server.vision import ImageInputs, ImageRequestError, PreparedImages
-from rollq.engine.server.weights import copy_into, load_into
+from rollq.engine.server.weights import copy_into, load_into, served_parameters
 from rollq.engine.types import FinishReason, PauseMode
 from rollq.protocol.media import ImageFile
 
@@ -108,6 +108,7 @@ class _Req:
 class ReferenceBackend(Backend):
     def __init__(self, config: ReferenceConfig | None = None) -> None:
         self.config = config or ReferenceConfig()
+        self.served_dtype = self.config.dtype
         self.model: Any = None
         self.tokenizer: Any = None
         self._waiting: collections.deque[_Req] = collections.deque()
@@ -313,6 +314,13 @@ class ReferenceBackend(Backend):
         # models in buckets, one call each, while the engine stays paused.
         async with self._lock:
             await asyncio.to_thread(copy_into, self.model, dict(named), partial=True)
+
+    holds_weights = True
+
+    def served_weights(self) -> dict[str, Any]:
+        # Adapters loaded or not: the base weights under their own names (a delta or a checksum never sees a LoRA
+        # tensor, and copying a delta in leaves the adapters as they are).
+        return served_parameters(self.model)
 
     supports_lora = True
 
