@@ -20,7 +20,9 @@ from safetensors.torch import save_file
 from rollq.config import ConfigError
 from rollq.engine import weight_delta as wd
 from rollq.engine.weight_agent.config import WeightAgentConfig
+from rollq.engine.weight_agent.server import build_app
 from rollq.engine.weight_agent.versions import STATE_FILE, LocalVersions, Refused
+from rollq.http_server import start_site
 from rollq.local import Processes, free_port
 from tests.helpers import REPO_ROOT
 
@@ -174,17 +176,21 @@ async def test_the_agent_rebuilds_each_version_bit_for_bit_and_refuses_what_does
         assert not any(p.name.endswith(".tmp") for p in agent.local.iterdir())
         assert file_checksums(agent.local / "v4") == checksums(versions[4])
 
-        # SIGKILLed (what a kill mid-prepare leaves: a half-written directory), then restarted: it continues from
-        # the version it recorded, and the leftover is gone
+        # SIGKILLed, with what a kill mid-prepare leaves (a half-written directory), then restarted on the same
+        # local root: it continues from the version it recorded, and the leftover is gone. (Restarted in this
+        # process: a second agent process would cost CI another torch import, and the restart reads only files.)
         agent.kill()
         (agent.local / ".v5.dead.tmp").mkdir()
-        await agent.start()
-        url = agent.url
-        assert (await http.get(f"{url}/health")).json()["weight_version"] == "4"
-        assert not (agent.local / ".v5.dead.tmp").exists()
-        reply = await prepare(http, url, shared / "d5", "5")
-        assert reply.status_code == 200, reply.text
-        assert file_checksums(reply.json()["load_path"]) == checksums(versions[5])
+        runner, port = await start_site(build_app(LocalVersions(shared, agent.local), KEY), "127.0.0.1", 0)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            assert (await http.get(f"{url}/health")).json()["weight_version"] == "4"
+            assert not (agent.local / ".v5.dead.tmp").exists()
+            reply = await prepare(http, url, shared / "d5", "5")
+            assert reply.status_code == 200, reply.text
+            assert file_checksums(reply.json()["load_path"]) == checksums(versions[5])
+        finally:
+            await runner.cleanup()
 
 
 def test_an_agent_without_its_versions_asks_for_a_full_one(tmp_path: Path):
@@ -230,3 +236,47 @@ def test_the_agent_starts_only_closed_and_apart_from_the_trainers_files(tmp_path
         LocalVersions(tmp_path, tmp_path / "local")  # pruning could reach the trainer's versions
     with pytest.raises((ConfigError, SystemExit)):
         parse(["weight-agent", "--keep-versions", "0"], env=env)
+
+
+# --- end to end: rollq's reference engine standing in for SGLang -------------------------------------------------
+
+
+async def test_an_engine_loads_what_the_agent_built_and_serves_the_trainers_weights(tmp_path: Path, tiny_dir: Path):
+    """The agent beside a reference engine (which, like SGLang, loads full directories through
+    /update_weights_from_disk, from under a weights_root that covers the agent's local root): each version the
+    agent prepares, the engine loads from load_path, and then serves the trainer's tensors bit for bit."""
+    from rollq.engine.server.app import EngineServerConfig, serve
+    from rollq.engine.server.reference import ReferenceBackend, ReferenceConfig
+    from rollq.engine.server.weights import served_parameters
+
+    shared, local = tmp_path / "shared", tmp_path / "local"
+    shutil.copytree(tiny_dir, shared / "v0")  # the trainer's first full version: the model the engine started with
+    with safe_open(str(tiny_dir / "model.safetensors"), framework="pt") as f:
+        trainer = [{name: f.get_tensor(name) for name in f.keys()}]
+    runner, port = await start_site(build_app(LocalVersions(shared, local), KEY), "127.0.0.1", 0)
+    agent = f"http://127.0.0.1:{port}"
+    backend = ReferenceBackend(ReferenceConfig(model="tiny", max_running=2))
+    engine = await serve(backend, EngineServerConfig(port=0, weight_version="0", weights_root=str(tmp_path)))
+
+    def served() -> dict[str, str]:
+        return {n: wd.checksum(p.detach().cpu()) for n, p in served_parameters(backend.model).items()}
+
+    try:
+        async with httpx.AsyncClient(timeout=60) as http:
+            assert (await prepare(http, agent, shared / "v0", "0")).status_code == 200
+            for v in (1, 2):
+                trainer.append(stepped(trainer[-1], v))
+                wd.write(shared / f"d{v}", wd.encode(trainer[-2], trainer[-1], base_version=str(v - 1), version=str(v)))
+                prepared = await prepare(http, agent, shared / f"d{v}", str(v))  # before the pause
+                assert prepared.status_code == 200, prepared.text
+                swap = {"model_path": prepared.json()["load_path"], "weight_version": str(v)}
+                loaded = await http.post(f"{engine.url}/update_weights_from_disk", json=swap)
+                assert loaded.status_code == 200, loaded.text
+                assert served() == checksums(trainer[-1]), v
+                reported = await http.get(f"{engine.url}/rollq/weights_checksum")  # the engine's own report, if served
+                if reported.status_code != 404:
+                    assert reported.json()["checksums"] == checksums(trainer[-1]), v
+            assert served() != checksums(trainer[0])  # the weights did change
+    finally:
+        await engine.close()
+        await runner.cleanup()
