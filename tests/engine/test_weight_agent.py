@@ -280,3 +280,52 @@ async def test_an_engine_loads_what_the_agent_built_and_serves_the_trainers_weig
     finally:
         await engine.close()
         await runner.cleanup()
+
+
+# --- how the trainer learns an engine's agent ----------------------------------------------------------------------
+
+
+async def test_agent_urls_reach_the_trainers_pool_from_its_settings_and_the_registry(redis_url: str, run_name: str):
+    """`rollq engine --register --agent-url URL` (the sglang backend's launcher) names the agent in its signed entry;
+    the trainer's engine_agents names those of static engines; both end up in the trainer's pool members."""
+    import asyncio
+
+    from rollq.cli import parse
+    from rollq.engine.registry import EngineRegistry, control_key
+    from rollq.engine.server.commands import _register, _unregister
+    from rollq.redis_client import redis_client
+    from rollq.trainer.engines import engine_pool
+
+    env = {"ROLLQ_ENGINE_ADMIN_API_KEY": KEY, "ROLLQ_TRAINER_ENGINE_ADMIN_API_KEY": KEY}
+    flags = ["--redis", redis_url, "--run", run_name, "--register", "--agent-url", "http://sglang-0:30010"]
+    (engine_cfg,) = parse(["engine", *flags], env=env).settings
+    with pytest.raises(SystemExit):
+        parse(["engine", "--agent-url", "sglang-0:30010"], env=env)  # not a URL: exit 2 naming the setting
+    agents = "{http://static:30000: http://static:30010}"
+    (train_cfg,) = parse(["train", "--engine", "http://static:30000", "--engine-agents", agents], env=env).settings
+    with pytest.raises(SystemExit):
+        parse(["train", "--engine-agents", "{http://static:30000: static:30010}"], env=env)
+
+    task = await _register(engine_cfg, "http://sglang-0:30000")
+    redis = redis_client(redis_url)
+    pool = engine_pool(train_cfg)
+    try:
+        registry = EngineRegistry(redis, run_name, key=control_key(None, KEY))
+        await asyncio.wait_for(_wait_listed(registry, "http://sglang-0:30000"), 10)
+        await pool.sync_registry(registry)
+        agents_of = {url: m.agent_url for url, m in pool.members.items()}
+        assert agents_of == {
+            "http://static:30000": "http://static:30010",
+            "http://sglang-0:30000": "http://sglang-0:30010",
+        }
+    finally:
+        await pool.close()
+        await _unregister(task)
+        await redis.aclose()
+
+
+async def _wait_listed(registry, url: str) -> None:
+    import asyncio
+
+    while url not in await registry.live():  # bounded by the caller's wait_for
+        await asyncio.sleep(0.02)
