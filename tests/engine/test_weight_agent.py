@@ -1,7 +1,7 @@
-"""`rollq weight-agent` (engine/weight_agent/): the host agent that rebuilds full weights from the trainer's deltas for
-an engine that loads only full weights from disk. A real agent subprocess on loopback (SIGKILLed and restarted), and
-end to end with rollq's reference engine standing in for SGLang: it loads what the agent built through
-/update_weights_from_disk, and serves the trainer's tensors bit for bit."""
+"""`rollq weight-agent` (engine/server/weight_agent/): the host agent that rebuilds full weights from the trainer's
+deltas for an engine that loads only full weights from disk. A real agent subprocess on loopback (SIGKILLed, then
+restarted on its local root), and end to end with rollq's reference engine standing in for SGLang: it loads what
+the agent built through /update_weights_from_disk, and serves the trainer's tensors bit for bit."""
 
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ from safetensors.torch import save_file
 
 from rollq.config import ConfigError
 from rollq.engine import weight_delta as wd
-from rollq.engine.weight_agent.config import WeightAgentConfig
-from rollq.engine.weight_agent.server import build_app
-from rollq.engine.weight_agent.versions import STATE_FILE, LocalVersions, Refused
+from rollq.engine.server.weight_agent.config import WeightAgentConfig
+from rollq.engine.server.weight_agent.server import build_app
+from rollq.engine.server.weight_agent.versions import STATE_FILE, LocalVersions, Refused
 from rollq.http_server import start_site
 from rollq.local import Processes, free_port
 from tests.helpers import REPO_ROOT

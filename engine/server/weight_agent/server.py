@@ -20,7 +20,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from rollq.engine.weight_agent.versions import LocalVersions, Refused
+from rollq.engine.server.weight_agent.versions import LocalVersions, Refused
 from rollq.http_server import BAD_JSON, read_body
 
 log = logging.getLogger("rollq.weight_agent")

@@ -7,9 +7,9 @@ import logging
 import signal
 import sys
 
-from rollq.engine.weight_agent.config import WeightAgentConfig
-from rollq.engine.weight_agent.server import build_app
-from rollq.engine.weight_agent.versions import LocalVersions
+from rollq.engine.server.weight_agent.config import WeightAgentConfig
+from rollq.engine.server.weight_agent.server import build_app
+from rollq.engine.server.weight_agent.versions import LocalVersions
 from rollq.http_server import start_site
 from rollq.shield import shield_secrets
 
