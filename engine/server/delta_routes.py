@@ -304,7 +304,7 @@ class DeltaRoutes:
             if current is not None and (current.source, current.version) == (resolved, target):
                 self.staged = None
                 if current.loads == server.weight_loads:  # built on the weights served now: swap it in
-                    await server.backend.load_tensors(list(current.tensors.items()))
+                    await server.backend.load_tensors(list(current.tensors.items()), adopt=True)
                     return
             ready = delta if delta is not None else await asyncio.to_thread(weight_delta.read, resolved)
             served = server.backend.served_weights()
@@ -313,7 +313,7 @@ class DeltaRoutes:
             except NotTheBase as exc:
                 raise weight_delta.DeltaMismatch(str(exc)) from None
             changed = await asyncio.to_thread(weight_delta.apply, served, ready)  # checked before anything changes
-            await server.backend.load_tensors(list(changed.items()))
+            await server.backend.load_tensors(list(changed.items()), adopt=True)
 
         return load, target
 
@@ -336,7 +336,7 @@ class DeltaRoutes:
                 stale = True
                 raise RuntimeError(nothing)
             self.staged = None
-            await server.backend.load_tensors(list(staged.tensors.items()))
+            await server.backend.load_tensors(list(staged.tensors.items()), adopt=True)
 
         success, message, num_paused, load_s = await server.apply_weight_update(
             load,

@@ -22,6 +22,7 @@ from rollq.engine import weight_delta  # noqa: E402
 from rollq.engine.server.app import ServerHandle  # noqa: E402
 from rollq.engine.server.delta_routes import DELTA_MANIFEST  # noqa: E402
 from rollq.engine.server.delta_routes import ROUTES_KEY as DELTA_ROUTES_KEY  # noqa: E402
+from rollq.engine.server.faults import FaultyBackend, LoadHold  # noqa: E402
 from rollq.engine.server.reference import ReferenceBackend, ReferenceConfig  # noqa: E402
 from rollq.engine.server.weights_root import OUTSIDE  # noqa: E402
 from rollq.engine.weight_group import TrainerGroup  # noqa: E402
@@ -312,3 +313,29 @@ async def test_a_delta_under_loaded_lora_adapters_changes_the_base_weights_only(
     assert (await engine_checksums(http, engine.url))["checksums"] == checksums(new)
     after = {n: p for n, p in backend.model.named_parameters() if ".lora_" in n}
     assert all(torch.equal(after[n], t) for n, t in lora.items())
+
+
+async def test_a_prepare_never_reads_weights_a_load_is_halfway_through(tiny_dir, start_engine, http, tmp_path):
+    """A swap held halfway (fault hold_load: half the tensors are new) while a prepare comes: the prepare reads the
+    weights only once the load is done, and builds on the whole new version."""
+    hold = tmp_path / "hold"
+    hold.mkdir()
+    inner = ReferenceBackend(ReferenceConfig(model=str(tiny_dir), dtype="bfloat16", max_running=4))
+    engine = await start_engine(backend=FaultyBackend(inner, LoadHold(directory=str(hold))))
+    w0 = served(engine)
+    w1 = step(w0, seed=1)
+    w2 = step(w1, seed=2)
+    d1 = write_delta(tmp_path, w0, w1, "default", "1")
+    d2 = write_delta(tmp_path, w1, w2, "1", "2")
+
+    swapping = asyncio.create_task(swap(http, engine.url, d1, "1"))  # nothing staged: applied, then held halfway
+    await wait_until(lambda: (hold / "holding").exists(), TIMEOUT_S, what="the swap halfway")
+    preparing = asyncio.create_task(prepare(http, engine.url, d2, "2"))
+    await wait_until(lambda: engine.server.control_calls["/rollq/prepare_weights"] == 1, TIMEOUT_S, what="prepare")
+    (hold / "release").touch()
+    assert (await swapping).status_code == 200
+    r = await preparing
+    assert r.status_code == 200, r.text
+    (hold / "holding").unlink()
+    assert (await swap(http, engine.url, d2, "2")).status_code == 200
+    assert (await engine_checksums(http, engine.url))["checksums"] == checksums(w2)
