@@ -77,7 +77,8 @@ class Update:
     delta: weight_delta.WeightDelta | None = None  # None: the full version for every engine
     share: float = 0.0  # the delta's bytes / the full bytes (taken even when too large to send: it says why)
     why_full: str = ""  # why every engine gets the full version ("" when a delta goes out)
-    loads: dict[str, str] = field(default_factory=dict)  # engine URL -> what it swaps in (its prepared delta)
+    # engine URL -> what it swaps in: its prepared delta, or the full version its host agent copied beside it
+    loads: dict[str, str] = field(default_factory=dict)
     delta_bytes: dict[str, int] = field(default_factory=dict)  # engine URL -> delta bytes it read or received
     reconciled: list[str] = field(default_factory=list)  # stale engines given the base version in full first
     prepare_s: float = 0.0
@@ -90,9 +91,9 @@ class Update:
         """The update's phase keys beside the cycle's: bytes each updated engine read or received, summed, and
         how many engines got the full weights (`full`: given them in the cycle; `ok`: loaded the new version; a
         stale engine reconciled first got the base version in full, then the delta)."""
-        sent = sum(self.full_bytes if url in full or url not in self.loads else self.delta_bytes[url] for url in ok)
+        delta_engines = [url for url in ok if url in self.delta_bytes and url not in full]
+        sent = sum(self.delta_bytes[url] if url in delta_engines else self.full_bytes for url in ok)
         sent += self.full_bytes * len(self.reconciled)
-        delta_engines = [url for url in ok if url in self.loads and url not in full]
         given_full = {url for url in ok if url not in delta_engines} | set(self.reconciled)
         return {
             "prepare_s": self.prepare_s,
@@ -302,6 +303,27 @@ class DeltaSync:
             update.delta_bytes[member.url] = int(reply.get("bytes_read") or delta.manifest.blob_bytes)
 
         await asyncio.gather(*(prepare(m) for m in on_base))
+
+    async def prepare_full_on_agents(self, update: Update, members: list[EngineMember]) -> None:
+        """Engines with a host agent that get the full version this time: their agent takes it first (before the
+        pause: it copies it beside the engine and builds the next deltas on it), and the engine swaps in the agent's
+        copy. Without this the agent would not know what its engine holds, and refuse the next delta."""
+        needing = [m for m in members if m.agent_url and m.url not in update.loads]
+        if not needing:
+            return
+        path = await self.ensure_full(update.version)
+
+        async def prepare(member: EngineMember) -> None:
+            try:
+                reply = await self._preparer(member).prepare_weights(
+                    update.version, model_path=path, timeout=PREPARE_TIMEOUT_S
+                )
+            except (EngineError, EngineUnavailable) as exc:  # the engine loads the trainer's copy itself
+                log.warning("engine %s: its agent did not take version %s (%s)", member.url, update.version, exc)
+                return
+            update.loads[member.url] = str(reply.get("load_path") or path)
+
+        await asyncio.gather(*(prepare(m) for m in needing))
 
     async def prepare_distributed(self, update: Update, members: list[EngineMember], sync: Any) -> list[EngineMember]:
         """Before the pause, over the weight update group: the delta goes only when every engine is on its base and

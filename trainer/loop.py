@@ -310,6 +310,7 @@ class Trainer:
         if self.weight_sync is None:
             if update.delta is not None:
                 await delta.prepare_disk(update, members)
+            await delta.prepare_full_on_agents(update, members)
             if any(m.url not in update.loads for m in members):
                 await delta.ensure_full(update.version)  # written before the pause, not under it
             step = functools.partial(

@@ -52,7 +52,7 @@ async def make_trainer(redis, make_train_config, tmp_path: Path) -> AsyncIterato
     def make(urls: list[str], **settings: Any) -> Trainer:
         weights = tmp_path / settings.pop("weights", "weights")
         cfg = make_train_config(engine=urls, weights_dir=str(weights), **settings)
-        pool = EnginePool(PoolConfig(urls=urls))
+        pool = EnginePool(PoolConfig(urls=urls, agent_urls=cfg.engine_agents))
         pools.append(pool)
         return Trainer(cfg, redis, pool, progress=io.StringIO(), policy=Policy(cfg))
 
@@ -120,6 +120,35 @@ async def test_deltas_keep_engines_bit_exact_and_a_restarted_engine_gets_the_ful
     again = await trainer._publish_weights(4)  # back on the base: deltas again
     assert again["delta"] == 1 and again["full_engines"] == 0, again
     await assert_bit_exact(trainer, [a, b], 4)
+
+
+async def test_an_engine_with_a_host_agent_loads_what_its_agent_built(
+    start_engine, make_trainer, tmp_path: Path
+) -> None:
+    """The engine (a reference engine standing in for SGLang, which loads full directories only) never prepares:
+    its agent (`rollq weight-agent`) takes the full version, then each delta, and answers the directory it built."""
+    from rollq.engine.server.weight_agent.server import build_app
+    from rollq.engine.server.weight_agent.versions import LocalVersions
+    from rollq.http_server import start_site
+
+    engine = await start_engine()  # its weights_root (tmp_path) holds the trainer's weights and the agent's copies
+    (tmp_path / "weights").mkdir()
+    runner, port = await start_site(
+        build_app(LocalVersions(tmp_path / "weights", tmp_path / "agent"), None), "127.0.0.1", 0
+    )
+    try:
+        trainer = make_trainer([engine.url], engine_agents={engine.url: f"http://127.0.0.1:{port}"})
+        sent = []
+        for version in range(3):
+            step(trainer, version)
+            phases = await trainer._publish_weights(version)
+            sent.append((phases["delta"], phases["full_engines"]))
+            await assert_bit_exact(trainer, [engine], version)
+        assert sent == [(0, 1), (1, 0), (1, 0)]
+        assert engine.server.control_calls["/rollq/prepare_weights"] == 0  # the agent prepared every version
+        assert sorted(p.name for p in (tmp_path / "agent").iterdir() if p.name.startswith("v")) == ["v1", "v2"]
+    finally:
+        await runner.cleanup()
 
 
 async def test_a_joining_engine_and_mismatched_engines_get_the_full_weights(
