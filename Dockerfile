@@ -62,8 +62,9 @@ RUN ln -s ../lib/node_modules/npm/bin/npm-cli.js /usr/local/bin/npm \
     && ln -s ../lib/node_modules/npm/bin/npx-cli.js /usr/local/bin/npx \
     && node --version && npm --version
 
-# The unprivileged user the services run as, and the directories it writes. /var/lib/rollq/runs and
-# /var/lib/rollq/weights exist owned by it, so the named volumes compose mounts there start with that ownership.
+# The unprivileged user the services run as, and the directories it writes. /var/lib/rollq/runs,
+# /var/lib/rollq/weights and /var/lib/rollq/weight-agent (SGLang's weight agent) exist owned by it, so the named
+# volumes compose mounts there start with that ownership.
 # rollq-agent (10002): the user the worker runs Python agents as (the first uid of compose.yaml's agent_user range,
 # 10002-10129:10002); command agents run as 10003-10129 (group rollq-agent), which need no entry here. None of them
 # owns anything here: rollq's code and every package are installed by root below, /srv/rollq is rollq's; both are
@@ -73,7 +74,7 @@ RUN groupadd --system --gid 10001 rollq \
     && groupadd --system --gid 10002 rollq-agent \
     && useradd --system --uid 10002 --gid 10002 --no-create-home --home-dir /nonexistent \
         --shell /usr/sbin/nologin rollq-agent \
-    && mkdir -p /srv/rollq /var/lib/rollq/runs /var/lib/rollq/weights /var/cache/rollq \
+    && mkdir -p /srv/rollq /var/lib/rollq/runs /var/lib/rollq/weights /var/lib/rollq/weight-agent /var/cache/rollq \
     && chown -R rollq:rollq /srv/rollq /var/lib/rollq /var/cache/rollq
 
 # torch first, from the chosen wheel index (a bare `torch` requirement from PyPI would be the CUDA build); uv, which

@@ -479,6 +479,13 @@ class SGLangClient:
             raise EngineError(self.url, 200, f"expected a weight_version, got: {got}", "/get_weight_version")
         return str(reply["weight_version"])
 
+    async def metrics_text(self, *, timeout: float | None = 10.0) -> str:
+        """The engine's Prometheus text (`/metrics`: open; SGLang serves it with --enable-metrics, else 404)."""
+        resp = await self._request("GET", "/metrics", timeout=timeout)
+        if resp.status >= 400:
+            raise _refusal(self.url, resp, "/metrics")
+        return resp.text
+
     # --- LoRA adapters (SGLang 0.5.5: http_server.py:949-980; names listed by /v1/models) ---
 
     async def _adapter_call(self, path: str, payload: dict[str, Any], timeout: float | None) -> dict[str, str]:

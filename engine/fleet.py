@@ -13,6 +13,7 @@ import msgspec
 from rollq.engine.client import EngineError, EngineUnavailable, SGLangClient
 from rollq.engine.pool import EngineMember, EnginePool
 from rollq.engine.types import PauseMode
+from rollq.engine.update_counts import counted, read_counts
 
 log = logging.getLogger("rollq.engine")
 
@@ -225,7 +226,11 @@ class FleetController:
         self, update_weights: Callable[[], Awaitable[FleetResult]], *, mode: PauseMode = "retract"
     ) -> CycleReport:
         """`cycle_with`, reporting which engines each phase reached (`CycleReport.updated`: those serving the new
-        weights), so a caller can refuse to go on with too few."""
+        weights), so a caller can refuse to go on with too few. `aborted` and `retracted` are the requests the engines
+        aborted and retracted meanwhile (engine/update_counts.py: their counters read before the pause and after the
+        resume, outside the timed phases)."""
+        counters = self.pool.engines()
+        before = await read_counts(counters)
         t0 = time.monotonic()
         try:
             paused = await self.pause(mode)
@@ -244,6 +249,7 @@ class FleetController:
             "load_s": update.load_seconds,
             "control_s": t3 - t0 - update.load_seconds,
         }
+        phases.update(counted(before, await read_counts(counters)))
         return CycleReport(pause=paused, update=update, resume=resumed, phases=phases)
 
     # -- LoRA adapters: loaded beside the others, never a pause --------------------------------------------------------

@@ -141,6 +141,9 @@ class PoolConfig(msgspec.Struct, kw_only=True):
     affinity_capacity: int = 100_000
     # A gateway's admin key (smg --control-plane-api-keys ...:admin:KEY): lists the engines behind a gateway URL
     gateway_admin_api_key: str | None = None
+    # Host agents (`rollq weight-agent`) by engine URL: where the fleet prepares those engines' weight deltas (static
+    # engines, those a gateway lists; a registered engine's entry may name its own, which this overrides)
+    agent_urls: dict[str, str] = {}
 
 
 # What a member is, found by probing its `GET /workers` (engine/gateway.py): an engine (generation and control), a
@@ -237,6 +240,7 @@ class EnginePool:
         self._target_version: str | None = None  # the fleet's weights; engines on another version are stale
         self._updating = False  # a fleet update is under way: versions read now say nothing about staleness
         self.static_urls = {u.rstrip("/") for u in config.urls}  # never removed by the registry
+        self.agent_urls = {e.rstrip("/"): a.rstrip("/") for e, a in config.agent_urls.items() if a}
         self._registry_task: asyncio.Task | None = None
         self._listed: dict[str, set[str]] = {}  # gateway URL -> the engine URLs it listed last
         self._undecided: set[str] = set()  # members whose probe was refused (said once each)
@@ -284,7 +288,9 @@ class EnginePool:
             member.stale = self._target_version is not None
             if behind:
                 member.kind = "behind"
-            log.info("engine %s joined the pool%s", url, " (behind a gateway)" if behind else "")
+            member.agent_url = self.agent_urls.get(url, "")
+            agent = f", its weight agent {member.agent_url}" if member.agent_url else ""
+            log.info("engine %s joined the pool%s%s", url, " (behind a gateway)" if behind else "", agent)
             self._signal()
         return member
 
@@ -406,9 +412,13 @@ class EnginePool:
         self._registry_task = asyncio.create_task(self._follow(registry, interval_s), name="engine-registry")
 
     async def sync_registry(self, registry: EngineRegistry) -> None:
-        live = set(await registry.live())
+        members = await registry.live_members()
+        live = set(members)
         for url in live - set(self.members):
             self.add(url)
+        for url, agent_url in members.items():  # what the engine's own (signed) entry says, unless configured here
+            member = self.members[url]
+            member.agent_url = self.agent_urls.get(url) or agent_url
         behind = {m.url for m in self.members.values() if m.kind == "behind"}  # a gateway's list keeps those
         for url in set(self.members) - live - self.static_urls - behind:
             self.remove(url)

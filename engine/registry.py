@@ -7,6 +7,12 @@ engines' control key (their admin key, else their api key): only a holder of tha
 accepts, and what the pool then sends it, it holds already. The expiry is signed too, so a copied entry dies with it
 (a planted URL can't reuse a stopped engine's entry for longer than its TTL). A pool without keys sends no secret and
 accepts every entry (a Redis writer is trusted with the run's data: docs/security.md).
+
+An SGLang engine's entry may name its host agent (`rollq weight-agent`, which prepares its weight deltas): `URL
+EXPIRES SIGNATURE agent=AGENT_URL` (unsigned: `URL agent=AGENT_URL`). The trainer sends the agent the engines' admin
+key as it sends the engine, so the agent URL is signed with the rest: a Redis writer can neither add one to an
+engine's entry nor change it. Entries without an agent are signed as before (pools of earlier releases accept them;
+they refuse an entry naming an agent as unsigned).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ log = logging.getLogger("rollq.engine")
 
 _CONTEXT = b"rollq engine registry v1"  # keeps these signatures from meaning anything elsewhere
 _MAX_REFUSALS_SAID = 1024  # refused entries are logged once each, up to this many
+AGENT_FIELD = "agent="  # the field of an entry naming the engine's host agent
 
 
 def control_key(api_key: str | None, admin_api_key: str | None) -> str | None:
@@ -48,29 +55,45 @@ class EngineRegistry:
         self._entries: dict[str, str] = {}  # each URL registered here: its entry in Redis (renewals write new ones)
         self._refusals_said: set[str] = set()
 
-    def signature(self, url: str, expires: str) -> str:
+    def signature(self, url: str, expires: str, agent_url: str = "") -> str:
         assert self._signing_key is not None
-        message = b"\n".join([_CONTEXT, self.key.encode(), url.encode(), expires.encode()])
-        return hmac.new(self._signing_key, message, hashlib.sha256).hexdigest()
+        parts = [_CONTEXT, self.key.encode(), url.encode(), expires.encode()]
+        if agent_url:  # signed with the rest; an entry without one is signed as before this field existed
+            parts.append((AGENT_FIELD + agent_url).encode())
+        return hmac.new(self._signing_key, b"\n".join(parts), hashlib.sha256).hexdigest()
 
-    def entry(self, url: str, expires: float) -> str:
-        """What registers `url` until `expires` (epoch seconds): signed when this registry has a key."""
-        url = url.rstrip("/")
+    def entry(self, url: str, expires: float, agent_url: str = "") -> str:
+        """What registers `url` (and its host agent, `agent_url`) until `expires` (epoch seconds): signed when this
+        registry has a key."""
+        url, agent_url = url.rstrip("/"), agent_url.rstrip("/")
+        if agent_url and (not agent_url.startswith(("http://", "https://")) or any(c.isspace() for c in agent_url)):
+            raise ValueError(f"an agent URL is http(s)://HOST:PORT, got {agent_url!r}")
+        agent = f" {AGENT_FIELD}{agent_url}" if agent_url else ""
         if self._signing_key is None:
-            return url
+            return url + agent
         stamp = f"{expires:.3f}"
-        return f"{url} {stamp} {self.signature(url, stamp)}"
+        return f"{url} {stamp} {self.signature(url, stamp, agent_url)}{agent}"
 
     def accepted(self, entry: str, now: float) -> str | None:
         """The URL of `entry` when this pool may send it its keys, else None (said once per entry)."""
+        found = self.accepted_member(entry, now)
+        return found[0] if found else None
+
+    def accepted_member(self, entry: str, now: float) -> tuple[str, str] | None:
+        """(engine URL, agent URL or '') of `entry` when this pool may send them its keys, else None (said once per
+        entry)."""
         url, *signed = entry.split(" ")
+        agent_url = ""
+        if signed and signed[-1].startswith(AGENT_FIELD):
+            agent_url = signed.pop().removeprefix(AGENT_FIELD)
         if self._signing_key is None:
-            return url  # no key to give away
+            return url, agent_url  # no key to give away
         if len(signed) != 2:
             self._refuse(entry, url, "unsigned")
             return None
         stamp, signature = signed
-        if not hmac.compare_digest(signature.encode(), self.signature(url, stamp).encode()):  # any bytes: no raise
+        expected = self.signature(url, stamp, agent_url)
+        if not hmac.compare_digest(signature.encode(), expected.encode()):  # any bytes: no raise
             self._refuse(entry, url, "signed with another key than this process's engine keys")
             return None
         try:
@@ -78,7 +101,7 @@ class EngineRegistry:
         except ValueError:
             self._refuse(entry, url, "its expiry is not a number")
             return None
-        return None if expired else url
+        return None if expired else (url, agent_url)
 
     def _refuse(self, entry: str, url: str, why: str) -> None:
         if entry not in self._refusals_said and len(self._refusals_said) < _MAX_REFUSALS_SAID:
@@ -90,10 +113,12 @@ class EngineRegistry:
                 why,
             )
 
-    async def register(self, url: str) -> None:
+    async def register(self, url: str, agent_url: str = "") -> None:
+        """`url` is live for ttl_s; `agent_url`: the host agent that prepares its weight deltas (an SGLang engine's
+        `rollq weight-agent`), '' for an engine that prepares its own."""
         url = url.rstrip("/")
         expires = time.time() + self.ttl_s
-        entry = self.entry(url, expires)
+        entry = self.entry(url, expires, agent_url)
         await self.redis.zadd(self.key, {entry: expires})
         previous, self._entries[url] = self._entries.get(url), entry
         if previous is not None and previous != entry:  # after the new one is in: the URL is never missing
@@ -106,18 +131,27 @@ class EngineRegistry:
 
     async def live(self) -> list[str]:
         """The registered engines this process may call with its keys."""
+        return list(await self.live_members())
+
+    async def live_members(self) -> dict[str, str]:
+        """The registered engines this process may call with its keys, each with its host agent's URL ('' = none)."""
         now = time.time()
         await self.redis.zremrangebyscore(self.key, "-inf", now)
         entries = [e.decode(errors="replace") for e in await self.redis.zrangebyscore(self.key, now, "+inf")]
-        urls = (self.accepted(entry, now) for entry in entries)
-        return list(dict.fromkeys(u for u in urls if u))
+        members: dict[str, str] = {}
+        for entry in entries:
+            found = self.accepted_member(entry, now)
+            if found and (found[1] or found[0] not in members):  # a renewal's two entries: the same agent
+                members[found[0]] = found[1]
+        return members
 
-    async def keep_registered(self, url: str) -> None:
-        """Engine side: renew the registration every ttl/3 until cancelled, then deregister."""
+    async def keep_registered(self, url: str, agent_url: str = "") -> None:
+        """Engine side: renew the registration (with its host agent's URL, if any) every ttl/3 until cancelled, then
+        deregister."""
         try:
             while True:
                 try:
-                    await self.register(url)
+                    await self.register(url, agent_url)
                 except TRANSIENT_ERRORS as exc:
                     log.warning("cannot renew engine registration (%s)", exc)
                 await asyncio.sleep(self.ttl_s / 3)
@@ -128,4 +162,4 @@ class EngineRegistry:
                 pass
 
 
-__all__ = ["EngineRegistry", "control_key"]
+__all__ = ["AGENT_FIELD", "EngineRegistry", "control_key"]

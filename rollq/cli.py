@@ -30,6 +30,7 @@ from rollq.config import (
     section_values,
 )
 from rollq.engine.server.config import EngineConfig
+from rollq.engine.server.weight_agent.config import WeightAgentConfig
 from rollq.keda import KedaConfig
 from rollq.producer.config import ClassesConfig, EnqueueConfig, StatusConfig
 from rollq.producer.ingress.config import IngressConfig
@@ -100,6 +101,12 @@ COMMANDS = (
         "serve an inference engine speaking SGLang's HTTP protocol",
         "rollq.engine.server.commands:engine",
         (Section("engine", EngineConfig),),
+    ),
+    Command(
+        "weight-agent",
+        "serve the host agent of an SGLang engine: rebuilds full weights from the trainer's deltas before the pause",
+        "rollq.engine.server.weight_agent.commands:weight_agent",
+        (Section("weight_agent", WeightAgentConfig),),
     ),
     Command(
         "train",

@@ -134,6 +134,17 @@ def dashboard_metrics() -> set[str]:
 def test_the_dashboard_queries_rollq_metrics():
     names = dashboard_metrics()
     assert {"rollq_queue_depth", "rollq_episode_seconds_bucket", "rollq_weight_update_pause_seconds_bucket"} <= names
+    # issue 46: the publish, its preparation, the bytes per update by kind and per engine, and the requests updates
+    # aborted or retracted (every one served: test_every_metric_the_dashboard_queries_is_served)
+    assert {
+        "rollq_weight_publish_seconds_bucket",
+        "rollq_weight_prepare_seconds_bucket",
+        "rollq_weight_sent_bytes_total",
+        "rollq_weight_updates_total",
+        "rollq_weight_update_bytes_per_engine",
+        "rollq_weight_update_aborted_requests_total",
+        "rollq_weight_update_retracted_requests_total",
+    } <= names
 
 
 @pytest.mark.slow

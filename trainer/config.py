@@ -125,6 +125,17 @@ class TrainConfig(RunSettings, kw_only=True):
             group=WHERE,
         ),
     ] = None
+    engine_agents: Annotated[
+        dict[str, str],
+        setting(
+            "the host agents (`rollq weight-agent`) of engines that load only full weights from disk (SGLang), by "
+            "engine URL, e.g. {http://sglang-0:30000: http://sglang-0:30010}: weight deltas are prepared there, "
+            "with engine_admin_api_key; for static engines and those a gateway lists (a registered engine's entry "
+            "names its own)",
+            metavar="MAPPING",
+            group=WHERE,
+        ),
+    ] = {}
     model: Annotated[
         str,
         setting(
@@ -676,6 +687,9 @@ class TrainConfig(RunSettings, kw_only=True):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        for engine, agent in self.engine_agents.items():
+            if not all(u.startswith(("http://", "https://")) for u in (engine, agent)):
+                raise ValueError(f"engine_agents maps engine URLs to agent URLs (http(s)://...), got {engine}: {agent}")
         if self.eval_temperature is not None and self.eval_temperature < 0:
             raise ValueError(f"eval_temperature must be >= 0 (or null), got {self.eval_temperature}")
         if (

@@ -77,8 +77,10 @@ class Update:
     delta: weight_delta.WeightDelta | None = None  # None: the full version for every engine
     share: float = 0.0  # the delta's bytes / the full bytes (taken even when too large to send: it says why)
     why_full: str = ""  # why every engine gets the full version ("" when a delta goes out)
-    loads: dict[str, str] = field(default_factory=dict)  # engine URL -> what it swaps in (its prepared delta)
+    # engine URL -> what it swaps in: its prepared delta, or the full version its host agent copied beside it
+    loads: dict[str, str] = field(default_factory=dict)
     delta_bytes: dict[str, int] = field(default_factory=dict)  # engine URL -> delta bytes it read or received
+    reconciled: list[str] = field(default_factory=list)  # stale engines given the base version in full first
     prepare_s: float = 0.0
 
     @property
@@ -87,15 +89,18 @@ class Update:
 
     def phases(self, ok: list[str], full: list[str]) -> dict[str, float]:
         """The update's phase keys beside the cycle's: bytes each updated engine read or received, summed, and
-        how many engines got the full weights (`full`: given them; `ok`: loaded the new version)."""
-        sent = sum(self.full_bytes if url in full or url not in self.loads else self.delta_bytes[url] for url in ok)
-        delta_engines = [url for url in ok if url in self.loads and url not in full]
+        how many engines got the full weights (`full`: given them in the cycle; `ok`: loaded the new version; a
+        stale engine reconciled first got the base version in full, then the delta)."""
+        delta_engines = [url for url in ok if url in self.delta_bytes and url not in full]
+        sent = sum(self.delta_bytes[url] if url in delta_engines else self.full_bytes for url in ok)
+        sent += self.full_bytes * len(self.reconciled)
+        given_full = {url for url in ok if url not in delta_engines} | set(self.reconciled)
         return {
             "prepare_s": self.prepare_s,
             "bytes_sent": float(sent),
             "bytes_per_engine": sent / len(ok) if ok else 0.0,
             "delta": 1.0 if delta_engines else 0.0,
-            "full_engines": float(len([url for url in ok if url not in delta_engines])),
+            "full_engines": float(len(given_full)),
             "delta_share": self.share,
         }
 
@@ -118,6 +123,7 @@ class DeltaSync:
         self._write_lock = asyncio.Lock()
         self._agents: dict[str, SGLangClient] = {}
         self._said_404: set[str] = set()
+        self._said_full = ""
 
     # -- the new weights -------------------------------------------------------------------------------------------
 
@@ -153,12 +159,15 @@ class DeltaSync:
 
         return await asyncio.to_thread(collect)
 
-    async def decide(self, version: int, new: dict[str, torch.Tensor]) -> Update:
-        """A delta from the snapshot, or why every engine gets the full version."""
+    async def decide(self, version: int, new: dict[str, torch.Tensor], *, no_delta: str = "") -> Update:
+        """A delta from the snapshot, or why every engine gets the full version (`no_delta`: the caller knows
+        already, and no delta is taken)."""
         update = Update(version=str(version), new=new, full_bytes=tensor_bytes(new))
         self.pending = update
         every = self.cfg.delta_full_every
-        if self.snapshot is None or self.snapshot_version is None:
+        if no_delta:
+            update.why_full = no_delta
+        elif self.snapshot is None or self.snapshot_version is None:
             update.why_full = "no earlier version to take a delta from"
         elif every and self.last_full is not None and version - self.last_full >= every:
             update.why_full = f"a full update every {every} (delta_full_every)"
@@ -178,8 +187,9 @@ class DeltaSync:
                 )
             else:
                 update.delta = delta
-        if update.why_full:
+        if update.why_full and update.why_full != self._said_full:
             log.info("weights %s: a full update (%s)", version, update.why_full)
+        self._said_full = update.why_full  # said again only when the reason changes
         return update
 
     def commit(self, update: Update, *, delta_sent: bool) -> None:
@@ -294,6 +304,27 @@ class DeltaSync:
 
         await asyncio.gather(*(prepare(m) for m in on_base))
 
+    async def prepare_full_on_agents(self, update: Update, members: list[EngineMember]) -> None:
+        """Engines with a host agent that get the full version this time: their agent takes it first (before the
+        pause: it copies it beside the engine and builds the next deltas on it), and the engine swaps in the agent's
+        copy. Without this the agent would not know what its engine holds, and refuse the next delta."""
+        needing = [m for m in members if m.agent_url and m.url not in update.loads]
+        if not needing:
+            return
+        path = await self.ensure_full(update.version)
+
+        async def prepare(member: EngineMember) -> None:
+            try:
+                reply = await self._preparer(member).prepare_weights(
+                    update.version, model_path=path, timeout=PREPARE_TIMEOUT_S
+                )
+            except (EngineError, EngineUnavailable) as exc:  # the engine loads the trainer's copy itself
+                log.warning("engine %s: its agent did not take version %s (%s)", member.url, update.version, exc)
+                return
+            update.loads[member.url] = str(reply.get("load_path") or path)
+
+        await asyncio.gather(*(prepare(m) for m in needing))
+
     async def prepare_distributed(self, update: Update, members: list[EngineMember], sync: Any) -> list[EngineMember]:
         """Before the pause, over the weight update group: the delta goes only when every engine is on its base and
         can prepare it (one broadcast reaches the whole group); returns the engines that staged it (all or none)."""
@@ -302,10 +333,13 @@ class DeltaSync:
             return []
         versions = await self.versions(members)
         off_base = {m.url: versions[m.url] for m in members if versions[m.url] != update.base}
-        unable = [m.url for m in members if m.url in self.cannot_prepare]
-        if off_base or unable:
-            why = f"engines off the base {update.base}: {off_base}" if off_base else f"engines without deltas: {unable}"
-            log.info("weights %s: a full broadcast to every engine (%s)", update.version, why)
+        if off_base:
+            log.info(
+                "weights %s: a full broadcast to every engine (off the base %s: %s)",
+                update.version,
+                update.base,
+                off_base,
+            )
             return []
         manifest, blob = update.delta
         answers = await sync.prepare_delta(manifest, blob, update.version, members)

@@ -51,7 +51,7 @@ from rollq.trainer.delta_sync import DeltaSync, Update
 from rollq.trainer.evaluate import Evaluator
 from rollq.trainer.feeder import GroupFeeder, adapter_name
 from rollq.trainer.ledger import StalenessLedger
-from rollq.trainer.metrics import PLOT_FILE, MetricsLog, RateWindow, StepRecord, plot
+from rollq.trainer.metrics import PLOT_FILE, MetricsLog, RateWindow, StepRecord, plot, update_fields
 from rollq.trainer.policy import Policy, buckets_of
 from rollq.trainer.policy_protocol import TrainerPolicy
 from rollq.trainer.publish import UpdateRequirement, publish
@@ -297,15 +297,20 @@ class Trainer:
         broadcast to every engine while they generate, then swapped in (/rollq/swap_prepared_weights)."""
         started = time.monotonic()
         new = await delta.gather(self.policy)
+        reconciled: list[str] = []
         if self.weight_sync is None and delta.snapshot_version is not None and self.pool.engines(stale_only=True):
             await delta.ensure_full(delta.snapshot_version)  # the last version, which stale engines catch up with
-            await self.fleet.reconcile()  # (then they are on the delta's base)
-        update = await delta.decide(version, new)
+            reconciled = (await self.fleet.reconcile()).ok  # (then they are on the delta's base)
         members = self.pool.engines()
+        unable = [m.url for m in members if m.url in delta.cannot_prepare] if self.weight_sync is not None else []
+        # a group holding an engine that cannot take deltas (SGLang) gets full broadcasts: no delta is even taken
+        update = await delta.decide(version, new, no_delta=f"engines without deltas: {unable}" if unable else "")
+        update.reconciled = reconciled
         step: Callable[[], Awaitable[FleetResult]]
         if self.weight_sync is None:
             if update.delta is not None:
                 await delta.prepare_disk(update, members)
+            await delta.prepare_full_on_agents(update, members)
             if any(m.url not in update.loads for m in members):
                 await delta.ensure_full(update.version)  # written before the pause, not under it
             step = functools.partial(
@@ -760,6 +765,7 @@ class Trainer:
                 pause_s=phases["paused_s"],
                 publish_s=phases["total_s"],
                 weight_load_s=phases["load_s"],
+                **update_fields(phases, adapter=bool(self.adapter_family)),
                 ledger_version=ledger.version,
                 ledger_admitted=ledger.admitted,
                 ledger_limit=self.ledger.limit(ledger.version),
@@ -811,6 +817,8 @@ def merged_results(results: list[FleetResult]) -> FleetResult:
 
 def safetensors_bytes(directory: Path) -> int:
     """The bytes of a weights directory's safetensors files: what each engine reads to load it."""
+    if directory.is_file():
+        return directory.stat().st_size
     return sum(f.stat().st_size for f in directory.glob("*.safetensors"))
 
 

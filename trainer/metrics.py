@@ -8,7 +8,7 @@ import sys
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
-from typing import TextIO, TypeVar
+from typing import Any, Literal, TextIO, TypeVar
 
 import msgspec
 
@@ -80,6 +80,38 @@ class StepRecord(msgspec.Struct, kw_only=True):
     # The whole weight publish of this step: saving or broadcasting the new version, and the engines' pause, load and
     # resume (an adapter's load in a LoRA run). Absent from records written before issue 46 (read as 0).
     publish_s: float = 0.0
+    # What the step's weight update shipped and cost (issue 46; records written before read as a full update with
+    # nothing counted): `sync` the kind of update, "delta" when at least one engine got a delta; the weight bytes
+    # the engines read or received, summed and per engine updated; seconds preparing the version before the pause
+    # (the engines rebuild it from the delta while generating); the delta's size over the full weights' (also when
+    # a full update was sent instead: it says why); engines given full weights.
+    sync: Literal["full", "delta", "adapter"] = "full"
+    bytes_sent: int = 0
+    bytes_per_engine: int = 0
+    prepare_s: float = 0.0
+    delta_share: float = 0.0
+    full_engines: int = 0
+    # Requests in flight that the update aborted (their clients saw finish_reason abort and resubmit) and retracted
+    # (a retract pause: moved back to the engine's queue, recomputed after the resume, never seen by the client),
+    # summed over the engines (engine/update_counts.py says how each engine kind counts them).
+    aborted_requests: int = 0
+    retracted_requests: int = 0
+
+
+def update_fields(phases: dict[str, float], *, adapter: bool) -> dict[str, Any]:
+    """The StepRecord fields of a weight update from its phases (engine/fleet.py run_cycle's, with the trainer's
+    prepare and bytes keys: a key absent reads 0). `adapter`: a LoRA run's adapter load."""
+    sync = "adapter" if adapter else "delta" if phases.get("delta", 0.0) >= 1.0 else "full"
+    return {
+        "sync": sync,
+        "bytes_sent": round(phases.get("bytes_sent", 0.0)),
+        "bytes_per_engine": round(phases.get("bytes_per_engine", 0.0)),
+        "prepare_s": phases.get("prepare_s", 0.0),
+        "delta_share": phases.get("delta_share", 0.0),
+        "full_engines": round(phases.get("full_engines", 0.0)),
+        "aborted_requests": round(phases.get("aborted", 0.0)),
+        "retracted_requests": round(phases.get("retracted", 0.0)),
+    }
 
 
 class EvalRecord(msgspec.Struct, kw_only=True):
@@ -255,4 +287,5 @@ __all__ = [
     "plot_run",
     "read_records",
     "progress_line",
+    "update_fields",
 ]

@@ -17,6 +17,7 @@ DROP_REASONS = ("foreign", "failed", "invalid", "future", "stale")
 PAUSE_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, float("inf"))
 STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, float("inf"))
 PHASES = ("collect", "train", "step")
+SYNC_KINDS = ("full", "delta", "adapter")  # StepRecord.sync
 
 
 class TrainerMetrics:
@@ -41,6 +42,47 @@ class TrainerMetrics:
             "rollq_weight_load_seconds",
             "The slowest engine's weight load in each update (within the pause)",
             buckets=PAUSE_BUCKETS,
+            registry=reg,
+        )
+        self.prepare = Histogram(
+            "rollq_weight_prepare_seconds",
+            "Each weight update's preparation before the pause (engines rebuild the version while generating)",
+            buckets=PAUSE_BUCKETS,
+            registry=reg,
+        )
+        self.updates = Counter(
+            "rollq_weight_updates",
+            "Weight updates by kind: full, delta (a delta shipped to at least one engine), adapter (LoRA)",
+            ["kind"],
+            registry=reg,
+        )
+        self.sent_bytes = Counter(
+            "rollq_weight_sent_bytes",
+            "Weight bytes the engines read or received, summed over engines, by the update's kind",
+            ["kind"],
+            registry=reg,
+        )
+        for kind in SYNC_KINDS:
+            self.updates.labels(kind)
+            self.sent_bytes.labels(kind)
+        self.bytes_per_engine = Gauge(
+            "rollq_weight_update_bytes_per_engine",
+            "The last weight update's bytes per engine updated",
+            registry=reg,
+        )
+        self.delta_share = Gauge(
+            "rollq_weight_delta_share",
+            "The last update's delta bytes over the full weights' bytes (also when a full update was sent instead)",
+            registry=reg,
+        )
+        self.aborted = Counter(
+            "rollq_weight_update_aborted_requests",
+            "Requests in flight that weight updates aborted on the engines (their clients saw finish_reason abort)",
+            registry=reg,
+        )
+        self.retracted = Counter(
+            "rollq_weight_update_retracted_requests",
+            "Requests in flight that weight updates retracted (recomputed after the resume, unseen by the client)",
             registry=reg,
         )
         self.staleness = Histogram(
@@ -81,6 +123,13 @@ class TrainerMetrics:
         self.pause.observe(r.pause_s)
         self.publish.observe(r.publish_s)
         self.load.observe(r.weight_load_s)
+        self.prepare.observe(r.prepare_s)
+        self.updates.labels(r.sync).inc()
+        self.sent_bytes.labels(r.sync).inc(r.bytes_sent)
+        self.bytes_per_engine.set(r.bytes_per_engine)
+        self.delta_share.set(r.delta_share)
+        self.aborted.inc(r.aborted_requests)
+        self.retracted.inc(r.retracted_requests)
         for staleness, n in r.staleness_hist.items():
             for _ in range(n):
                 self.staleness.observe(int(staleness))

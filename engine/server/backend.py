@@ -149,8 +149,10 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     async def load_weights(self, path: str) -> None: ...
 
-    async def load_tensors(self, named: list[tuple[str, Any]]) -> None:
-        """Copy received (name, torch tensor) pairs into the weights (the distributed update path)."""
+    async def load_tensors(self, named: list[tuple[str, Any]], *, adopt: bool = False) -> None:
+        """Copy received (name, torch tensor) pairs into the weights (the distributed update path). `adopt`: the
+        tensors are the caller's to give away (a staged weight delta): one that already has its parameter's dtype,
+        device and shape becomes the parameter's storage instead of being copied, so a swap costs no copy."""
         raise NotImplementedError(f"{type(self).__name__} cannot load weights from tensors")
 
     holds_weights = False  # served_weights() works: the engine can prepare weight deltas and report checksums

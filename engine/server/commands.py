@@ -204,10 +204,11 @@ async def _register(args: EngineConfig, url: str) -> asyncio.Task | None:
     redis = redis_client(args.redis_url)
     await redis.ping()  # fail now, in one clear line, if Redis is unreachable
     url = args.advertise_url or url
-    log.info("registered as %s in run %r", url, args.run)
+    agent = f" with its weight agent {args.agent_url}" if args.agent_url else ""
+    log.info("registered as %s in run %r%s", url, args.run, agent)
     # Signed with its control key: pools holding the same keys accept it, and nothing a Redis writer plants there.
     registry = EngineRegistry(redis, args.run, fleet=args.fleet, key=control_key(args.api_key, args.admin_api_key))
-    return asyncio.create_task(registry.keep_registered(url))
+    return asyncio.create_task(registry.keep_registered(url, args.agent_url))
 
 
 async def _unregister(task: asyncio.Task | None) -> None:

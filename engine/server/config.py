@@ -196,6 +196,15 @@ class EngineConfig(RunSettings, kw_only=True):
         str | None,
         setting("URL workers should use (default: http://HOST:PORT; set it when binding 0.0.0.0)", metavar="URL"),
     ] = None
+    agent_url: Annotated[
+        str,
+        setting(
+            "with --register: the URL of this engine's host agent (`rollq weight-agent`, for the sglang backend), "
+            "named in its signed registry entry: the trainer prepares this engine's weight deltas there",
+            metavar="URL",
+            pattern=r"^(https?://\S+)?$",
+        ),
+    ] = ""
     gateway_url: Annotated[
         str | None,
         setting(

@@ -86,7 +86,7 @@ class PrepareRequest(msgspec.Struct, kw_only=True):
     weight_version: str  # the version the delta builds (the manifest's `version`)
     model_path: str | None = None  # disk form: a delta directory or a full weights directory under weights_root
     group_name: str | None = None  # distributed form: the group the blob is broadcast on
-    manifest: msgspec.Raw | None = None  # distributed form: the DeltaManifest (decoded once torch is loaded)
+    manifest: msgspec.Raw = msgspec.Raw()  # distributed form: the DeltaManifest (decoded once torch is loaded)
 
 
 class SwapRequest(msgspec.Struct, kw_only=True):
@@ -221,14 +221,14 @@ class DeltaRoutes:
             return req
         if (req.model_path is None) == (req.group_name is None):
             return _fail("give model_path (disk form) or group_name and manifest (distributed form), not both")
-        if req.group_name is not None and req.manifest is None:
+        if req.group_name is not None and not req.manifest:
             return _fail("the distributed form needs the delta's manifest")
         started = time.monotonic()
         async with self._prepare_lock:
             self.staged = None  # an older staged version is of no use once a newer one is coming: free it first
             if req.model_path is not None:
                 return await self._prepare_from_disk(req.model_path, req.weight_version, started)
-            assert req.group_name is not None and req.manifest is not None
+            assert req.group_name is not None
             return await self._prepare_from_group(req.group_name, req.manifest, req.weight_version, started)
 
     async def _prepare_from_disk(self, model_path: str, version: str, started: float) -> web.Response:
@@ -264,7 +264,7 @@ class DeltaRoutes:
 
         try:
             manifest = msgspec.json.decode(raw_manifest, type=weight_delta.DeltaManifest)
-        except (msgspec.ValidationError, *BAD_JSON) as exc:
+        except BAD_JSON as exc:  # a ValidationError too
             return _fail(f"manifest is not a weight delta's manifest: {exc}")
         if manifest.blob_bytes < 0:
             return _fail("manifest.blob_bytes must not be negative")
@@ -304,16 +304,16 @@ class DeltaRoutes:
             if current is not None and (current.source, current.version) == (resolved, target):
                 self.staged = None
                 if current.loads == server.weight_loads:  # built on the weights served now: swap it in
-                    await server.backend.load_tensors(list(current.tensors.items()))
+                    await server.backend.load_tensors(list(current.tensors.items()), adopt=True)
                     return
-            ready = delta or await asyncio.to_thread(weight_delta.read, resolved)
+            ready = delta if delta is not None else await asyncio.to_thread(weight_delta.read, resolved)
             served = server.backend.served_weights()
             try:
                 _check_applies(ready.manifest, server.weight_version, _dtypes(served))
             except NotTheBase as exc:
                 raise weight_delta.DeltaMismatch(str(exc)) from None
             changed = await asyncio.to_thread(weight_delta.apply, served, ready)  # checked before anything changes
-            await server.backend.load_tensors(list(changed.items()))
+            await server.backend.load_tensors(list(changed.items()), adopt=True)
 
         return load, target
 
@@ -336,7 +336,7 @@ class DeltaRoutes:
                 stale = True
                 raise RuntimeError(nothing)
             self.staged = None
-            await server.backend.load_tensors(list(staged.tensors.items()))
+            await server.backend.load_tensors(list(staged.tensors.items()), adopt=True)
 
         success, message, num_paused, load_s = await server.apply_weight_update(
             load,

@@ -157,14 +157,14 @@ class FaultyBackend(Backend):
             await self.fault.hold()
         await self.inner.load_weights(path)
 
-    async def load_tensors(self, named: list[tuple[str, Any]]) -> None:
+    async def load_tensors(self, named: list[tuple[str, Any]], *, adopt: bool = False) -> None:
         if not isinstance(self.fault, LoadHold):
-            await self.inner.load_tensors(named)
+            await self.inner.load_tensors(named, adopt=adopt)
             return
         half = (len(named) + 1) // 2
-        await self.inner.load_tensors(named[:half])
+        await self.inner.load_tensors(named[:half], adopt=adopt)
         await self.fault.hold()
-        await self.inner.load_tensors(named[half:])
+        await self.inner.load_tensors(named[half:], adopt=adopt)
 
     def served_weights(self) -> Mapping[str, Any]:
         return self.inner.served_weights()

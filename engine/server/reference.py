@@ -308,12 +308,12 @@ class ReferenceBackend(Backend):
         async with self._lock:
             await asyncio.to_thread(load_into, self.model, path)
 
-    async def load_tensors(self, named: list[tuple[str, Any]]) -> None:
+    async def load_tensors(self, named: list[tuple[str, Any]], *, adopt: bool = False) -> None:
         # Any subset of the parameters, as SGLang's update_weights_from_distributed loads whatever names a call
         # carries (model_runner.py:1082-1118 in 0.5.5: receive each, then model.load_weights): trainers send large
         # models in buckets, one call each, while the engine stays paused.
         async with self._lock:
-            await asyncio.to_thread(copy_into, self.model, dict(named), partial=True)
+            await asyncio.to_thread(copy_into, self.model, dict(named), partial=True, adopt=adopt)
 
     holds_weights = True
 

@@ -450,7 +450,7 @@ class SyntheticBackend(Backend):
         if self.config.load_delay_s > 0:
             await asyncio.sleep(self.config.load_delay_s)
 
-    async def load_tensors(self, named: list[tuple[str, Any]]) -> None:
+    async def load_tensors(self, named: list[tuple[str, Any]], *, adopt: bool = False) -> None:
         if self.config.load_delay_s > 0:  # the tensors themselves are accepted and dropped: there is no model
             await asyncio.sleep(self.config.load_delay_s)
 

@@ -45,14 +45,20 @@ def safetensors_files(path: str | Path) -> list[Path]:
 
 @torch.no_grad()
 def copy_into(
-    model: torch.nn.Module, tensors: dict[str, torch.Tensor], source: str = "received weights", *, partial: bool = False
+    model: torch.nn.Module,
+    tensors: dict[str, torch.Tensor],
+    source: str = "received weights",
+    *,
+    partial: bool = False,
+    adopt: bool = False,
 ) -> int:
     """Copy `tensors` into `model`'s parameters (cast to each parameter's dtype and device). Strict: every parameter
     must be present with its shape, and no unknown name is allowed (tied aliases such as lm_head.weight are accepted).
     Everything is checked before the first copy, so nothing is changed when the check fails: an engine keeps serving
     whole old weights rather than a mix. `partial`: a subset of the parameters is fine (a bucket of a weight update
-    sent in several calls); unknown names and wrong shapes are still refused. Returns the number of parameters
-    written."""
+    sent in several calls); unknown names and wrong shapes are still refused. `adopt`: the tensors are given away
+    (a staged weight delta's): one with its parameter's dtype and device becomes the parameter's storage, no copy
+    (a tied alias shares the parameter, so it follows). Returns the number of parameters written."""
     params = served_parameters(model)  # tied parameters appear once
     aliases = {n for name in model.state_dict() if (n := _served_name(name)) not in params and ".lora_" not in name}
     missing = [] if partial else sorted(set(params) - set(tensors))
@@ -70,7 +76,11 @@ def copy_into(
     written = 0
     for name, p in params.items():
         if name in tensors:
-            p.copy_(tensors[name].to(dtype=p.dtype, device=p.device))
+            t = tensors[name]
+            if adopt and t.dtype == p.dtype and t.device == p.device and t.is_contiguous():
+                p.data = t
+            else:
+                p.copy_(t.to(dtype=p.dtype, device=p.device))
             written += 1
     return written
 

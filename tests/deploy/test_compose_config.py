@@ -63,8 +63,9 @@ def test_gpu_override_is_valid(compose_secrets):
 def test_profiles_pick_the_services(compose_secrets):
     default = set(resolved(secrets=compose_secrets)["services"])
     assert {"redis", "engine", "worker", "trainer", "reward-worker"} <= default
-    assert not default & {"sglang", "sglang-register", "prometheus", "grafana"}
-    assert set(resolved("sglang", secrets=compose_secrets)["services"]) - default == {"sglang", "sglang-register"}
+    assert not default & {"sglang", "sglang-register", "weight-agent", "prometheus", "grafana"}
+    sglang = {"sglang", "sglang-register", "weight-agent"}
+    assert set(resolved("sglang", secrets=compose_secrets)["services"]) - default == sglang
     assert set(resolved("metrics", secrets=compose_secrets)["services"]) - default == {"prometheus", "grafana"}
     assert set(resolved("tracing", secrets=compose_secrets)["services"]) - default == {"mlflow", "trace-relay"}
     nodes = {f"redis-node-{i}" for i in range(1, 7)}
@@ -245,8 +246,8 @@ def test_every_secret_is_required_with_the_message(compose_secrets):
 def test_no_secret_in_a_command_and_each_service_gets_only_its_own(compose_secrets):
     """Secrets reach rollq services through their environment, never their command or healthcheck (both show in
     `ps`). Only the engine, the trainer and the workers (they abort their own requests, a control route in
-    SGLang) hold the engines' admin key, and SGLang's registration sidecar (it signs the engine's registry entry
-    with it: engine/registry.py)."""
+    SGLang) hold the engines' admin key, SGLang's registration sidecar (it signs the engine's registry entry with
+    it: engine/registry.py) and SGLang's weight agent (the trainer's prepare calls carry it)."""
     model = resolved("*", secrets=compose_secrets)
     values = compose_secrets.values
     by_value = {v: k for k, v in values.items()}
@@ -259,7 +260,8 @@ def test_no_secret_in_a_command_and_each_service_gets_only_its_own(compose_secre
     env = {name: svc.get("environment") or {} for name, svc in model["services"].items()}
     admin_key = values["ROLLQ_ENGINE_ADMIN_API_KEY"]
     holders = {name for name, e in env.items() if admin_key in " ".join(str(v) for v in e.values())}
-    assert holders == {"engine", "trainer", "worker", "sglang-register"}, holders
+    assert holders == {"engine", "trainer", "worker", "sglang-register", "weight-agent"}, holders
+    assert env["weight-agent"]["ROLLQ_WEIGHT_AGENT_ADMIN_API_KEY"] == admin_key
     assert env["worker"]["ROLLQ_WORKER_ENGINE_API_KEY"] == values["ROLLQ_ENGINE_API_KEY"]
     assert env["worker"]["ROLLQ_WORKER_ENGINE_ADMIN_API_KEY"] == admin_key
     assert env["engine"]["ROLLQ_ENGINE_API_KEY"] == values["ROLLQ_ENGINE_API_KEY"]
@@ -280,6 +282,7 @@ REDIS_USERS = {
     "ingress": ("producer", None),
     "trainer": ("trainer", None),
     "sglang-register": ("engine", None),
+    "weight-agent": (None, None),  # no Redis: the trainer calls it
     "trace-relay": (None, None),  # no Redis: it relays spans to MLflow
 }
 
@@ -457,3 +460,31 @@ def test_the_secrets_file_stays_out_of_git_and_the_image():
     for ignore in (".gitignore", ".dockerignore"):
         lines = [line.strip() for line in (REPO_ROOT / ignore).read_text().splitlines()]
         assert ".env" in lines, ignore
+
+
+@needs_compose
+def test_sglangs_weight_agent_reads_the_trainers_volume_and_writes_one_sglang_reads(tmp_path, compose_secrets):
+    """Profile sglang: the weight agent's command parses with its environment (the engines' admin key, both roots),
+    it reads the trainer's weights volume and writes its own, which SGLang mounts read-only at the same path (it
+    loads the load_path the agent answers), and SGLang's registry entry names the agent's address."""
+    model = resolved("sglang", secrets=compose_secrets)
+    services = model["services"]
+    stack = LocalStack(model, tmp_path)
+    replica = stack.replicas["weight-agent"][0]
+    (cfg,) = parse(stack.command(replica)[1:], env=stack.environment(replica)).settings
+    assert cfg.refusal() is None and cfg.admin_api_key == compose_secrets.values["ROLLQ_ENGINE_ADMIN_API_KEY"]
+
+    def mounts(name: str) -> dict[str, tuple[str, bool]]:
+        return {v["target"]: (v["source"], bool(v.get("read_only"))) for v in services[name]["volumes"]}
+
+    agent, sglang = mounts("weight-agent"), mounts("sglang")
+    local_root = "/var/lib/rollq/weight-agent"
+    assert agent[local_root] == ("weight-agent", False) and sglang[local_root] == ("weight-agent", True)
+    assert agent["/var/lib/rollq/weights"] == ("weights", True)
+    assert services["trainer"]["environment"]["ROLLQ_TRAINER_WEIGHTS_DIR"].startswith("/var/lib/rollq/weights/")
+    command = services["weight-agent"]["command"]
+    assert option(command, "weights-root") == ["/var/lib/rollq/weights"] and option(command, "local-root") == [
+        local_root
+    ]
+    port = services["weight-agent"]["environment"]["ROLLQ_WEIGHT_AGENT_PORT"]
+    assert services["sglang-register"]["environment"]["WEIGHT_AGENT_URL"] == f"http://weight-agent:{port}"

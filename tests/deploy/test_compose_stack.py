@@ -173,7 +173,8 @@ async def _workers(redis_url: str, run: str) -> list[dict]:
 
 async def test_sglang_register_sidecar_keeps_the_engine_registered(tmp_path, compose_secrets):
     """Profile sglang: the sidecar's command, environment and healthcheck as compose.yaml says (SGLang itself needs
-    a GPU; registration does not contact it). Registered while it runs, deregistered on SIGTERM."""
+    a GPU; registration does not contact it). Registered while it runs, with its weight agent's URL, deregistered on
+    SIGTERM."""
     run = f"compose{uuid.uuid4().hex[:8]}"
     model = resolved("sglang", env=interpolation_env(ROLLQ_RUN=run), secrets=compose_secrets)
     stack = LocalStack(model, tmp_path)
@@ -188,6 +189,9 @@ async def test_sglang_register_sidecar_keeps_the_engine_registered(tmp_path, com
         try:
             registry = EngineRegistry(redis, run)
             assert await registry.live() == [url]
+            agent = sidecar.env["WEIGHT_AGENT_URL"]  # its weight agent, named in the engine's entry
+            assert agent == f"http://127.0.0.1:{stack.address('weight-agent', 30010)}"
+            assert await registry.live_members() == {url: agent}
             assert stack.stop_replica(sidecar, stack.stop_grace("sglang-register")) == 0
             assert await registry.live() == []
         finally:

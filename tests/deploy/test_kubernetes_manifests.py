@@ -208,7 +208,7 @@ def test_sglang_engines_are_composes_sglang(kube, compose_model):
     _, rendered = kube
     objects = rendered["gpu"]
     engine = by_kind(objects, "StatefulSet")["engine"]
-    sglang, sidecar = pod_spec(engine)["containers"]
+    sglang, agent, sidecar = pod_spec(engine)["containers"]
     assert argv(sglang, container_env(objects, sglang, FIELDS)) == compose_model["services"]["sglang"]["command"]
     assert sglang["image"] == compose_model["services"]["sglang"]["image"]
     assert sglang["resources"]["limits"]["nvidia.com/gpu"] == "1"
@@ -216,6 +216,20 @@ def test_sglang_engines_are_composes_sglang(kube, compose_model):
     theirs = compose_model["services"]["sglang-register"]["environment"]
     assert env["SGLANG_URL"] == "http://10.0.0.7:30000" and env["ROLLQ_REDIS_URL"] == theirs["ROLLQ_REDIS_URL"]
     assert env["ROLLQ_ENGINE_ADMIN_API_KEY"] == theirs["ROLLQ_ENGINE_ADMIN_API_KEY"]
+    # its weight agent as compose's weight-agent: the same command and settings, at the pod's address
+    assert env["WEIGHT_AGENT_URL"] == "http://10.0.0.7:30010"
+    agent_env = container_env(objects, agent, FIELDS)
+    assert argv(agent, agent_env) == compose_model["services"]["weight-agent"]["command"]
+    composed = compose_model["services"]["weight-agent"]["environment"]
+    assert {k: agent_env[k] for k in composed} == composed
+    mounts = {m["mountPath"]: m for c in (sglang, agent) for m in c["volumeMounts"] if m["name"] == "weight-agent"}
+    assert list(mounts) == ["/var/lib/rollq/weight-agent"], "SGLang reads the agent's versions at the same path"
+    assert [
+        m.get("readOnly", False) for c in (sglang, agent) for m in c["volumeMounts"] if m["name"] == "weight-agent"
+    ] == [
+        True,
+        False,
+    ]
     trainer = pod_spec(by_kind(objects, "Job")["trainer"])["containers"][0]
     assert trainer["resources"]["limits"]["nvidia.com/gpu"] == "1"
     assert container_env(objects, trainer, FIELDS)["ROLLQ_TRAINER_DEVICE"] == "cuda"
@@ -276,6 +290,13 @@ def test_rollq_commands_parse_with_their_environment(kube, tmp_path):
             cfg = invocation.settings[0]
             assert cfg.weights_root == str(stack.volumes["weights"]), "engines load from the trainer's volume only"
     assert checked == set(ROLLQ_ROLES)
+    # overlays/gpu's rollq containers beside SGLang: the weight agent (and the registration sidecar, a script)
+    gpu = KubeStack(rendered["gpu"], tmp_path / "gpu", only=["engine"])
+    replica = gpu.replicas["engine.weight-agent"][0]
+    invocation = parse(gpu.command(replica)[1:], env=gpu.environment(replica))
+    assert invocation.command.name == "weight-agent"
+    cfg = invocation.settings[0]
+    assert cfg.refusal() is None and cfg.weights_root == str(gpu.volumes["weights"])
 
 
 # --- what the docs promise ------------------------------------------------------------------------------------------
@@ -399,3 +420,7 @@ def test_network_policies_let_only_the_roles_that_need_it_through(kube):
     assert allowed(policies, role("trainer"), role("trainer"), NAMESPACE, 41234), "gloo between ranks"
     assert not allowed(policies, role("trainer"), role("worker"), NAMESPACE, 29500)
     assert not allowed(policies, role("worker"), role("something-else"), NAMESPACE, 9400)
+    # overlays/gpu: SGLang's weight agent, in each engine pod, takes the trainer's prepare calls and no one else's
+    gpu = list(by_kind(rendered["gpu"], "NetworkPolicy").values())
+    assert {r for r in roles if allowed(gpu, role("engine"), role(r), NAMESPACE, 30010)} == {"trainer"}
+    assert {r for r in roles if allowed(gpu, role("engine"), role(r), NAMESPACE, 30000)} == engines

@@ -133,7 +133,8 @@ async def test_the_cpu_overlay_runs_locally(kube, tmp_path):
 async def test_the_sglang_registration_sidecar_registers_its_pod_once_sglang_generates(kube, tmp_path):
     """overlays/gpu's engine pod: SGLang needs a GPU, so a plain HTTP server on the pod's port stands in for its
     /health_generate; the sidecar's command runs as rendered beside it. It registers the pod's address only once
-    SGLang generates (compose waits for the same), keeps it registered, and deregisters on SIGTERM."""
+    SGLang generates (compose waits for the same), with its weight agent's address, keeps it registered, and
+    deregisters on SIGTERM."""
     from aiohttp import web
 
     from rollq.engine.registry import EngineRegistry
@@ -167,6 +168,8 @@ async def test_the_sglang_registration_sidecar_registers_its_pod_once_sglang_gen
             assert await registry.live() == [], "not registered while SGLang does not generate"
             await asyncio.to_thread(stack.wait_healthy, sidecar_name, 60.0)  # its readiness: registered
             assert await registry.live() == [url] and asked[-1] == 200
+            agent = sidecar.env["WEIGHT_AGENT_URL"]  # the pod's weight agent, named in the engine's signed entry
+            assert agent.startswith("http://127.0.0.1:") and await registry.live_members() == {url: agent}
             assert stack.stop_replica(sidecar, stack.stop_grace("engine")) == 0
             assert await registry.live() == []
         finally:

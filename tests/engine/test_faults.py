@@ -11,7 +11,7 @@ import pytest
 from rollq.engine.server.backend import GenState
 from rollq.engine.server.commands import engine
 from rollq.engine.server.config import EngineConfig
-from rollq.engine.server.faults import FaultyBackend, StepFault
+from rollq.engine.server.faults import FaultyBackend, LoadHold, StepFault, parse_fault
 from rollq.engine.server.synthetic import SyntheticBackend
 from rollq.engine.types import FinishReason, SamplingParams
 
@@ -20,11 +20,15 @@ def test_the_fault_spec_is_parsed_and_a_bad_one_refused_before_anything_starts(c
     assert StepFault.parse("step_error") == StepFault() and StepFault.parse("step_error:2") == StepFault(
         min_prompt_tokens=2
     )
-    for bad in ("step_errors", "step_error:x", "step_error:-1", ""):
+    for bad in ("step_errors", "step_error:x", "step_error:-1", "", "hold_load:/tmp/h"):
         with pytest.raises(ValueError, match="bad fault"):
             StepFault.parse(bad)
+    assert parse_fault("hold_load:/tmp/h") == LoadHold(directory="/tmp/h")
+    with pytest.raises(ValueError, match="bad fault"):
+        parse_fault("hold_load:")
     assert engine(EngineConfig(backend="synthetic", fault="boom")) == 2
-    assert "rollq engine: bad fault 'boom': use step_error, step_error:MIN_PROMPT_TOKENS or hold_load:DIR" in capsys.readouterr().err
+    usage = "rollq engine: bad fault 'boom': use step_error, step_error:MIN_PROMPT_TOKENS or hold_load:DIR"
+    assert usage in capsys.readouterr().err
     assert engine(EngineConfig(backend="sglang", model="/m", fault="step_error")) == 2
     assert "--fault needs the synthetic or reference backend" in capsys.readouterr().err
 

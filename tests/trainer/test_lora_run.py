@@ -64,6 +64,7 @@ async def test_a_lora_run_loads_versioned_adapters_and_never_pauses_the_engine(
         steps = [msgspec.json.decode(line) for line in (tmp_path / "run" / "metrics.jsonl").read_bytes().splitlines()]
         assert [r["pause_s"] for r in steps] == [0.0] * STEPS
         assert all(r["publish_s"] > 0 for r in steps), [r["publish_s"] for r in steps]
+        assert {(r["sync"], r["aborted_requests"], r["retracted_requests"]) for r in steps} == {("adapter", 0, 0)}
         assert engine.server.weight_version == "default"  # the base weights never changed
         assert adapter_name(run_name, STEPS) in engine.server.adapters
         assert adapter_name(run_name, 1) not in engine.server.adapters  # outside the window: unloaded
