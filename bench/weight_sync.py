@@ -12,12 +12,15 @@ the task's own reward (`addition_reward`), so every step is a real RL step on th
 After each step the SAME new weights are published twice, each through the trainer's own publish path
 (`Trainer._publish_weights`, trainer/loop.py, the method `rollq train` calls after every step; the two trainers share
 the one policy):
-- delta (engine A): the trainer with `delta_sync` on: its snapshot of the last weights the engines hold, the delta
-  encoded in the engines' dtype (rollq.engine.weight_delta: XOR + zstd per tensor, checksummed), written as `d{N}/`,
-  prepared by the engine before the pause (/rollq/prepare_weights), swapped in under it;
-- full (engine B): the trainer sending a full update every step (`delta_full_every` 1): the weights in the engines'
-  dtype written as `v{N}/` and loaded by the engine under the pause (/update_weights_from_disk), today's path at the
-  smallest size it can have (bf16, half of float32's bytes): the strongest fair baseline.
+- delta (engine A): the trainer with `delta_sync` on and no scheduled full update (`delta_full_every` 0, so every
+  update after the first is a delta applied on the one before): its snapshot of the last weights the engines hold,
+  the delta encoded in the engines' dtype (rollq.engine.weight_delta: XOR + zstd per tensor, checksummed), written as
+  `d{N}/`, prepared by the engine before the pause (/rollq/prepare_weights: the changed tensors rebuilt beside the
+  served ones), swapped in under it;
+- full (engine B): the trainer sending a full update every step (`delta_full_every` 1: no delta encoded): the
+  weights in the engines' dtype written as `v{N}/` before the pause and loaded by the engine under it
+  (/update_weights_from_disk), today's path at the smallest size it can have (bf16, half of float32's bytes): the
+  strongest fair baseline.
 The order of the two alternates from step to step. Engines: one in-process reference engine per side, serving the
 model in bfloat16 on the CPU, with their own weights dir under the same root (a shared disk, as `rollq up` runs it).
 
@@ -25,9 +28,10 @@ Per step and side, from the phases `_publish_weights` returns: `bytes_sent` (the
 `prepare_s` (before the pause), `paused_s` (the engine not generating: pause call to resume answered), the publish
 cycle's wall time (write or encode + prepare + pause + swap + resume), and the step time (the train step + that
 publish). Also the train step's seconds, the delta's `delta_share` (its bytes / the full bytes) and the changed share
-(weights with at least one changed bit, from the delta's manifest). At the end each engine's
-/rollq/weights_checksum (xxh3-128 per served tensor) is compared with the trainer's weights cast to bfloat16:
-`bit_exact` says every tensor matched on the delta engine (and `full_bit_exact` on the full one).
+(weights with at least one changed bit, from the delta's manifest). After every step each engine's
+/rollq/weights_checksum (xxh3-128 per served tensor) is compared with the trainer's live weights cast to bfloat16:
+`bit_exact` says every tensor matched on the delta engine after every step (`bit_exact_steps`: after how many), and
+`full_bit_exact` the same of the full one.
 
 Then the learning-rate sweep (`--sweep-lrs`, `--sweep-steps` steps each): a fresh policy from the same start at each
 lr, trained on the first steps' batches of the run above (the same samples at every lr), each step's new weights cast
@@ -96,8 +100,10 @@ def train_config(model: str, lr: float | None, root: Path, side: str, **settings
 
 
 def side_settings(side: str) -> dict[str, Any]:
-    """What sets the two trainers apart: delta sync on (its defaults), or a full update every step."""
-    return {"delta_sync": True} if side == "delta" else {"delta_sync": True, "delta_full_every": 1}
+    """What sets the two trainers apart: deltas only (`delta_full_every` 0: no scheduled full update, so the engine
+    applies one delta on another for the whole run and the bit-exact check covers all of them), or a full update
+    every step (`delta_full_every` 1: written in the engines' dtype, no delta encoded)."""
+    return {"delta_sync": True, "delta_full_every": 0 if side == "delta" else 1}
 
 
 async def start_engine(model_dir: Path, weights_root: Path) -> ServerHandle:
@@ -244,15 +250,19 @@ async def paired_run(args: argparse.Namespace, root: Path) -> tuple[dict[str, An
                 phases = await trainers[side]._publish_weights(step)
                 record[side] = row(phases, time.monotonic() - t, train_s)
             record["changed_share"] = changed_share(trainers["delta"], step)
+            mine = await asyncio.to_thread(trainer_checksums, policy)
+            for side in SIDES:
+                record[side]["bit_exact"] = compare(mine, await engine_checksums(handles[side].url))["bit_exact"]
             steps.append(record)
             d, f = record["delta"], record["full"]
             print(
                 f"step {step:>2}: train {train_s:6.2f} s  delta {d['bytes'] / 1e6:7.2f} MB pause {d['paused_s']:.3f} s"
                 f" publish {d['publish_s']:.2f} s | full {f['bytes'] / 1e6:7.2f} MB pause {f['paused_s']:.3f} s"
-                f" publish {f['publish_s']:.2f} s | changed {record['changed_share'] or 0:.4f}",
+                f" publish {f['publish_s']:.2f} s | changed {record['changed_share'] or 0:.4f}"
+                f" | bit-exact {d['bit_exact']} / {f['bit_exact']}",
                 flush=True,
             )
-        mine = {n: _checksum(t) for n, t in served_weights(policy).items()}
+        mine = await asyncio.to_thread(trainer_checksums, policy)
         checks = {side: compare(mine, await engine_checksums(handles[side].url)) for side in SIDES}
     finally:
         for pool in pools.values():
@@ -266,10 +276,12 @@ async def paired_run(args: argparse.Namespace, root: Path) -> tuple[dict[str, An
     return summary, batches, policy.path
 
 
-def _checksum(t: torch.Tensor) -> str:
+def trainer_checksums(policy: Policy) -> dict[str, str]:
+    """xxh3-128 of each of the trainer's weights cast to the served dtype (weight_delta.checksum, as the engines
+    compute theirs): taken from the live parameters, not from what the trainer published."""
     from rollq.engine.weight_delta import checksum
 
-    return checksum(t)
+    return {n: checksum(t) for n, t in served_weights(policy).items()}
 
 
 COMPARED = (("bytes", "bytes_mb", 1e-6), ("prepare_s", "prepare_s", 1.0), ("paused_s", "pause_s", 1.0))
@@ -288,7 +300,7 @@ def summarize(steps: list[dict[str, Any]], checks: dict[str, dict[str, Any]]) ->
         compare[name] = {**med, "ratio": d / f if d is not None and f else None}
     shares = [s["changed_share"] for s in steps if s["changed_share"] is not None]
     delta_shares = [s["delta"]["delta_share"] for s in steps if s["delta"]["delta"]]
-    bit_exact = checks["delta"]["bit_exact"]
+    bit_exact = checks["delta"]["bit_exact"] and all(s["delta"]["bit_exact"] for s in steps)
     bytes_ratio, pause_ratio = compare["bytes_mb"]["ratio"], compare["pause_s"]["ratio"]
     return {
         "steps": len(steps),
@@ -302,7 +314,8 @@ def summarize(steps: list[dict[str, Any]], checks: dict[str, dict[str, Any]]) ->
         "delta_share": statistics.median(delta_shares) if delta_shares else None,
         "delta_share_max": max(delta_shares) if delta_shares else None,
         "bit_exact": bit_exact,
-        "full_bit_exact": checks["full"]["bit_exact"],
+        "bit_exact_steps": sum(1 for s in steps if s["delta"]["bit_exact"]),
+        "full_bit_exact": checks["full"]["bit_exact"] and all(s["full"]["bit_exact"] for s in steps),
         "checks": checks,
         "per_step": steps,
         "targets": {
