@@ -379,6 +379,56 @@ class SGLangClient:
             payload["flush_cache"] = flush_cache
         return await self._success_call("/update_weights_from_disk", payload, timeout)
 
+    # --- delta weight sync (rollq's engines and the SGLang host agent, `rollq weight-agent`; docs/weight-sync.md) ---
+
+    async def _admin_success_call(self, path: str, payload: dict[str, Any], timeout: float | None) -> dict[str, Any]:
+        """A `{"success", "message"}` control route of rollq's own (not in SGLang's list of admin routes): the admin
+        key, 4xx (404: the server has no such route, 409: the delta does not apply) as EngineError."""
+        resp = await self._request("POST", path, json=payload, timeout=timeout, headers=self.admin_headers)
+        try:
+            body = resp.json() if resp.content else {}
+        except ValueError:
+            body = {"message": resp.text.strip()[:SNIPPET_CHARS]}
+        if resp.status < 400 and not (isinstance(body, dict) and "success" in body):
+            raise _not_json(self.url, resp, path, 'a JSON {"success": ...} answer')
+        if resp.status >= 400 or not body.get("success"):
+            raise _refusal(self.url, resp, path, body)
+        return body
+
+    async def prepare_weights(
+        self,
+        weight_version: str,
+        *,
+        model_path: str | None = None,
+        group_name: str | None = None,
+        manifest: Any = None,
+        timeout: float | None = 300.0,
+    ) -> dict[str, Any]:
+        """POST /rollq/prepare_weights: stage `weight_version` before the pause, from a delta (or full) directory
+        (`model_path`, disk form) or from a blob broadcast over `group_name` described by `manifest` (distributed
+        form). Answers `load_path` (what /update_weights_from_disk swaps in), `prepare_seconds`, `bytes_read`; a 404
+        (no such route: the engine cannot prepare) or 409 (not the delta's base) is an EngineError of that status."""
+        payload: dict[str, Any] = {"weight_version": weight_version}
+        if model_path is not None:
+            payload["model_path"] = model_path
+        if group_name is not None:
+            payload["group_name"] = group_name
+            payload["manifest"] = msgspec.to_builtins(manifest)
+        return await self._admin_success_call("/rollq/prepare_weights", payload, timeout)
+
+    async def swap_prepared_weights(
+        self, weight_version: str, *, flush_cache: bool = True, timeout: float | None = 120.0
+    ) -> dict[str, Any]:
+        """POST /rollq/swap_prepared_weights (distributed form of the swap): serve what was staged for
+        `weight_version` (409 when nothing is)."""
+        payload = {"weight_version": weight_version, "flush_cache": flush_cache}
+        return await self._admin_success_call("/rollq/swap_prepared_weights", payload, timeout)
+
+    async def weights_checksum(self, *, timeout: float | None = 120.0) -> dict[str, Any]:
+        """GET /rollq/weights_checksum: `{"weight_version", "dtype", "checksums": {name: xxh3-128 hex}}` of the
+        parameters the engine serves (rollq's engines)."""
+        return await self._json_object("GET", "/rollq/weights_checksum", timeout=timeout, headers=self.admin_headers)
+
     async def flush_cache(self) -> None:
         """SGLang answers 200 (plain text "Cache flushed.") or 400 (not flushed: requests are queued or running).
         sglang-router answers 206 `{"status": "partial_success", ...}` when some of its engines refused: anything but

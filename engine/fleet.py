@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import msgspec
@@ -24,6 +24,13 @@ class FleetResult(msgspec.Struct):
     failed: dict[str, str]
     seconds: float
     load_seconds: float = 0.0  # longest weight load reported by an engine (rollq engines report it)
+
+
+class LoadResult(FleetResult):
+    """A weight update in which engines loaded different paths (delta sync): which of them loaded the full weights
+    (the others swapped in the delta they prepared)."""
+
+    full: list[str] = []
 
 
 class CycleReport(msgspec.Struct):
@@ -131,6 +138,62 @@ class FleetController:
             result = await self._on_all(f"update_weights({version})", self._load(path, version), members)
         for url in result.failed:
             self.pool.mark_stale(url)
+        for url in result.ok:
+            self.pool.mark_loaded(url, version)
+        return result
+
+    async def update_weights_each(
+        self,
+        version: str | int,
+        paths: Mapping[str, str],
+        full_path: str,
+        *,
+        full: Callable[[], Awaitable[str]] | None = None,
+    ) -> LoadResult:
+        """`update_weights`, each engine loading its own path: `paths[url]` (the load_path a delta's prepare
+        answered) or else `full_path` (the full version, which `reconcile` reloads later). An engine that refuses its
+        delta (it no longer holds the delta's base) loads the full version at once: `full()` returns its path
+        (writing it first when it is not on disk yet)."""
+        version = str(version)
+        self.weights_path = full_path
+        members = self.pool.engines()
+        loaded_full: set[str] = set()
+
+        async def load(client: SGLangClient) -> Any:
+            path = paths.get(client.url)
+            if path is not None:
+                try:
+                    return await self._load(path, version)(client)
+                except EngineError as exc:
+                    log.warning("engine %s refused its delta (%s): it loads the full version", client.url, exc)
+            loaded_full.add(client.url)
+            return await self._load(await full() if full is not None else full_path, version)(client)
+
+        with self.pool.weight_update(version, members):
+            result = await self._on_all(f"update_weights({version})", load, members)
+        for url in result.failed:
+            self.pool.mark_stale(url)
+        for url in result.ok:
+            self.pool.mark_loaded(url, version)
+        return LoadResult(
+            ok=result.ok,
+            failed=result.failed,
+            seconds=result.seconds,
+            load_seconds=result.load_seconds,
+            full=[m.url for m in members if m.url in loaded_full],
+        )
+
+    async def swap_prepared(self, version: str | int, members: list[EngineMember]) -> FleetResult:
+        """Distributed delta sync, under the pause: each engine serves the version it staged at
+        /rollq/prepare_weights. Engines that fail are left to the caller (it sends them the full weights)."""
+        version = str(version)
+        flush = self.pause_mode != "in_place"  # as _load: an in_place pause keeps requests that a flush refuses
+        with self.pool.weight_update(version, members):
+            result = await self._on_all(
+                f"swap_prepared_weights({version})",
+                lambda c: c.swap_prepared_weights(version, flush_cache=flush),
+                members,
+            )
         for url in result.ok:
             self.pool.mark_loaded(url, version)
         return result

@@ -23,7 +23,7 @@ import logging
 import socket
 import time
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Coroutine, Iterable, Mapping
 from typing import Any
 
 import msgspec
@@ -345,15 +345,23 @@ class DistributedWeightSync:
         return joins
 
     async def _transfer(
-        self, members: list[EngineMember], payload: dict[str, Any], wire: list[torch.Tensor]
+        self,
+        members: list[EngineMember],
+        payload: dict[str, Any],
+        wire: list[torch.Tensor],
+        post: Callable[[EngineMember, str], Coroutine[Any, Any, Any]] | None = None,
     ) -> tuple[int, list[Any], bool]:
-        """POST the update to every engine while broadcasting. An engine answering with a failure before the broadcast
-        ended is waiting for nothing: the group is aborted so the broadcast (and the other engines) fail at once.
+        """POST the update to every engine (`post(member, group_name)`: update_weights_from_distributed with
+        `payload` unless told) while broadcasting. An engine answering with a failure before the broadcast ended is
+        waiting for nothing: the group is aborted so the broadcast (and the other engines) fail at once.
         Returns (bytes sent, each engine's answer or error, whether the group was aborted)."""
         group = self._group
         assert group is not None
-        body = {**payload, "group_name": group.group_name}
-        posts = [asyncio.create_task(m.client.update_weights_from_distributed(body, timeout=None)) for m in members]
+        if post is None:
+            body = {**payload, "group_name": group.group_name}
+            posts = [asyncio.create_task(m.client.update_weights_from_distributed(body, timeout=None)) for m in members]
+        else:
+            posts = [asyncio.create_task(post(m, group.group_name)) for m in members]
         cast = asyncio.create_task(asyncio.to_thread(group.broadcast, wire))
         pending: set[asyncio.Task[Any]] = {cast, *posts}
         aborted = False
@@ -384,6 +392,36 @@ class DistributedWeightSync:
             else:
                 results.append(task.exception() or task.result())
         return sent, results, aborted
+
+    async def prepare_delta(
+        self, manifest: Any, blob: bytes, version: str | int, members: list[EngineMember]
+    ) -> dict[str, Any]:
+        """Delta sync, before the pause: every engine of `members` is asked to stage `version` from the delta that
+        `manifest` (a weight_delta.DeltaManifest) describes (/rollq/prepare_weights, distributed form) and receives
+        its blob as ONE uint8 tensor broadcast from rank 0 over the group (rebuilt when the members changed).
+        Generation goes on meanwhile; the swap comes under the pause (FleetController.swap_prepared). Returns each
+        engine's answer (a dict) or error by URL; a failure anywhere drops the group (the full broadcast that
+        follows rebuilds it)."""
+        version = str(version)
+        # bytearray: torch wants a writable buffer; one copy of the (small) blob
+        wire = [torch.frombuffer(bytearray(blob), dtype=torch.uint8) if blob else torch.empty(0, dtype=torch.uint8)]
+
+        async def post(member: EngineMember, group_name: str) -> Any:
+            return await member.client.prepare_weights(version, group_name=group_name, manifest=manifest, timeout=None)
+
+        async with self._lock:
+            if self._group is None or [m.url for m in members] != self._ranks:
+                joins = await self._build(members)
+                if self._group is None:
+                    return {m.url: e or RuntimeError("the weight update group was not built") for m, e in joins.items()}
+            _, results, aborted = await self._transfer(members, {}, wire, post)
+            answers = {m.url: r for m, r in zip(members, results, strict=True)}
+            if aborted or any(isinstance(r, BaseException) for r in results):
+                self._drop_group()
+        failed = {u: str(r) for u, r in answers.items() if isinstance(r, BaseException)}
+        if failed:
+            log.info("prepare of delta %s failed on %d engines: %s", version, len(failed), failed)
+        return answers
 
     def _retire(self, group: TrainerGroup, members: list[EngineMember]) -> None:
         """Close our side now; the engines' side is destroyed at the next build or close (best effort)."""

@@ -451,6 +451,46 @@ class TrainConfig(RunSettings, kw_only=True):
             group=UPDATES,
         ),
     ] = 60.0
+    delta_sync: Annotated[
+        bool,
+        setting(
+            "full-weight runs: each update sends only what changed since the version an engine holds (per tensor, "
+            "in sync_dtype, XOR + zstd with a checksum each), and each engine (or its host agent) prepares it before "
+            "the pause, so the pause covers only the swap; an engine not on the delta's base version (new, "
+            "restarted, missed an update, checksum mismatch) gets the full weights (docs/weight-sync.md)",
+            group=UPDATES,
+        ),
+    ] = True
+    delta_full_every: Annotated[
+        int,
+        setting(
+            "delta_sync: send the full weights every this many updates even when a delta would do (0 = only when "
+            "an engine needs them)",
+            metavar="N",
+            ge=0,
+            group=UPDATES,
+        ),
+    ] = 20
+    delta_max_share: Annotated[
+        float,
+        setting(
+            "delta_sync: a delta of at least this share of the full weights' bytes is sent as a full update "
+            "instead (an fp32 engine changes nearly every weight each step: its delta would not be smaller)",
+            metavar="SHARE",
+            ge=0,
+            le=1,
+            group=UPDATES,
+        ),
+    ] = 0.5
+    sync_dtype: Annotated[
+        Literal["auto", "float32", "bfloat16", "float16"],
+        setting(
+            "dtype of the weights sent to engines when delta_sync is on (deltas and full versions; the trainer "
+            "keeps a CPU copy of the last version in it): auto = the dtype the engines report in /server_info, "
+            "else the model config's, else float32",
+            group=UPDATES,
+        ),
+    ] = "auto"
     min_engines_updated: Annotated[
         int,
         setting(

@@ -23,7 +23,7 @@ import shutil
 import time
 import uuid
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any, TextIO, TypeVar
 
@@ -32,10 +32,10 @@ import redis.asyncio as aioredis
 import torch
 
 from rollq.engine.client import EngineError, EngineUnavailable
-from rollq.engine.fleet import FleetController, FleetResult
+from rollq.engine.fleet import FleetController, FleetResult, LoadResult
 from rollq.engine.models import model_dir
-from rollq.engine.pool import EnginePool
-from rollq.engine.weight_group import DistributedSyncConfig, DistributedWeightSync
+from rollq.engine.pool import EngineMember, EnginePool
+from rollq.engine.weight_group import DistributedSyncConfig, DistributedWeightSync, SyncResult
 from rollq.producer.producer import Producer
 from rollq.producer.results import Delivered, PartitionedConsumer, ResultConsumer
 from rollq.protocol.keys import RunKeys, partition_of
@@ -47,11 +47,12 @@ from rollq.trainer.checkpoint import TrainerState
 from rollq.trainer.collector import Collected, GroupCollector
 from rollq.trainer.config import TrainConfig
 from rollq.trainer.data import PromptOrder, run_prompts
+from rollq.trainer.delta_sync import DeltaSync, Update
 from rollq.trainer.evaluate import Evaluator
 from rollq.trainer.feeder import GroupFeeder, adapter_name
 from rollq.trainer.ledger import StalenessLedger
 from rollq.trainer.metrics import PLOT_FILE, MetricsLog, RateWindow, StepRecord, plot, update_fields
-from rollq.trainer.policy import Policy
+from rollq.trainer.policy import Policy, buckets_of
 from rollq.trainer.policy_protocol import TrainerPolicy
 from rollq.trainer.publish import UpdateRequirement, publish
 from rollq.trainer.recovery import recover, repair_ledger
@@ -117,6 +118,10 @@ class Trainer:
         self.run_dir = Path(config.directory)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.weights_root = Path(config.weights_root)
+        # Full-weight updates send what changed since the version each engine holds (trainer/delta_sync.py); a LoRA
+        # run serving adapters sends adapters
+        serves_adapters = config.lora and config.lora_publish == "adapter"
+        self.delta = DeltaSync(config, pool, self.weights_root) if config.delta_sync and not serves_adapters else None
         self.metrics = MetricsLog(self.run_dir, progress)
         # On a Redis Cluster the ledger's writes and the acks of trained samples wait for a replica (WAIT), so a
         # failover keeps them; what one loses anyway is written again (_recover).
@@ -248,22 +253,116 @@ class Trainer:
     async def _publish_weights(self, version: int) -> dict[str, float]:
         """Weights of `version` onto the engines: pause, load, resume (generation resumes right after the load), on at
         least `min_engines_updated` of them (default: every healthy one), the cycle retried with backoff until it is;
-        else WeightUpdateFailed ends the run (trainer/publish.py). Returns the phases of the cycle that made it."""
+        else WeightUpdateFailed ends the run (trainer/publish.py). Returns the phases of the cycle that made it, with
+        what was sent (prepare_s, bytes_sent, bytes_per_engine, delta, full_engines, delta_share)."""
         if self.adapter_family:
             return await self._publish_adapter(version)
+        if self.delta is not None:
+            return await self._publish_delta(self.delta, version)
+        started = time.monotonic()
+        full_bytes = 0
         if self.weight_sync is not None:
             update = self._broadcast(self.weight_sync, version)
         else:
             path = await asyncio.to_thread(self.policy.save_weights, self.weights_root / f"v{version}")
+            full_bytes = await asyncio.to_thread(safetensors_bytes, Path(path))
             await self.fleet.reconcile()  # engines that missed an update (or joined since) first catch up
             update = functools.partial(self.fleet.update_weights, str(path), version)
+        prepare_s = time.monotonic() - started
         mode, requirement = self.cfg.pause_mode, self.update_requirement
         report = await publish(lambda: self.fleet.run_cycle(update, mode=mode), self.pool, requirement, version)
         if self.weight_sync is None:
             for old in self.weights_root.glob("v*"):
                 if old.name[1:].isdigit() and int(old.name[1:]) <= version - KEEP_WEIGHT_VERSIONS:
                     await asyncio.to_thread(shutil.rmtree, old, True)
-        return report.phases
+        else:  # what one engine received
+            full_bytes = report.update.bytes_sent if isinstance(report.update, SyncResult) else 0
+        updated = len(report.updated)
+        sent = float(full_bytes * updated)
+        return {
+            **report.phases,
+            "prepare_s": prepare_s,
+            "bytes_sent": sent,
+            "bytes_per_engine": sent / updated if updated else 0.0,
+            "delta": 0.0,
+            "full_engines": float(updated),
+            "delta_share": 0.0,
+        }
+
+    async def _publish_delta(self, delta: DeltaSync, version: int) -> dict[str, float]:
+        """`_publish_weights` with delta_sync (trainer/delta_sync.py): before the pause, the new weights in the sync
+        dtype, the decision (a delta from the last published version, or a full update), and the delta prepared by
+        every engine on its base; under the pause, each engine swaps in what it prepared or loads the full version.
+        Disk: `d{N}/` and (when some engine needs it) `v{N}/` under weights_root. Distributed: the delta's blob is
+        broadcast to every engine while they generate, then swapped in (/rollq/swap_prepared_weights)."""
+        started = time.monotonic()
+        new = await delta.gather(self.policy)
+        reconciled: list[str] = []
+        if self.weight_sync is None and delta.snapshot_version is not None and self.pool.engines(stale_only=True):
+            await delta.ensure_full(delta.snapshot_version)  # the last version, which stale engines catch up with
+            reconciled = (await self.fleet.reconcile()).ok  # (then they are on the delta's base)
+        members = self.pool.engines()
+        unable = [m.url for m in members if m.url in delta.cannot_prepare] if self.weight_sync is not None else []
+        # a group holding an engine that cannot take deltas (SGLang) gets full broadcasts: no delta is even taken
+        update = await delta.decide(version, new, no_delta=f"engines without deltas: {unable}" if unable else "")
+        update.reconciled = reconciled
+        step: Callable[[], Awaitable[FleetResult]]
+        if self.weight_sync is None:
+            if update.delta is not None:
+                await delta.prepare_disk(update, members)
+            await delta.prepare_full_on_agents(update, members)
+            if any(m.url not in update.loads for m in members):
+                await delta.ensure_full(update.version)  # written before the pause, not under it
+            step = functools.partial(
+                self.fleet.update_weights_each,
+                version,
+                update.loads,
+                str(delta.full_dir(version)),
+                full=functools.partial(delta.ensure_full, update.version),
+            )
+        else:
+            prepared = await delta.prepare_distributed(update, members, self.weight_sync) if update.delta else []
+            step = self._swap_prepared(self.weight_sync, update, prepared)
+        update.prepare_s = time.monotonic() - started
+        mode, requirement = self.cfg.pause_mode, self.update_requirement
+        report = await publish(lambda: self.fleet.run_cycle(step, mode=mode), self.pool, requirement, version)
+        full = report.update.full if isinstance(report.update, LoadResult) else list(report.updated)
+        phases = update.phases(report.updated, full)
+        delta.commit(update, delta_sent=phases["delta"] > 0)
+        if self.weight_sync is None:
+            await delta.prune(version, KEEP_WEIGHT_VERSIONS)
+        return {**report.phases, **phases}
+
+    def _swap_prepared(
+        self, sync: DistributedWeightSync, update: Update, prepared: list[EngineMember]
+    ) -> Callable[[], Awaitable[FleetResult]]:
+        """The update step of a distributed delta sync: the engines that prepared the delta swap it in; any other
+        (none prepared, one refused the swap, one joined since) gets the full weights broadcast, in the sync dtype."""
+        version, bucket_bytes = update.version, int(self.cfg.publish_bucket_mb * (1 << 20))
+
+        def full_weights() -> Iterator[list[tuple[str, torch.Tensor]]]:
+            return buckets_of(iter(update.new.items()), bucket_bytes)
+
+        async def step() -> FleetResult:
+            if not prepared:
+                return await self._broadcast(sync, version, full_weights)()  # every engine: the full weights
+            swap = await self.fleet.swap_prepared(version, prepared)
+            swapped = set(swap.ok)
+            others = [m for m in self.pool.engines() if m.url not in swapped]
+            if not others:
+                return LoadResult(ok=swap.ok, failed={}, seconds=swap.seconds, load_seconds=swap.load_seconds)
+            if swap.failed:
+                log.warning("weights %s: the full weights to %d engines that did not swap", version, len(others))
+            full = await self._broadcast(sync, version, full_weights, members=others)()
+            return LoadResult(
+                ok=swap.ok + full.ok,
+                failed=full.failed,
+                seconds=swap.seconds + full.seconds,
+                load_seconds=max(swap.load_seconds, full.load_seconds),
+                full=[m.url for m in others],
+            )
+
+        return step
 
     async def _publish_adapter(self, version: int) -> dict[str, float]:
         """A LoRA run's adapter of `version` onto the engines beside the versions before it: no pause, no flush, no
@@ -316,20 +415,28 @@ class Trainer:
         if not result.failed:
             await asyncio.to_thread(shutil.rmtree, self.weights_root / f"adapter-v{version}", True)
 
-    def _broadcast(self, sync: DistributedWeightSync, version: int) -> Callable[[], Awaitable[FleetResult]]:
+    def _broadcast(
+        self,
+        sync: DistributedWeightSync,
+        version: int | str,
+        weights: Callable[[], Iterator[list[tuple[str, torch.Tensor]]]] | None = None,
+        members: list[EngineMember] | None = None,
+    ) -> Callable[[], Awaitable[FleetResult]]:
         """The update step of a cycle without a shared disk: broadcast to every engine (stale and newly joined ones
         included: each update covers the whole pool, over a group rebuilt when membership changed), bucket by bucket
         (`publish_bucket_mb`: the full weights are never whole in one process; on N ranks each bucket is gathered
         from the shards), the engines that took every bucket so far receiving the next. An in_place pause keeps KV
         in the running batch, so the engines must not be asked to flush their cache (SGLang would load the weights
-        and still fail the call); otherwise the last bucket flushes it."""
+        and still fail the call); otherwise the last bucket flushes it. `weights`: the buckets to send (default: the
+        policy's, gathered); `members`: only these engines (default: every one)."""
         flush = self.cfg.pause_mode != "in_place"
         policy, pool, bucket_bytes = self.policy, self.pool, int(self.cfg.publish_bucket_mb * (1 << 20))
+        first = members
 
         async def update() -> FleetResult:
-            buckets = policy.gather_weights(bucket_bytes)
+            buckets = policy.gather_weights(bucket_bytes) if weights is None else weights()
             results: list[FleetResult] = []
-            members = None
+            members = first
             try:
                 bucket = await asyncio.to_thread(next, buckets, None)
                 while bucket is not None:
@@ -695,16 +802,24 @@ def merged_results(results: list[FleetResult]) -> FleetResult:
     """One update in buckets as one result: the engines that took the last bucket sent (each took every one before
     it), every failure, the time of all of them."""
     if not results:
-        return FleetResult(ok=[], failed={}, seconds=0.0)
+        return SyncResult(ok=[], failed={}, seconds=0.0)
     failed: dict[str, str] = {}
     for r in results:
         failed.update(r.failed)
-    return FleetResult(
+    return SyncResult(
         ok=[u for u in results[-1].ok if u not in failed],
         failed=failed,
         seconds=sum(r.seconds for r in results),
         load_seconds=sum(r.load_seconds for r in results),
+        bytes_sent=sum(r.bytes_sent for r in results if isinstance(r, SyncResult)),  # what each engine received
     )
 
 
-__all__ = ["Trainer", "merged_results"]
+def safetensors_bytes(directory: Path) -> int:
+    """The bytes of a weights directory's safetensors files: what each engine reads to load it."""
+    if directory.is_file():
+        return directory.stat().st_size
+    return sum(f.stat().st_size for f in directory.glob("*.safetensors"))
+
+
+__all__ = ["Trainer", "merged_results", "safetensors_bytes"]

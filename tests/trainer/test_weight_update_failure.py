@@ -161,9 +161,10 @@ async def test_a_weight_update_refused_for_a_while_is_retried_and_the_step_goes_
 ) -> None:
     caplog.set_level(logging.WARNING, "rollq.trainer")
     engine = await start_engine(tokenizer="tiny", sampled=True, length=LengthDist(kind="fixed", length=4))
-    # The start-up cycle goes through (3 calls); step 1's first cycle is refused whole, its retry goes through.
+    # The start-up cycle goes through (3 calls); step 1's delta prepare (delta_sync) and its first cycle are refused
+    # whole, its retry goes through (with the full weights: the engine never prepared the delta).
     async with (
-        ControlGateway(engine.url, forward_first=3, refusals=3) as gateway,
+        ControlGateway(engine.url, forward_first=3, refusals=4) as gateway,
         EnginePool(PoolConfig(urls=[engine.url])) as worker_pool,
         running_worker(redis_url, run_name, engine=worker_pool, concurrency=4),
     ):
@@ -176,7 +177,7 @@ async def test_a_weight_update_refused_for_a_while_is_retried_and_the_step_goes_
         finally:
             await pool.close()
     assert [r["version"] for r in records] == [1, 2] and engine.server.weight_version == "2"
-    assert sum(gateway.refused.values()) == 3
+    assert sum(gateway.refused.values()) == 4 and gateway.refused["/rollq/prepare_weights"] == 1
     retried = [r.getMessage() for r in caplog.records if "trying again" in r.getMessage()]
     assert len(retried) == 1 and "weight update to version 1 reached 0 of the 1 engines" in retried[0]
     assert all(line in retried[0] for line in refusals_of(gateway))
