@@ -39,6 +39,7 @@ from rollq.trainer.policy_protocol import TrainerPolicy
 
 log = logging.getLogger("rollq.trainer")
 
+MAX_SKIPPED_DELTAS = 15  # after deltas too large in a row, at most this many updates go full before the next try
 PREPARE_TIMEOUT_S = 300.0  # one engine's prepare (read the delta, rebuild the version): past it, a full update
 SYNC_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _VERSION_DIR = re.compile(r"^[vd](\d+)$")
@@ -124,6 +125,12 @@ class DeltaSync:
         self._agents: dict[str, SGLangClient] = {}
         self._said_404: set[str] = set()
         self._said_full = ""
+        # Deltas in a row that were too large (an fp32 engine: nearly every weight changes), and the updates left
+        # before the next try: encoding one costs seconds on a large model, for nothing while they stay too large
+        self._too_large = 0
+        self._skip = 0
+        self._last_share = 0.0
+        self.deltas_taken = 0  # deltas encoded (sent or found too large)
 
     # -- the new weights -------------------------------------------------------------------------------------------
 
@@ -171,6 +178,10 @@ class DeltaSync:
             update.why_full = "no earlier version to take a delta from"
         elif every and self.last_full is not None and version - self.last_full >= every:
             update.why_full = f"a full update every {every} (delta_full_every)"
+        elif self._skip:
+            self._skip -= 1
+            update.share = self._last_share
+            update.why_full = f"the last {self._too_large} deltas were too large: the next is taken in {self._skip + 1}"
         else:
             base, base_version = self.snapshot, self.snapshot_version
             try:
@@ -180,13 +191,17 @@ class DeltaSync:
             except ValueError as exc:  # other names, shapes or dtype than the snapshot's
                 update.why_full = f"the weights do not compare with version {base_version}'s: {exc}"
                 return update
-            update.share = delta.manifest.share
+            self.deltas_taken += 1
+            update.share = self._last_share = delta.manifest.share
             if update.share >= self.cfg.delta_max_share:
                 update.why_full = (
                     f"the delta is {update.share:.1%} of the full weights (delta_max_share {self.cfg.delta_max_share})"
                 )
+                self._too_large += 1
+                self._skip = min(2**self._too_large - 1, MAX_SKIPPED_DELTAS)  # 1, 3, 7, 15, 15...
             else:
                 update.delta = delta
+                self._too_large = 0
         if update.why_full and update.why_full != self._said_full:
             log.info("weights %s: a full update (%s)", version, update.why_full)
         self._said_full = update.why_full  # said again only when the reason changes

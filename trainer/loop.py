@@ -763,7 +763,7 @@ class Trainer:
                 train_s=t2 - t1,
                 step_s=t3 - t0,
                 pause_s=phases["paused_s"],
-                publish_s=phases["total_s"],
+                publish_s=phases.get("prepare_s", 0.0) + phases["total_s"],  # before the pause, then the cycle
                 weight_load_s=phases["load_s"],
                 **update_fields(phases, adapter=bool(self.adapter_family)),
                 ledger_version=ledger.version,

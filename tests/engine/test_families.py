@@ -4,7 +4,9 @@ For each tiny model of tests/families.py, through a real engine server on loopba
 `generate`; a GRPO-shaped burst (8 + 8 concurrent requests on two prompts, one request with `n = 8` on a third,
 retracted by a pause and resumed midway) completes with no abort, its groups decoding against their shared prompt
 (the cascade) wherever the model's attention allows it; every sampled token's logprob equals the trainer's on the
-same tokens (fp32); a LoRA adapter as the trainer makes it serves next to the base model what peft gives. The
+same tokens (fp32); a LoRA adapter as the trainer makes it serves next to the base model what peft gives; a weight
+delta the trainer takes of its own parameters is prepared and swapped in bit for bit (the trainer's names are the
+engine's, tied and fused weights included). The
 windowed families' prompts are longer than their window, so a window not applied shows. Plus the models the
 engine refuses when it starts, each with a message that names what is missing.
 """
@@ -155,6 +157,30 @@ async def test_a_family_is_served_as_transformers_serves_it(family, start_engine
     greedy = params(temperature=0.0)
     outs = await generate(http, engine.url, {"input_ids": [a, a], "sampling_params": greedy, "lora_path": ["x", None]})
     assert [o["output_ids"] for o in outs] == [with_adapter, out["output_ids"]]
+
+    await delta_round_trip(model_dir, engine.url, http, tmp_path)
+
+
+async def delta_round_trip(model_dir: Path, url: str, http, weights_root: Path) -> None:
+    """The trainer's parameters (trainer/policy.py, the names it publishes), one Adam-sized step on each, as a
+    delta from the version the engine serves: prepared, swapped in, and the engine's checksums are the new ones."""
+    from rollq.engine import weight_delta
+    from rollq.trainer.policy import Policy
+
+    policy = Policy(TrainConfig(model=str(model_dir)))
+    base = {name: t.to(torch.float32) for name, t in policy.full_parameters() if t is not None}
+    g = torch.Generator().manual_seed(5)
+    new = {name: t - 1e-3 * torch.sign(torch.randn(t.shape, generator=g)) for name, t in base.items()}
+    served = (await http.get(url + "/model_info")).json()["weight_version"]
+    delta = weight_delta.encode(base, new, base_version=served, version="1")
+    path = weight_delta.write(weights_root / "d1", delta)
+    prepared = await http.post(url + "/rollq/prepare_weights", json={"model_path": str(path), "weight_version": "1"})
+    assert prepared.status_code == 200, prepared.text
+    swap = await http.post(url + "/update_weights_from_disk", json={"model_path": prepared.json()["load_path"]})
+    assert swap.status_code == 200, swap.text
+    report = (await http.get(url + "/rollq/weights_checksum")).json()
+    assert report["weight_version"] == "1"
+    assert report["checksums"] == {name: weight_delta.checksum(t) for name, t in new.items()}
 
 
 def test_the_windowed_families_prompts_cross_their_window() -> None:

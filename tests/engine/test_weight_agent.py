@@ -223,6 +223,35 @@ def test_an_agent_without_its_versions_asks_for_a_full_one(tmp_path: Path):
     assert json.loads((local / STATE_FILE).read_text())["versions"][-1]["version"] == "0"
 
 
+def test_a_version_built_from_another_delta_is_never_answered_as_prepared(tmp_path: Path):
+    """A trainer that published v2 and died before its checkpoint sends, once restarted, another delta to v2: the
+    agent must not answer with the v2 it built from the first one (the engine would serve weights the trainer never
+    had). Orphaned version directories (killed between the rename and the state write) go at start, and the agent
+    never holds more than `keep` versions, even while it builds one."""
+    shared, local = tmp_path / "shared", tmp_path / "local"
+    v1 = initial()
+    write_full(shared / "v1", v1)
+    first_v2, second_v2 = stepped(v1, 1), stepped(v1, 2)
+    agent = LocalVersions(shared, local, keep=2)
+    agent.prepare(str(shared / "v1"), "1")
+    wd.write(shared / "d2", wd.encode(v1, first_v2, base_version="1", version="2"))
+    built = agent.prepare(str(shared / "d2"), "2")
+    assert agent.prepare(str(shared / "d2"), "2").load_path == built.load_path  # the same delta again: a retry
+    wd.write(shared / "d2", wd.encode(v1, second_v2, base_version="1", version="2"))  # the restarted trainer's
+    with pytest.raises(Refused) as refused:
+        agent.prepare(str(shared / "d2"), "2")
+    assert refused.value.status == 409
+    assert file_checksums(built.load_path) == checksums(first_v2)  # what it holds is still whole
+
+    (local / "v9").mkdir()  # renamed into place, never recorded
+    restarted = LocalVersions(shared, local, keep=2)
+    assert not (local / "v9").exists() and restarted.version == "2"
+    v3 = stepped(first_v2, 3)
+    wd.write(shared / "d3", wd.encode(first_v2, v3, base_version="2", version="3"))
+    restarted.prepare(str(shared / "d3"), "3")
+    assert sorted(p.name for p in local.iterdir() if p.name.startswith("v")) == ["v2", "v3"]
+
+
 def test_the_agent_starts_only_closed_and_apart_from_the_trainers_files(tmp_path: Path):
     from rollq.cli import parse
 

@@ -196,6 +196,17 @@ async def test_a_delta_not_smaller_than_delta_max_share_goes_full(start_engine, 
     assert engine.server.control_calls["/rollq/prepare_weights"] == 0
     assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["v0", "v1"]
     await assert_bit_exact(trainer, [engine], 1)
+    # while deltas stay too large they are taken less and less often (1 update skipped, then 3, ...): encoding one
+    # costs seconds on a large fp32 model, for nothing
+    assert trainer.delta is not None and trainer.delta.deltas_taken == 1
+    taken = []
+    for version in range(2, 7):
+        step(trainer, version)
+        phases = await trainer._publish_weights(version)
+        assert phases["delta"] == 0 and phases["delta_share"] > 0.5, phases
+        taken.append(trainer.delta.deltas_taken)
+    assert taken == [1, 2, 2, 2, 2]  # v2 skipped, v3 taken (too large again), v4-v6 skipped
+    await assert_bit_exact(trainer, [engine], 6)
 
 
 async def test_delta_full_every_and_delta_sync_off_send_the_full_weights(

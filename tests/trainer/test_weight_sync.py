@@ -57,6 +57,11 @@ async def test_a_run_with_distributed_weight_sync_needs_no_shared_directory(
         assert all(0 < r["pause_s"] <= r["publish_s"] for r in records), [
             (r["pause_s"], r["publish_s"]) for r in records
         ]
+        # the publish is what came before the pause (gathering the weights) and the cycle
+        assert all(r["prepare_s"] > 0 for r in records)
+        assert all(r["publish_s"] == pytest.approx(r["prepare_s"] + r["pause_s"]) for r in records), [
+            (r["prepare_s"], r["pause_s"], r["publish_s"]) for r in records
+        ]
     finally:
         await pool.close()
         await engine.close()

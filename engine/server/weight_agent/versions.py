@@ -27,6 +27,7 @@ from pathlib import Path
 
 import msgspec
 import torch
+import xxhash
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -52,6 +53,9 @@ class Refused(Exception):
 class Kept(msgspec.Struct, frozen=True):
     version: str
     directory: str  # its name in local_root
+    # xxh3-128 of the delta manifest that built it ('' = a full version copied in): a prepare asked again is answered
+    # from it only for that same delta (a restarted trainer may send another delta to the same version number)
+    built_from: str = ""
 
 
 class State(msgspec.Struct):
@@ -114,7 +118,25 @@ class LocalVersions:
         except (OSError, msgspec.DecodeError):  # unreadable: start over (a full version comes next)
             return State()
         kept = [k for k in state.versions if _VERSION.match(k.version) and k.directory == _directory_name(k.version)]
-        return State([k for k in kept if (self.local_root / k.directory).is_dir()])
+        kept = [k for k in kept if (self.local_root / k.directory).is_dir()]
+        named = {k.directory for k in kept}
+        for orphan in self.local_root.glob("v*"):  # renamed into place, then killed before the state named it
+            if orphan.is_dir() and orphan.name not in named:
+                shutil.rmtree(orphan, ignore_errors=True)
+        return State(kept)
+
+    def _make_room(self) -> None:
+        """Before a version is built: only the newest `keep - 1` versions stay (the base at least), so the agent
+        never holds more than `keep` full versions, 2 at least (by default 2: the one served and the one being
+        prepared)."""
+        stay = max(self.keep - 1, 1)
+        if len(self.state.versions) <= stay:
+            return
+        dropped, versions = self.state.versions[:-stay], self.state.versions[-stay:]
+        _write_atomically(self.local_root / STATE_FILE, msgspec.json.encode(State(versions)))
+        self.state = State(versions)
+        for old in dropped:
+            shutil.rmtree(self.path_of(old), ignore_errors=True)
 
     def _record(self, kept: Kept) -> None:
         """`kept` is the newest version: recorded durably, then the versions past `keep` deleted."""
@@ -153,6 +175,7 @@ class LocalVersions:
             files = _plain_files(source)
         except WeightsPathRefused as exc:
             raise Refused(400, str(exc)) from None
+        self._make_room()
         with self._building(version) as tmp:
             read = 0
             for name, src in files:
@@ -169,10 +192,14 @@ class LocalVersions:
         manifest = delta.manifest
         if manifest.version != version:
             raise Refused(400, f"weight_version {version!r} is not the delta's version {manifest.version!r}")
-        read = (directory / weight_delta.MANIFEST_FILE).stat().st_size + manifest.blob_bytes
+        manifest_bytes = (directory / weight_delta.MANIFEST_FILE).read_bytes()
+        read = len(manifest_bytes) + manifest.blob_bytes
+        digest = xxhash.xxh3_128_hexdigest(manifest_bytes)
         base = self.base
-        if base is not None and base.version == version:  # asked again (a retry): built already
-            return Prepared(version, str(self.path_of(base)), 0, f"version {version} is prepared already")
+        if base is not None and base.version == version:
+            if base.built_from == digest:  # asked again (a retry): built already
+                return Prepared(version, str(self.path_of(base)), 0, f"version {version} is prepared already")
+            raise Refused(409, f"this agent holds a version {version} built otherwise than by this delta")
         if base is None or base.version != manifest.base_version:
             held = f"version {base.version}" if base else "no version"
             raise Refused(409, f"this agent holds {held}, not the delta's base {manifest.base_version}")
@@ -181,6 +208,7 @@ class LocalVersions:
             shards = safetensors_files(base_dir)
         except (OSError, ValueError) as exc:
             raise Refused(409, f"the base version {base.version} is not readable here: {exc}") from None
+        self._make_room()
         with _SafetensorsWeights(shards) as current:
             try:
                 changed = weight_delta.apply(current, delta)  # every tensor checked before anything is written
@@ -196,7 +224,7 @@ class LocalVersions:
                 for name, src in _plain_files(base_dir):
                     if name not in shard_names:  # config.json, the index, the tokenizer's files
                         _copy_file(src, tmp / name)
-        kept = Kept(version, _directory_name(version))
+        kept = Kept(version, _directory_name(version), built_from=digest)
         self._record(kept)
         changed_share = f"{manifest.changed_share:.1%}"
         message = f"version {version} built from {base.version} ({len(changed)} tensors changed, {changed_share})"
