@@ -30,6 +30,7 @@ BENCHMARKS = [
     "lora",
     "images",
     "tracing",
+    "weight_sync",
     "report",
 ]
 
