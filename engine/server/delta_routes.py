@@ -122,6 +122,10 @@ async def _decode(request: web.Request, kind: type[T]) -> T | web.Response:
     try:
         return msgspec.json.decode(raw or b"{}", type=kind)
     except msgspec.ValidationError as exc:
+        try:  # a typed decode may stop at a missing field before it meets bytes that are not JSON: say what is wrong
+            msgspec.json.decode(raw or b"{}")
+        except BAD_JSON as bad:
+            return _fail(f"Invalid JSON body: {bad}")
         return _fail(str(exc))
     except BAD_JSON as exc:  # malformed, invalid UTF-8, too deep: the client's fault, never a 500
         return _fail(f"Invalid JSON body: {exc}")

@@ -256,6 +256,8 @@ ENGINE_JSON_ROUTES = [
     ("POST", "/update_weights_from_distributed"),
     ("POST", "/load_lora_adapter"),
     ("POST", "/unload_lora_adapter"),
+    ("POST", "/rollq/prepare_weights"),
+    ("POST", "/rollq/swap_prepared_weights"),
 ]
 BODYLESS = {("POST", "/flush_cache")}  # reads no body
 
