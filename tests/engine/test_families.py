@@ -60,11 +60,15 @@ def sampled(out: dict) -> tuple[list[int], list[float]]:
     return out["output_ids"], [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
 
 
-def trainer_logprobs(model_dir: Path, prompt_ids: list[int], outs: list[dict]) -> list[list[float]]:
-    """What the trainer computes for each sample's tokens (trainer/policy.py, fp32)."""
+def trainer_policy(model_dir: Path):
+    """The trainer's policy of the model (trainer/policy.py, fp32)."""
     from rollq.trainer.policy import Policy
 
-    policy = Policy(TrainConfig(model=str(model_dir)))
+    return Policy(TrainConfig(model=str(model_dir)))
+
+
+def trainer_logprobs(policy, prompt_ids: list[int], outs: list[dict]) -> list[list[float]]:
+    """What the trainer computes for each sample's tokens."""
     got = []
     with torch.no_grad():
         for out in outs:
@@ -143,8 +147,9 @@ async def test_a_family_is_served_as_transformers_serves_it(family, start_engine
     assert shared >= 2 * GROUP if cascade else shared == 0  # the groups decode against one copy of their prompt
 
     # every sampled token's logprob is the trainer's
+    policy = trainer_policy(model_dir)
     for key, outs in (("a", results[:GROUP]), ("b", results[GROUP : 2 * GROUP]), ("c", results[2 * GROUP :])):
-        expected = trainer_logprobs(model_dir, PROMPTS[key], outs)
+        expected = trainer_logprobs(policy, PROMPTS[key], outs)
         for o, want in zip(outs, expected, strict=True):
             assert sampled(o)[1] == pytest.approx(want, abs=TOLERANCE), key
 
@@ -158,16 +163,14 @@ async def test_a_family_is_served_as_transformers_serves_it(family, start_engine
     outs = await generate(http, engine.url, {"input_ids": [a, a], "sampling_params": greedy, "lora_path": ["x", None]})
     assert [o["output_ids"] for o in outs] == [with_adapter, out["output_ids"]]
 
-    await delta_round_trip(model_dir, engine.url, http, tmp_path)
+    await delta_round_trip(policy, engine.url, http, tmp_path)
 
 
-async def delta_round_trip(model_dir: Path, url: str, http, weights_root: Path) -> None:
+async def delta_round_trip(policy, url: str, http, weights_root: Path) -> None:
     """The trainer's parameters (trainer/policy.py, the names it publishes), one Adam-sized step on each, as a
     delta from the version the engine serves: prepared, swapped in, and the engine's checksums are the new ones."""
     from rollq.engine import weight_delta
-    from rollq.trainer.policy import Policy
 
-    policy = Policy(TrainConfig(model=str(model_dir)))
     base = {name: t.to(torch.float32) for name, t in policy.full_parameters() if t is not None}
     g = torch.Generator().manual_seed(5)
     new = {name: t - 1e-3 * torch.sign(torch.randn(t.shape, generator=g)) for name, t in base.items()}
