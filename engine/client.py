@@ -385,6 +385,11 @@ class SGLangClient:
         """A `{"success", "message"}` control route of rollq's own (not in SGLang's list of admin routes): the admin
         key, 4xx (404: the server has no such route, 409: the delta does not apply) as EngineError."""
         resp = await self._request("POST", path, json=payload, timeout=timeout, headers=self.admin_headers)
+        return self._success_body(resp, path)
+
+    def _success_body(self, resp: _Reply, path: str) -> dict[str, Any]:
+        """The `{"success": true, ...}` answer of a control route; a refusal (4xx, or success false) as EngineError,
+        an answer that is not such JSON as EngineUnavailable."""
         try:
             body = resp.json() if resp.content else {}
         except ValueError:
@@ -490,15 +495,7 @@ class SGLangClient:
 
     async def _adapter_call(self, path: str, payload: dict[str, Any], timeout: float | None) -> dict[str, str]:
         """`{success, error_message, loaded_adapters}` routes: the adapters loaded after the call (name -> path)."""
-        resp = await self._request("POST", path, json=payload, timeout=timeout)
-        try:
-            body = resp.json() if resp.content else {}
-        except ValueError:
-            body = {"message": resp.text.strip()[:SNIPPET_CHARS]}
-        if resp.status < 400 and not (isinstance(body, dict) and "success" in body):
-            raise _not_json(self.url, resp, path, 'a JSON {"success": ...} answer')
-        if resp.status >= 400 or not body.get("success"):
-            raise _refusal(self.url, resp, path, body)
+        body = self._success_body(await self._request("POST", path, json=payload, timeout=timeout), path)
         loaded = body.get("loaded_adapters") or {}
         return {str(k): str(v) for k, v in loaded.items()} if isinstance(loaded, dict) else {}
 
