@@ -41,6 +41,7 @@ log = logging.getLogger("rollq.trainer")
 
 MAX_SKIPPED_DELTAS = 15  # after deltas too large in a row, at most this many updates go full before the next try
 PREPARE_TIMEOUT_S = 300.0  # one engine's prepare (read the delta, rebuild the version): past it, a full update
+DISK_REPROBE_EVERY = 20  # updates between two asks of the engines that answered a disk prepare with 404
 SYNC_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _VERSION_DIR = re.compile(r"^[vd](\d+)$")
 
@@ -120,10 +121,12 @@ class DeltaSync:
         self.last_full: int | None = None  # the version of the last update that sent no delta
         self.pending: Update | None = None  # the update under way: its full version is written from it on demand
         self.cannot_prepare: set[str] = set()  # engines that answered 404 to a distributed prepare
+        # Who answered 404 to a disk prepare (the engine's URL, or its agent's): plain SGLang without an agent, an
+        # engine holding no weights. Asked again only every DISK_REPROBE_EVERY updates (an agent may come up later)
+        self.no_disk_prepare: set[str] = set()
         self._written: set[str] = set()  # full versions this trainer wrote (an older life's files are rewritten)
         self._write_lock = asyncio.Lock()
         self._agents: dict[str, SGLangClient] = {}
-        self._said_404: set[str] = set()
         self._said_full = ""
         # Deltas in a row that were too large (an fp32 engine: nearly every weight changes), and the updates left
         # before the next try: encoding one costs seconds on a large model, for nothing while they stay too large
@@ -286,12 +289,23 @@ class DeltaSync:
             self._agents[member.agent_url] = client
         return client
 
+    def preparer_url(self, member: EngineMember) -> str:
+        return member.agent_url or member.url
+
+    def takes_disk_deltas(self, members: list[EngineMember], version: int) -> list[EngineMember]:
+        """The engines that may take a delta over disk: all but those whose preparer answered 404 lately (every
+        DISK_REPROBE_EVERY updates all of them are asked again). When none may, no delta is even taken."""
+        if version % DISK_REPROBE_EVERY == 0:
+            self.no_disk_prepare.clear()
+        return [m for m in members if self.preparer_url(m) not in self.no_disk_prepare]
+
     async def prepare_disk(self, update: Update, members: list[EngineMember]) -> None:
         """Before the pause: every engine on the delta's base prepares the delta (`update.loads` gets what it will
         swap in); every other engine, and any that cannot prepare it, will load the full version."""
         delta = update.delta
         assert delta is not None
         path = str(await self.write_delta(update))
+        members = [m for m in members if self.preparer_url(m) not in self.no_disk_prepare]
         versions = await self.versions(members)
         on_base = [m for m in members if versions[m.url] == update.base]
         for m in members:
@@ -305,9 +319,8 @@ class DeltaSync:
                 reply = await client.prepare_weights(update.version, model_path=path, timeout=PREPARE_TIMEOUT_S)
             except EngineError as exc:
                 if exc.status == 404:  # plain SGLang without a host agent: it loads full versions
-                    if member.url not in self._said_404:
-                        self._said_404.add(member.url)
-                        log.info("engine %s cannot prepare deltas (%s): it gets full updates", member.url, exc)
+                    self.no_disk_prepare.add(self.preparer_url(member))
+                    log.info("engine %s cannot prepare deltas (%s): it gets full updates", member.url, exc)
                 else:
                     log.info("engine %s did not take delta %s (%s): it gets the full weights", member.url, path, exc)
                 return

@@ -302,9 +302,13 @@ class Trainer:
             await delta.ensure_full(delta.snapshot_version)  # the last version, which stale engines catch up with
             reconciled = (await self.fleet.reconcile()).ok  # (then they are on the delta's base)
         members = self.pool.engines()
-        unable = [m.url for m in members if m.url in delta.cannot_prepare] if self.weight_sync is not None else []
-        # a group holding an engine that cannot take deltas (SGLang) gets full broadcasts: no delta is even taken
-        update = await delta.decide(version, new, no_delta=f"engines without deltas: {unable}" if unable else "")
+        if self.weight_sync is not None:  # a group holding an engine that cannot take deltas (SGLang) gets full
+            unable = [m.url for m in members if m.url in delta.cannot_prepare]  # broadcasts: no delta is even taken
+            no_delta = f"engines without deltas: {unable}" if unable else ""
+        else:  # no engine takes deltas over disk (plain SGLang, engines holding no weights): none is taken
+            takes = delta.takes_disk_deltas(members, version)
+            no_delta = "no engine prepares deltas (their prepare answered 404)" if members and not takes else ""
+        update = await delta.decide(version, new, no_delta=no_delta)
         update.reconciled = reconciled
         step: Callable[[], Awaitable[FleetResult]]
         if self.weight_sync is None:

@@ -340,3 +340,30 @@ async def test_many_updates_stay_bit_exact_with_an_engine_sigkilled_mid_swap_and
         assert kinds == ["full", "delta", "delta", "delta", "killed", "delta", *["delta"] * 6], kinds
     finally:
         procs.stop_all(grace_s=0)
+
+
+async def test_engines_that_cannot_prepare_over_disk_cost_no_delta(start_engine, make_trainer, tmp_path: Path) -> None:
+    """An engine whose prepare answers 404 (here one holding no weights; plain SGLang without an agent alike) gets
+    full updates; once no engine can prepare, no delta is taken or written, and no prepare is sent, until the engines
+    are asked again (every DISK_REPROBE_EVERY updates)."""
+    from rollq.engine.server.synthetic import SyntheticBackend, SyntheticConfig
+    from rollq.trainer.delta_sync import DISK_REPROBE_EVERY
+
+    backend = SyntheticBackend(SyntheticConfig())
+    synthetic = await serve(backend, EngineServerConfig(port=0, weights_root=str(tmp_path)))
+    try:
+        trainer = make_trainer([synthetic.url], delta_full_every=0, delta_max_share=1.0)
+        assert trainer.delta is not None
+        for version in range(4):
+            step(trainer, version)
+            phases = await trainer._publish_weights(version)
+            assert phases["delta"] == 0 and phases["full_engines"] == 1, phases
+        assert trainer.delta.deltas_taken == 1  # at version 1, prepared and refused with 404: never again
+        assert trainer.delta.no_disk_prepare == {synthetic.url}
+        assert not list((tmp_path / "weights").glob("d*"))
+        assert sorted(p.name for p in (tmp_path / "weights").glob("v*")) == ["v2", "v3"]
+        step(trainer, DISK_REPROBE_EVERY)
+        await trainer._publish_weights(DISK_REPROBE_EVERY)  # asked again: a delta taken and refused
+        assert trainer.delta.deltas_taken == 2 and trainer.delta.no_disk_prepare == {synthetic.url}
+    finally:
+        await synthetic.close()
