@@ -336,7 +336,11 @@ class DeltaSync:
         """Engines with a host agent that get the full version this time: their agent takes it first (before the
         pause: it copies it beside the engine and builds the next deltas on it), and the engine swaps in the agent's
         copy. Without this the agent would not know what its engine holds, and refuse the next delta."""
-        needing = [m for m in members if m.agent_url and m.url not in update.loads]
+        needing = [
+            m
+            for m in members
+            if m.agent_url and m.url not in update.loads and self.preparer_url(m) not in self.no_disk_prepare
+        ]
         if not needing:
             return
         path = await self.ensure_full(update.version)
@@ -348,6 +352,8 @@ class DeltaSync:
                 )
             except (EngineError, EngineUnavailable) as exc:  # the engine loads the trainer's copy itself
                 log.warning("engine %s: its agent did not take version %s (%s)", member.url, update.version, exc)
+                if isinstance(exc, EngineError) and exc.status == 404:  # no agent there: not asked again for a while
+                    self.no_disk_prepare.add(self.preparer_url(member))
                 return
             update.loads[member.url] = str(reply.get("load_path") or path)
 

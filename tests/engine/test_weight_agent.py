@@ -243,6 +243,9 @@ def test_a_version_built_from_another_delta_is_never_answered_as_prepared(tmp_pa
     assert refused.value.status == 409
     assert file_checksums(built.load_path) == checksums(first_v2)  # what it holds is still whole
 
+    empty = tmp_path / "empty"
+    (empty / "v0").mkdir(parents=True)  # killed before its very first state write: no state file at all
+    assert LocalVersions(shared, empty).version == "" and not (empty / "v0").exists()
     (local / "v9").mkdir()  # renamed into place, never recorded
     restarted = LocalVersions(shared, local, keep=2)
     assert not (local / "v9").exists() and restarted.version == "2"

@@ -367,3 +367,29 @@ async def test_engines_that_cannot_prepare_over_disk_cost_no_delta(start_engine,
         assert trainer.delta.deltas_taken == 2 and trainer.delta.no_disk_prepare == {synthetic.url}
     finally:
         await synthetic.close()
+
+
+async def test_an_agent_that_cannot_prepare_is_not_asked_each_update(
+    start_engine, make_trainer, tmp_path: Path, caplog
+) -> None:
+    """An engine whose agent URL answers 404 (a wrong or old agent) loads the trainer's full versions itself, and its
+    agent is not asked again (neither for deltas nor for the full version) until the next re-probe."""
+    import logging
+
+    from rollq.engine.server.synthetic import SyntheticBackend, SyntheticConfig
+
+    engine = await start_engine()
+    backend = SyntheticBackend(SyntheticConfig())
+    not_an_agent = await serve(backend, EngineServerConfig(port=0, weights_root=str(tmp_path)))
+    try:
+        trainer = make_trainer([engine.url], delta_full_every=0, engine_agents={engine.url: not_an_agent.url})
+        with caplog.at_level(logging.INFO, logger="rollq.trainer"):
+            for version in range(5):
+                step(trainer, version)
+                phases = await trainer._publish_weights(version)
+                assert phases["delta"] == 0 and phases["full_engines"] == 1, phases
+        asked = [r for r in caplog.records if "did not take" in r.getMessage() or "cannot prepare" in r.getMessage()]
+        assert len(asked) == 1, [r.getMessage() for r in asked]
+        await assert_bit_exact(trainer, [engine], 4)
+    finally:
+        await not_an_agent.close()

@@ -113,10 +113,8 @@ class LocalVersions:
                 leftover.unlink(missing_ok=True)
         try:
             state = msgspec.json.decode((self.local_root / STATE_FILE).read_bytes(), type=State)
-        except FileNotFoundError:
-            return State()
-        except (OSError, msgspec.DecodeError):  # unreadable: start over (a full version comes next)
-            return State()
+        except (OSError, msgspec.DecodeError):  # none or unreadable: start over (a full version comes next)
+            state = State()
         kept = [k for k in state.versions if _VERSION.match(k.version) and k.directory == _directory_name(k.version)]
         kept = [k for k in kept if (self.local_root / k.directory).is_dir()]
         named = {k.directory for k in kept}
