@@ -134,7 +134,9 @@ def venv(name: str, requirements: Path) -> Path:
         subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(target)], check=True, timeout=120)
         wheels = wheels_dir()
         wheels.mkdir(parents=True, exist_ok=True)
-        install = ["--python", str(python), "install", "-q", "--no-deps", "--no-compile", "--no-index"]
+        # Compiled here (pip's default): its users may not write into it (agents run as agent_user), and Python
+        # compiling a large package's modules on every start costs seconds.
+        install = ["--python", str(python), "install", "-q", "--no-deps", "--no-index"]
         install += ["--find-links", str(wheels), "-r", str(requirements)]
         try:
             _pip(*install)
