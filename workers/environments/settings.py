@@ -4,6 +4,7 @@ servers jobs may name. Declared once here, as fields of WorkerConfig (rollq.work
 
 from __future__ import annotations
 
+import os
 from typing import Annotated
 
 import msgspec
@@ -60,6 +61,12 @@ class EnvironmentSettings(msgspec.Struct, kw_only=True, frozen=True):
                 )
             if not server.strip():
                 raise ValueError(f"openenv_servers: {name!r} names no URL or command")
+
+    def virtualenvs(self) -> list[str]:
+        """The virtualenvs of the interpreters set (a python's `bin/..`): the code every episode of their
+        environments runs, which agents must not be able to change (rollq.workers.agents.writable)."""
+        pythons = [p for p in (self.verifiers_python, self.openenv_python) if p]
+        return list(dict.fromkeys(os.path.dirname(os.path.dirname(os.path.abspath(p))) for p in pythons))
 
     def python(self, kind: str) -> str:
         """The interpreter of `kind`'s environments; WorkflowLoadError naming the setting when it is unset."""

@@ -4,6 +4,7 @@ once, naming what is missing; the ingress refuses a tenant's job naming an envir
 
 from __future__ import annotations
 
+import os
 import sys
 
 import httpx
@@ -11,7 +12,10 @@ import pytest
 
 from rollq.engine.pool import EnginePool, PoolConfig
 from rollq.producer.producer import JobRequest, Producer
+from rollq.workers.agents.agent_user import parse_agent_users
+from rollq.workers.agents.writable import AgentCanWrite, check_agent_writable
 from rollq.workers.environments.naming import parse_environment
+from rollq.workers.environments.settings import EnvironmentSettings
 from rollq.workers.resolver import Allowlist, ImportNotAllowed, WorkflowLoadError
 from tests.helpers import running_worker
 from tests.producer.ingress_helpers import running_ingress
@@ -51,6 +55,7 @@ async def test_environment_jobs_are_dead_lettered_naming_what_is_missing(redis, 
         },
         allow=["verifiers:my-env", "verifiers:-*", "openenv:*"],
         verifiers_python=NO_VERIFIERS,
+        agent_hosts=1,  # an environment runs in the worker's loop all the same: it is a command agent
         openenv_servers={"listed": "http://127.0.0.1:9"},
     )
     assert got["not-allowed"][0] == "ImportNotAllowed" and "'verifiers:other-env'" in got["not-allowed"][1]
@@ -103,3 +108,20 @@ async def test_the_ingress_refuses_an_environment_outside_a_tenants_patterns(red
                 r = await http.post(f"{url}/v1/jobs", json={"workflow": workflow}, headers=auth)
                 assert r.status_code == 403, r.text
                 assert f"{workflow!r}" in r.json()["message"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="files owned by another uid need root")
+def test_a_worker_refuses_agents_that_can_write_an_environments_virtualenv(tmp_path):
+    """The next episode runs the code in it: an agent that could write it would change what later ones run."""
+    site = tmp_path / "venv" / "lib" / "site-packages" / "my_env"
+    site.mkdir(parents=True)
+    (tmp_path / "venv" / "bin").mkdir()
+    (site / "__init__.py").write_text("")
+    settings = EnvironmentSettings(verifiers_python=str(tmp_path / "venv" / "bin" / "python"))
+    assert settings.virtualenvs() == [str(tmp_path / "venv")]
+    user = parse_agent_users("61010:61010")
+    assert user is not None
+    assert check_agent_writable([], user.shared, path=[], cwd="/", virtualenvs=settings.virtualenvs()) == []
+    os.chown(site / "__init__.py", 61010, 0)
+    with pytest.raises(AgentCanWrite, match="the virtualenv of an environment's interpreter"):
+        check_agent_writable([], user.shared, path=[], cwd="/", virtualenvs=settings.virtualenvs())
