@@ -2,12 +2,13 @@
 vf`; scaffolded as `vf-init` does, verifiers/v1/cli/init.py), installed as a package into the tests' verifiers
 virtualenv, and that virtualenv.
 
-`rollq-vf-digits`: `num_tasks` tasks asking for a number; one @reward, a checksum of the model's reply, so the tiny
-model's gibberish gets rewards that differ from task to task (and equal ones for equal replies). `failing: true`
-makes that reward raise: verifiers marks the episode failed. Its harness runs in-process (verifiers/v1/harness.py,
-Harness.launch: a harness may run its loop in-process as long as every model call goes through `endpoint` +
-`secret`): verifiers' `null` harness launches a PEP 723 script through `uv sync --script`, which needs uv (not among
-verifiers' dependencies: it downloads it) and a package index, neither of which a test here has.
+`rollq-vf-digits`: `num_tasks` tasks asking for a number; one @reward, a checksum of the model's reply (of its ASCII
+letters and digits), so the tiny model's gibberish gets rewards that differ from task to task (and equal ones for
+equal replies). `failing: true` makes that reward raise: verifiers marks the episode failed. Its harness runs
+in-process (verifiers/v1/harness.py, Harness.launch: a harness may run its loop in-process as long as every model
+call goes through `endpoint` + `secret`): verifiers' `null` harness launches a PEP 723 script through `uv sync
+--script`, which needs uv (not among verifiers' dependencies: it downloads it) and a package index, neither of which
+a test here has.
 """
 
 from __future__ import annotations
@@ -45,8 +46,10 @@ class DigitsTask(vf.Task[DigitsData]):
     async def checksum(self, trace: vf.Trace) -> float:
         if self.data.failing:
             raise RuntimeError("the checksum reward failed on purpose")
+        # its ASCII letters and digits: what any decoding of the reply's tokens agrees on (a byte-level model's
+        # gibberish may split a character between tokens, which decoders replace differently)
         reply = content_text(trace.last_message.content)
-        return (sum(map(ord, reply)) % 11) / 10
+        return (sum(ord(c) for c in reply if c.isascii() and c.isalnum()) % 11) / 10
 
 
 class DigitsConfig(vf.TasksetConfig):
