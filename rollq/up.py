@@ -38,7 +38,8 @@ from rollq.redis_client import TRANSIENT_ERRORS, redis_client, safe_url
 from rollq.shield import shield_secrets
 from rollq.trainer.config import TrainConfig, is_generated_dataset
 from rollq.up_record import UpRecord, describe_run_dir, read_record, write_record
-from rollq.workers.resolver import Allowlist
+from rollq.workers.environments.naming import is_environment, parse_environment
+from rollq.workers.resolver import Allowlist, WorkflowLoadError
 
 if TYPE_CHECKING:
     from rollq.trainer.metrics import StepRecord
@@ -228,11 +229,18 @@ DOTTED_NAME = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+")  # what an allowed ob
 
 
 def worker_allowlist(cfg: TrainConfig, stack: UpConfig) -> list[str]:
-    """What the stack's workers may import: the operator's patterns, the trainer's own workflow and the reward_fn
-    of its own workflow_kwargs and eval_workflow_kwargs (all named by whoever runs `rollq up`); rollq's built-ins are
-    allowed anyway. Each is that one object, not its whole module."""
+    """What the stack's workers may import: the operator's patterns, the trainer's own workflow (or the environment
+    it names, `verifiers:ENV_ID`) and the reward_fn of its own workflow_kwargs and eval_workflow_kwargs (all named by
+    whoever runs `rollq up`); rollq's built-ins are allowed anyway. Each is that one object, not its whole module."""
     allow = list(stack.allow)
     named = [cfg.workflow, *(kwargs.get("reward_fn") for kwargs in (cfg.workflow_kwargs, cfg.eval_workflow_kwargs))]
+    if is_environment(cfg.workflow):  # `verifiers:ENV_ID` / `openenv:NAME`: that environment, as written
+        try:
+            parse_environment(cfg.workflow)  # a malformed name: said now (its characters are no pattern's wildcards)
+        except WorkflowLoadError as exc:
+            raise ValueError(str(exc)) from None
+        allow += [] if cfg.workflow in allow else [cfg.workflow]
+        named = named[1:]
     for path in named:
         if isinstance(path, str) and (":" in path or "." in path):  # an import path, not a built-in loop's name
             dotted = path.replace(":", ".")  # patterns are over dotted names (`mod:fn` is `mod.fn`)

@@ -85,7 +85,7 @@ def worker(cfg: WorkerConfig) -> int:
     # started in, which Python put first on sys.path (the allowlist still decides what may be imported).
     use_module_paths(cfg.module_paths)
     try:
-        check_agents_cannot_write(cfg.allow, cfg.agent_user)
+        check_agents_cannot_write(cfg.allow, cfg.agent_user, cfg.environments().virtualenvs())
     except (ValueError, AgentCanWrite) as exc:
         print(f"rollq worker: {exc}", file=sys.stderr)
         return 2

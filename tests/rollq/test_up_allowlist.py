@@ -52,3 +52,14 @@ def test_a_pattern_given_as_the_workflow_or_reward_is_refused_not_allowed(settin
     cfg = msgspec.convert({"run": "r", **settings}, TrainConfig)
     with pytest.raises(ValueError, match="is not an import path"):
         worker_allowlist(cfg, UpConfig())
+
+
+def test_an_environment_the_trainer_names_is_allowed_as_written():
+    cfg = TrainConfig(workflow="verifiers:owner/my-env@0.1")
+    allow = worker_allowlist(cfg, UpConfig(allow=["mine"]))
+    assert allow == ["mine", "verifiers:owner/my-env@0.1"]
+    Allowlist(patterns=tuple(allow)).check_environment("verifiers", "owner/my-env@0.1")
+    with pytest.raises(ImportNotAllowed):  # that environment, no other
+        Allowlist(patterns=tuple(allow)).check_environment("verifiers", "owner/my-env@0.2")
+    with pytest.raises(ValueError, match="is not an environment name"):
+        worker_allowlist(TrainConfig(workflow="verifiers:*"), UpConfig())

@@ -21,6 +21,7 @@ from rollq.workers.agents.command import is_command
 from rollq.workers.agents.export import AgentOutputError, assign_rewards, export
 from rollq.workers.agents.subproc import agent_result, extra_kwargs_for, run_agent
 from rollq.workers.context import workflow_context
+from rollq.workers.environments.naming import is_environment
 from rollq.workers.resolver import active_allowlist
 from rollq.workers.rewards.processes import AsyncRewardWrapper, RewardError, RewardNotANumber, RewardTimeout
 
@@ -73,7 +74,9 @@ class AgentWorkflow:
         agent = self._inline_agent()
         offered = {**urls, "api_key": key}
         if inspect.iscoroutinefunction(agent.run):
-            if ctx.config.agent_hosts > 0 and not is_command(self.path):
+            # A command agent (an environment is one) is its own process already, built here: never re-resolved in
+            # a host by its path.
+            if ctx.config.agent_hosts > 0 and not (is_command(self.path) or is_environment(self.path)):
                 return await self._run_hosted(ctx, data, urls, key)
             offered["http_client"] = ctx.agent_http_client()  # httpx or httpx2: what the installed SDKs take
             call = agent.run(data, **extra_kwargs_for(agent.run, offered))

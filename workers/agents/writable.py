@@ -3,8 +3,10 @@
 An agent that can write a folder on the worker's `sys.path` (or anything in it) plants a module the worker, or a
 process it starts, imports: its code then runs with the worker's Redis password and engine keys in reach. One that
 can write an allowed command folder (`command:/opt/agents/*`) puts any program there (a copy of /bin/sh) and a job
-runs it, so the pattern allows anything. The worker's working directory counts too: Python processes started with
-`-c` (multiprocessing's fork server and resource tracker) import from it first.
+runs it, so the pattern allows anything. One that can write an environment's virtualenv (`verifiers_python`,
+`openenv_python`: rollq.workers.environments) changes the code every later episode of that environment runs. The
+worker's working directory counts too: Python processes started with `-c` (multiprocessing's fork server and
+resource tracker) import from it first.
 
 - With `agent_user` (agents run as another user) every such place, and everything below the folders, must be
   unwritable by that user: the worker refuses to start otherwise (`AgentCanWrite`, naming the path). A uid range
@@ -44,7 +46,8 @@ class AgentCanWrite(Exception):
 class Writable(msgspec.Struct, frozen=True):
     path: str  # what the agents' user can write
     place: str  # the entry it is or lies in
-    kind: str  # "command folder", "PATH folder", "allowed program", "sys.path entry" or "working directory"
+    # "command folder", "PATH folder", "allowed program", "sys.path entry", "working directory" or "virtualenv"
+    kind: str
 
     def describe(self) -> str:
         where = "" if self.path == self.place else f" (in {self.place})"
@@ -57,6 +60,7 @@ _KIND_TEXT = {
     "working directory": "the worker's working directory",
     "PATH folder": "a folder on the worker's PATH, where a program allowed by name is looked up",
     "allowed program": "a program allowed by name",
+    "virtualenv": "the virtualenv of an environment's interpreter (verifiers_python, openenv_python)",
 }
 
 
@@ -94,11 +98,17 @@ def path_places(names: Sequence[str], search_path: str) -> list[tuple[str, str]]
 
 
 def places(
-    patterns: Sequence[str], path: Sequence[str], cwd: str, search_path: str | None = None
+    patterns: Sequence[str],
+    path: Sequence[str],
+    cwd: str,
+    search_path: str | None = None,
+    virtualenvs: Sequence[str] = (),
 ) -> list[tuple[str, str]]:
-    """(place, kind) for every place agents must not write (`search_path`: the worker's PATH)."""
+    """(place, kind) for every place agents must not write (`search_path`: the worker's PATH; `virtualenvs`: the
+    folders of the environments' interpreters)."""
     search_path = os.environ.get("PATH", os.defpath) if search_path is None else search_path
     found = [(folder, "command folder") for folder in command_folders(patterns, cwd)]
+    found += [(os.path.abspath(folder), "virtualenv") for folder in virtualenvs]
     found += path_places(command_names(patterns), search_path)
     found += [(os.path.abspath(entry), "sys.path entry") for entry in path if entry]
     found.append((cwd, "working directory"))
@@ -167,16 +177,17 @@ def writable_places(
     path: Sequence[str] | None = None,
     cwd: str | None = None,
     search_path: str | None = None,
+    virtualenvs: Sequence[str] = (),
 ) -> list[Writable]:
     """What agents could write among the places the worker imports or executes from: allowed command folders
     (`patterns`: the worker's allowlist), with programs allowed by name the folders of `search_path` (default PATH),
-    `path` (default sys.path) and `cwd` (default the working directory).
+    `path` (default sys.path), `cwd` (default the working directory) and `virtualenvs` (the environments').
     `user` None: the worker's own user (the places themselves, by os.access); else everything in them that `user`
     can write, the first finding per place."""
     cwd = os.getcwd() if cwd is None else cwd
     path = sys.path if path is None else path
     found = []
-    for place, kind in places(patterns, path, cwd, search_path):
+    for place, kind in places(patterns, path, cwd, search_path, virtualenvs):
         target = _existing(place)
         if user is None:
             if os.access(target, os.W_OK):
@@ -210,10 +221,11 @@ def check_agent_writable(
     path: Sequence[str] | None = None,
     cwd: str | None = None,
     search_path: str | None = None,
+    virtualenvs: Sequence[str] = (),
 ) -> list[Writable]:
     """At the worker's start. With `user`: AgentCanWrite naming the first place it can write. Without: one WARNING
     naming the places the worker's own user (and so its agents) can write. Returns what was found."""
-    found = writable_places(patterns, user, path=path, cwd=cwd, search_path=search_path)
+    found = writable_places(patterns, user, path=path, cwd=cwd, search_path=search_path, virtualenvs=virtualenvs)
     if not found:
         return found
     if user is not None:
@@ -231,12 +243,12 @@ def check_agent_writable(
     return found
 
 
-def check_agents_cannot_write(allow: Sequence[str], agent_user: str) -> list[Writable]:
-    """The worker's check at its start (`allow`, `agent_user`: its settings): ValueError for an agent_user it cannot
-    switch to, else check_agent_writable."""
+def check_agents_cannot_write(allow: Sequence[str], agent_user: str, virtualenvs: Sequence[str] = ()) -> list[Writable]:
+    """The worker's check at its start (`allow`, `agent_user`: its settings; `virtualenvs`: its environments'):
+    ValueError for an agent_user it cannot switch to, else check_agent_writable."""
     users = parse_agent_users(agent_user)
     if users is None:
-        return check_agent_writable(allow, None)
+        return check_agent_writable(allow, None, virtualenvs=virtualenvs)
     # A range: the worker switches to uids that are not its own (the first one and a command agent's) and kills
     # all processes of a command agent's uid, which must never be its own.
     if users.pooled and users.holds(os.getuid()):
@@ -244,7 +256,7 @@ def check_agents_cannot_write(allow: Sequence[str], agent_user: str) -> list[Wri
     for user in (users.shared, *([AgentUser(users.last, users.gid)] if users.pooled else [])):
         if (why := cannot_switch(user)) is not None:
             raise ValueError(f"agent_user {agent_user!r} is set but {why}, so it cannot run agents as that user")
-    return check_agent_writable(allow, users if users.pooled else users.shared)
+    return check_agent_writable(allow, users if users.pooled else users.shared, virtualenvs=virtualenvs)
 
 
 __all__ = [

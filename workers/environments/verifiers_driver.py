@@ -1,0 +1,141 @@
+"""rollq's driver for verifiers environments: runs in the environment's own interpreter (the worker's
+`verifiers_python`), standard library and verifiers only. Never imports rollq.
+
+    python verifiers_driver.py --check ENV_ID   exit 0 when verifiers can load ENV_ID, else one line on stderr, exit 3
+    python verifiers_driver.py < payload.json   one episode, its reward the last stdout line
+
+The payload (rollq.workers.environments.agent): {"name": ENV_ID, "kwargs": {"env_args": {...}, "sampling": {...}},
+"data": {"idx": N}}. The episode is the one `vf-eval ENV_ID` runs for the taskset's task N, through verifiers' own
+machinery: the environment loaded by id with `env_args` as the taskset's config (verifiers/v1/utils/loaders.py
+resolve_env_config, load_environment), task N picked by its `idx` (its position in the taskset's `load()`, the
+number vf-eval gives it: verifiers/v1/taskset.py Taskset.__iter__, include), run with `Env.run_slot` inside
+`Env.serving()` as vf-eval's runner does (verifiers/v1/cli/eval/runner.py _in_process), its agents in verifiers'
+`subprocess` runtime (`vf-eval --env.agent.runtime.type subprocess`), its model calls sent by
+verifiers' EvalClient to OPENAI_BASE_URL with the key in OPENAI_API_KEY (the worker's recording proxy and the
+episode's session key) and the job's `sampling`. The reward printed is the trace's own `Trace.reward` (the weighted
+sum of its @reward scores, verifiers/v1/trace.py), what vf-eval reports for it. An episode verifiers marks failed
+(a raising reward, a harness error) exits 1 with its errors on stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import urllib.request
+
+CHECK_FAILED = 3
+EPISODE_FAILED = 1
+DEFAULT_MODEL = "rollq"  # when the endpoint lists none
+LOCAL_RUNTIME = {"type": "subprocess"}  # verifiers/v1/runtimes/subprocess.py SubprocessConfig
+
+
+class EpisodeError(Exception):
+    """The episode cannot run, or verifiers marked it failed: exit 1 with this message."""
+
+
+def check(env_id: str) -> int:
+    try:
+        from verifiers.v1.utils.loaders import taskset_class
+    except Exception as exc:  # not installed, or broken: either way this interpreter cannot run it
+        return _refuse(f"verifiers is not importable by {sys.executable}: {type(exc).__name__}: {exc}")
+    try:
+        taskset_class(env_id)
+    except Exception as exc:
+        return _refuse(f"verifiers cannot load environment {env_id!r}: {type(exc).__name__}: {exc}")
+    return 0
+
+
+def _refuse(message: str) -> int:
+    print(" ".join(message.split()), file=sys.stderr)  # one line
+    return CHECK_FAILED
+
+
+def served_model(base_url: str, api_key: str) -> str:
+    """The model the endpoint serves (its /models list), which verifiers records on the trace; any name works."""
+    request = urllib.request.Request(f"{base_url.rstrip('/')}/models", headers={"Authorization": f"Bearer {api_key}"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as reply:
+            models = json.load(reply).get("data") or []
+    except (OSError, ValueError):
+        return DEFAULT_MODEL
+    return str(models[0].get("id") or DEFAULT_MODEL) if models and isinstance(models[0], dict) else DEFAULT_MODEL
+
+
+def task_index(data: object) -> int:
+    idx = data.get("idx") if isinstance(data, dict) else None
+    if isinstance(idx, bool) or not isinstance(idx, int) or idx < 0:
+        raise EpisodeError(
+            f'the job\'s data must name a task as {{"idx": N}} (N >= 0, as vf-eval numbers them), got {data!r}'
+        )
+    return idx
+
+
+async def episode_reward(payload: dict) -> float:
+    import verifiers.v1 as vf
+    from verifiers.v1.configs.agent import agent_config_fields
+    from verifiers.v1.env import RunSlot
+    from verifiers.v1.utils.loaders import load_environment, resolve_env_config
+
+    env_id = payload["name"]
+    kwargs = payload.get("kwargs") or {}
+    env_args = dict(kwargs.get("env_args") or {})
+    if "id" in env_args:
+        raise EpisodeError("env_args are the taskset's config fields; the environment's id is the job's workflow")
+    idx = task_index(payload.get("data"))
+    raw = {"taskset": {**env_args, "id": env_id}}
+    # Every agent seat in verifiers' `subprocess` runtime: its harness runs here, inside the worker's command-agent
+    # boundary (agent_user, its own HOME, no secrets, its process group killed at the end). verifiers' default is
+    # Prime's remote sandboxes (verifiers/v1/configs/agent.py AgentConfig.runtime), which need Prime credentials and
+    # a tunnel back to this host; partial seat settings merge onto the seat's own (configs/agent.py
+    # merge_agent_defaults).
+    seats = agent_config_fields(resolve_env_config(raw))
+    env = load_environment(resolve_env_config({**raw, **{seat: {"runtime": LOCAL_RUNTIME} for seat in seats}}))
+    tasks = list(env.taskset.include(idx=[idx]))
+    if len(tasks) != 1:
+        raise EpisodeError(f"environment {env_id!r} has no task {idx} (its taskset with env_args {env_args})")
+    base_url, key_var = os.environ["OPENAI_BASE_URL"], "OPENAI_API_KEY"
+    ctx = vf.ModelContext(
+        model=served_model(base_url, os.environ[key_var]),
+        client=vf.EvalClientConfig(base_url=base_url, api_key_var=key_var),
+        sampling=vf.SamplingConfig(**(kwargs.get("sampling") or {})),
+    )
+    async with env.serving():
+        episode = await env.run_slot(RunSlot(tasks[0]), ctx)
+    if not episode.ok or any(not t.ok for t in episode.traces):
+        errors = [*episode.errors, *(e for t in episode.traces for e in getattr(t, "errors", []) or [])]
+        said = "; ".join(f"{e.type}: {e.message}" for e in errors) or "no error recorded"
+        tracebacks = "\n".join(e.traceback for e in errors if getattr(e, "traceback", None))
+        raise EpisodeError(f"verifiers marked the episode of task {idx} failed: {said}\n{tracebacks}".rstrip())
+    if len(episode.traces) != 1:
+        raise EpisodeError(
+            f"the episode of task {idx} has {len(episode.traces)} traces: rollq runs environments whose episode is "
+            "one agent's trace (verifiers' SingleAgentEnv, every plain taskset)"
+        )
+    return float(episode.traces[0].reward)
+
+
+def run(stdin: str) -> int:
+    import asyncio
+
+    try:
+        payload = json.loads(stdin)
+        reward = asyncio.run(episode_reward(payload))
+    except EpisodeError as exc:
+        print(exc, file=sys.stderr)
+        return EPISODE_FAILED
+    print(json.dumps(reward))
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) == 2 and argv[0] == "--check":
+        return check(argv[1])
+    if not argv:
+        return run(sys.stdin.read())
+    print("usage: verifiers_driver.py --check ENV_ID | verifiers_driver.py < payload.json", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
