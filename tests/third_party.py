@@ -2,7 +2,8 @@
 
 Wheels are fetched once (`pip download --no-deps`, pinned) into $ROLLQ_CACHE/wheels and reused by every later run;
 a package whose pins clash with the project's environment gets its own cached site folder (`pip install --no-deps
---target`) that only the processes of its tests put on their path. Nothing from these packages is copied into the
+--target`) that only the processes of its tests put on their path, or a virtualenv of its own (`venv`: a package
+run by its own interpreter, as rollq's environment drivers are). Nothing from these packages is copied into the
 repository. The xdist processes take turns under a file lock, so one fetches and the others find its copy.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -107,3 +109,39 @@ def site(name: str, requirements: list[str]) -> Path:
                 Path(tmp).rename(target)
                 Path(tmp).mkdir()
     return target
+
+
+VENV_DONE = ".rollq-complete"  # written last: a virtualenv without it was interrupted while being built
+
+
+def venv(name: str, requirements: Path) -> Path:
+    """The python of a virtualenv holding exactly the pinned `requirements` file (the full closure, `pip freeze`d:
+    installed `--no-deps`), built once per content of the file under $ROLLQ_CACHE/venvs. Its wheels come from the
+    wheels cache, fetched into it (`pip download`) the first time a file needs one it lacks."""
+    text = requirements.read_text()
+    pins = [line.split("#")[0].strip() for line in text.splitlines()]
+    for pin in filter(None, pins):
+        _wheel_prefix(pin)  # each one pinned
+    key = hashlib.sha256(text.encode()).hexdigest()[:12]
+    target = cache_root() / "venvs" / f"{name}-{key}"
+    python = target / "bin" / "python"
+    with _locked("venvs"):
+        if (target / VENV_DONE).is_file():
+            return python
+        shutil.rmtree(target, ignore_errors=True)  # an interrupted build
+        target.parent.mkdir(parents=True, exist_ok=True)
+        # Not relocatable (its scripts name their interpreter by path): built where it stays.
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(target)], check=True, timeout=120)
+        wheels = wheels_dir()
+        wheels.mkdir(parents=True, exist_ok=True)
+        install = ["--python", str(python), "install", "-q", "--no-deps", "--no-compile", "--no-index"]
+        install += ["--find-links", str(wheels), "-r", str(requirements)]
+        try:
+            _pip(*install)
+        except RuntimeError:  # some wheel is not cached yet: fetch the missing ones, then install offline again
+            fetch = ["download", "-q", "--no-deps", "--only-binary", ":all:", "-d", str(wheels)]
+            with _locked("wheels"):
+                _pip(*fetch, "-r", str(requirements))
+            _pip(*install)
+        (target / VENV_DONE).write_text(text)
+    return python

@@ -10,6 +10,7 @@ from rollq.protocol.blobs import DEFAULT_BLOB_TTL_S, VISION_INLINE_BYTES
 from rollq.protocol.image_limits import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGES, DEFAULT_MAX_TOTAL_PIXELS
 from rollq.protocol.keys import validate_run_name
 from rollq.protocol.limits import MAX_JOB_BYTES, MAX_TRAJECTORY_BYTES
+from rollq.workers.environments.settings import EnvironmentSettings, OpenenvPython, OpenenvServers, VerifiersPython
 from rollq.workers.media import DEFAULT_MAX_PIXELS
 
 AGENTS = "agent workflows"
@@ -67,7 +68,8 @@ class WorkerConfig(RunSettings, kw_only=True):
         list[str],
         setting(
             "import paths jobs may name besides rollq's built-ins (repeatable): shell "
-            "patterns over dotted names, `my_pkg` covers everything in it",
+            "patterns over dotted names, `my_pkg` covers everything in it; `command:PROG` for exec: agents, "
+            "`env:NAME` for their variables, `verifiers:ENV_ID` / `openenv:NAME` for environments",
             metavar="PATTERN",
         ),
     ] = []
@@ -257,9 +259,14 @@ class WorkerConfig(RunSettings, kw_only=True):
             group=AGENTS,
         ),
     ] = 64 << 20
+    # Environments (rollq.workers.environments): declared in its settings module, shared with EnvironmentSettings.
+    verifiers_python: VerifiersPython = ""
+    openenv_python: OpenenvPython = ""
+    openenv_servers: OpenenvServers = {}
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        self.environments()  # a malformed openenv_servers is an error now
         if not self.lease_refresh_ms:
             self.lease_refresh_ms = max(50, self.lease_ms // 6)
         if not self.reclaim_interval_ms:
@@ -269,6 +276,14 @@ class WorkerConfig(RunSettings, kw_only=True):
         for run in self.also_serve:
             validate_run_name(run)
         self.weights()  # a malformed run_weight is an error now
+
+    def environments(self) -> EnvironmentSettings:
+        """The environment settings, as the worker hands them to its workflows."""
+        return EnvironmentSettings(
+            verifiers_python=self.verifiers_python,
+            openenv_python=self.openenv_python,
+            openenv_servers=dict(self.openenv_servers),
+        )
 
     @property
     def runs(self) -> list[str]:

@@ -30,6 +30,7 @@ from httpx_aiohttp import HttpxAiohttpClient
 import rollq.tracing as tracing
 from rollq.config import DEFAULT_REDIS_URL
 from rollq.engine.types import InferenceEngine, ModelRequest, ModelResponse, ProgressCallback, as_model_request
+from rollq.workers.environments.settings import EnvironmentSettings
 from rollq.workers.proxy.server import ProxyConfig, RecordingProxy
 from rollq.workers.rewards.processes import shared_pools
 from rollq.workers.stats import StatsTracker, WorkflowStats
@@ -46,6 +47,7 @@ class ContextConfig(msgspec.Struct, kw_only=True, frozen=True):
     # "UID:GID" agents run as, or "FIRST-LAST:GID" (a uid per running command agent; rollq.workers.agents.agent_user);
     # "": this process's user
     agent_user: str = ""
+    environments: EnvironmentSettings = EnvironmentSettings()  # what environment jobs run with (their interpreters)
     http_max_connections: int = 1024
     redis_url: str = DEFAULT_REDIS_URL  # where remote rewards reach their reward workers (RunSettings.rewards_url)
     run: str = "default"  # the worker's run (remote rewards go to its reward workers unless a job names another)

@@ -17,6 +17,7 @@ from rollq.protocol.messages import AgentOptions
 from rollq.workers.agents.command import is_command
 from rollq.workers.builtin import BUILTIN_WORKFLOWS, resolve_agent_name
 from rollq.workers.construct import KwargConverter
+from rollq.workers.environments.naming import is_environment
 from rollq.workers.resolver import ImportNotAllowed, WorkflowLoadError, active_allowlist, resolve
 
 log = logging.getLogger("rollq.worker")
@@ -24,7 +25,8 @@ log = logging.getLogger("rollq.worker")
 
 def workflow_path(workflow: str, data: Any) -> str:
     """The import path a job runs: its data's `agent_name` picks a built-in loop (verl's convention), a short
-    built-in name stands for its class, `exec:PROGRAM ARGS...` a command agent, anything else is an import path."""
+    built-in name stands for its class, `exec:PROGRAM ARGS...` a command agent, `verifiers:ENV_ID` / `openenv:NAME`
+    an environment, anything else is an import path."""
     agent = data.get("agent_name") if isinstance(data, dict) else None
     if agent:
         try:
@@ -81,6 +83,8 @@ class WorkflowCache:
 
         if is_command(path):
             return _command_workflow(path, kwargs, agent)
+        if is_environment(path):
+            return _environment_workflow(path, kwargs, agent)
         obj = resolve(path)
         kwargs = {**kwargs, **accepted_kwargs(obj, optional)}
         if is_agent(obj):
@@ -152,3 +156,25 @@ def _command_workflow(path: str, kwargs: dict[str, Any], agent: AgentOptions | N
     if agent is not None and agent.mode != "inline":
         agent = msgspec.structs.replace(agent, mode="inline")  # the command is its own process already
     return AgentWorkflow(command, path, None, agent)
+
+
+def _environment_workflow(path: str, kwargs: dict[str, Any], agent: AgentOptions | None) -> Any:
+    """`verifiers:ENV_ID` / `openenv:NAME`: an environment (rollq.workers.environments), after the allowlist allowed
+    it, run by the interpreter the worker's settings name. Like a command agent, it is always its own process."""
+    from rollq.workers.agents.runner import AgentWorkflow
+    from rollq.workers.context import workflow_context
+    from rollq.workers.environments.agent import EnvironmentAgent
+    from rollq.workers.environments.naming import parse_environment
+    from rollq.workers.environments.settings import EnvironmentSettings
+
+    env = parse_environment(path)
+    allowlist = active_allowlist()
+    if allowlist is not None:
+        allowlist.check_environment(env.kind, env.name)
+    try:
+        settings = workflow_context().config.environments
+    except RuntimeError:  # no worker around (a script, a test): nothing configured
+        settings = EnvironmentSettings()
+    if agent is not None and agent.mode != "inline":
+        agent = msgspec.structs.replace(agent, mode="inline")  # the driver is its own process already
+    return AgentWorkflow(EnvironmentAgent(env, kwargs, settings), path, None, agent)

@@ -23,7 +23,9 @@ import, the walk from the module to the object follows these rules:
 
 Commands (`exec:PROGRAM ARGS...`, rollq.workers.agents.command) are listed as `command:NAME` patterns and checked by
 `Allowlist.check_command`: the program as the job wrote it, and the file it really is (symbolic links resolved), see
-there. Environment variables a job passes to a command agent are listed as `env:NAME` patterns.
+there. Environment variables a job passes to a command agent are listed as `env:NAME` patterns. Environments
+(`verifiers:ENV_ID`, `openenv:NAME`, rollq.workers.environments) are listed as patterns of the same form and checked
+by `Allowlist.check_environment`.
 """
 
 from __future__ import annotations
@@ -140,6 +142,19 @@ class Allowlist(msgspec.Struct, frozen=True):
             raise ImportNotAllowed(
                 f"environment variable {name!r} may not be set by a job here; the operator can allow it with "
                 f"{self.setting} (e.g. 'env:{name}')"
+            )
+
+    def check_environment(self, kind: str, name: str) -> None:
+        """An environment a job names (`verifiers:ENV_ID`, `openenv:NAME`), as written, by a pattern of the same
+        form (`verifiers:my-env`, `verifiers:owner/*`, `verifiers:*` for all). A pattern does not cover names "below"
+        it here: `verifiers:my-env` is not `verifiers:my-env.x`."""
+        if self.within is not None:
+            self._within().check_environment(kind, name)
+        named = f"{kind}:{name}"
+        if not any(fnmatch.fnmatchcase(named, p) for p in self.patterns):
+            raise ImportNotAllowed(
+                f"environment {named!r} is not allowed here, so nothing ran; the operator can allow it with "
+                f"{self.setting} (e.g. {named!r})"
             )
 
     def _within(self) -> Allowlist:

@@ -200,6 +200,7 @@ class Worker:
                 agent_processes=config.agent_processes,
                 agent_hosts=config.agent_hosts,
                 agent_user=str(parse_agent_users(config.agent_user) or ""),
+                environments=config.environments(),
                 proxy=ProxyConfig(
                     host=config.proxy_host,
                     port=config.proxy_port,
@@ -802,6 +803,8 @@ class Worker:
                     await self.sample_text.add(text_tokenizer, sequences)
             except asyncio.CancelledError:
                 raise
+            except WorkflowLoadError as exc:  # found only when it ran (an environment its driver cannot load)
+                raise _Fatal(self._error(type(exc).__name__, str(exc), runs)) from None
             except Exception as exc:  # the workflow's own failure: retry, then dead-letter
                 error = self._error(type(exc).__name__, str(exc) or repr(exc), runs, traceback.format_exc(limit=20))
                 if runs < self.cfg.max_attempts:

@@ -67,6 +67,7 @@ from rollq.protocol.media import ImageError
 from rollq.protocol.messages import Job, JobClass, Trajectory, class_bound, job_classes
 from rollq.redis_client import TRANSIENT_ERRORS, ensure_group, redis_client, run_partitions
 from rollq.tracing import INVALID_SPAN, TRACEPARENT, Span, SpanKind, Tracing, traceparent
+from rollq.workers.environments.naming import is_environment
 
 log = logging.getLogger("rollq.ingress")
 
@@ -158,9 +159,12 @@ def load_tenants(cfg: IngressConfig) -> dict[str, str]:
 
 def workflow_names(spec: JobSpec) -> list[str]:
     """The names a tenant's workflow patterns are checked against: the workflow as a dotted name (`pkg.mod:Cls` ->
-    `pkg.mod.Cls`), `command:PROGRAM` for `exec:PROGRAM ...`, and a data `agent_name` (it picks a built-in loop)."""
+    `pkg.mod.Cls`), `command:PROGRAM` for `exec:PROGRAM ...`, an environment as written (`verifiers:ENV_ID`,
+    `openenv:NAME`), and a data `agent_name` (it picks a built-in loop)."""
     wf = spec.workflow
-    if wf.startswith("exec:"):
+    if is_environment(wf):
+        names = [wf]
+    elif wf.startswith("exec:"):
         try:
             argv = shlex.split(wf[5:])
         except ValueError:
@@ -191,7 +195,10 @@ def kwargs_import_paths(value: Any, at: str) -> list[tuple[str, str]]:
 
 
 def pattern_allows(patterns: list[str], name: str) -> bool:
-    """Shell-style, a pattern covering everything below it (as the workers' allowlist)."""
+    """Shell-style, a pattern covering everything below it (as the workers' allowlist); an environment name only
+    as a whole (as Allowlist.check_environment)."""
+    if is_environment(name):
+        return any(fnmatch.fnmatchcase(name, p) for p in patterns)
     return any(fnmatch.fnmatchcase(name, p) or fnmatch.fnmatchcase(name, p + ".*") for p in patterns)
 
 

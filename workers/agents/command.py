@@ -74,7 +74,13 @@ PIPE_DRAIN_S = 5.0  # after the group is killed, how long to wait for output sti
 
 
 class CommandError(Exception):
-    """The command could not start, exited with a non-zero status or was killed by a signal."""
+    """The command could not start, exited with a non-zero status or was killed by a signal. `code`: its exit status
+    (negative: the signal; None: it never ran), `stderr`: the tail of what it wrote there."""
+
+    def __init__(self, message: str, *, code: int | None = None, stderr: str = "") -> None:
+        super().__init__(message)
+        self.code = code
+        self.stderr = stderr
 
 
 def is_command(workflow: str) -> bool:
@@ -180,6 +186,7 @@ class CommandAgent:
         executable: str | None = None,
         env: Mapping[str, str] | None = None,
         user: AgentUser | None = None,
+        reads_result: bool = True,
     ) -> None:
         if not argv:
             raise ValueError("a command agent needs a program to run")
@@ -188,6 +195,8 @@ class CommandAgent:
         self.executable = executable
         self.env = dict(env or {})
         self.user = user  # who runs it; None: the worker's agent_user (its own user when that is unset)
+        # False: its exit status alone is its answer (a check), run() returns None and its stdout is not read.
+        self.reads_result = reads_result
 
     async def run(self, data: Any, base_url: str, api_key: str, anthropic_base_url: str) -> Any:
         try:
@@ -264,7 +273,10 @@ class CommandAgent:
                     log.warning("%s: pid %d did not exit %gs after SIGKILL", self.name, pid, PIPE_DRAIN_S)
             transport.close()
         if code != 0:
-            raise CommandError(f"{self.name} {_status(code)}; {_tail(out.stderr_tail)}")
+            stderr = out.stderr_tail.decode(errors="replace").strip()
+            raise CommandError(f"{self.name} {_status(code)}; {_tail(out.stderr_tail)}", code=code, stderr=stderr)
+        if not self.reads_result:
+            return None
         out.finish_stdout()
         return self._result(out)
 

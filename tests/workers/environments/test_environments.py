@@ -1,0 +1,105 @@
+"""Environment jobs (`verifiers:ENV_ID`, `openenv:NAME`) refused before anything of theirs runs, in a real worker on
+a real Redis: not allowed, malformed, not configured, not installed (the driver's own check). Each is dead-lettered at
+once, naming what is missing; the ingress refuses a tenant's job naming an environment outside its patterns."""
+
+from __future__ import annotations
+
+import sys
+
+import httpx
+import pytest
+
+from rollq.engine.pool import EnginePool, PoolConfig
+from rollq.producer.producer import JobRequest, Producer
+from rollq.workers.environments.naming import parse_environment
+from rollq.workers.resolver import Allowlist, ImportNotAllowed, WorkflowLoadError
+from tests.helpers import running_worker
+from tests.producer.ingress_helpers import running_ingress
+from tests.scripted import scripted_engine
+
+# The project's own interpreter: a Python without verifiers or openenv installed.
+NO_VERIFIERS = sys.executable
+
+
+async def dead_letters(redis, redis_url, run, jobs: dict[str, str], **worker) -> dict[str, tuple[str, str]]:
+    """Runs each job (job_id -> workflow) once in a real worker: job_id -> (error type, message)."""
+    async with scripted_engine(["7"]) as engine, EnginePool(PoolConfig(urls=[engine.url])) as pool:
+        async with running_worker(redis_url, run, engine=pool, max_attempts=3, **worker):
+            producer = Producer(redis, run)
+            consumer = producer.consumer()
+            await consumer.setup()
+            await producer.submit_many([JobRequest(workflow=wf, job_id=j, data={"idx": 0}) for j, wf in jobs.items()])
+            results = [t async for t in producer.wait_for(dict.fromkeys(jobs, 1), timeout_s=60, consumer=consumer)]
+    dead = await redis.xrange(f"rollq:{{{run}}}:dead")
+    assert len(dead) == len(jobs)
+    for t in results:
+        assert t.status == "error" and t.attempt == 1, t  # at once: its first run, never retried
+    return {t.job_id: (t.error.type, t.error.message) for t in results}
+
+
+async def test_environment_jobs_are_dead_lettered_naming_what_is_missing(redis, redis_url, run_name):
+    got = await dead_letters(
+        redis,
+        redis_url,
+        run_name,
+        {
+            "not-allowed": "verifiers:other-env",
+            "malformed": "verifiers:-rf /",
+            "not-installed": "verifiers:my-env",
+            "no-server": "openenv:echo",
+            "no-python": "openenv:listed",
+        },
+        allow=["verifiers:my-env", "verifiers:-*", "openenv:*"],
+        verifiers_python=NO_VERIFIERS,
+        openenv_servers={"listed": "http://127.0.0.1:9"},
+    )
+    assert got["not-allowed"][0] == "ImportNotAllowed" and "'verifiers:other-env'" in got["not-allowed"][1]
+    assert got["malformed"][0] == "WorkflowLoadError" and "is not an environment name" in got["malformed"][1]
+    # The driver's own check, quoted: this interpreter has no verifiers.
+    assert got["not-installed"][0] == "WorkflowLoadError", got["not-installed"]
+    assert f"verifiers is not importable by {NO_VERIFIERS}" in got["not-installed"][1]
+    assert "No module named 'verifiers'" in got["not-installed"][1]
+    assert "openenv_python setting is empty" in got["no-server"][1]  # checked before the server list
+    assert "openenv_python setting is empty" in got["no-python"][1]
+
+
+async def test_an_unlisted_server_and_an_unset_python_are_named(redis, redis_url, run_name):
+    got = await dead_letters(
+        redis,
+        redis_url,
+        run_name,
+        {"unlisted": "openenv:echo", "unset": "verifiers:my-env"},
+        allow=["verifiers:*", "openenv:*"],
+        openenv_python=NO_VERIFIERS,
+        openenv_servers={"other": "http://127.0.0.1:9"},
+    )
+    assert got["unlisted"][0] == "WorkflowLoadError"
+    assert "openenv_servers setting lists no server 'echo' (it lists: other)" in got["unlisted"][1]
+    assert "verifiers_python setting is empty" in got["unset"][1]
+
+
+def test_environment_names_and_patterns():
+    assert parse_environment("verifiers:owner/my-env@0.1").name == "owner/my-env@0.1"
+    for bad in ("verifiers:", "openenv: x", "verifiers:a;b", "verifiers:" + "a" * 129, "openenv:-x"):
+        with pytest.raises(WorkflowLoadError):
+            parse_environment(bad)
+    allow = Allowlist(patterns=("verifiers:owner/*",))
+    allow.check_environment("verifiers", "owner/x@1")
+    for kind, name in (("verifiers", "other/x"), ("openenv", "owner/x")):
+        with pytest.raises(ImportNotAllowed, match=f"'{kind}:{name}'"):
+            allow.check_environment(kind, name)
+    with pytest.raises(ImportNotAllowed, match="tenant"):  # narrowed by the job's own patterns too
+        allow.narrowed(["verifiers:owner/y"]).check_environment("verifiers", "owner/x")
+
+
+async def test_the_ingress_refuses_an_environment_outside_a_tenants_patterns(redis_url, run_name):
+    tenants = {"narrow": ["verifiers:math-add"]}  # as a whole: not `verifiers:math-add.x`
+    async with running_ingress(redis_url, run_name, tokens={"tok": "narrow"}, tenant_workflows=tenants) as (_, url):
+        async with httpx.AsyncClient(timeout=10) as http:
+            auth = {"Authorization": "Bearer tok"}
+            ok = await http.post(f"{url}/v1/jobs", json={"workflow": "verifiers:math-add"}, headers=auth)
+            assert ok.status_code == 202, ok.text
+            for workflow in ("verifiers:code-x", "openenv:math-add", "verifiers:math-add.x"):
+                r = await http.post(f"{url}/v1/jobs", json={"workflow": workflow}, headers=auth)
+                assert r.status_code == 403, r.text
+                assert f"{workflow!r}" in r.json()["message"]
