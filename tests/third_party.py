@@ -134,7 +134,9 @@ def venv(name: str, requirements: Path) -> Path:
         subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(target)], check=True, timeout=120)
         wheels = wheels_dir()
         wheels.mkdir(parents=True, exist_ok=True)
-        install = ["--python", str(python), "install", "-q", "--no-deps", "--no-compile", "--no-index"]
+        # Compiled (.pyc) as pip installs by default: its programs start once per episode, often as agent_user, which
+        # cannot write the cache, and compiling openenv's imports (gradio) anew cost seconds of CPU each time.
+        install = ["--python", str(python), "install", "-q", "--no-deps", "--no-index"]
         install += ["--find-links", str(wheels), "-r", str(requirements)]
         try:
             _pip(*install)
