@@ -38,7 +38,8 @@ from rollq.redis_client import TRANSIENT_ERRORS, redis_client, safe_url
 from rollq.shield import shield_secrets
 from rollq.trainer.config import TrainConfig, is_generated_dataset
 from rollq.up_record import UpRecord, describe_run_dir, read_record, write_record
-from rollq.workers.resolver import Allowlist
+from rollq.workers.environments.naming import is_environment, parse_environment
+from rollq.workers.resolver import Allowlist, WorkflowLoadError
 
 if TYPE_CHECKING:
     from rollq.trainer.metrics import StepRecord
@@ -234,7 +235,14 @@ def worker_allowlist(cfg: TrainConfig, stack: UpConfig) -> list[str]:
     allow = list(stack.allow)
     named = [cfg.workflow, *(kwargs.get("reward_fn") for kwargs in (cfg.workflow_kwargs, cfg.eval_workflow_kwargs))]
     for path in named:
-        if isinstance(path, str) and (":" in path or "." in path):  # an import path, not a built-in loop's name
+        if isinstance(path, str) and is_environment(path):  # `openenv:NAME` / `verifiers:ENV_ID`: that one, as written
+            try:
+                parse_environment(path)
+            except WorkflowLoadError as exc:
+                raise ValueError(str(exc)) from None
+            if not Allowlist(tuple(allow)).allows(path):
+                allow.append(path)
+        elif isinstance(path, str) and (":" in path or "." in path):  # an import path, not a built-in loop's name
             dotted = path.replace(":", ".")  # patterns are over dotted names (`mod:fn` is `mod.fn`)
             if not DOTTED_NAME.fullmatch(dotted):  # `mod:*` would allow a whole module (`*.*`: everything)
                 raise ValueError(f"{path!r} is not an import path (module:name): `rollq up` allows only that object")

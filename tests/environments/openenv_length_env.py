@@ -6,8 +6,8 @@ The task: reply with a given number of characters, for `turns` turns (reset's ke
 `turns`). Each step's reward is how close the reply's length came (1.0 exact, 0.0 at twice the length or more), so it
 varies with whatever text a model writes, a tiny untrained one's gibberish included; done after `turns` steps.
 
-`--report FILE`: the server writes where it runs into FILE when it starts (its pid, uid, working directory and
-environment variable names), for the tests that check it runs as the episode's agent does.
+`--report FILE`: the server writes where it runs into FILE when it starts (its pid, uid, working directory, HOME
+and environment variable names), for the tests that check it runs as the episode's agent does.
 """
 
 from __future__ import annotations
@@ -69,7 +69,13 @@ app = create_app(LengthEnv, ReplyAction, LengthObservation, env_name="length", m
 
 
 def report(path: str) -> None:
-    where = {"pid": os.getpid(), "uid": os.getuid(), "cwd": os.getcwd(), "env": sorted(os.environ)}
+    where = {
+        "pid": os.getpid(),
+        "uid": os.getuid(),
+        "cwd": os.getcwd(),
+        "home": os.environ.get("HOME", ""),
+        "env": sorted(os.environ),
+    }
     with open(path, "w") as f:
         json.dump(where, f)
 

@@ -6,7 +6,7 @@ rollq: only the standard library, openenv and openai (openenv depends on it). ro
 working directory) a fresh folder of the episode's, the worker's agent_user, its own process group killed when the
 episode ends, OPENAI_BASE_URL / OPENAI_API_KEY the recording proxy and the episode's key.
 
-`python openenv_driver.py --check [NAME]`: exits 0 when openenv (and openai) can be imported, else prints one line
+`python openenv_driver.py --check [NAME]`: exits 0 when openenv can be imported, else prints one line
 naming the problem on stderr and exits 3.
 
 `python openenv_driver.py`: reads the payload, one JSON document on stdin:
@@ -69,10 +69,10 @@ class EpisodeError(Exception):
 
 def check() -> int:
     try:
-        import openai  # noqa: F401
-        from openenv import GenericEnvClient  # noqa: F401
+        from openenv import GenericEnvClient  # noqa: F401  (openai comes with it: a dependency of openenv)
     except Exception as exc:  # ImportError, or a broken install raising anything at import
-        print(f"openenv cannot be imported by {sys.executable}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        message = f"openenv is not importable by {sys.executable}: {type(exc).__name__}: {exc}"
+        print(" ".join(message.split()), file=sys.stderr)  # one line
         return CHECK_FAILED
     return 0
 
