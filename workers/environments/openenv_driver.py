@@ -162,7 +162,8 @@ class ServerProcess:
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
-        for chunk in iter(lambda: self.proc.stdout.read1(4096), b""):  # type: ignore[union-attr]
+        fd = self.proc.stdout.fileno()
+        for chunk in iter(lambda: os.read(fd, 4096), b""):  # what has arrived, up to 4 KiB: never waits for more
             with self._lock:
                 self._tail.append(chunk)
                 self._tail_bytes += len(chunk)
@@ -284,7 +285,8 @@ async def run_turns(url: str, payload: dict[str, Any]) -> float:
         total = 0.0
         async with GenericEnvClient(base_url=url) as env:
             result = await env.reset(**payload["data"])
-            messages = [{"role": "system", "content": kwargs["system_prompt"]}] if kwargs["system_prompt"] else []
+            system = kwargs["system_prompt"]
+            messages: list[Any] = [{"role": "system", "content": system}] if system else []
             for turn in range(kwargs["max_turns"]):
                 if result.done:
                     break

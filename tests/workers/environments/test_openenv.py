@@ -32,7 +32,7 @@ from rollq.local import Processes, free_port
 from rollq.producer.producer import JobRequest, Producer
 from rollq.protocol.messages import AgentOptions
 from rollq.workers.environments.agent import driver_path
-from tests.helpers import REPO_ROOT, pid_alive, running_worker, wait_until
+from tests.helpers import REPO_ROOT, pid_alive, running_worker, wait_registered, wait_until
 from tests.scripted import scripted_engine, tiny_tokenizer
 from tests.third_party import VENV_DONE, venv, wheels_dir
 
@@ -231,26 +231,32 @@ def shared_dir():
 @pytest.mark.scenario
 @pytest.mark.timeout(600)
 async def test_a_started_server_runs_as_the_agent_and_dies_with_the_episode(
-    redis, redis_url, run_name, openenv_python, spawn_worker, shared_dir
+    redis, redis_url, run_name, openenv_python, shared_dir, tmp_path
 ):
     python = agent_readable_venv(openenv_python)
     report = shared_dir / "where.json"
     server = f"{python} {LENGTH_ENV} --port {{port}} --report {report}"
+    # A `rollq worker` of its own (not spawn_worker's: that one imports the tests from the checkout, whose .venv
+    # has files anyone can write, and a worker with agent_user refuses such a sys.path entry), in a folder of root's.
+    argv = [sys.executable, "-m", "rollq", "worker", "--redis", redis_url, "--run", run_name, "--tokenizer", "tiny"]
+    argv += ["--max-attempts", "1", "--agent-user", AGENT_USER, "--allow", "openenv:length"]
+    argv += ["--openenv-python", python, "--openenv-servers", json.dumps({"length": server})]
+    secrets = {"REDIS_PASSWORD": "do-not-leak", "OPENAI_API_KEY": "the-workers-own", "HF_TOKEN": "do-not-leak"}
     async with scripted_engine(["12345", "1234567"]) as engine:
-        worker = spawn_worker(
-            redis_url,
-            run_name,
-            *["--engine", engine.url, "--tokenizer", "tiny", "--max-attempts", "1", "--agent-user", AGENT_USER],
-            *["--allow", "openenv:length", "--openenv-python", python],
-            *["--openenv-servers", json.dumps({"length": server})],
-            env={"REDIS_PASSWORD": "do-not-leak", "OPENAI_API_KEY": "the-workers-own", "HF_TOKEN": "do-not-leak"},
-        )
-        producer = Producer(redis, run_name)
-        await producer.submit("openenv:length", {"length": 5, "turns": 2}, job_id="e", workflow_kwargs={"max_turns": 3})
-        try:
-            [traj] = [t async for t in producer.wait_for({"e": 1}, timeout_s=TIMEOUT_S)]
-        except TimeoutError:
-            raise AssertionError(f"no result; the worker's log:\n{worker.output()[-4000:]}") from None
+        with Processes(tmp_path) as procs:
+            worker = procs.start("worker", [*argv, "--engine", engine.url, "--name", "w"], env=secrets, cwd=tmp_path)
+            try:  # a worker that refuses to start says why at once
+                await wait_registered(redis, run_name, "w", timeout_s=60)
+            except TimeoutError:
+                raise AssertionError(f"the worker did not start; its log:\n{procs.tail(worker, 4000)}") from None
+            producer = Producer(redis, run_name)
+            await producer.submit(
+                "openenv:length", {"length": 5, "turns": 2}, job_id="e", workflow_kwargs={"max_turns": 3}
+            )
+            try:
+                [traj] = [t async for t in producer.wait_for({"e": 1}, timeout_s=TIMEOUT_S)]
+            except TimeoutError:
+                raise AssertionError(f"no result; the worker's log:\n{procs.tail(worker, 4000)}") from None
     assert traj.status == "ok", traj.error
     assert sequence_rewards(traj) == [1.6, 1.6]  # "12345": 1.0, "1234567": 1 - 2/5; each the episode's sum
     where = json.loads(report.read_text())
