@@ -279,7 +279,7 @@ async def run_turns(url: str, payload: dict[str, Any]) -> float:
 
     kwargs = payload["kwargs"]
     schema = action_schema(url.replace("ws://", "http://", 1).replace("wss://", "https://", 1))
-    model = AsyncOpenAI(max_retries=0)  # OPENAI_BASE_URL / OPENAI_API_KEY: the proxy and the episode's key
+    model = AsyncOpenAI()  # OPENAI_BASE_URL / OPENAI_API_KEY: the proxy and the episode's key; the SDK's retries
     try:
         served = (await model.models.list()).data[0].id
         total = 0.0
