@@ -236,10 +236,13 @@ def worker_allowlist(cfg: TrainConfig, stack: UpConfig) -> list[str]:
     named = [cfg.workflow, *(kwargs.get("reward_fn") for kwargs in (cfg.workflow_kwargs, cfg.eval_workflow_kwargs))]
     if is_environment(cfg.workflow):  # `verifiers:ENV_ID` / `openenv:NAME`: that environment, as written
         try:
-            parse_environment(cfg.workflow)  # a malformed name: said now (its characters are no pattern's wildcards)
+            env = parse_environment(cfg.workflow)  # malformed: said now (no wildcards in a name)
         except WorkflowLoadError as exc:
             raise ValueError(str(exc)) from None
-        allow += [] if cfg.workflow in allow else [cfg.workflow]
+        try:
+            Allowlist(tuple(allow)).check_environment(env.kind, env.name)  # a pattern of the operator's covers it
+        except WorkflowLoadError:
+            allow.append(cfg.workflow)
         named = named[1:]
     for path in named:
         if isinstance(path, str) and (":" in path or "." in path):  # an import path, not a built-in loop's name

@@ -61,13 +61,13 @@ from rollq.producer.ingress.models import (
 from rollq.protocol import scripts
 from rollq.protocol.blobs import BLOB_MIN_BYTES, DataBlob
 from rollq.protocol.codec import Codec, CodecError
+from rollq.protocol.environments import environment_name_problem, is_environment
 from rollq.protocol.image_limits import ImageLimitError, ImageLimits, check_images, images_in
 from rollq.protocol.keys import DEFAULT_CLASS, PAYLOAD_FIELD, WORKER_GROUP, RunKeys, partition_of, partition_share
 from rollq.protocol.media import ImageError
 from rollq.protocol.messages import Job, JobClass, Trajectory, class_bound, job_classes
 from rollq.redis_client import TRANSIENT_ERRORS, ensure_group, redis_client, run_partitions
 from rollq.tracing import INVALID_SPAN, TRACEPARENT, Span, SpanKind, Tracing, traceparent
-from rollq.workers.environments.naming import is_environment
 
 log = logging.getLogger("rollq.ingress")
 
@@ -384,6 +384,8 @@ class Ingress:
                     f"{cfg.max_agent_timeout:g}",
                     f"{at}.agent.timeout_seconds",
                 )
+            if is_environment(spec.workflow) and (problem := environment_name_problem(spec.workflow)) is not None:
+                raise HttpError(400, "invalid", f"{at}.workflow: {problem}", f"{at}.workflow")
             if maybe_images and spec.data is not None:
                 self._check_images(spec.data, f"{at}.data")
             if spec.job_id is not None:

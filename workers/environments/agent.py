@@ -8,9 +8,10 @@ process group killed at the end), its stdin the payload
     {"name": ENV_ID or NAME, "kwargs": the job's workflow_kwargs, "data": the job's data,
      "server": the operator's URL or command (openenv only)}
 
-and its last stdout line the episode's reward. Before the first episode of an environment in this process the driver
-runs with `--check NAME` (bounded): a missing package or environment (exit 3) fails the job as a WorkflowLoadError
-quoting the driver's message, dead-lettered at once; that verdict is kept for the life of the process.
+and its last stdout line the episode's reward. Before the first episode of an agent (the worker builds one per
+workflow and kwargs) the driver runs with `--check NAME` (bounded): a missing package or environment (exit 3) fails
+the job as a WorkflowLoadError quoting the driver's message, dead-lettered at once; that verdict is kept for the
+agent's life.
 """
 
 from __future__ import annotations
@@ -35,10 +36,7 @@ KWARGS = {
     "openenv": frozenset({"sampling", "max_turns", "system_prompt"}),
 }
 
-# (python, driver, name) -> None (it loads) or the driver's message: per process, as the design says.
-_verdicts: dict[tuple[str, str, str], str | None] = {}
-# The same key -> (its event loop, the lock its first episodes wait on while one of them checks).
-_checking: dict[tuple[str, str, str], tuple[asyncio.AbstractEventLoop, asyncio.Lock]] = {}
+_UNCHECKED = object()  # an agent's verdict before its first check ran
 
 
 def driver_path(kind: str) -> Path:
@@ -73,6 +71,10 @@ class EnvironmentAgent:
             raise WorkflowLoadError(f"{env.workflow}: this rollq has no driver for {env.kind} environments ({driver})")
         self.driver = str(driver)
         self.command = CommandAgent([python, self.driver], env.workflow, executable=found)
+        # The check's verdict, kept for the agent's life (the worker builds one agent per workflow and kwargs):
+        # None when it loads, the driver's message when it cannot.
+        self._verdict: object = _UNCHECKED
+        self._check_lock: asyncio.Lock | None = None  # concurrent first episodes wait for one check
         self._check = CommandAgent(
             [python, self.driver, "--check", env.name], f"{env.workflow} --check", executable=found, reads_result=False
         )
@@ -85,20 +87,16 @@ class EnvironmentAgent:
         return await self.command.run(payload, base_url, api_key, anthropic_base_url)
 
     async def checked(self, base_url: str, api_key: str, anthropic_base_url: str) -> None:
-        """Whether the driver can load the environment, asked once per process (concurrent first episodes wait
-        for one check); WorkflowLoadError quoting the driver when it cannot."""
-        key = (self.python, self.driver, self.env.name)
-        if key not in _verdicts:
-            loop = asyncio.get_running_loop()
-            held = _checking.get(key)
-            if held is None or held[0] is not loop:
-                held = _checking[key] = (loop, asyncio.Lock())
-            async with held[1]:
-                if key not in _verdicts:
-                    _verdicts[key] = await self._run_check(base_url, api_key, anthropic_base_url)
-        verdict = _verdicts[key]
-        if verdict is not None:
-            raise WorkflowLoadError(verdict)
+        """Whether the driver can load the environment, asked once per agent (concurrent first episodes wait for
+        one check); WorkflowLoadError quoting the driver when it cannot."""
+        if self._verdict is _UNCHECKED:
+            if self._check_lock is None:
+                self._check_lock = asyncio.Lock()
+            async with self._check_lock:
+                if self._verdict is _UNCHECKED:
+                    self._verdict = await self._run_check(base_url, api_key, anthropic_base_url)
+        if isinstance(self._verdict, str):
+            raise WorkflowLoadError(self._verdict)
 
     async def _run_check(self, base_url: str, api_key: str, anthropic_base_url: str) -> str | None:
         """None when it loads, the message when it cannot (kept); anything else (a crash, no answer in time)

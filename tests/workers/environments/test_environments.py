@@ -108,6 +108,11 @@ async def test_the_ingress_refuses_an_environment_outside_a_tenants_patterns(red
                 r = await http.post(f"{url}/v1/jobs", json={"workflow": workflow}, headers=auth)
                 assert r.status_code == 403, r.text
                 assert f"{workflow!r}" in r.json()["message"]
+            # A malformed name is invalid whoever sends it (the workers would dead-letter it at once).
+            bad = await http.post(f"{url}/v1/jobs", json={"workflow": "verifiers:-rm"}, headers=auth)
+            assert bad.status_code == 400, bad.text
+            assert bad.json()["field"] == "$.jobs[0].workflow" or "workflow" in bad.json()["message"]
+            assert "'-rm' is not an environment name" in bad.json()["message"]
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="files owned by another uid need root")
