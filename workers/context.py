@@ -258,6 +258,10 @@ class WorkflowContext:
         self._proxy_lock: asyncio.Lock | None = None
         self._pools: dict[Any, Any] = {}  # (kind, settings) -> AsyncRewardWrapper-like pools
         self.stats = WorkflowStats()  # what workflows record with stats_tracker (served on /metrics)
+        # Environments' load checks, once per (interpreter, driver, name) in this process, whatever the jobs' kwargs:
+        # the verdict (None: it loads; else the driver's message) or the future of the check running now
+        # (rollq.workers.environments.agent).
+        self.environment_checks: dict[tuple[str, str, str], Any] = {}
         self._token: contextvars.Token | None = None
         self._share_token: contextvars.Token | None = None
 

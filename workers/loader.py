@@ -177,4 +177,4 @@ def _environment_workflow(path: str, kwargs: dict[str, Any], agent: AgentOptions
         settings = EnvironmentSettings()
     if agent is not None and agent.mode != "inline":
         agent = msgspec.structs.replace(agent, mode="inline")  # the driver is its own process already
-    return AgentWorkflow(EnvironmentAgent(env, kwargs, settings), path, None, agent)
+    return AgentWorkflow(EnvironmentAgent(env, kwargs, settings, allowlist), path, None, agent)

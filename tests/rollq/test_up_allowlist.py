@@ -55,11 +55,11 @@ def test_a_pattern_given_as_the_workflow_or_reward_is_refused_not_allowed(settin
 
 
 def test_an_environment_the_trainer_names_is_allowed_as_written():
-    cfg = TrainConfig(workflow="verifiers:owner/my-env@0.1")
+    cfg = TrainConfig(workflow="verifiers:my-env")
     allow = worker_allowlist(cfg, UpConfig(allow=["mine"]))
-    assert allow == ["mine", "verifiers:owner/my-env@0.1"]
-    Allowlist(patterns=tuple(allow)).check_environment("verifiers", "owner/my-env@0.1")
+    assert allow == ["mine", "verifiers:my-env"]
+    Allowlist(patterns=tuple(allow)).check_environment("verifiers", "my-env")
     with pytest.raises(ImportNotAllowed):  # that environment, no other
-        Allowlist(patterns=tuple(allow)).check_environment("verifiers", "owner/my-env@0.2")
-    with pytest.raises(ValueError, match="is not an environment name"):
+        Allowlist(patterns=tuple(allow)).check_environment("verifiers", "my-env2")
+    with pytest.raises(ValueError, match="is not a verifiers environment id"):
         worker_allowlist(TrainConfig(workflow="verifiers:*"), UpConfig())

@@ -23,18 +23,24 @@ from pathlib import Path
 from typing import Any
 
 from rollq.workers.agents.command import CommandAgent, CommandError
+from rollq.workers.agents.environment import command_options
+from rollq.workers.context import workflow_context
 from rollq.workers.environments.naming import EnvironmentName
 from rollq.workers.environments.settings import EnvironmentSettings
-from rollq.workers.resolver import WorkflowLoadError
+from rollq.workers.resolver import Allowlist, WorkflowLoadError
 
 DRIVERS = Path(__file__).resolve().parent
 CHECK_TIMEOUT_S = 120.0  # importing an environment's package (and verifiers with it) takes seconds, not minutes
 CHECK_FAILED = 3  # the drivers' exit status for "cannot load this environment"
 # The workflow_kwargs each kind takes (the drivers check their values): anything else is refused before a run.
 KWARGS = {
-    "verifiers": frozenset({"sampling", "env_args"}),
-    "openenv": frozenset({"sampling", "max_turns", "system_prompt"}),
+    "verifiers": frozenset({"sampling", "env_args", "env"}),
+    "openenv": frozenset({"sampling", "max_turns", "system_prompt", "env"}),
 }
+INVALID_JOB = 4  # the drivers' exit status for "this job's own values are wrong": no retry can help
+MAX_TURNS_LIMIT = 256  # openenv_driver.py's bound on max_turns
+# Chat request fields an OpenEnv job's sampling may not set: the driver's own (openenv_driver.py run_turns).
+OPENENV_FIXED_FIELDS = frozenset({"model", "messages", "stream"})
 
 _UNCHECKED = object()  # an agent's verdict before its first check ran
 
@@ -46,7 +52,13 @@ def driver_path(kind: str) -> Path:
 class EnvironmentAgent:
     """Runs one episode of environment `env` per call (an inline agent: `async def run(...)`)."""
 
-    def __init__(self, env: EnvironmentName, kwargs: dict[str, Any], settings: EnvironmentSettings) -> None:
+    def __init__(
+        self,
+        env: EnvironmentName,
+        kwargs: dict[str, Any],
+        settings: EnvironmentSettings,
+        allowlist: Allowlist | None = None,
+    ) -> None:
         self.env = env
         unknown = sorted(set(kwargs) - KWARGS[env.kind])
         if unknown:
@@ -57,7 +69,12 @@ class EnvironmentAgent:
         for key in ("sampling", "env_args"):
             if key in kwargs and not isinstance(kwargs[key], dict):
                 raise WorkflowLoadError(f"{env.workflow}: workflow_kwargs {key!r} must be a mapping")
-        self.kwargs = dict(kwargs)
+        if env.kind == "openenv":
+            _check_openenv_kwargs(env, kwargs)
+        # `env`: variables for the driver (and a server it starts), each allowed by an `env:NAME` pattern, as a
+        # command agent's (rollq.workers.agents.environment); the driver never sees them as kwargs.
+        variables = command_options({"env": kwargs["env"]}, allowlist).env if "env" in kwargs else {}
+        self.kwargs = {k: v for k, v in kwargs.items() if k != "env"}
         python = settings.python(env.kind)
         found = shutil.which(python)
         if found is None or not os.path.isabs(python):
@@ -70,11 +87,8 @@ class EnvironmentAgent:
         if not driver.is_file():
             raise WorkflowLoadError(f"{env.workflow}: this rollq has no driver for {env.kind} environments ({driver})")
         self.driver = str(driver)
-        self.command = CommandAgent([python, self.driver], env.workflow, executable=found)
-        # The check's verdict, kept for the agent's life (the worker builds one agent per workflow and kwargs):
-        # None when it loads, the driver's message when it cannot.
-        self._verdict: object = _UNCHECKED
-        self._check_lock: asyncio.Lock | None = None  # concurrent first episodes wait for one check
+        self.command = CommandAgent([python, self.driver], env.workflow, executable=found, env=variables)
+        self._own_checks: dict[tuple[str, str, str], Any] = {}  # outside a worker: its checks' verdicts
         self._check = CommandAgent(
             [python, self.driver, "--check", env.name], f"{env.workflow} --check", executable=found, reads_result=False
         )
@@ -84,19 +98,36 @@ class EnvironmentAgent:
         payload: dict[str, Any] = {"name": self.env.name, "kwargs": self.kwargs, "data": data}
         if self.server is not None:
             payload["server"] = self.server
-        return await self.command.run(payload, base_url, api_key, anthropic_base_url)
+        try:
+            return await self.command.run(payload, base_url, api_key, anthropic_base_url)
+        except CommandError as exc:
+            if exc.code != INVALID_JOB:
+                raise
+            said = exc.stderr.strip().splitlines()[-1] if exc.stderr.strip() else "(it said nothing on stderr)"
+            raise WorkflowLoadError(f"{self.env.workflow}: the job does not fit the environment: {said}") from None
 
     async def checked(self, base_url: str, api_key: str, anthropic_base_url: str) -> None:
-        """Whether the driver can load the environment, asked once per agent (concurrent first episodes wait for
-        one check); WorkflowLoadError quoting the driver when it cannot."""
-        if self._verdict is _UNCHECKED:
-            if self._check_lock is None:
-                self._check_lock = asyncio.Lock()
-            async with self._check_lock:
-                if self._verdict is _UNCHECKED:
-                    self._verdict = await self._run_check(base_url, api_key, anthropic_base_url)
-        if isinstance(self._verdict, str):
-            raise WorkflowLoadError(self._verdict)
+        """Whether the driver can load the environment, asked once per worker process (the workflow context's
+        `environment_checks`; concurrent first episodes wait for one check); WorkflowLoadError quoting the driver
+        when it cannot."""
+        try:
+            checks = workflow_context().environment_checks
+        except RuntimeError:  # no worker around (a script, a test): this agent's own
+            checks = self._own_checks
+        key = (self.python, self.driver, self.env.name)
+        verdict = checks.get(key, _UNCHECKED)
+        if verdict is _UNCHECKED:
+            running = checks[key] = asyncio.ensure_future(self._run_check(base_url, api_key, anthropic_base_url))
+            try:
+                verdict = checks[key] = await asyncio.shield(running)
+            except BaseException:
+                if checks.get(key) is running:
+                    del checks[key]  # a crash or no answer is kept by nobody: a later episode asks again
+                raise
+        elif isinstance(verdict, asyncio.Future):
+            verdict = await asyncio.shield(verdict)
+        if isinstance(verdict, str):
+            raise WorkflowLoadError(verdict)
 
     async def _run_check(self, base_url: str, api_key: str, anthropic_base_url: str) -> str | None:
         """None when it loads, the message when it cannot (kept); anything else (a crash, no answer in time)
@@ -113,6 +144,23 @@ class EnvironmentAgent:
             said = exc.stderr.strip().splitlines()[-1] if exc.stderr.strip() else "(it said nothing on stderr)"
             return f"{self.env.workflow} cannot be loaded by {self.python}: {said}"
         return None
+
+
+def _check_openenv_kwargs(env: EnvironmentName, kwargs: dict[str, Any]) -> None:
+    """What openenv_driver.py would refuse, refused before anything runs (a dead letter at once, not retries)."""
+    max_turns = kwargs.get("max_turns", 1)
+    if isinstance(max_turns, bool) or not isinstance(max_turns, int) or not 1 <= max_turns <= MAX_TURNS_LIMIT:
+        raise WorkflowLoadError(
+            f"{env.workflow}: workflow_kwargs max_turns must be a whole number from 1 to {MAX_TURNS_LIMIT}, "
+            f"not {max_turns!r}"
+        )
+    if not isinstance(kwargs.get("system_prompt", ""), str):
+        raise WorkflowLoadError(f"{env.workflow}: workflow_kwargs system_prompt must be a string")
+    fixed = sorted(OPENENV_FIXED_FIELDS & set(kwargs.get("sampling") or {}))
+    if fixed:
+        raise WorkflowLoadError(
+            f"{env.workflow}: workflow_kwargs sampling may not set {', '.join(fixed)} (the driver's own request fields)"
+        )
 
 
 __all__ = ["CHECK_TIMEOUT_S", "DRIVERS", "KWARGS", "EnvironmentAgent", "driver_path"]

@@ -8,8 +8,9 @@ from typing import Literal
 import msgspec
 
 from rollq.protocol.environments import (
-    NAME_PATTERN,
+    OPENENV_NAME,
     OPENENV_PREFIX,
+    VERIFIERS_NAME,
     VERIFIERS_PREFIX,
     environment_name_problem,
     is_environment,
@@ -39,8 +40,9 @@ def parse_environment(workflow: str) -> EnvironmentName:
 
 
 __all__ = [
-    "NAME_PATTERN",
+    "OPENENV_NAME",
     "OPENENV_PREFIX",
+    "VERIFIERS_NAME",
     "VERIFIERS_PREFIX",
     "EnvironmentKind",
     "EnvironmentName",

@@ -48,6 +48,7 @@ from typing import Any
 
 CHECK_FAILED = 3
 EPISODE_FAILED = 1
+INVALID_JOB = 4  # the job's own data or workflow_kwargs are wrong: the worker dead-letters it at once
 MAX_TURNS_DEFAULT = 8
 MAX_TURNS_LIMIT = 256
 SERVER_START_S = 120.0  # a server that answers no /health by then never will (the episode timeout bounds it too)
@@ -65,6 +66,10 @@ DEFAULT_SYSTEM_PROMPT = (
 
 class EpisodeError(Exception):
     """The episode failed: the message says why (printed on stderr, exit 1)."""
+
+
+class InvalidJob(Exception):
+    """The job's data or workflow_kwargs are wrong: one line on stderr, exit 4 (no retry can help)."""
 
 
 def check() -> int:
@@ -94,25 +99,25 @@ def read_payload(text: str) -> dict[str, Any]:
     if data is None:
         payload["data"] = {}
     elif not isinstance(data, dict):
-        raise EpisodeError(
+        raise InvalidJob(
             f"the job's data must be a JSON object (the keyword arguments of the environment's reset), "
             f"not {type(data).__name__}"
         )
     kwargs = payload.get("kwargs") or {}
     if not isinstance(kwargs, dict):
-        raise EpisodeError("workflow_kwargs must be a JSON object")
+        raise InvalidJob("workflow_kwargs must be a JSON object")
     unknown = sorted(set(kwargs) - set(KWARGS))
     if unknown:
-        raise EpisodeError(f"an OpenEnv job's workflow_kwargs may hold only {', '.join(KWARGS)}; it has {unknown}")
+        raise InvalidJob(f"an OpenEnv job's workflow_kwargs may hold only {', '.join(KWARGS)}; it has {unknown}")
     max_turns = kwargs.get("max_turns", MAX_TURNS_DEFAULT)
     if isinstance(max_turns, bool) or not isinstance(max_turns, int) or not 1 <= max_turns <= MAX_TURNS_LIMIT:
-        raise EpisodeError(f"max_turns must be a whole number from 1 to {MAX_TURNS_LIMIT}, not {max_turns!r}")
+        raise InvalidJob(f"max_turns must be a whole number from 1 to {MAX_TURNS_LIMIT}, not {max_turns!r}")
     system_prompt = kwargs.get("system_prompt", DEFAULT_SYSTEM_PROMPT)
     if not isinstance(system_prompt, str):
-        raise EpisodeError("system_prompt must be a string")
+        raise InvalidJob("system_prompt must be a string")
     sampling = kwargs.get("sampling") or {}
     if not isinstance(sampling, dict) or {"model", "messages", "stream"} & set(sampling):
-        raise EpisodeError("sampling must be an object of chat completion parameters (not model, messages, stream)")
+        raise InvalidJob("sampling must be an object of chat completion parameters (not model, messages, stream)")
     payload["kwargs"] = {"max_turns": max_turns, "system_prompt": system_prompt, "sampling": sampling}
     return payload
 
@@ -348,6 +353,9 @@ def main(argv: list[str]) -> int:
         payload = read_payload(sys.stdin.read())
         name = f"environment {payload.get('name')!r}"
         reward = episode(payload)
+    except InvalidJob as exc:
+        print(" ".join(f"OpenEnv {name}: {exc}".split()), file=sys.stderr)  # one line: the worker quotes the last
+        return INVALID_JOB
     except EpisodeError as exc:
         print(f"OpenEnv {name}: {exc}", file=sys.stderr)
         return EPISODE_FAILED

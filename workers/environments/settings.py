@@ -10,7 +10,7 @@ from typing import Annotated
 import msgspec
 
 from rollq.config import setting
-from rollq.workers.environments.naming import NAME_PATTERN
+from rollq.workers.environments.naming import OPENENV_NAME
 from rollq.workers.resolver import WorkflowLoadError
 
 GROUP = "environments"
@@ -54,7 +54,7 @@ class EnvironmentSettings(msgspec.Struct, kw_only=True, frozen=True):
 
     def __post_init__(self) -> None:
         for name, server in self.openenv_servers.items():
-            if not NAME_PATTERN.match(name):
+            if not OPENENV_NAME.match(name):
                 raise ValueError(
                     f"openenv_servers: {name!r} is not a server name (letters, digits and _ . @ / -, starting with a "
                     "letter or digit)"

@@ -26,12 +26,71 @@ import urllib.request
 
 CHECK_FAILED = 3
 EPISODE_FAILED = 1
+INVALID_JOB = 4  # the job's own values are wrong: the worker dead-letters it at once (no retry can help)
 DEFAULT_MODEL = "rollq"  # when the endpoint lists none
 LOCAL_RUNTIME = {"type": "subprocess"}  # verifiers/v1/runtimes/subprocess.py SubprocessConfig
 
 
 class EpisodeError(Exception):
     """The episode cannot run, or verifiers marked it failed: exit 1 with this message."""
+
+
+class InvalidJob(Exception):
+    """The job's data or workflow_kwargs are wrong for this environment: exit 4 with this one-line message."""
+
+
+# What a job's env_args may set: the environment's own fields whose values are numbers, booleans or one of fixed
+# choices. verifiers' own taskset fields (`task`, `system_prompt`, `id`: files read as prompts, reward functions and
+# judges named by import path or file, judges' URLs and keys; verifiers/v1/configs/taskset.py, configs/task.py) and
+# any field taking a string, a path or a structure could make an episode read a file, run code or call a server the
+# operator never chose: those stay at the environment's defaults.
+SCALARS = (bool, int, float)
+
+
+def settable(annotation: object) -> bool:
+    """Whether a job may set a config field of this type: bool / int / float, a Literal of such or of strings, or
+    an Optional of one of those."""
+    import types
+    import typing
+
+    if annotation in SCALARS:
+        return True
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin is typing.Literal:
+        return all(isinstance(a, (*SCALARS, str)) for a in args)
+    if origin in (typing.Union, types.UnionType):
+        rest = [a for a in args if a is not type(None)]
+        return bool(rest) and all(settable(a) for a in rest)
+    return False
+
+
+def checked_env_args(env_id: str, env_args: object) -> dict:
+    """The job's env_args, refused (InvalidJob) unless each names a settable field of the environment's own config."""
+    from verifiers.v1.configs.taskset import TasksetConfig
+    from verifiers.v1.utils.loaders import taskset_config_type
+
+    if not isinstance(env_args, dict):
+        raise InvalidJob("env_args must be an object of the environment's taskset config fields")
+    config = taskset_config_type(env_id)
+    fields = config.model_fields
+    for key in env_args:
+        if key in TasksetConfig.model_fields:
+            raise InvalidJob(
+                f"env_args may not set {key!r}: verifiers' own taskset fields (files, reward functions, judges) stay "
+                "at the environment's defaults"
+            )
+        if key not in fields:
+            raise InvalidJob(
+                f"env_args: environment {env_id!r} has no config field {key!r} (it has: "
+                f"{', '.join(sorted(set(fields) - set(TasksetConfig.model_fields))) or 'none'})"
+            )
+        if not settable(fields[key].annotation):
+            raise InvalidJob(
+                f"env_args may not set {key!r} ({fields[key].annotation}): a job sets only numbers, booleans and "
+                "fixed choices (a string, path or structure could name a file, a function or a server)"
+            )
+    return dict(env_args)
 
 
 def check(env_id: str) -> int:
@@ -65,8 +124,8 @@ def served_model(base_url: str, api_key: str) -> str:
 def task_index(data: object) -> int:
     idx = data.get("idx") if isinstance(data, dict) else None
     if isinstance(idx, bool) or not isinstance(idx, int) or idx < 0:
-        raise EpisodeError(
-            f'the job\'s data must name a task as {{"idx": N}} (N >= 0, as vf-eval numbers them), got {data!r}'
+        raise InvalidJob(
+            f'the job\'s data must name a task as {{"idx": N}} (N >= 0, as vf-eval numbers them), got {data!r:.200}'
         )
     return idx
 
@@ -79,9 +138,7 @@ async def episode_reward(payload: dict) -> float:
 
     env_id = payload["name"]
     kwargs = payload.get("kwargs") or {}
-    env_args = dict(kwargs.get("env_args") or {})
-    if "id" in env_args:
-        raise EpisodeError("env_args are the taskset's config fields; the environment's id is the job's workflow")
+    env_args = checked_env_args(env_id, kwargs.get("env_args") or {})
     idx = task_index(payload.get("data"))
     raw = {"taskset": {**env_args, "id": env_id}}
     # Every agent seat in verifiers' `subprocess` runtime: its harness runs here, inside the worker's command-agent
@@ -93,12 +150,12 @@ async def episode_reward(payload: dict) -> float:
     env = load_environment(resolve_env_config({**raw, **{seat: {"runtime": LOCAL_RUNTIME} for seat in seats}}))
     tasks = list(env.taskset.include(idx=[idx]))
     if len(tasks) != 1:
-        raise EpisodeError(f"environment {env_id!r} has no task {idx} (its taskset with env_args {env_args})")
+        raise InvalidJob(f"environment {env_id!r} has no task {idx} (its taskset with env_args {env_args})")
     base_url, key_var = os.environ["OPENAI_BASE_URL"], "OPENAI_API_KEY"
     ctx = vf.ModelContext(
         model=served_model(base_url, os.environ[key_var]),
         client=vf.EvalClientConfig(base_url=base_url, api_key_var=key_var),
-        sampling=vf.SamplingConfig(**(kwargs.get("sampling") or {})),
+        sampling=sampling_config(vf, kwargs.get("sampling") or {}),
     )
     async with env.serving():
         episode = await env.run_slot(RunSlot(tasks[0]), ctx)
@@ -115,12 +172,26 @@ async def episode_reward(payload: dict) -> float:
     return float(episode.traces[0].reward)
 
 
+def sampling_config(vf: object, sampling: object) -> object:
+    from pydantic import ValidationError
+
+    if not isinstance(sampling, dict):
+        raise InvalidJob("sampling must be an object of verifiers' sampling settings")
+    try:
+        return vf.SamplingConfig(**sampling)  # type: ignore[attr-defined]
+    except (ValidationError, TypeError) as exc:
+        raise InvalidJob(f"sampling: {' '.join(str(exc).split())}") from None
+
+
 def run(stdin: str) -> int:
     import asyncio
 
     try:
         payload = json.loads(stdin)
         reward = asyncio.run(episode_reward(payload))
+    except InvalidJob as exc:
+        print(" ".join(str(exc).split()), file=sys.stderr)  # one line: the worker quotes the last
+        return INVALID_JOB
     except EpisodeError as exc:
         print(exc, file=sys.stderr)
         return EPISODE_FAILED

@@ -349,7 +349,9 @@ def test_the_payload_is_checked():
         ({"kwargs": {"temperature": 0}}, "may hold only"),
         ({"kwargs": {"sampling": {"model": "x"}}}, "not model"),
     ):
-        with pytest.raises(driver.EpisodeError, match=said):
+        # The job's own values are InvalidJob (exit 4: dead-lettered at once); a missing server is the worker's.
+        refused = driver.EpisodeError if "server" in bad else driver.InvalidJob
+        with pytest.raises(refused, match=said):
             driver.read_payload(json.dumps({"name": "x", "server": "http://127.0.0.1:9", **bad}))
 
 
@@ -379,5 +381,5 @@ def test_rollq_up_allows_the_environment_it_trains_as_written():
 
     assert allowlist("openenv:length") == ["openenv:length"]  # that one, as a job writes it (not `openenv.length`)
     assert allowlist("openenv:length", "openenv:*") == ["openenv:*"]  # already allowed
-    with pytest.raises(ValueError, match="is not an environment name"):
+    with pytest.raises(ValueError, match="is not an OpenEnv server name"):
         allowlist("openenv:-x")

@@ -148,14 +148,28 @@ async def test_a_failing_episode_is_dead_lettered_naming_its_error_and_groups_wo
     redis, redis_url, run_name, engine, python
 ):
     failing = {**KWARGS, "env_args": {"num_tasks": TASKS, "failing": True}}
+    # What a job may not choose: verifiers' own taskset fields (a file read as the prompt, a reward function named
+    # by a file, judges with their URLs), a string field, a field the environment lacks, a task it lacks.
+    refused = {
+        "prompt-file": ({"system_prompt": "/etc/hostname"}, 0, "may not set 'system_prompt'"),
+        "planted-fn": ({"task": {"rewards": {"r": {"fn": "/tmp/x.py:f"}}}}, 0, "may not set 'task'"),
+        "string": ({"greeting": "hi"}, 0, "may not set 'greeting'"),
+        "unknown": ({"nope": 1}, 0, "has no config field 'nope'"),
+        "no-task": ({"num_tasks": TASKS}, 99, "has no task 99"),
+    }
     jobs = [job("fails", 0, failing), job("group", 1, {**KWARGS, "sampling": {"max_tokens": 12}}, n=3)]
+    jobs += [job(name, idx, {**KWARGS, "env_args": args}) for name, (args, idx, _) in refused.items()]
     got = await run_jobs(
         redis, redis_url, run_name, engine, jobs, allow=[WORKFLOW], verifiers_python=str(python), max_attempts=2
     )
     [fails] = [t for t in got if t.job_id == "fails"]
     assert fails.status == "error" and fails.attempt == 2, fails  # retried once, then dead-lettered
     assert "the checksum reward failed on purpose" in fails.error.message
-    assert len(await redis.xrange(f"rollq:{{{run_name}}}:dead")) == 1
+    for name, (_, _, said) in refused.items():
+        [t] = [t for t in got if t.job_id == name]
+        assert t.status == "error" and t.attempt == 1, t  # the job's own values: at once, no retry
+        assert t.error.type == "WorkflowLoadError" and said in t.error.message, t.error
+    assert len(await redis.xrange(f"rollq:{{{run_name}}}:dead")) == 1 + len(refused)
     group = [t for t in got if t.job_id == "group"]
     assert [t.sample_index for t in group] == [0, 1, 2] and all(t.status == "ok" for t in group)
     assert all(len(t.sequences) == 1 and 1 in t.sequences[0].loss_mask for t in group)

@@ -55,6 +55,7 @@ class DigitsTask(vf.Task[DigitsData]):
 class DigitsConfig(vf.TasksetConfig):
     num_tasks: int = 6
     failing: bool = False
+    greeting: str = ""  # a string field: a job may not set it (it could name a file, a function or a server)
 
 
 class DigitsTaskset(vf.Taskset[DigitsTask, DigitsConfig]):
