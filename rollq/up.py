@@ -252,7 +252,23 @@ def worker_allowlist(cfg: TrainConfig, stack: UpConfig) -> list[str]:
             if not Allowlist(tuple(allow)).allows(dotted):  # rollq's own (its toy tasks' rewards) need none
                 allow.append(dotted)
     allow += [name for name in [*generator_modules(cfg), *reasoning_gym_tasks(cfg)] if name not in allow]
+    allow += [name for name in variable_patterns(cfg) if name not in allow]
     return allow
+
+
+ENV_VARIABLE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def variable_patterns(cfg: TrainConfig) -> list[str]:
+    """`env:NAME` for each variable the trainer's own workflow_kwargs pass to its command agent or environment
+    (`env: {NAME: value}`): named by whoever runs `rollq up`. Names only, never a wildcard; the workers still refuse
+    ROLLQ_* and the proxy's variables whatever is allowed."""
+    names: list[str] = []
+    for kwargs in (cfg.workflow_kwargs, cfg.eval_workflow_kwargs):
+        variables = kwargs.get("env")
+        if isinstance(variables, dict):
+            names += [f"env:{n}" for n in variables if isinstance(n, str) and ENV_VARIABLE.fullmatch(n)]
+    return sorted(set(names))
 
 
 def generator_modules(cfg: TrainConfig) -> list[str]:

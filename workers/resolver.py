@@ -146,8 +146,8 @@ class Allowlist(msgspec.Struct, frozen=True):
 
     def check_environment(self, kind: str, name: str) -> None:
         """An environment a job names (`verifiers:ENV_ID`, `openenv:NAME`), as written, by a pattern of the same
-        form (`verifiers:my-env`, `verifiers:owner/*`, `verifiers:*` for all). A pattern does not cover names "below"
-        it here: `verifiers:my-env` is not `verifiers:my-env.x`."""
+        form (`verifiers:my-env`, `verifiers:math-*`, `openenv:team/*`, `verifiers:*` for all). A pattern does not
+        cover names "below" it here: `openenv:echo` is not `openenv:echo.x`."""
         if self.within is not None:
             self._within().check_environment(kind, name)
         named = f"{kind}:{name}"

@@ -63,3 +63,12 @@ def test_an_environment_the_trainer_names_is_allowed_as_written():
         Allowlist(patterns=tuple(allow)).check_environment("verifiers", "my-env2")
     with pytest.raises(ValueError, match="is not a verifiers environment id"):
         worker_allowlist(TrainConfig(workflow="verifiers:*"), UpConfig())
+
+
+def test_the_variables_the_trainers_own_kwargs_pass_are_allowed_by_name():
+    kwargs = {"env": {"HF_HUB_OFFLINE": "1", "BAD NAME": "x", "A*": "y"}, "sampling": {"max_tokens": 8}}
+    allow = worker_allowlist(TrainConfig(workflow="verifiers:my-env", workflow_kwargs=kwargs), UpConfig())
+    assert allow == ["verifiers:my-env", "env:HF_HUB_OFFLINE"]  # a name, never a pattern a job could widen
+    Allowlist(patterns=tuple(allow)).check_env("HF_HUB_OFFLINE")
+    with pytest.raises(ImportNotAllowed):
+        Allowlist(patterns=tuple(allow)).check_env("HF_TOKEN")

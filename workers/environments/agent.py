@@ -11,7 +11,7 @@ process group killed at the end), its stdin the payload
 and its last stdout line the episode's reward. Before the first episode of an agent (the worker builds one per
 workflow and kwargs) the driver runs with `--check NAME` (bounded): a missing package or environment (exit 3) fails
 the job as a WorkflowLoadError quoting the driver's message, dead-lettered at once; that verdict is kept for the
-agent's life.
+worker process's life (rollq.workers.context WorkflowContext.environment_checks).
 """
 
 from __future__ import annotations
@@ -39,8 +39,22 @@ KWARGS = {
 }
 INVALID_JOB = 4  # the drivers' exit status for "this job's own values are wrong": no retry can help
 MAX_TURNS_LIMIT = 256  # openenv_driver.py's bound on max_turns
-# Chat request fields an OpenEnv job's sampling may not set: the driver's own (openenv_driver.py run_turns).
-OPENENV_FIXED_FIELDS = frozenset({"model", "messages", "stream"})
+# The sampling settings a job may give (the drivers' SAMPLING_KEYS): the rest of a model request (its messages,
+# tools, model) is the environment's, and both verifiers and the OpenEnv driver would pass any other key into it.
+SAMPLING_KEYS = {
+    "verifiers": frozenset(
+        {
+            "temperature", "top_p", "top_k", "min_p", "max_tokens", "max_completion_tokens", "presence_penalty",
+            "frequency_penalty", "repetition_penalty", "seed", "stop", "reasoning_effort",
+        }
+    ),
+    "openenv": frozenset(
+        {
+            "temperature", "top_p", "top_k", "min_p", "max_tokens", "max_completion_tokens", "presence_penalty",
+            "frequency_penalty", "repetition_penalty", "seed", "stop",
+        }
+    ),
+}  # fmt: skip
 
 _UNCHECKED = object()  # an agent's verdict before its first check ran
 
@@ -69,6 +83,12 @@ class EnvironmentAgent:
         for key in ("sampling", "env_args"):
             if key in kwargs and not isinstance(kwargs[key], dict):
                 raise WorkflowLoadError(f"{env.workflow}: workflow_kwargs {key!r} must be a mapping")
+        other = sorted(set(kwargs.get("sampling") or {}) - SAMPLING_KEYS[env.kind])
+        if other:
+            raise WorkflowLoadError(
+                f"{env.workflow}: workflow_kwargs sampling may not set {', '.join(other)} (it takes "
+                f"{', '.join(sorted(SAMPLING_KEYS[env.kind]))}: the rest of a model request is the environment's)"
+            )
         if env.kind == "openenv":
             _check_openenv_kwargs(env, kwargs)
         # `env`: variables for the driver (and a server it starts), each allowed by an `env:NAME` pattern, as a
@@ -156,11 +176,6 @@ def _check_openenv_kwargs(env: EnvironmentName, kwargs: dict[str, Any]) -> None:
         )
     if not isinstance(kwargs.get("system_prompt", ""), str):
         raise WorkflowLoadError(f"{env.workflow}: workflow_kwargs system_prompt must be a string")
-    fixed = sorted(OPENENV_FIXED_FIELDS & set(kwargs.get("sampling") or {}))
-    if fixed:
-        raise WorkflowLoadError(
-            f"{env.workflow}: workflow_kwargs sampling may not set {', '.join(fixed)} (the driver's own request fields)"
-        )
 
 
 __all__ = ["CHECK_TIMEOUT_S", "DRIVERS", "KWARGS", "EnvironmentAgent", "driver_path"]

@@ -57,6 +57,14 @@ HEALTH_POLL_S = 0.1
 HTTP_TIMEOUT_S = 10.0
 OUTPUT_TAIL_BYTES = 2048
 KWARGS = ("max_turns", "system_prompt", "sampling")
+# What a job's sampling may set in each turn's chat request (extra_body: anything else would override the request the
+# driver builds, its messages included).
+SAMPLING_KEYS = frozenset(
+    {
+        "temperature", "top_p", "top_k", "min_p", "max_tokens", "max_completion_tokens", "presence_penalty",
+        "frequency_penalty", "repetition_penalty", "seed", "stop",
+    }
+)  # fmt: skip
 PROXY_VARIABLES = ("OPENAI_BASE_URL", "OPENAI_API_KEY", "ANTHROPIC_BASE_URL", "ANTHROPIC_API_KEY")
 DEFAULT_SYSTEM_PROMPT = (
     "You act in an environment. Each user message is a JSON object: `observation`, what the environment shows you "
@@ -116,8 +124,11 @@ def read_payload(text: str) -> dict[str, Any]:
     if not isinstance(system_prompt, str):
         raise InvalidJob("system_prompt must be a string")
     sampling = kwargs.get("sampling") or {}
-    if not isinstance(sampling, dict) or {"model", "messages", "stream"} & set(sampling):
-        raise InvalidJob("sampling must be an object of chat completion parameters (not model, messages, stream)")
+    if not isinstance(sampling, dict) or set(sampling) - SAMPLING_KEYS:
+        raise InvalidJob(
+            f"sampling must be an object of sampling parameters ({', '.join(sorted(SAMPLING_KEYS))}): the rest of "
+            "the request (messages, tools, model, stream...) is the driver's"
+        )
     payload["kwargs"] = {"max_turns": max_turns, "system_prompt": system_prompt, "sampling": sampling}
     return payload
 

@@ -100,7 +100,10 @@ def check(env_id: str) -> int:
         return _refuse(f"verifiers is not importable by {sys.executable}: {type(exc).__name__}: {exc}")
     try:
         taskset_class(env_id)
-    except Exception as exc:
+    except (ImportError, AttributeError, TypeError, ValueError) as exc:
+        # What verifiers' loader raises for a package that is not there or exports no Taskset (verifiers/v1/utils/
+        # loaders.py _import_plugin, _plugin_class): the worker keeps this verdict for its life. Anything else (no
+        # memory, a full disk) is a crash it asks about again.
         return _refuse(f"verifiers cannot load environment {env_id!r}: {type(exc).__name__}: {exc}")
     return 0
 
@@ -132,6 +135,7 @@ def task_index(data: object) -> int:
 
 async def episode_reward(payload: dict) -> float:
     import verifiers.v1 as vf
+    from pydantic import ValidationError
     from verifiers.v1.configs.agent import agent_config_fields
     from verifiers.v1.env import RunSlot
     from verifiers.v1.utils.loaders import load_environment, resolve_env_config
@@ -146,8 +150,12 @@ async def episode_reward(payload: dict) -> float:
     # Prime's remote sandboxes (verifiers/v1/configs/agent.py AgentConfig.runtime), which need Prime credentials and
     # a tunnel back to this host; partial seat settings merge onto the seat's own (configs/agent.py
     # merge_agent_defaults).
-    seats = agent_config_fields(resolve_env_config(raw))
-    env = load_environment(resolve_env_config({**raw, **{seat: {"runtime": LOCAL_RUNTIME} for seat in seats}}))
+    try:
+        seats = agent_config_fields(resolve_env_config(raw))
+        config = resolve_env_config({**raw, **{seat: {"runtime": LOCAL_RUNTIME} for seat in seats}})
+    except ValidationError as exc:  # a value the environment's config refuses: the job's, not the episode's
+        raise InvalidJob(f"env_args: {' '.join(str(exc).split())}") from None
+    env = load_environment(config)
     tasks = list(env.taskset.include(idx=[idx]))
     if len(tasks) != 1:
         raise InvalidJob(f"environment {env_id!r} has no task {idx} (its taskset with env_args {env_args})")
@@ -172,11 +180,25 @@ async def episode_reward(payload: dict) -> float:
     return float(episode.traces[0].reward)
 
 
+# The sampling settings a job may give. verifiers passes every other key (extra_body's too) into the request over
+# what the harness built (verifiers/v1/types.py SamplingConfig extra='allow'; dialects/chat.py apply_overrides), so a
+# job could replace the task's messages or add tools: the environment decides what the model is asked.
+SAMPLING_KEYS = frozenset(
+    {
+        "temperature", "top_p", "top_k", "min_p", "max_tokens", "max_completion_tokens", "presence_penalty",
+        "frequency_penalty", "repetition_penalty", "seed", "stop", "reasoning_effort",
+    }
+)  # fmt: skip
+
+
 def sampling_config(vf: object, sampling: object) -> object:
     from pydantic import ValidationError
 
     if not isinstance(sampling, dict):
         raise InvalidJob("sampling must be an object of verifiers' sampling settings")
+    other = sorted(set(sampling) - SAMPLING_KEYS)
+    if other:
+        raise InvalidJob(f"sampling may not set {', '.join(other)} (it takes {', '.join(sorted(SAMPLING_KEYS))})")
     try:
         return vf.SamplingConfig(**sampling)  # type: ignore[attr-defined]
     except (ValidationError, TypeError) as exc:

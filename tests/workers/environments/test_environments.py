@@ -152,10 +152,14 @@ def test_a_jobs_openenv_options_and_variables_are_checked_before_anything_runs()
         ({"max_turns": True}, "max_turns must be"),
         ({"system_prompt": ["x"]}, "system_prompt must be a string"),
         ({"sampling": {"model": "other", "messages": []}}, "may not set messages, model"),
+        ({"sampling": {"temperature": 0.5, "tools": [], "extra_body": {}}}, "may not set extra_body, tools"),
         ({"server": "http://evil"}, "'server' are not openenv environment options"),
     ):
         with pytest.raises(WorkflowLoadError, match=said):
             EnvironmentAgent(echo, kwargs, settings)
+    verifiers = EnvironmentSettings(verifiers_python=NO_VERIFIERS)
+    with pytest.raises(WorkflowLoadError, match="may not set messages"):  # the task's prompt is the environment's
+        EnvironmentAgent(parse_environment("verifiers:x"), {"sampling": {"messages": []}}, verifiers)
     allow = Allowlist(patterns=("openenv:e", "env:HF_*"))
     agent = EnvironmentAgent(echo, {"env": {"HF_HUB_OFFLINE": "1"}, "max_turns": 3}, settings, allow)
     assert agent.command.env == {"HF_HUB_OFFLINE": "1"} and agent.kwargs == {"max_turns": 3}  # env: not the driver's

@@ -347,7 +347,9 @@ def test_the_payload_is_checked():
         ({"kwargs": {"max_turns": 0}}, "max_turns must be"),
         ({"kwargs": {"max_turns": True}}, "max_turns must be"),
         ({"kwargs": {"temperature": 0}}, "may hold only"),
-        ({"kwargs": {"sampling": {"model": "x"}}}, "not model"),
+        ({"kwargs": {"sampling": {"model": "x"}}}, "the rest of the request"),
+        ({"kwargs": {"sampling": {"messages": []}}}, "the rest of the request"),
+        ({"kwargs": {"sampling": {"extra_body": {"tools": []}}}}, "the rest of the request"),
     ):
         # The job's own values are InvalidJob (exit 4: dead-lettered at once); a missing server is the worker's.
         refused = driver.EpisodeError if "server" in bad else driver.InvalidJob

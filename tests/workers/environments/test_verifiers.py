@@ -155,6 +155,7 @@ async def test_a_failing_episode_is_dead_lettered_naming_its_error_and_groups_wo
         "planted-fn": ({"task": {"rewards": {"r": {"fn": "/tmp/x.py:f"}}}}, 0, "may not set 'task'"),
         "string": ({"greeting": "hi"}, 0, "may not set 'greeting'"),
         "unknown": ({"nope": 1}, 0, "has no config field 'nope'"),
+        "bad-value": ({"num_tasks": "many"}, 0, "env_args: 1 validation error"),
         "no-task": ({"num_tasks": TASKS}, 99, "has no task 99"),
     }
     jobs = [job("fails", 0, failing), job("group", 1, {**KWARGS, "sampling": {"max_tokens": 12}}, n=3)]
