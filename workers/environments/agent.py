@@ -25,36 +25,26 @@ from typing import Any
 from rollq.workers.agents.command import CommandAgent, CommandError
 from rollq.workers.agents.environment import command_options
 from rollq.workers.context import workflow_context
+from rollq.workers.environments import openenv_driver, verifiers_driver
 from rollq.workers.environments.naming import EnvironmentName
 from rollq.workers.environments.settings import EnvironmentSettings
 from rollq.workers.resolver import Allowlist, WorkflowLoadError
 
 DRIVERS = Path(__file__).resolve().parent
 CHECK_TIMEOUT_S = 120.0  # importing an environment's package (and verifiers with it) takes seconds, not minutes
-CHECK_FAILED = 3  # the drivers' exit status for "cannot load this environment"
+CHECK_FAILED = verifiers_driver.CHECK_FAILED  # the drivers' exit status for "cannot load this environment"
 # The workflow_kwargs each kind takes (the drivers check their values): anything else is refused before a run.
 KWARGS = {
     "verifiers": frozenset({"sampling", "env_args", "env"}),
     "openenv": frozenset({"sampling", "max_turns", "system_prompt", "env"}),
 }
-INVALID_JOB = 4  # the drivers' exit status for "this job's own values are wrong": no retry can help
-MAX_TURNS_LIMIT = 256  # openenv_driver.py's bound on max_turns
-# The sampling settings a job may give (the drivers' SAMPLING_KEYS): the rest of a model request (its messages,
-# tools, model) is the environment's, and both verifiers and the OpenEnv driver would pass any other key into it.
-SAMPLING_KEYS = {
-    "verifiers": frozenset(
-        {
-            "temperature", "top_p", "top_k", "min_p", "max_tokens", "max_completion_tokens", "presence_penalty",
-            "frequency_penalty", "repetition_penalty", "seed", "stop", "reasoning_effort",
-        }
-    ),
-    "openenv": frozenset(
-        {
-            "temperature", "top_p", "top_k", "min_p", "max_tokens", "max_completion_tokens", "presence_penalty",
-            "frequency_penalty", "repetition_penalty", "seed", "stop",
-        }
-    ),
-}  # fmt: skip
+# The drivers' own limits (they are modules of this package too, importing only the standard library at the top):
+# what the worker can check before anything runs, it checks the same way.
+INVALID_JOB = verifiers_driver.INVALID_JOB  # the drivers' exit status for "this job's own values are wrong"
+MAX_TURNS_LIMIT = openenv_driver.MAX_TURNS_LIMIT
+# The sampling settings a job may give: the rest of a model request (its messages, tools, model) is the
+# environment's, and both verifiers and the OpenEnv driver would pass any other key into it.
+SAMPLING_KEYS = {"verifiers": verifiers_driver.SAMPLING_KEYS, "openenv": openenv_driver.SAMPLING_KEYS}
 
 _UNCHECKED = object()  # an agent's verdict before its first check ran
 
