@@ -45,7 +45,8 @@ def test_plain_rollq_trains_the_toy_task_and_cleans_up(tmp_path):
     assert (run_dir / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (run_dir / "checkpoints" / "latest").exists()
     # what the model wrote, decoded: 4 samples of every step (the defaults), the file said once on the console
-    lines = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    # bytes' lines: a decoded completion may hold U+2028 or U+0085, which str.splitlines() takes for line ends
+    lines = [json.loads(line) for line in (run_dir / "samples.jsonl").read_bytes().splitlines()]
     assert [r["step"] for r in lines] == [s for s in range(1, STEPS + 1) for _ in range(4)]
     assert all("Write a number using digits only." in r["prompt"] for r in lines)
     assert proc.stderr.count(f"decoded samples (4 of every step): {run_dir / 'samples.jsonl'}") == 1
