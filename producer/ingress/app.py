@@ -194,6 +194,15 @@ def kwargs_import_paths(value: Any, at: str) -> list[tuple[str, str]]:
     return found
 
 
+def variable_names(spec: JobSpec, at: str) -> list[tuple[str, str]]:
+    """(path in the request, `env:NAME`) of each variable a command agent's or an environment's job passes
+    (`workflow_kwargs.env`): the workers allow each by an `env:NAME` pattern, the job's tenant's included."""
+    variables = (spec.workflow_kwargs or {}).get("env")
+    if not isinstance(variables, dict) or not (spec.workflow.startswith("exec:") or is_environment(spec.workflow)):
+        return []
+    return [(f"{at}.{name}", f"env:{name}") for name in variables if isinstance(name, str)]
+
+
 def pattern_allows(patterns: list[str], name: str) -> bool:
     """Shell-style, a pattern covering everything below it (as the workers' allowlist); an environment name only
     as a whole (as Allowlist.check_environment)."""
@@ -397,6 +406,7 @@ class Ingress:
             if patterns is not None:
                 named = [(f"{at}.workflow", name) for name in workflow_names(spec)]
                 named += kwargs_import_paths(spec.workflow_kwargs, f"{at}.workflow_kwargs")
+                named += variable_names(spec, f"{at}.workflow_kwargs.env")
                 for field, name in named:
                     if not pattern_allows(patterns, name):
                         raise HttpError(

@@ -28,7 +28,8 @@ class IngressConfig(RunSettings, kw_only=True):
         dict[str, list[str]],
         setting(
             "tenant -> workflow patterns it may submit (shell-style over dotted names, as the workers' --allow; "
-            "`command:PROG` for exec: agents, `verifiers:ENV_ID` / `openenv:NAME` for environments); a tenant not "
+            "`command:PROG` for exec: agents, `env:NAME` for their variables, `verifiers:ENV_ID` / `openenv:NAME` for "
+            "environments); a tenant not "
             "listed may submit anything the workers allow",
             group=AUTH,
         ),

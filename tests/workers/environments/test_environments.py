@@ -108,7 +108,7 @@ def test_environment_names_and_patterns():
 
 
 async def test_the_ingress_refuses_an_environment_outside_a_tenants_patterns(redis_url, run_name):
-    tenants = {"narrow": ["verifiers:math-add"]}  # as a whole: not `verifiers:math-add-x`
+    tenants = {"narrow": ["verifiers:math-add", "env:HF_*"]}  # as a whole: not `verifiers:math-add-x`
     async with running_ingress(redis_url, run_name, tokens={"tok": "narrow"}, tenant_workflows=tenants) as (_, url):
         async with httpx.AsyncClient(timeout=10) as http:
             auth = {"Authorization": "Bearer tok"}
@@ -118,6 +118,13 @@ async def test_the_ingress_refuses_an_environment_outside_a_tenants_patterns(red
                 r = await http.post(f"{url}/v1/jobs", json={"workflow": workflow}, headers=auth)
                 assert r.status_code == 403, r.text
                 assert f"{workflow!r}" in r.json()["message"]
+            # Variables for the driver, by the tenant's `env:` patterns too (the workers check both lists).
+            job = {"workflow": "verifiers:math-add", "workflow_kwargs": {"env": {"HF_HOME": "/c", "PYTHONPATH": "/t"}}}
+            r = await http.post(f"{url}/v1/jobs", json=job, headers=auth)
+            assert r.status_code == 403 and "'env:PYTHONPATH'" in r.json()["message"], r.text
+            assert r.json()["field"] == "$.workflow_kwargs.env.PYTHONPATH"
+            job["workflow_kwargs"] = {"env": {"HF_HOME": "/c"}}
+            assert (await http.post(f"{url}/v1/jobs", json=job, headers=auth)).status_code == 202
             # A malformed name is invalid whoever sends it (the workers would dead-letter it at once).
             bad = await http.post(f"{url}/v1/jobs", json={"workflow": "verifiers:-rm"}, headers=auth)
             assert bad.status_code == 400, bad.text
