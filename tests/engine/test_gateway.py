@@ -119,10 +119,17 @@ async def test_pool_behind_smg_routes_groups_and_controls_every_engine(engine_pr
             await wait_until(lambda: listed_healthy(gateway, [u3]), 60, what="the new engine joined the gateway")
             await pool.check_health()
             assert u3 in {m.url for m in pool.engines()}
+            # New keys go to the engine holding the fewest routing keys in flight (smg's manual policy,
+            # --assignment-mode min_group); between groups both hold none and smg picks at random. So new groups are
+            # sent 4 at a time, a round at most 10 times: with the new engine in smg's routing at all, all of them
+            # going elsewhere has odds of 2^-40.
             before = await requests_served(u3)
-            for g in range(4):
-                await asyncio.gather(*(pool.agenerate(r) for r in group_requests(f"late-{g}")))
-            assert await requests_served(u3) - before >= GROUP  # new keys go to the engine holding fewest
+            for round_ in range(10):
+                late = [group_requests(f"late-{round_}-{g}") for g in range(4)]
+                await asyncio.gather(*(pool.agenerate(r) for reqs in late for r in reqs))
+                if await requests_served(u3) - before >= GROUP:
+                    break
+            assert await requests_served(u3) - before >= GROUP  # the new engine took new groups
 
             # An engine that stops leaves the gateway (DELETE /workers/{id}), and then the pool.
             e3.send_signal(signal.SIGTERM)
