@@ -28,25 +28,28 @@ def is_environment(workflow: str) -> bool:
     return workflow.startswith((VERIFIERS_PREFIX, OPENENV_PREFIX))
 
 
+# Each kind's prefix, its names, and what a name of it is (said when a name does not match).
+KINDS = (
+    (
+        VERIFIERS_PREFIX,
+        VERIFIERS_NAME,
+        "a verifiers environment id (the installed package's name: 1-128 lowercase letters, digits, - and _, starting "
+        "with a letter or digit; no Hub owner or @version, which verifiers ignores when it imports an environment)",
+    ),
+    (
+        OPENENV_PREFIX,
+        OPENENV_NAME,
+        "an OpenEnv server name (1-128 characters: letters, digits and _ . @ / -, starting with a letter or digit)",
+    ),
+)
+
+
 def environment_name_problem(workflow: str) -> str | None:
     """Why `workflow` (`verifiers:ENV_ID` / `openenv:NAME`) is no environment name, or None when it is one."""
-    if workflow.startswith(VERIFIERS_PREFIX):
-        name = workflow[len(VERIFIERS_PREFIX) :]
-        if VERIFIERS_NAME.match(name):
-            return None
-        return (
-            f"workflow {workflow!r}: {name!r} is not a verifiers environment id (the installed package's name: 1-128 "
-            "lowercase letters, digits, - and _, starting with a letter or digit; no Hub owner or @version, which "
-            "verifiers ignores when it imports an environment)"
-        )
-    if workflow.startswith(OPENENV_PREFIX):
-        name = workflow[len(OPENENV_PREFIX) :]
-        if OPENENV_NAME.match(name):
-            return None
-        return (
-            f"workflow {workflow!r}: {name!r} is not an OpenEnv server name (1-128 characters: letters, digits and "
-            "_ . @ / -, starting with a letter or digit)"
-        )
+    for prefix, pattern, what in KINDS:
+        if workflow.startswith(prefix):
+            name = workflow[len(prefix) :]
+            return None if pattern.match(name) else f"workflow {workflow!r}: {name!r} is not {what}"
     return f"workflow {workflow!r} names no environment: write 'verifiers:ENV_ID' or 'openenv:NAME'"
 
 

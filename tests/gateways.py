@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from collections.abc import Mapping
 from typing import Any
 
 import httpx
@@ -15,6 +14,7 @@ import httpx
 from rollq.gateway_process import GatewayFlags
 from rollq.handover import HandedConfig
 from rollq.local import Processes, free_port
+from tests.helpers import answers
 from tests.third_party import site
 
 SMG = ["smg==1.13.0", "setproctitle==1.3.8"]  # what `smg launch` imports (grpcio and the rest serve `smg serve`)
@@ -54,14 +54,6 @@ async def start_sglang_router(procs: Processes, workers: list[str], **flags: str
     url = f"http://127.0.0.1:{port}"
     await procs.wait_until(lambda: answers(url + "/liveness"), 60, "sglang-router up", watch=proc, interval_s=0.05)
     return proc, url
-
-
-async def answers(url: str, headers: Mapping[str, str] | None = None) -> bool:
-    try:
-        async with httpx.AsyncClient(timeout=2.0) as client:
-            return (await client.get(url, headers=dict(headers or {}))).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 async def listed(gateway: str, admin_api_key: str | None = None) -> dict[str, dict[str, Any]]:

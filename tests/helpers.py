@@ -5,11 +5,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
 import signal
 import sys
-from collections.abc import AsyncIterator
+import tempfile
+from collections.abc import AsyncIterator, Iterator, Mapping
 from contextlib import asynccontextmanager
 from pathlib import Path
+
+import httpx
 
 from rollq.local import Processes, wait_until
 from rollq.workers.config import WorkerConfig
@@ -73,6 +77,27 @@ class WorkerProcess:
 
     def output(self) -> str:
         return self.log.read_text()
+
+
+async def answers(url: str, headers: Mapping[str, str] | None = None) -> bool:
+    """Whether `url` answers a GET with 200 now (for bounded waits on a server's start: a health route)."""
+    try:
+        async with httpx.AsyncClient(timeout=2.0) as client:
+            return (await client.get(url, headers=dict(headers or {}))).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+@contextlib.contextmanager
+def shared_folder(prefix: str, mode: int) -> Iterator[Path]:
+    """A fresh folder other uids can reach (`mode`: 0o755 to read, 0o1777 to write too), removed after: pytest's own
+    tmp folders are root's and 0700, so an agent run as another user could not use them."""
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    path.chmod(mode)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 async def engine_healthy(url: str) -> bool:

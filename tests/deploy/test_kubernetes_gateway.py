@@ -25,7 +25,8 @@ from tests.deploy.kubernetes import (
     write_secrets,
 )
 from tests.deploy.test_kubernetes_manifests import FIELDS, allowed, validate
-from tests.gateways import answers, smg_env
+from tests.gateways import smg_env
+from tests.helpers import answers
 
 PORT = 30080
 

@@ -12,7 +12,8 @@ import pytest
 
 from rollq.engine.pool import EnginePool, PoolConfig
 from rollq.local import Processes, free_port
-from tests.gateways import answers, smg_env, start_smg
+from tests.gateways import smg_env, start_smg
+from tests.helpers import answers
 
 ENGINE_KEY = "engines-api-key"
 ADMIN = "gateway-admin-key"

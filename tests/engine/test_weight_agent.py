@@ -24,7 +24,7 @@ from rollq.engine.server.weight_agent.server import build_app
 from rollq.engine.server.weight_agent.versions import STATE_FILE, LocalVersions, Refused
 from rollq.http_server import start_site
 from rollq.local import Processes, free_port
-from tests.helpers import REPO_ROOT
+from tests.helpers import REPO_ROOT, answers
 
 KEY = "agent-admin-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -87,16 +87,10 @@ class Agent:
         argv += ["--weights-root", str(self.shared), "--local-root", str(self.local)]
         self.proc = self.procs.start("agent", argv, env={"ROLLQ_WEIGHT_AGENT_ADMIN_API_KEY": KEY})
         self.url = f"http://127.0.0.1:{port}"
-
-        async def answers() -> bool:
-            try:
-                async with httpx.AsyncClient(timeout=1.0) as http:
-                    return (await http.get(f"{self.url}/health")).status_code == 200
-            except httpx.TransportError:
-                return False
-
         # a hang guard, not a speed check: the agent imports torch (seconds on a shared 2-core machine)
-        await self.procs.wait_until(answers, 90, "the weight agent to answer /health", watch=self.proc)
+        await self.procs.wait_until(
+            lambda: answers(f"{self.url}/health"), 90, "the weight agent to answer /health", watch=self.proc
+        )
 
     def kill(self) -> None:
         assert self.proc is not None

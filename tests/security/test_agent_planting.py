@@ -35,7 +35,7 @@ from rollq.workers.agents.subproc import agent_result, run_agent
 from rollq.workers.agents.writable import AgentCanWrite, check_agent_writable, writable_places
 from rollq.workers.context import ContextConfig
 from rollq.workers.rewards.processes import AsyncRewardWrapper
-from tests.helpers import wait_registered
+from tests.helpers import shared_folder, wait_registered
 
 NOBODY = AgentUser(65534, 65534)
 # The agents that report where they run: a module that imports nothing new (as uid 65534 a child cannot read the
@@ -59,13 +59,9 @@ class ImportsPlanted:
 
 @pytest.fixture
 def shared_dir() -> Iterator[Path]:
-    """A folder uid 65534 can reach (pytest's own tmp folders are 0700 root's), removed after."""
-    path = Path(tempfile.mkdtemp(prefix="rollq-planting-"))
-    path.chmod(0o755)
-    try:
+    """A folder uid 65534 can reach, removed after."""
+    with shared_folder("rollq-planting-", 0o755) as path:
         yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def script(path: Path, body: str) -> Path:

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
-import tempfile
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,6 +25,7 @@ from rollq.workers.agents.writable import AgentCanWrite, check_agent_writable
 from rollq.workers.context import ContextConfig, WorkflowContext
 from rollq.workers.loader import WorkflowCache
 from rollq.workers.resolver import Allowlist, enforcing
+from tests.helpers import shared_folder
 
 RANGE = "61000-61003:61000"  # 61000 runs Python agents; command agents get 61001-61003
 ONE_COMMAND_UID = "61000-61001:61000"
@@ -40,13 +39,9 @@ needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="running agents as uid
 
 @pytest.fixture
 def shared_dir() -> Iterator[Path]:
-    """A folder the agents' uids can reach and write (pytest's own tmp folders are 0700 root's), removed after."""
-    path = Path(tempfile.mkdtemp(prefix="rollq-uids-"))
-    path.chmod(0o1777)
-    try:
+    """A folder the agents' uids can reach and write, removed after."""
+    with shared_folder("rollq-uids-", 0o1777) as path:
         yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def program(folder: Path, name: str, body: str) -> Path:

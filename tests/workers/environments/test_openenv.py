@@ -24,7 +24,6 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-import httpx
 import pytest
 
 from rollq.engine.pool import EnginePool, PoolConfig
@@ -32,7 +31,7 @@ from rollq.local import Processes, free_port
 from rollq.producer.producer import JobRequest, Producer
 from rollq.protocol.messages import AgentOptions
 from rollq.workers.environments.agent import driver_path
-from tests.helpers import REPO_ROOT, pid_alive, running_worker, wait_registered, wait_until
+from tests.helpers import REPO_ROOT, answers, pid_alive, running_worker, shared_folder, wait_registered, wait_until
 from tests.scripted import scripted_engine, tiny_tokenizer
 from tests.third_party import VENV_DONE, venv, wheels_dir
 
@@ -73,15 +72,9 @@ async def serve_length_env(procs: Processes, python: str, *extra: str) -> str:
     port = free_port()
     proc = procs.start(f"length-env-{port}", [python, str(LENGTH_ENV), "--port", str(port), *extra])
     url = f"http://127.0.0.1:{port}"
-
-    async def up() -> bool:
-        try:
-            async with httpx.AsyncClient(timeout=2) as http:
-                return (await http.get(f"{url}/health")).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    await procs.wait_until(up, 120, f"the OpenEnv server {url}", watch=proc, interval_s=0.1)
+    await procs.wait_until(
+        lambda: answers(f"{url}/health"), 120, f"the OpenEnv server {url}", watch=proc, interval_s=0.1
+    )
     return url
 
 
@@ -218,13 +211,9 @@ def venv_root() -> str:
 
 @pytest.fixture
 def shared_dir():
-    """A folder the agent's uid can write its report into (pytest's own tmp folders are root's, 0700)."""
-    path = Path(tempfile.mkdtemp(prefix="rollq-openenv-"))
-    path.chmod(0o1777)
-    try:
+    """A folder the agent's uid can write its report into."""
+    with shared_folder("rollq-openenv-", 0o1777) as path:
         yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 @needs_root
