@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import fcntl
 import os
 import shutil
 import signal
@@ -50,9 +51,19 @@ class WaitTimeout(LocalError, TimeoutError):
 # -- ports and waits ---------------------------------------------------------------------------------------------
 
 
+PORT_RANGE_ENV = "ROLLQ_LOCAL_PORTS"
+"""`LO-HI`: free_port() hands out this range's ports in turn instead of asking the kernel. For machines that start
+many servers at once (the test suite): a range outside the kernel's ephemeral one (/proc/sys/net/ipv4/
+ip_local_port_range) is never picked by another program's bind(0) or connect() in the moment between picking a port
+and the child binding it, and handing them out in turn never gives one twice until the range wraps."""
+
+
 def free_port(taken: Collection[int] = ()) -> int:
     """A TCP port on loopback that nothing listens on now, not one of `taken`. Someone else may bind it before the
-    caller's child does: starters that pick their own port retry with another when the child exits at once."""
+    caller's child does: starters that pick their own port retry with another when the child exits at once. With
+    ROLLQ_LOCAL_PORTS set, the next free port of that range (shared by every process of this user)."""
+    if spec := os.environ.get(PORT_RANGE_ENV):
+        return _next_port_in_range(spec, taken)
     for _ in range(100):
         with socket.socket() as s:
             s.bind((HOST, 0))
@@ -60,6 +71,52 @@ def free_port(taken: Collection[int] = ()) -> int:
         if port not in taken:
             return port
     raise LocalError("no free port")
+
+
+def _port_range(spec: str) -> tuple[int, int]:
+    low, sep, high = spec.partition("-")
+    try:
+        lo, hi = int(low), int(high)
+    except ValueError:
+        lo = hi = 0
+    if not sep or not 1024 <= lo < hi <= 65535:
+        raise LocalError(f"{PORT_RANGE_ENV}={spec!r}: expected LO-HI, two ports from 1024 to 65535, LO below HI")
+    return lo, hi
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((HOST, port))
+        except OSError:
+            return False
+    return True
+
+
+def _next_port_in_range(spec: str, taken: Collection[int]) -> int:
+    """The range's next port that is bindable now and not in `taken`. Where the range stands is kept in a file of this
+    user's (under an exclusive lock), so that concurrent processes, test workers and their children alike, take
+    turns rather than picking the same port."""
+    lo, hi = _port_range(spec)
+    size = hi - lo + 1
+    counter = Path(tempfile.gettempdir()) / f"rollq-ports-{os.getuid()}-{lo}-{hi}"
+    fd = os.open(counter, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    try:
+        if os.fstat(fd).st_uid != os.getuid():
+            raise LocalError(f"{counter} belongs to another user: {PORT_RANGE_ENV} needs a counter of its own")
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        text = os.pread(fd, 32, 0).decode(errors="replace").strip()
+        turn = int(text) if text.isdigit() else 0
+        for _ in range(size):
+            port = lo + turn % size
+            turn += 1
+            if port not in taken and _bindable(port):
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, str(turn % size).encode(), 0)
+                return port
+    finally:
+        os.close(fd)  # releases the lock
+    raise LocalError(f"no free port in {PORT_RANGE_ENV}={spec}")
 
 
 def _timed_out(what: str, timeout_s: float, where: str = "") -> WaitTimeout:
