@@ -7,14 +7,8 @@ second intra-op thread only waits for its share of a small matrix, spinning whil
 of the suite's CPU time (tests/trainer/test_families.py saw the same: 5-15x slower linear layers). The engines'
 `torch_threads` default leaves one core to the event loop, 1 thread on CI's two cores anyway. A setting of your own
 (`OMP_NUM_THREADS=4 pytest ...`) is kept.
-
-Local ports come from 10000-19999, handed out in turn (rollq.local.free_port, ROLLQ_LOCAL_PORTS), not from the
-kernel's ephemeral range. The suite starts a few hundred servers on ports it picked first; in the ephemeral range the
-moment between picking a port and the child binding it was open to every bind(0) and connect() on the machine, the
-suite's own included (about 3.5 new listeners a second). Local cluster bus ports (+10000) stay below 30000.
 """
 
 import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-os.environ.setdefault("ROLLQ_LOCAL_PORTS", "10000-19999")

@@ -20,9 +20,17 @@ def pytest_configure(config: pytest.Config) -> None:
     """Bytecode caches on, for the test processes and every process they start. Where the environment turns them off
     (PYTHONDONTWRITEBYTECODE, as on CI here) and the packages came without them (uv installs none), each of the
     suite's Python subprocesses compiled transformers and the rest from source again: 15-30 s before a test trainer's
-    first step. Runs in the xdist controller before it starts the test processes, which inherit the environment."""
+    first step. Runs in the xdist controller before it starts the test processes, which inherit the environment.
+
+    Local ports come from 10000-19999, handed out in turn (rollq.local.free_port, ROLLQ_LOCAL_PORTS), not from the
+    kernel's ephemeral range. The suite starts a few hundred servers on ports it picked first; in the ephemeral range
+    the moment between picking a port and the child binding it was open to every bind(0) on the machine, the suite's
+    own included (about 3.5 new listeners a second). Local cluster bus ports (+10000) stay below 30000. Set here, not
+    in tests/__init__.py: agents the tests import into clean processes import that package after their secrets and
+    every ROLLQ_* variable were dropped."""
     os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
     sys.dont_write_bytecode = False
+    os.environ.setdefault("ROLLQ_LOCAL_PORTS", "10000-19999")
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups

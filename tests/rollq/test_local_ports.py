@@ -1,8 +1,9 @@
-"""rollq.local.free_port with ROLLQ_LOCAL_PORTS (what the suite itself runs with, tests/__init__.py): ports of the
+"""rollq.local.free_port with ROLLQ_LOCAL_PORTS (what the suite itself runs with, tests/conftest.py): ports of the
 range handed out in turn, across concurrent processes too, skipping ones in use; a bad range is a clear error. Each
 test has a range of its own, outside the suite's (10000-19999), its cluster bus ports and the ephemeral range."""
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -10,6 +11,11 @@ import sys
 import pytest
 
 from rollq.local import HOST, PORT_RANGE_ENV, LocalError, free_port
+
+
+def test_the_suite_runs_with_a_range_of_its_own():
+    assert PORT_RANGE_ENV in os.environ  # set by tests/conftest.py before any test process starts
+    assert 10000 <= free_port() <= 65535
 
 
 def test_concurrent_processes_never_get_the_same_port(monkeypatch):
