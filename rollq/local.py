@@ -84,7 +84,8 @@ def _port_range(spec: str) -> tuple[int, int]:
     return lo, hi
 
 
-def _bindable(port: int) -> bool:
+def port_is_free(port: int) -> bool:
+    """Whether a TCP socket can bind `port` on loopback now."""
     with socket.socket() as s:
         try:
             s.bind((HOST, port))
@@ -110,7 +111,7 @@ def _next_port_in_range(spec: str, taken: Collection[int]) -> int:
         for _ in range(size):
             port = lo + turn % size
             turn += 1
-            if port not in taken and _bindable(port):
+            if port not in taken and port_is_free(port):
                 os.ftruncate(fd, 0)
                 os.pwrite(fd, str(turn % size).encode(), 0)
                 return port
@@ -778,6 +779,7 @@ __all__ = [
     "cluster_info",
     "cluster_nodes",
     "free_port",
+    "port_is_free",
     "redis_binary",
     "redis_pings",
     "wait_until",

@@ -29,8 +29,7 @@ class IngressConfig(RunSettings, kw_only=True):
         setting(
             "tenant -> workflow patterns it may submit (shell-style over dotted names, as the workers' --allow; "
             "`command:PROG` for exec: agents, `env:NAME` for their variables, `verifiers:ENV_ID` / `openenv:NAME` for "
-            "environments); a tenant not "
-            "listed may submit anything the workers allow",
+            "environments); a tenant not listed may submit anything the workers allow",
             group=AUTH,
         ),
     ] = {}

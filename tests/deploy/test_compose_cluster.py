@@ -6,7 +6,6 @@ addresses), and checked with its own healthchecks."""
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import time
 import uuid
@@ -16,7 +15,7 @@ import pytest
 import redis as sync_redis
 from redis.exceptions import NoPermissionError
 
-from rollq.local import Processes, free_port, wait_until
+from rollq.local import Processes, free_port, port_is_free, wait_until
 from rollq.protocol.keys import PAYLOAD_FIELD, RunKeys
 from rollq.redis_client import redis_client
 from tests.deploy.compose import compose_binary, interpolation_env, resolved
@@ -30,12 +29,7 @@ def cluster_port(taken: set[int]) -> int:
     """A free port whose cluster bus port (+10000, the compose file's default) is free and valid too."""
     while True:
         port = free_port()
-        if port + 10000 < 65536 and not {port, port + 10000} & taken:
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", port + 10000))
-                except OSError:
-                    continue
+        if port + 10000 < 65536 and not {port, port + 10000} & taken and port_is_free(port + 10000):
             taken |= {port, port + 10000}
             return port
 

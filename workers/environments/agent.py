@@ -113,8 +113,9 @@ class EnvironmentAgent:
         except CommandError as exc:
             if exc.code != INVALID_JOB:
                 raise
-            said = exc.stderr.strip().splitlines()[-1] if exc.stderr.strip() else "(it said nothing on stderr)"
-            raise WorkflowLoadError(f"{self.env.workflow}: the job does not fit the environment: {said}") from None
+            raise WorkflowLoadError(
+                f"{self.env.workflow}: the job does not fit the environment: {_last_line(exc)}"
+            ) from None
 
     async def checked(self, base_url: str, api_key: str, anthropic_base_url: str) -> None:
         """Whether the driver can load the environment, asked once per worker process (the workflow context's
@@ -151,9 +152,14 @@ class EnvironmentAgent:
         except CommandError as exc:
             if exc.code != CHECK_FAILED:
                 raise
-            said = exc.stderr.strip().splitlines()[-1] if exc.stderr.strip() else "(it said nothing on stderr)"
-            return f"{self.env.workflow} cannot be loaded by {self.python}: {said}"
+            return f"{self.env.workflow} cannot be loaded by {self.python}: {_last_line(exc)}"
         return None
+
+
+def _last_line(exc: CommandError) -> str:
+    """The driver's own message: the last line it wrote on stderr."""
+    lines = exc.stderr.strip().splitlines()
+    return lines[-1] if lines else "(it said nothing on stderr)"
 
 
 def _check_openenv_kwargs(env: EnvironmentName, kwargs: dict[str, Any]) -> None:
