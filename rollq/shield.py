@@ -17,8 +17,9 @@ from collections.abc import MutableMapping
 # Names of rollq's own settings and credentials: its Redis URL and password, engine keys, every ROLLQ_ setting.
 SECRET_PREFIXES = ("ROLLQ_", "REDIS")
 # Kept by a shielded process: where the offline models are built (a path, and the process builds or loads a model
-# after it shields). Agents get no ROLLQ_* at all (rollq.workers.agents.environment).
-NOT_SECRET = frozenset({"ROLLQ_CACHE"})
+# after it shields) and the range local ports come from (rollq.local.free_port: a process picks ports for its
+# children after it shields). Agents get no ROLLQ_* at all (rollq.workers.agents.environment).
+NOT_SECRET = frozenset({"ROLLQ_CACHE", "ROLLQ_LOCAL_PORTS"})
 _PR_SET_DUMPABLE = 4
 
 

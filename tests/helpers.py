@@ -16,10 +16,17 @@ from pathlib import Path
 import httpx
 
 from rollq.local import Processes, wait_until
+from rollq.shield import NOT_SECRET
 from rollq.workers.config import WorkerConfig
 from rollq.workers.worker import Worker
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def env_without_settings() -> dict[str, str]:
+    """This environment without its ROLLQ_* settings, but what is no secret (the model cache, the local port range):
+    a `rollq` started with it runs on its defaults (unless a Redis answers on the default port, it starts its own)."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("ROLLQ_") or k in NOT_SECRET}
 
 
 def pid_alive(pid: int) -> bool:

@@ -24,11 +24,11 @@ from rollq.trainer.metrics import StepRecord, TrainStats
 from rollq.up import resumed_run
 from rollq.up_record import UpRecord, describe_run_dir, read_record, write_record
 from rollq.user_frame import innermost_user_frame
-from tests.helpers import REPO_ROOT
+from tests.helpers import REPO_ROOT, env_without_settings
 
 
 def rollq(*args: str, cwd: Path = REPO_ROOT) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLQ_") or k == "ROLLQ_CACHE"}
+    env = env_without_settings()
     return subprocess.run(
         [sys.executable, "-m", "rollq", *args], cwd=cwd, capture_output=True, text=True, timeout=120, env=env
     )

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from rollq.shield import NOT_SECRET
 from rollq.workers.agents.hosts import AgentHosts
 from rollq.workers.agents.subproc import agent_result, run_agent
 from rollq.workers.context import ContextConfig
@@ -175,7 +176,8 @@ def test_rollq_worker_sheds_its_secrets_before_it_starts_anything():
         "print(ctypes.CDLL(None).prctl(3, 0, 0, 0, 0), b'ROLLQ_' in child, b'REDISCLI_AUTH' in child,"
         " 'ROLLQ_REDIS_URL' in os.environ, 'KEEP_ME' in os.environ)\n"
     )
-    env = {**os.environ, "ROLLQ_REDIS_URL": "redis://:pw@h:6379/0", "REDISCLI_AUTH": "pw", "KEEP_ME": "1"}
+    own = {k: v for k, v in os.environ.items() if k not in NOT_SECRET}  # kept by design (the suite sets one)
+    env = {**own, "ROLLQ_REDIS_URL": "redis://:pw@h:6379/0", "REDISCLI_AUTH": "pw", "KEEP_ME": "1"}
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     dumpable, child_rollq, child_redis, own_rollq, kept = out.stdout.split()

@@ -326,7 +326,7 @@ def rollq_up(run_dir, *settings: str) -> tuple[dict, list[dict], str]:
     import json
     import subprocess
 
-    from tests.trainer.test_up import clean_env
+    from tests.helpers import env_without_settings
 
     small = ["steps=2", "group_size=4", "groups_per_step=2", "task_size=40", "eval_task_size=6", "eval_every=0"]
     small.append("dynamic_sampling=false")  # the tiny model's groups mostly score alike: no second batch to filter
@@ -336,7 +336,7 @@ def rollq_up(run_dir, *settings: str) -> tuple[dict, list[dict], str]:
         capture_output=True,
         text=True,
         timeout=300,
-        env=clean_env(),
+        env=env_without_settings(),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -424,7 +424,7 @@ def test_smollm2_learns_a_reasoning_gym_task_on_held_out_prompts(tmp_path):
     import json
     import subprocess
 
-    from tests.trainer.test_up import clean_env
+    from tests.helpers import env_without_settings
 
     run_dir = tmp_path / "run"
     proc = subprocess.run(
@@ -433,7 +433,7 @@ def test_smollm2_learns_a_reasoning_gym_task_on_held_out_prompts(tmp_path):
         capture_output=True,
         text=True,
         timeout=7000,
-        env=clean_env(),
+        env=env_without_settings(),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     evals = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]

@@ -2,7 +2,6 @@
 trainer, shows progress, visibly learns the toy task, writes its run directory and stops everything it started."""
 
 import json
-import os
 import re
 import signal
 import statistics
@@ -12,20 +11,14 @@ import sys
 import pytest
 
 from rollq.local import redis_pings
-from tests.helpers import REPO_ROOT
+from tests.helpers import REPO_ROOT, env_without_settings
 
 STEPS = 30
 
 
-def clean_env() -> dict[str, str]:
-    """This environment without ROLLQ_* settings (but the model cache): unless a Redis answers on the default port,
-    `rollq` starts its own."""
-    return {k: v for k, v in os.environ.items() if not k.startswith("ROLLQ_") or k == "ROLLQ_CACHE"}
-
-
 def run_rollq(*args: str) -> subprocess.CompletedProcess[str]:
     argv = [sys.executable, "-m", "rollq", *args]
-    return subprocess.run(argv, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, env=clean_env())
+    return subprocess.run(argv, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, env=env_without_settings())
 
 
 @pytest.mark.slow
@@ -106,7 +99,7 @@ async def test_sigterm_stops_rollq_up_and_everything_it_started(tmp_path):
     from tests.helpers import wait_until
 
     log = tmp_path / "up.log"
-    env = clean_env()
+    env = env_without_settings()
     with open(log, "w") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "rollq", "up", "steps=1000", f"run_dir={tmp_path / 'run'}"],
@@ -152,7 +145,11 @@ async def test_an_engine_whose_steps_fail_is_an_error_line_on_the_console_of_rol
             stdout=out,
             stderr=subprocess.STDOUT,
             # the engine stays in routing between failures (no 503 hold): 10 of them come in seconds, not minutes
-            env={**clean_env(), "ROLLQ_ENGINE_FAULT": "step_error:2", "ROLLQ_ENGINE_UNHEALTHY_AFTER_ERRORS": "0"},
+            env={
+                **env_without_settings(),
+                "ROLLQ_ENGINE_FAULT": "step_error:2",
+                "ROLLQ_ENGINE_UNHEALTHY_AFTER_ERRORS": "0",
+            },
         )
     try:
 

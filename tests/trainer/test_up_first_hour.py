@@ -4,7 +4,6 @@ in the user's code, the worker's log, the dead letters kept in the run directory
 whole tiny stack under `rollq up`."""
 
 import json
-import os
 import re
 import signal
 import stat
@@ -14,18 +13,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO_ROOT, wait_until
+from tests.helpers import REPO_ROOT, env_without_settings, wait_until
 
 STOP_BOUND_S = 60  # generous: only shows that it does not hang (it took ~15 s before, a few now)
 
 
-def clean_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if not k.startswith("ROLLQ_") or k == "ROLLQ_CACHE"}
-
-
 def rollq(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     argv = [sys.executable, "-m", "rollq", *args]
-    return subprocess.run(argv, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout, env=clean_env())
+    return subprocess.run(
+        argv, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout, env=env_without_settings()
+    )
 
 
 def steps_recorded(run_dir: Path) -> list[dict]:
@@ -66,7 +63,7 @@ async def test_status_ctrl_c_and_resume_of_rollq_up(tmp_path):
             cwd=REPO_ROOT,
             stdout=out,
             stderr=subprocess.STDOUT,
-            env=clean_env(),
+            env=env_without_settings(),
         )
     try:
         await wait_until(lambda: up.poll() is not None or len(steps_recorded(run_dir)) >= 2, 240, what="2 steps")

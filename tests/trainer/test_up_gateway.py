@@ -13,8 +13,7 @@ import sys
 import pytest
 
 from tests.gateways import smg_env
-from tests.helpers import REPO_ROOT
-from tests.trainer.test_up import clean_env
+from tests.helpers import REPO_ROOT, env_without_settings
 
 
 def rollq_up(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -26,7 +25,9 @@ def rollq_up(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str
 @pytest.mark.scenario  # 29 s here (tests/engine/test_gateway.py covers the pool behind smg in CI)
 def test_rollq_up_with_smg_in_front_trains_through_it(tmp_path):
     run_dir = tmp_path / "run"
-    proc = rollq_up("--gateway", "smg", "--engines", "2", "steps=2", f"run_dir={run_dir}", env=clean_env() | smg_env())
+    proc = rollq_up(
+        "--gateway", "smg", "--engines", "2", "steps=2", f"run_dir={run_dir}", env=env_without_settings() | smg_env()
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert summary["steps"] == 2 and summary["trained_samples"] == 2 * 64
@@ -43,7 +44,7 @@ def test_rollq_up_with_smg_in_front_trains_through_it(tmp_path):
 
 
 def test_rollq_up_gateway_without_smg_says_how_to_install_it(tmp_path):
-    env = clean_env() | {"PATH": "/usr/bin:/bin"}  # neither smg on PATH nor installed beside rollq
+    env = env_without_settings() | {"PATH": "/usr/bin:/bin"}  # neither smg on PATH nor installed beside rollq
     proc = rollq_up("--gateway", "smg", "steps=1", f"run_dir={tmp_path / 'run'}", env=env)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "uv tool install smg==1.13.0" in proc.stderr and "pipx install smg" in proc.stderr

